@@ -1,0 +1,300 @@
+"""DDUFArchive: a strict, zero-copy reader.
+
+Opening parses and cross-checks every ZIP record, the DDUF structure and every safetensors header
+(kilobytes of reads, no tensor data). Entry bytes are then served as ``memoryview`` slices of one
+private mmap of the file, and tensors as torch views of that same mapping."""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from ..errors import DDUFEntryNotFoundError, DDUFError, DDUFFormatError, DDUFValidationError
+from . import spec
+from .findings import Finding, finding
+from .index import FileRecord, build_index, check_index
+from .safetensors_header import SafetensorsHeader, read_safetensors_header
+from .source import ByteSource, is_url, open_source
+from .structure import check_structure, component_specs, parse_json
+from .weights import select_weights, tensor_files
+from .zipfmt import ZipEntry, parse_layout
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+MAX_JSON_ENTRY = 64 << 20  # model_index.json / the index / configs are small; refuse absurd ones
+
+
+class Entry(NamedTuple):
+    name: str
+    offset: int  # absolute offset of the first data byte
+    length: int
+    crc32: int
+    sha256: str | None  # from the dduf_plus index, when the archive has one
+
+
+class Component(NamedTuple):
+    name: str
+    library: str | None
+    class_name: str | None
+    files: tuple[str, ...]  # file names inside the component folder
+    external: dict[str, Any] | None  # reference to a component stored elsewhere
+
+
+class DDUFArchive:
+    """Read a DDUF archive.
+
+    Example:
+        >>> with DDUFArchive("model.dduf") as archive:
+        ...     config = json.loads(archive.read_text("unet/config.json"))
+        ...     weights = archive.tensors("unet")  # torch tensors viewing the file's mmap
+
+    Raises:
+        DDUFValidationError: the archive breaks a structural rule (``.findings`` holds the rule codes).
+        DDUFError: the file cannot be opened.
+    """
+
+    def __init__(self, path: str | os.PathLike | ByteSource, *, check: bool = True, **storage_options: Any):
+        self._source = path if hasattr(path, "read_at") else open_source(path, **storage_options)
+        self.path = self._source.name
+        self._mmap: mmap.mmap | None = None
+        self.findings: list[Finding] = []
+        self.headers: dict[str, SafetensorsHeader] = {}
+        self.model_index: dict[str, Any] = {}
+        self.stored_index: dict[str, Any] | None = None
+        self._entries: dict[str, Entry] = {}
+        try:
+            self._open()
+        except BaseException:
+            self.close()
+            raise
+        if check and any(f.severity == "error" for f in self.findings):
+            findings = self.findings
+            self.close()
+            raise DDUFValidationError(self.path, findings)
+
+    # --- parsing -------------------------------------------------------------------------------------
+    def _open(self) -> None:
+        layout, findings = parse_layout(self._source)
+        self.findings.extend(findings)
+        if layout is None:
+            return
+        self.layout = layout
+        zip_entries: dict[str, ZipEntry] = {e.name: e for e in layout.entries}
+        first = min(layout.entries, key=lambda e: e.header_offset).name if layout.entries else None
+        raw_model_index = self._read_small(zip_entries.get(spec.MODEL_INDEX))
+        model_index, parsed = None, raw_model_index is not None
+        if parsed:
+            model_index, problems = parse_json(raw_model_index, spec.MODEL_INDEX, code="D002")
+            self.findings.extend(problems)
+            parsed = not problems
+        self.findings.extend(check_structure(list(zip_entries), model_index, first_entry=first, parsed=parsed))
+        if isinstance(model_index, dict):
+            self.model_index = model_index
+        for name, e in zip_entries.items():
+            if name.endswith(".safetensors"):
+                header, problems = read_safetensors_header(self._source.read_at, e.data_offset, e.size, name)
+                self.findings.extend(problems)
+                if header is not None:
+                    self.headers[name] = header
+                    self._check_alignment(e, header)
+        raw_index = self._read_small(zip_entries.get(spec.INDEX_NAME))
+        if raw_index is not None:
+            index, problems = parse_json(raw_index, spec.INDEX_NAME, code="I001")
+            why = check_index(index) if not problems else None
+            self.findings.extend(problems)
+            if why:
+                self.findings.append(finding("I001", spec.INDEX_NAME, why))
+            elif not problems:
+                self.stored_index = index
+                self.findings.extend(self._check_index_agrees(index, zip_entries))
+        elif spec.INDEX_NAME not in zip_entries:
+            self.findings.append(finding("I003", None, "archive has no dduf_plus index"))
+        files = (self.stored_index or {}).get("files", {})
+        for name, e in zip_entries.items():
+            sha = files.get(name, {}).get("sha256") if isinstance(files.get(name), dict) else None
+            self._entries[name] = Entry(name, e.data_offset, e.size, e.crc32, sha if isinstance(sha, str) else None)
+
+    def _read_small(self, e: ZipEntry | None) -> bytes | None:
+        if e is None:
+            return None
+        if e.size > MAX_JSON_ENTRY:
+            self.findings.append(finding("D007", e.name, f"{e.size} bytes is too large for a JSON entry"))
+            return None
+        return self._source.read_at(e.data_offset, e.size)
+
+    def _check_alignment(self, e: ZipEntry, header: SafetensorsHeader) -> None:
+        data_start = e.data_offset + header.data_start
+        if data_start % spec.TENSOR_ALIGNMENT:
+            self.findings.append(finding("S008", e.name, f"tensor data starts at {data_start}, not a multiple of 4096"))
+        for t in header.tensors.values():
+            width = max(1, spec.DTYPE_BY_TORCH[t.dtype].bits // 8)
+            if (data_start + t.begin) % width:
+                self.findings.append(finding("S009", e.name, f"tensor {t.name} at {data_start + t.begin} is not {width}-byte aligned"))
+                break
+
+    def _check_index_agrees(self, index: dict[str, Any], zip_entries: dict[str, ZipEntry]) -> list[Finding]:
+        out: list[Finding] = []
+        files = index["files"]
+        for name, rec in files.items():
+            e = zip_entries.get(name)
+            if e is None or not isinstance(rec, dict):
+                out.append(finding("I002", name, "indexed file is not in the archive"))
+                continue
+            if rec.get("size") != e.size or rec.get("offset") != e.data_offset:
+                out.append(finding("I002", name, "size or offset differs from the ZIP records"))
+                continue
+            header = self.headers.get(name)
+            tensors = rec.get("tensors")
+            if header is not None and isinstance(tensors, dict):
+                start = e.data_offset + header.data_start
+                if set(tensors) != set(header.tensors) or any(
+                    not isinstance(tensors[n], dict)
+                    or tensors[n].get("offset") != start + t.begin
+                    or tensors[n].get("dtype") != t.dtype
+                    or tensors[n].get("shape") != list(t.shape)
+                    for n, t in header.tensors.items()
+                ):
+                    out.append(finding("I002", name, "tensor records differ from the safetensors header"))
+        for name in zip_entries:
+            if name != spec.INDEX_NAME and name not in files:
+                out.append(finding("I002", name, "entry is missing from the index"))
+        return out
+
+    # --- entries -------------------------------------------------------------------------------------
+    @property
+    def entries(self) -> dict[str, Entry]:
+        return dict(self._entries)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def entry(self, name: str) -> Entry:
+        try:
+            return self._entries[name]
+        except KeyError:
+            raise DDUFEntryNotFoundError(f"{self.path} has no entry {name!r}") from None
+
+    def read_bytes(self, name: str) -> bytes:
+        e = self.entry(name)
+        return self._source.read_at(e.offset, e.length)
+
+    def read_text(self, name: str, encoding: str = "utf-8") -> str:
+        try:
+            return self.read_bytes(name).decode(encoding)
+        except UnicodeDecodeError as err:
+            raise DDUFFormatError(f"{self.path}: entry {name!r} is not {encoding} text ({err.reason})") from None
+
+    def read_json(self, name: str) -> Any:
+        value, problems = parse_json(self.read_bytes(name), name)
+        if problems:
+            raise DDUFFormatError(f"{self.path}: {problems[0]}")
+        return value
+
+    @property
+    def mmap(self) -> mmap.mmap:
+        """One private (copy-on-write) mapping of the whole file; pages are shared with the page cache
+        until written, which loaders never do."""
+        if self._mmap is None:
+            if is_url(self.path) or not hasattr(self._source, "fd"):
+                raise DDUFError(f"{self.path}: memory mapping needs a local file")
+            self._mmap = mmap.mmap(self._source.fd, 0, access=mmap.ACCESS_COPY)
+        return self._mmap
+
+    def view(self, name: str) -> memoryview:
+        """A zero-copy, read-only ``memoryview`` of an entry's bytes."""
+        e = self.entry(name)
+        return memoryview(self.mmap)[e.offset : e.offset + e.length].toreadonly()
+
+    # --- components ----------------------------------------------------------------------------------
+    @property
+    def references(self) -> dict[str, Any]:
+        refs = self.model_index.get(spec.REFERENCES_KEY)
+        return refs if isinstance(refs, dict) else {}
+
+    @property
+    def components(self) -> dict[str, Component]:
+        refs = self.references
+        out = {}
+        for name, (library, cls) in component_specs(self.model_index).items():
+            files = tuple(sorted(n.split("/", 1)[1] for n in self._entries if n.startswith(name + "/")))
+            out[name] = Component(name, library, cls, files, refs.get(name))
+        return out
+
+    def component(self, name: str) -> Component:
+        comps = self.components
+        if name not in comps:
+            raise DDUFEntryNotFoundError(f"{self.path}: model_index.json names no component {name!r} (has: {', '.join(comps)})")
+        return comps[name]
+
+    def weight_files(self, component: str, variant: str | None = None) -> list[str]:
+        """Entry names of the safetensors files that make up ``component``'s weights for ``variant``."""
+        comp = self.component(component)
+        return [f"{component}/{f}" for f in tensor_files(select_weights(comp.files, variant))]
+
+    def tensor_infos(self, component: str, variant: str | None = None) -> dict[str, tuple[str, Any]]:
+        """{tensor name: (entry name, TensorInfo)} over the component's weight files."""
+        out = {}
+        for entry in self.weight_files(component, variant):
+            for tname, info in self.headers[entry].tensors.items():
+                out[tname] = (entry, info)
+        return out
+
+    def tensors(self, component: str, variant: str | None = None) -> dict[str, torch.Tensor]:
+        """The component's tensors as torch tensors viewing the archive's mmap (no copy). Tensors a
+        foreign writer left misaligned for their dtype are copied; nothing else is."""
+        import torch
+
+        mm = self.mmap
+        out: dict[str, torch.Tensor] = {}
+        for tname, (entry, info) in self.tensor_infos(component, variant).items():
+            start = self._entries[entry].offset + self.headers[entry].data_start + info.begin
+            out[tname] = tensor_view(mm, start, info, torch)
+        return out
+
+    @property
+    def index(self) -> dict[str, Any]:
+        """The stored dduf_plus index, or one derived from the archive (no hashes) for foreign archives."""
+        if self.stored_index is not None:
+            return self.stored_index
+        files = [FileRecord(e.name, e.length, e.offset, None, e.crc32) for e in self._entries.values() if e.name != spec.INDEX_NAME]
+        return build_index(self.model_index, files, self.headers, created_by="derived", references=self.references)
+
+    # --- lifetime ------------------------------------------------------------------------------------
+    def close(self) -> None:
+        if self._mmap is not None:
+            try:
+                self._mmap.close()
+            except BufferError:
+                pass  # tensors still view the mapping: it is unmapped when the last of them goes
+            self._mmap = None
+        self._source.close()
+
+    def __enter__(self) -> DDUFArchive:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"DDUFArchive({self.path!r}, entries={len(self._entries)})"
+
+
+def tensor_view(buffer: Any, start: int, info: Any, torch: Any) -> torch.Tensor:
+    dtype = spec.DTYPE_BY_TORCH[info.dtype]
+    torch_dtype = getattr(torch, dtype.torch, None)
+    if torch_dtype is None or dtype.bits < 8:
+        raise DDUFFormatError(f"tensor {info.name}: dtype {dtype.torch} is not supported by this torch")
+    numel = info.nbytes * 8 // dtype.bits
+    if numel == 0:
+        return torch.empty(info.shape, dtype=torch_dtype)
+    if start % (dtype.bits // 8):
+        data = bytearray(buffer[start : start + info.nbytes])  # misaligned by a foreign writer: copy
+        return torch.frombuffer(data, dtype=torch_dtype).view(info.shape)
+    return torch.frombuffer(buffer, dtype=torch_dtype, count=numel, offset=start).view(info.shape)
+

@@ -1,0 +1,256 @@
+"""Pack a diffusers pipeline folder (or any list of entry sources) into a DDUF archive."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from .. import __version__
+from ..errors import DDUFPackError
+from . import spec
+from .index import build_index
+from .safetensors_header import SafetensorsHeader, read_safetensors_header
+from .structure import component_specs
+from .weights import classify, select_weights
+from .writer import DDUFWriter, check_entry_name
+
+logger = logging.getLogger("dduf_plus")
+
+
+class EntrySource(NamedTuple):
+    """One entry to write: a file copied unchanged, bytes, or a stream of ``size`` bytes."""
+
+    name: str
+    path: Path | None = None
+    data: bytes | None = None
+    size: int = 0
+    chunks: Callable[[], Iterable[Any]] | None = None
+    header: SafetensorsHeader | None = None  # parsed safetensors header, for the index
+    source_sha256: str | None = None  # sha256 of the original when the bytes were transformed
+
+    @property
+    def nbytes(self) -> int:
+        if self.path is not None:
+            return self.path.stat().st_size
+        return len(self.data) if self.data is not None else self.size
+
+
+class Skipped(NamedTuple):
+    path: str
+    reason: str
+
+
+class PackResult(NamedTuple):
+    path: Path
+    bytes_written: int
+    entries: int
+    seconds: float
+    skipped: list[Skipped]
+    index: dict[str, Any]
+
+
+class FolderPlan(NamedTuple):
+    model_index: dict[str, Any]
+    model_index_bytes: bytes
+    sources: list[EntrySource]  # without model_index.json
+    skipped: list[Skipped]
+    folder: Path
+
+
+def _is_hidden(name: str) -> bool:
+    return name.startswith(".")
+
+
+def plan_folder(folder: str | os.PathLike, *, variant: str | None = None, exclude: Sequence[str] = ()) -> FolderPlan:
+    """Decide which files of a diffusers folder go into the archive, and why the others don't.
+
+    Raises:
+        DDUFPackError: something DDUF cannot hold (sub-folder in a component, pickle-only weights,
+            a non-UTF-8 name, a component without its folder or config, a broken safetensors file).
+    """
+    root = Path(folder)
+    mi_path = root / spec.MODEL_INDEX
+    if not mi_path.is_file():
+        raise DDUFPackError(f"{root}: no model_index.json (is this a diffusers pipeline folder?)")
+    raw = mi_path.read_bytes()
+    try:
+        model_index = json.loads(raw)
+    except ValueError as e:
+        raise DDUFPackError(f"{mi_path}: not valid JSON ({e})") from None
+    if not isinstance(model_index, dict):
+        raise DDUFPackError(f"{mi_path}: must hold a JSON object")
+    specs = component_specs(model_index)
+    unknown = sorted(set(exclude) - set(specs))
+    if unknown:
+        raise DDUFPackError(f"cannot exclude {', '.join(unknown)}: not components of {mi_path} (has: {', '.join(specs)})")
+
+    sources: list[EntrySource] = []
+    skipped: list[Skipped] = []
+    for name in sorted(os.listdir(root)):
+        path = root / name
+        if name == spec.MODEL_INDEX:
+            continue
+        _check_utf8(name, root)
+        if path.is_dir():
+            if _is_hidden(name):
+                skipped.append(Skipped(name + "/", "hidden folder"))
+            elif name not in specs:
+                skipped.append(Skipped(name + "/", "folder is not a component of model_index.json"))
+            elif specs[name][0] is None:
+                skipped.append(Skipped(name + "/", "component is null in model_index.json"))
+            elif name in exclude:
+                skipped.append(Skipped(name + "/", "excluded"))
+            else:
+                comp_sources, comp_skipped = _plan_component(root, name, variant)
+                sources.extend(comp_sources)
+                skipped.extend(comp_skipped)
+        else:
+            skipped.append(Skipped(name, "only model_index.json is packed at the root"))
+    stored = {s.name.split("/")[0] for s in sources}
+    for name, (library, _cls) in specs.items():
+        if library is not None and name not in stored and name not in exclude:
+            raise DDUFPackError(f"component {name!r} is named in model_index.json but {root / name} is missing "
+                                f"(exclude it with --exclude {name} and give a --ref)")
+    return FolderPlan(model_index, raw, sources, skipped, root)
+
+
+def _check_utf8(name: str, where: Path) -> None:
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        shown = name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+        raise DDUFPackError(f"{where / shown}: file name is not valid UTF-8; rename it") from None
+
+
+def _plan_component(root: Path, component: str, variant: str | None) -> tuple[list[EntrySource], list[Skipped]]:
+    folder = root / component
+    names = sorted(os.listdir(folder))
+    skipped: list[Skipped] = []
+    candidates: list[str] = []
+    has_safetensors = any(n.endswith(".safetensors") for n in names)
+    for name in names:
+        rel = f"{component}/{name}"
+        _check_utf8(name, folder)
+        if _is_hidden(name):
+            skipped.append(Skipped(rel, "hidden file"))
+        elif (folder / name).is_dir():
+            raise DDUFPackError(f"{folder / name}: DDUF allows no sub-folders inside a component folder")
+        elif name.endswith(spec.PICKLE_EXTENSIONS):
+            if not has_safetensors:
+                raise DDUFPackError(f"{folder / name}: pickle weights are not allowed in DDUF and {component!r} has no "
+                                    "safetensors weights; convert it (e.g. save_pretrained(safe_serialization=True))")
+            skipped.append(Skipped(rel, "pickle weights (safetensors present)"))
+        elif not name.endswith(spec.ALLOWED_EXTENSIONS):
+            skipped.append(Skipped(rel, "file type not allowed in DDUF"))
+        else:
+            candidates.append(name)
+    weights = set(select_weights(candidates, variant))
+    if variant and not any(classify(w).variant == variant for w in weights if classify(w)):
+        logger.info("%s: no %s variant, packing the default weights", component, variant)
+    chosen = []
+    for name in candidates:
+        if classify(name) is not None and name not in weights:
+            skipped.append(Skipped(f"{component}/{name}", "weights of another variant"))
+        else:
+            chosen.append(name)
+    if not any(n in spec.CONFIG_FILES for n in chosen):
+        raise DDUFPackError(f"{folder}: component folder has no config file (one of {', '.join(spec.CONFIG_FILES)})")
+    sources = []
+    for name in chosen:
+        entry = f"{component}/{name}"
+        check_entry_name(entry)
+        header = _read_header(folder / name, entry) if name.endswith(".safetensors") else None
+        sources.append(EntrySource(entry, path=folder / name, header=header))
+    return sources, skipped
+
+
+def _read_header(path: Path, entry: str) -> SafetensorsHeader:
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        def read_at(offset: int, length: int) -> bytes:
+            f.seek(offset)
+            return f.read(length)
+
+        header, problems = read_safetensors_header(read_at, 0, size, entry)
+    errors = [p for p in problems if p.severity == "error"]
+    if header is None or errors:
+        raise DDUFPackError(f"{path}: not a valid safetensors file: {(errors or problems)[0]}")
+    return header
+
+
+def progress_bar(total: int, desc: str, quiet: bool) -> Any:
+    """huggingface_hub's tqdm (honours HF_HUB_DISABLE_PROGRESS_BARS), silent off a TTY or when quiet."""
+    from huggingface_hub.utils import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc,
+                disable=quiet or not sys.stderr.isatty())
+
+
+def write_archive(
+    output: str | os.PathLike,
+    model_index: Mapping[str, Any],
+    model_index_bytes: bytes,
+    sources: Sequence[EntrySource],
+    *,
+    skipped: Sequence[Skipped] = (),
+    references: Mapping[str, Any] | None = None,
+    extra_components: Mapping[str, Mapping[str, Any]] | None = None,
+    quiet: bool = False,
+) -> PackResult:
+    """Write model_index.json, then ``sources`` in a stable order, then the dduf_plus index."""
+    started = time.perf_counter()
+    ordered = sorted(sources, key=lambda s: s.name)
+    total = len(model_index_bytes) + sum(s.nbytes for s in ordered)
+    bar = progress_bar(total, Path(output).name, quiet)
+    headers: dict[str, SafetensorsHeader] = {}
+    try:
+        with DDUFWriter(output, progress=bar.update) as writer:
+            writer.add_bytes(spec.MODEL_INDEX, model_index_bytes)
+            bar.update(len(model_index_bytes))
+            for source in ordered:
+                if source.path is not None:
+                    writer.add_file(source.name, source.path)
+                elif source.data is not None:
+                    writer.add_bytes(source.name, source.data, source_sha256=source.source_sha256)
+                    bar.update(len(source.data))
+                else:
+                    assert source.chunks is not None
+                    writer.add_chunks(source.name, source.size, source.chunks(), source_sha256=source.source_sha256)
+                if source.header is not None:
+                    headers[source.name] = source.header
+            index = build_index(model_index, writer.records, headers, created_by=f"dduf_plus {__version__}",
+                                references=references, extra_components=extra_components)
+            writer.add_bytes(spec.INDEX_NAME, json.dumps(index, sort_keys=True, separators=(",", ":")).encode())
+            entries = len(writer.records)
+    finally:
+        bar.close()
+    size = Path(output).stat().st_size
+    for item in skipped:
+        logger.info("skipped %s: %s", item.path, item.reason)
+    return PackResult(Path(output), size, entries, time.perf_counter() - started, list(skipped), index)
+
+
+def pack_folder(
+    folder: str | os.PathLike,
+    output: str | os.PathLike,
+    *,
+    variant: str | None = None,
+    quiet: bool = False,
+) -> PackResult:
+    """Pack a diffusers pipeline folder into ``output`` (entries byte-identical to the source files).
+
+    Example:
+        >>> result = pack_folder("stable-diffusion-v1-5", "sd15.dduf", variant="fp16")
+        >>> result.skipped  # README.md, images, .gitattributes, other variants...
+
+    Raises:
+        DDUFPackError: the folder holds something DDUF cannot (see :func:`plan_folder`).
+    """
+    plan = plan_folder(folder, variant=variant)
+    return write_archive(output, plan.model_index, plan.model_index_bytes, plan.sources, skipped=plan.skipped, quiet=quiet)

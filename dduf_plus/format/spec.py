@@ -1,0 +1,113 @@
+"""The DDUF format, written down once as data: ZIP signatures and layouts, DDUF rules, the safetensors
+dtype table, alignment. Reader, writer and validator all import from here."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+# --- ZIP ---------------------------------------------------------------------------------------------
+SIG_LOCAL = 0x04034B50
+SIG_CENTRAL = 0x02014B50
+SIG_EOCD = 0x06054B50
+SIG_EOCD64 = 0x06064B50
+SIG_EOCD64_LOCATOR = 0x07064B50
+SIG_DATA_DESCRIPTOR = 0x08074B50
+
+LOCAL_HEADER_FMT = "<IHHHHHIIIHH"  # sig, version, flags, method, time, date, crc, csize, usize, nlen, xlen
+LOCAL_HEADER_SIZE = 30
+CENTRAL_HEADER_FMT = "<IHHHHHHIIIHHHHHII"
+CENTRAL_HEADER_SIZE = 46
+EOCD_FMT = "<IHHHHIIH"  # sig, disk, cd disk, entries here, entries, cd size, cd offset, comment len
+EOCD_SIZE = 22
+EOCD64_FMT = "<IQHHIIQQQQ"  # sig, record size, made by, needed, disk, cd disk, entries here, entries, cd size, cd off
+EOCD64_SIZE = 56
+LOCATOR_FMT = "<IIQI"  # sig, disk with eocd64, eocd64 offset, total disks
+LOCATOR_SIZE = 20
+MAX_COMMENT = 0xFFFF
+
+EXTRA_ZIP64 = 0x0001
+EXTRA_ALIGN = 0xD935  # Android zipalign's id: u16 alignment, then zero padding. Readers skip it.
+EXTRA_ALIGN_MIN = 6
+
+U16_MAX = 0xFFFF
+U32_MAX = 0xFFFFFFFF
+ZIP_VERSION = 45  # ZIP64
+MADE_BY_UNIX = 3
+METHOD_STORED = 0
+FLAG_ENCRYPTED = 0x0001
+FLAG_DATA_DESCRIPTOR = 0x0008
+FLAG_STRONG_ENCRYPTION = 0x0040
+FLAG_UTF8 = 0x0800
+FLAG_MASKED_HEADER = 0x2000
+DOS_TIME = 0  # 00:00:00
+DOS_DATE = (0 << 9) | (1 << 5) | 1  # 1980-01-01: fixed so identical input gives identical bytes
+UNIX_FILE_MODE = 0o100644
+S_IFMT = 0o170000
+S_IFLNK = 0o120000
+S_IFDIR = 0o040000
+
+# Bounds on what we trust from a file before using it.
+MAX_ENTRIES = 100_000
+MAX_CENTRAL_DIRECTORY = 64 << 20
+MAX_NAME_BYTES = 1024
+
+# --- DDUF --------------------------------------------------------------------------------------------
+MODEL_INDEX = "model_index.json"
+ALLOWED_EXTENSIONS = (".json", ".safetensors", ".model", ".txt")
+# The npm checker (@huggingface/dduf 0.0.2) accepts .safetensors/.json/.gguf/.txt: not .model.
+NPM_CHECKER_EXTENSIONS = (".json", ".safetensors", ".txt", ".gguf")
+CONFIG_FILES = ("config.json", "tokenizer_config.json", "preprocessor_config.json", "scheduler_config.json")
+PICKLE_EXTENSIONS = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+
+# dduf_plus' own root entry: ignored by every other reader (a root-level .json is allowed by DDUF).
+INDEX_NAME = "dduf_plus.index.json"
+INDEX_FORMAT = "dduf_plus.index"
+INDEX_VERSION = 1
+# Key dduf_plus adds to model_index.json for components that live elsewhere (other readers ignore "_" keys).
+REFERENCES_KEY = "_dduf_plus_references"
+
+TENSOR_ALIGNMENT = 4096  # safetensors data sections start on a page boundary: mmap + DMA friendly
+ENTRY_ALIGNMENT = 64  # every other entry
+
+
+def align_up(value: int, alignment: int) -> int:
+    return (value + alignment - 1) // alignment * alignment
+
+
+# --- safetensors -------------------------------------------------------------------------------------
+SAFETENSORS_MAX_HEADER = 100_000_000  # safetensors' own limit
+SAFETENSORS_METADATA_KEY = "__metadata__"
+
+
+class DType(NamedTuple):
+    safetensors: str
+    torch: str  # attribute name on the torch module
+    bits: int
+    floating: bool
+
+
+DTYPES: tuple[DType, ...] = (
+    DType("BOOL", "bool", 8, False),
+    DType("U8", "uint8", 8, False),
+    DType("I8", "int8", 8, False),
+    DType("I16", "int16", 16, False),
+    DType("U16", "uint16", 16, False),
+    DType("I32", "int32", 32, False),
+    DType("U32", "uint32", 32, False),
+    DType("I64", "int64", 64, False),
+    DType("U64", "uint64", 64, False),
+    DType("F16", "float16", 16, True),
+    DType("BF16", "bfloat16", 16, True),
+    DType("F32", "float32", 32, True),
+    DType("F64", "float64", 64, True),
+    DType("C64", "complex64", 64, False),
+    DType("F8_E4M3", "float8_e4m3fn", 8, True),
+    DType("F8_E5M2", "float8_e5m2", 8, True),
+    DType("F8_E8M0", "float8_e8m0fnu", 8, True),
+    DType("F4", "float4_e2m1fn_x2", 4, True),
+    DType("F6_E2M3", "float6_e2m3", 6, True),
+    DType("F6_E3M2", "float6_e3m2", 6, True),
+)
+DTYPE_BY_SAFETENSORS = {d.safetensors: d for d in DTYPES}
+DTYPE_BY_TORCH = {d.torch: d for d in DTYPES}
+FP8_TORCH_NAMES = frozenset({"float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu"})

@@ -1,0 +1,57 @@
+"""Weight-file naming, as diffusers and transformers spell it: variants (``model.fp16.safetensors``),
+shards (``model-00001-of-00002.safetensors``) and shard indexes (``model.safetensors.index.json``).
+
+One place decides which files of a component make up the weights for a given variant."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import NamedTuple
+
+# stem[.variant][-NNNNN-of-NNNNN].safetensors   (diffusers also writes stem.variant-NNNNN-of-NNNNN)
+_WEIGHT = re.compile(r"^(?P<stem>[^.]+?)(?:\.(?P<variant>[A-Za-z0-9_]+))?(?P<shard>-\d{5}-of-\d{5})?\.safetensors$")
+# stem.safetensors.index[.variant].json     (older: stem.safetensors.index.json only)
+_INDEX = re.compile(r"^(?P<stem>[^.]+?)(?:\.(?P<variant1>[A-Za-z0-9_]+))?\.safetensors\.index(?:\.(?P<variant>[A-Za-z0-9_]+))?\.json$")
+
+
+class WeightFile(NamedTuple):
+    name: str  # file name inside the component folder
+    stem: str
+    variant: str | None
+    sharded: bool
+    is_index: bool
+
+
+def classify(filename: str) -> WeightFile | None:
+    """Describe a weight or shard-index file name; None for anything else."""
+    m = _INDEX.match(filename)
+    if m:
+        return WeightFile(filename, m["stem"], m["variant"] or m["variant1"], True, True)
+    m = _WEIGHT.match(filename)
+    if m:
+        return WeightFile(filename, m["stem"], m["variant"], bool(m["shard"]), False)
+    return None
+
+
+def variants(filenames: Iterable[str]) -> set[str]:
+    return {w.variant for f in filenames if (w := classify(f)) and w.variant}
+
+
+def select_weights(filenames: Iterable[str], variant: str | None = None) -> list[str]:
+    """The weight files (safetensors and shard indexes) a loader uses for ``variant``.
+
+    Like diffusers: the variant's files when the component has them, else the default ones; a component
+    that only has variant files is served from them even without ``variant`` (nothing else exists)."""
+    weights = [w for f in filenames if (w := classify(f))]
+    chosen = [w for w in weights if w.variant == variant] if variant else []
+    if not chosen:
+        chosen = [w for w in weights if w.variant is None]
+    if not chosen:
+        present = sorted({w.variant for w in weights if w.variant})
+        chosen = [w for w in weights if w.variant == present[0]] if len(present) == 1 else []
+    return sorted(w.name for w in chosen)
+
+
+def tensor_files(selected: Iterable[str]) -> list[str]:
+    return [f for f in selected if f.endswith(".safetensors")]
