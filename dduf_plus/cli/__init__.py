@@ -1,0 +1,75 @@
+"""The ``dduf`` command. Each sub-command lives in its own module with ``register(subparsers)``; only the
+module of the command being run is imported, so ``dduf validate`` / ``dduf info`` never import torch."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from ..errors import DDUFError
+
+# name -> (module, one-line help)
+COMMANDS = {
+    "pack": ("pack", "pack a diffusers pipeline folder into a .dduf archive"),
+    "unpack": ("unpack", "unpack an archive into a diffusers folder"),
+    "info": ("info", "show components, dtypes, sizes and references of an archive or folder"),
+    "validate": ("validate", "validate archives (local paths or fsspec URLs) against every DDUF rule"),
+    "refs": ("refs", "list an archive's external references and where each resolves"),
+    "complete": ("complete", "pull referenced components into a self-contained archive"),
+    "compress": ("compress", "zstd-compress an archive for transport"),
+    "decompress": ("decompress", "decompress a .dduf.zst archive"),
+}
+
+EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
+
+
+def build_parser(command: str | None) -> argparse.ArgumentParser:
+    from .. import __version__
+
+    parser = argparse.ArgumentParser(prog="dduf", description="Fast, safe, composable DDUF archives.")
+    parser.add_argument("--version", action="version", version=f"dduf_plus {__version__}")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        if name == command:
+            try:
+                importlib.import_module(f"{__name__}.{module}").register(subparsers)
+            except ModuleNotFoundError as e:  # a command whose module is not written yet
+                if e.name != f"{__name__}.{module}":
+                    raise
+                subparsers.add_parser(name, help=help_text)
+        else:
+            subparsers.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(command if command in COMMANDS else None)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse: 2 on usage errors, 0 for --help
+        return int(e.code or 0)
+    if not getattr(args, "func", None):
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    level = logging.WARNING - 10 * min(args.verbose, 2)
+    if not getattr(args, "quiet", False):
+        level = min(level, logging.INFO)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("dduf_plus").setLevel(level)
+    try:
+        return int(args.func(args) or 0)
+    except DDUFError as e:
+        print(f"dduf {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_INVALID
+    except KeyboardInterrupt:
+        print(f"dduf {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
