@@ -66,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     except DDUFError as e:
         print(f"dduf {args.command}: error: {e}", file=sys.stderr)
         return EXIT_INVALID
+    except BrokenPipeError:  # `dduf info --json | head`
+        sys.stderr.close()
+        return 0
     except KeyboardInterrupt:
         print(f"dduf {args.command}: interrupted", file=sys.stderr)
         return 130

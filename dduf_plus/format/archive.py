@@ -112,7 +112,8 @@ class DDUFArchive:
                 self.findings.extend(self._check_index_agrees(index, zip_entries))
         elif spec.INDEX_NAME not in zip_entries:
             self.findings.append(finding("I003", None, "archive has no dduf_plus index"))
-        files = (self.stored_index or {}).get("files", {})
+        files = (self.stored_index or {}).get("files")
+        files = files if isinstance(files, dict) else {}
         for name, e in zip_entries.items():
             sha = files.get(name, {}).get("sha256") if isinstance(files.get(name), dict) else None
             self._entries[name] = Entry(name, e.data_offset, e.size, e.crc32, sha if isinstance(sha, str) else None)
@@ -137,13 +138,15 @@ class DDUFArchive:
 
     def _check_index_agrees(self, index: dict[str, Any], zip_entries: dict[str, ZipEntry]) -> list[Finding]:
         out: list[Finding] = []
-        files = index["files"]
+        files = index.get("files")
+        if not isinstance(files, dict):  # check_index lets newer format versions through unchecked
+            return [finding("I001", spec.INDEX_NAME, "index has no 'files' object")]
         for name, rec in files.items():
             e = zip_entries.get(name)
             if e is None or not isinstance(rec, dict):
                 out.append(finding("I002", name, "indexed file is not in the archive"))
                 continue
-            if rec.get("size") != e.size or rec.get("offset") != e.data_offset:
+            if type(rec.get("size")) is not int or rec["size"] != e.size or rec.get("offset") != e.data_offset:
                 out.append(finding("I002", name, "size or offset differs from the ZIP records"))
                 continue
             header = self.headers.get(name)
@@ -267,12 +270,10 @@ class DDUFArchive:
 
     # --- lifetime ------------------------------------------------------------------------------------
     def close(self) -> None:
-        if self._mmap is not None:
-            try:
-                self._mmap.close()
-            except BufferError:
-                pass  # tensors still view the mapping: it is unmapped when the last of them goes
-            self._mmap = None
+        # Never mmap.close(): torch.frombuffer holds a reference to the map, not a buffer export, so an
+        # explicit close would unmap memory that live tensors still point into. Dropping our reference
+        # unmaps it when the last tensor goes.
+        self._mmap = None
         self._source.close()
 
     def __enter__(self) -> DDUFArchive:

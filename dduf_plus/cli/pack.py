@@ -1,0 +1,66 @@
+"""``dduf pack SRC -o OUT.dduf``"""
+
+from __future__ import annotations
+
+import argparse
+
+from ..errors import DDUFPackError
+from ._common import human_bytes, print_json
+
+
+def _split_assignments(values: list[str] | None, what: str) -> dict[str, str]:
+    """``["X", "unet=Y"]`` -> ``{"*": "X", "unet": "Y"}``; a bare value applies to every component."""
+    out: dict[str, str] = {}
+    for value in values or []:
+        name, sep, rest = value.partition("=")
+        key, val = (name, rest) if sep and "/" not in name and name else ("*", value)
+        if not val:
+            raise DDUFPackError(f"{what} {value!r}: missing value after '='")
+        out[key] = val
+    return out
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("pack", help="pack a diffusers pipeline folder into a .dduf archive")
+    p.add_argument("source", help="diffusers pipeline folder (with model_index.json)")
+    p.add_argument("-o", "--output", required=True, help="archive to write (atomically)")
+    p.add_argument("--variant", help="pack this weight variant (e.g. fp16), like from_pretrained(variant=...)")
+    p.add_argument("--exclude", action="append", default=[], metavar="COMPONENT",
+                   help="store a reference instead of this component (repeatable)")
+    p.add_argument("--ref", action="append", metavar="[NAME=]SPEC",
+                   help="where excluded components come from: Hub repo id[@revision], folder or .dduf")
+    p.add_argument("--base", metavar="BASE", help="reference every component identical to BASE's")
+    p.add_argument("--dtype", action="append", metavar="[NAME=]DTYPE",
+                   help="convert floating weights while packing (e.g. bfloat16, unet=float8_e4m3fn)")
+    p.add_argument("--token", help="Hugging Face token for --ref/--base on the Hub")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..packing import pack
+
+    refs = _split_assignments(args.ref, "--ref")
+    dtypes = _split_assignments(args.dtype, "--dtype")
+    dtype = dtypes.pop("*", None)
+    dtype_arg = ({**({"default": dtype} if dtype else {}), **dtypes} if dtypes else dtype)
+    result, partial = pack(args.source, args.output, variant=args.variant, exclude=args.exclude, refs=refs,
+                           base=args.base, dtype=dtype_arg, token=args.token, quiet=args.quiet)
+    if args.json:
+        print_json({
+            "path": str(result.path), "bytes": result.bytes_written, "entries": result.entries,
+            "seconds": round(result.seconds, 3),
+            "skipped": [{"path": s.path, "reason": s.reason} for s in result.skipped],
+            "references": getattr(partial, "references", None) or {},
+            "bytes_saved": getattr(partial, "bytes_saved", 0),
+        })
+        return 0
+    if not args.quiet:
+        for s in result.skipped:
+            print(f"skipped {s.path}: {s.reason}")
+        for line in getattr(partial, "report", None) or []:
+            print(line)
+        print(f"wrote {result.path}: {result.entries} entries, {human_bytes(result.bytes_written)} "
+              f"in {result.seconds:.2f} s")
+    return 0

@@ -1,0 +1,26 @@
+"""``dduf unpack ARCHIVE -o DIR``: recreate a diffusers folder."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("unpack", help="unpack an archive into a diffusers folder")
+    p.add_argument("archive")
+    p.add_argument("-o", "--output", required=True, help="target folder (created)")
+    p.add_argument("--force", action="store_true", help="overwrite files that already exist")
+    p.add_argument("--keep-index", action="store_true", help="also write dduf_plus.index.json")
+    p.add_argument("--no-check", action="store_true", help="skip structural validation (paths are still confined)")
+    p.add_argument("-q", "--quiet", action="store_true")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..format.unpack import unpack
+
+    written = unpack(args.archive, args.output, force=args.force, keep_index=args.keep_index,
+                     check=not args.no_check)
+    if not args.quiet:
+        print(f"unpacked {len(written)} files into {args.output}")
+    return 0

@@ -1,0 +1,51 @@
+"""``pack``: one entry point for every way of writing a folder as DDUF (plain, partial, converted).
+
+Torch is imported only when a dtype conversion is asked for."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .format.pack import PackResult, plan_folder, write_archive
+
+
+def pack(
+    folder: str | os.PathLike,
+    output: str | os.PathLike,
+    *,
+    variant: str | None = None,
+    exclude: Sequence[str] = (),
+    refs: Mapping[str, str] | None = None,
+    base: str | None = None,
+    dtype: str | Mapping[str, str] | None = None,
+    token: str | bool | None = None,
+    local_files_only: bool = False,
+    quiet: bool = False,
+) -> tuple[PackResult, Any]:
+    """Pack ``folder`` into ``output``. Returns the result and, for partial packs, the reference plan.
+
+    Raises:
+        DDUFPackError: the folder holds something DDUF cannot, or a reference cannot be made.
+    """
+    refs = dict(refs or {})
+    plan = plan_folder(folder, variant=variant, exclude=[n for n in exclude])
+    model_index, model_index_bytes, sources = plan.model_index, plan.model_index_bytes, plan.sources
+    references = None
+    partial = None
+    if exclude or refs or base:
+        from .format.partial import make_references
+
+        partial = make_references(plan, exclude=exclude, refs=refs, base=base, token=token,
+                                  local_files_only=local_files_only)
+        model_index, model_index_bytes = partial.model_index, partial.model_index_bytes
+        sources, references = partial.sources, partial.references
+    extra: dict[str, Any] | None = None
+    if dtype:
+        from .convert import convert_sources
+
+        sources, extra = convert_sources(plan._replace(sources=sources, model_index=model_index), dtype)
+    result = write_archive(output, model_index, model_index_bytes, sources, skipped=plan.skipped,
+                           references=references, extra_components=extra, quiet=quiet)
+    return result, partial

@@ -1,0 +1,230 @@
+"""The writer: byte-faithful, aligned, deterministic, atomic; refuses what DDUF forbids."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import struct
+import zipfile
+from pathlib import Path
+
+import pytest
+from conftest import FIXTURE_NAMES, PIPELINES
+
+from dduf_plus.errors import DDUFPackError
+from dduf_plus.format import spec
+from dduf_plus.format.archive import DDUFArchive
+from dduf_plus.format.pack import pack_folder, plan_folder
+from dduf_plus.format.writer import DDUFWriter
+from dduf_plus.format.zipfmt import parse_extra
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize("name", FIXTURE_NAMES)
+def test_entries_are_byte_identical_to_sources(packed, name):
+    with DDUFArchive(packed[name]) as archive:
+        for entry in archive.entries.values():
+            if entry.name == spec.INDEX_NAME:
+                continue
+            source = PIPELINES / name / entry.name
+            assert bytes(archive.view(entry.name)) == source.read_bytes(), entry.name
+            assert entry.sha256 == sha256(source), entry.name
+
+
+@pytest.mark.parametrize("name", FIXTURE_NAMES)
+def test_tensor_data_is_page_aligned_and_other_entries_64(packed, name):
+    with DDUFArchive(packed[name]) as archive:
+        assert archive.headers, "fixture has safetensors entries"
+        for entry in archive.entries.values():
+            header = archive.headers.get(entry.name)
+            if header is not None:
+                assert (entry.offset + header.data_start) % 4096 == 0, entry.name
+            else:
+                assert entry.offset % 64 == 0, entry.name
+        assert not [f for f in archive.findings if f.severity == "error"]
+        assert not [f for f in archive.findings if f.code in ("S008", "S009", "Z018", "I003")]
+
+
+def test_layout_order_timestamps_zip64(packed):
+    path = packed["tiny-sd"]
+    with zipfile.ZipFile(path) as zf:
+        infos = zf.infolist()
+        assert infos[0].filename == "model_index.json"
+        assert infos[-1].filename == spec.INDEX_NAME
+        middle = [i.filename for i in infos[1:-1]]
+        assert middle == sorted(middle)
+        for info in infos:
+            assert info.compress_type == zipfile.ZIP_STORED
+            assert info.date_time == (1980, 1, 1, 0, 0, 0)
+            assert spec.EXTRA_ZIP64 in parse_extra(info.extra)  # central record
+        assert zf.testzip() is None
+    raw = path.read_bytes()
+    # local headers carry a ZIP64 extra too, and the archive ends with ZIP64 end records
+    for info in infos:
+        nlen, xlen = struct.unpack_from("<HH", raw, info.header_offset + 26)
+        local_extra = raw[info.header_offset + 30 + nlen : info.header_offset + 30 + nlen + xlen]
+        assert spec.EXTRA_ZIP64 in parse_extra(local_extra)
+    assert raw[-22:-18] == struct.pack("<I", spec.SIG_EOCD)
+    assert raw[-42:-38] == struct.pack("<I", spec.SIG_EOCD64_LOCATOR)
+
+
+def test_deterministic_bytes(tmp_path):
+    a = pack_folder(PIPELINES / "tiny-sd", tmp_path / "a.dduf", quiet=True).path
+    b = pack_folder(PIPELINES / "tiny-sd", tmp_path / "b.dduf", quiet=True).path
+    assert a.read_bytes() == b.read_bytes()
+
+
+def test_index_records_files_tensors_and_summaries(packed):
+    with DDUFArchive(packed["tiny-sd"]) as archive:
+        index = archive.stored_index
+        assert index["format"] == spec.INDEX_FORMAT and index["format_version"] == 1
+        unet = index["components"]["unet"]
+        assert (unet["library"], unet["class"]) == ("diffusers", "UNet2DConditionModel")
+        assert unet["summary"]["dtype"] == "float16"
+        assert set(unet["summary"]["dtypes"]) == {"float16"}
+        assert unet["summary"]["parameters"] > 0
+        assert index["components"]["text_encoder"]["summary"]["dtype"] == "float32"
+        assert index["components"]["safety_checker"] == {"library": None, "class": None}
+        rec = index["files"]["unet/diffusion_pytorch_model-00001-of-00002.safetensors"]
+        entry = archive.entry("unet/diffusion_pytorch_model-00001-of-00002.safetensors")
+        assert rec["offset"] == entry.offset and rec["size"] == entry.length
+        some_name, tensor = next(iter(rec["tensors"].items()))
+        assert tensor["offset"] >= rec["tensor_data_offset"]
+        assert bytes(archive.mmap[tensor["offset"] : tensor["offset"] + tensor["nbytes"]]) == bytes(
+            archive.tensors("unet")[some_name].contiguous().view(-1).view(__import__("torch").uint8).numpy()
+        )
+
+
+def test_variant_selection(tmp_path):
+    default = pack_folder(PIPELINES / "tiny-sd", tmp_path / "d.dduf", quiet=True)
+    fp16 = pack_folder(PIPELINES / "tiny-sd", tmp_path / "v.dduf", variant="fp16", quiet=True)
+    with DDUFArchive(default.path) as a:
+        assert "vae/diffusion_pytorch_model.safetensors" in a and "vae/diffusion_pytorch_model.fp16.safetensors" not in a
+    with DDUFArchive(fp16.path) as a:
+        assert "vae/diffusion_pytorch_model.fp16.safetensors" in a and "vae/diffusion_pytorch_model.safetensors" not in a
+        assert a.stored_index["components"]["vae"]["summary"]["dtype"] == "float16"
+        # components without the variant keep their default weights
+        assert "unet/diffusion_pytorch_model-00001-of-00002.safetensors" in a
+    assert any(s.path == "vae/diffusion_pytorch_model.fp16.safetensors" for s in default.skipped)
+
+
+def test_reports_skipped_files(tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(PIPELINES / "tiny-sd", src)
+    (src / ".gitattributes").write_text("*.safetensors filter=lfs\n")
+    (src / "unet" / "preview.png").write_bytes(b"\x89PNG")
+    (src / "unet" / "diffusion_pytorch_model.bin").write_bytes(b"pickle")
+    (src / "stray").mkdir()
+    (src / "stray" / "x.json").write_text("{}")
+    skipped = {s.path: s.reason for s in plan_folder(src).skipped}
+    assert "README.md" in skipped and ".gitattributes" in skipped
+    assert "unet/preview.png" in skipped and "pickle" in skipped["unet/diffusion_pytorch_model.bin"]
+    assert "stray/" in skipped
+
+
+@pytest.fixture
+def src(tmp_path):
+    path = tmp_path / "src"
+    shutil.copytree(PIPELINES / "tiny-sd", path)
+    return path
+
+
+def test_refuses_subfolder(src, tmp_path):
+    (src / "unet" / "nested").mkdir()
+    with pytest.raises(DDUFPackError, match=r"unet/nested.*sub-folders"):
+        pack_folder(src, tmp_path / "o.dduf", quiet=True)
+
+
+def test_refuses_pickle_only_weights(src, tmp_path):
+    for f in (src / "vae").glob("*.safetensors"):
+        f.unlink()
+    (src / "vae" / "diffusion_pytorch_model.bin").write_bytes(b"pickle")
+    with pytest.raises(DDUFPackError, match=r"vae/diffusion_pytorch_model.bin.*pickle"):
+        pack_folder(src, tmp_path / "o.dduf", quiet=True)
+
+
+def test_refuses_non_utf8_name(src, tmp_path):
+    os.close(os.open(os.fsencode(src / "unet") + b"/bad\xff.json", os.O_CREAT | os.O_WRONLY))
+    with pytest.raises(DDUFPackError, match="not valid UTF-8"):
+        pack_folder(src, tmp_path / "o.dduf", quiet=True)
+
+
+def test_refuses_missing_config_and_component(src, tmp_path):
+    (src / "vae" / "config.json").unlink()
+    with pytest.raises(DDUFPackError, match=r"vae.*no config file"):
+        pack_folder(src, tmp_path / "o.dduf", quiet=True)
+    shutil.rmtree(src / "vae")
+    with pytest.raises(DDUFPackError, match=r"'vae' is named in model_index.json"):
+        pack_folder(src, tmp_path / "o.dduf", quiet=True)
+
+
+def test_refuses_broken_safetensors_and_bad_model_index(src, tmp_path):
+    (src / "vae" / "diffusion_pytorch_model.safetensors").write_bytes(struct.pack("<Q", 10**12) + b"{}")
+    with pytest.raises(DDUFPackError, match=r"diffusion_pytorch_model.safetensors.*S001"):
+        pack_folder(src, tmp_path / "o.dduf", quiet=True)
+    (src / "model_index.json").write_text("[1, 2")
+    with pytest.raises(DDUFPackError, match="model_index.json: not valid JSON"):
+        pack_folder(src, tmp_path / "o.dduf", quiet=True)
+    with pytest.raises(DDUFPackError, match="no model_index.json"):
+        pack_folder(tmp_path, tmp_path / "o.dduf", quiet=True)
+
+
+def test_writer_refuses_forbidden_names(tmp_path):
+    with DDUFWriter(tmp_path / "w.dduf") as w:
+        for bad in ("../x.json", "/abs.json", "a\\b.json", "a/b/c.json", "unet/model.bin", "nul\x00.json", "a//b.json"):
+            with pytest.raises(DDUFPackError):
+                w.add_bytes(bad, b"{}")
+        w.add_bytes("model_index.json", b"{}")
+        with pytest.raises(DDUFPackError, match="duplicate"):
+            w.add_bytes("model_index.json", b"{}")
+
+
+def test_interrupted_pack_leaves_nothing(src, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    out.mkdir()
+    target = out / "model.dduf"
+    target.write_bytes(b"previous archive")
+    calls = {"n": 0}
+    original = DDUFWriter.add_file
+
+    def failing(self, name, source):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return original(self, name, source)
+
+    monkeypatch.setattr(DDUFWriter, "add_file", failing)
+    with pytest.raises(KeyboardInterrupt):
+        pack_folder(src, target, quiet=True)
+    assert sorted(p.name for p in out.iterdir()) == ["model.dduf"]
+    assert target.read_bytes() == b"previous archive"
+
+
+def test_large_entry_streams_through_copy(tmp_path):
+    """An entry bigger than one copy chunk keeps its CRC-32, sha256 and alignment right."""
+    import dduf_plus.format.writer as writer_mod
+
+    payload = os.urandom(3 * 1024 * 1024 + 17)
+    header = json.dumps({"x": {"dtype": "U8", "shape": [len(payload)], "data_offsets": [0, len(payload)]}}).encode()
+    header += b" " * (-len(header) % 8)
+    st = tmp_path / "big.safetensors"
+    st.write_bytes(struct.pack("<Q", len(header)) + header + payload)
+    old = writer_mod.CHUNK
+    writer_mod.CHUNK = 1 << 20
+    try:
+        with DDUFWriter(tmp_path / "big.dduf") as w:
+            w.add_bytes("model_index.json", b'{"unet": ["diffusers", "X"]}')
+            w.add_bytes("unet/config.json", b"{}")
+            rec = w.add_file("unet/big.safetensors", st)
+    finally:
+        writer_mod.CHUNK = old
+    assert rec.sha256 == sha256(st)
+    with zipfile.ZipFile(tmp_path / "big.dduf") as zf:
+        assert zf.testzip() is None
+        assert zf.read("unet/big.safetensors") == st.read_bytes()
+    assert (rec.data_offset + 8 + len(header)) % 4096 == 0
