@@ -220,7 +220,8 @@ def test_large_entry_streams_through_copy(tmp_path):
         with DDUFWriter(tmp_path / "big.dduf") as w:
             w.add_bytes("model_index.json", b'{"unet": ["diffusers", "X"]}')
             w.add_bytes("unet/config.json", b"{}")
-            rec = w.add_file("unet/big.safetensors", st)
+            w.add_file("unet/big.safetensors", st)
+            rec = w.records[-1]
     finally:
         writer_mod.CHUNK = old
     assert rec.sha256 == sha256(st)
