@@ -7,11 +7,11 @@ import json
 
 import pytest
 import torch
-from conftest import PIPELINES
 from huggingface_hub import export_folder_as_dduf
 from huggingface_hub import read_dduf_file as hub_read_dduf_file
 from safetensors.torch import load_file
 
+from conftest import PIPELINES
 from dduf_plus import read_dduf_file
 from dduf_plus.errors import DDUFEntryNotFoundError, DDUFError, DDUFValidationError
 from dduf_plus.format.archive import DDUFArchive

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import safetensors.torch
 import torch
-from conftest import FIXTURE_NAMES, PIPELINES, ROOT
 from huggingface_hub import read_dduf_file as hub_read_dduf_file
 
+from conftest import FIXTURE_NAMES, PIPELINES, ROOT
 from dduf_plus.format.unpack import unpack
 
 

@@ -11,8 +11,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import FIXTURE_NAMES, PIPELINES
 
+from conftest import FIXTURE_NAMES, PIPELINES
 from dduf_plus.errors import DDUFPackError
 from dduf_plus.format import spec
 from dduf_plus.format.archive import DDUFArchive
