@@ -35,6 +35,7 @@ _RULES = (
     Rule("Z017", "error", "entry data extends past the central directory or the end of the file", "The file is truncated; re-download it."),
     Rule("Z018", "warning", "entry has no ZIP64 extra field", "DDUF asks for ZIP64 on every entry; re-pack with `dduf pack`."),
     Rule("Z019", "error", "compressed and uncompressed sizes differ", "STORED entries have equal sizes; re-create the archive."),
+    Rule("Z020", "error", "non-ASCII entry name without the UTF-8 flag (zipfile reads it as CP437)", "Re-pack with a writer that sets the UTF-8 flag (`dduf pack`)."),
     # DDUF structure
     Rule("D001", "error", "model_index.json missing", "Put the pipeline's model_index.json at the archive root."),
     Rule("D002", "error", "model_index.json is not a JSON object", "Fix the JSON in model_index.json."),
@@ -46,6 +47,7 @@ _RULES = (
     Rule("D008", "warning", "component in model_index.json has neither a folder nor a reference", "Add the component's files or a reference (`dduf pack --ref`)."),
     Rule("D009", "warning", "entry type not accepted by the npm @huggingface/dduf checker (.model)", "Prefer tokenizer.json; the Hub's JS checker rejects .model entries."),
     Rule("D010", "error", "model_index.json is not the first entry", "Re-pack with `dduf pack` (it writes model_index.json first)."),
+    Rule("D011", "error", "sharded-weights index names a file that is not in the component folder", "Add the missing shards or fix the index's weight_map."),
     # safetensors
     Rule("S001", "error", "safetensors header length runs past the entry or over 100 MB", "The file is truncated or forged."),
     Rule("S002", "error", "safetensors header is not valid JSON object", "Re-save the weights with safetensors."),
@@ -56,6 +58,7 @@ _RULES = (
     Rule("S007", "error", "__metadata__ is not a mapping of strings to strings", "Store only strings in safetensors metadata."),
     Rule("S008", "warning", "tensor data section not page-aligned in the archive (no zero-copy mmap)", "Re-pack with `dduf pack` to align tensor data to 4096 bytes."),
     Rule("S009", "warning", "tensor not aligned to its element size (loader must copy it)", "Re-pack with `dduf pack`."),
+    Rule("S010", "error", "safetensors header repeats a key (readers disagree on which one counts)", "Re-save the weights with safetensors."),
     # dduf_plus index
     Rule("I001", "error", "dduf_plus index does not parse or has an unknown format", "Re-pack with `dduf pack`."),
     Rule("I002", "error", "dduf_plus index disagrees with the archive entries", "The archive was altered after packing; re-pack it."),
@@ -66,6 +69,8 @@ _RULES = (
     # data (only with verify)
     Rule("H001", "error", "CRC-32 mismatch", "The entry's bytes are damaged; re-download the file."),
     Rule("H002", "error", "sha256 mismatch with the dduf_plus index", "The entry's bytes are damaged or were replaced; re-download it."),
+    # the validator itself
+    Rule("X000", "error", "internal error while checking (a validator bug; the verdict is incomplete)", "Report it to dduf_plus with the file."),
 )
 RULES: dict[str, Rule] = {rule.code: rule for rule in _RULES}
 

@@ -41,16 +41,36 @@ def read_header_length(prefix: bytes) -> int:
     return struct.unpack("<Q", prefix[:8])[0]
 
 
+def _no_constant(name: str) -> object:
+    raise ValueError(f"{name} is not JSON")
+
+
 def parse_header(raw: bytes, header_length: int, file_size: int, entry: str) -> tuple[SafetensorsHeader | None, list[Finding]]:
     """Check a safetensors JSON header against the file it heads (size ``file_size``)."""
     data_size = file_size - 8 - header_length
+    repeated: list[str] = []
+
+    def unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+        obj = dict(pairs)
+        if len(obj) != len(pairs) and len(repeated) < 10:
+            seen: set[str] = set()
+            for key, _ in pairs:
+                if key in seen:
+                    repeated.append(key)
+                seen.add(key)
+        return obj
+
     try:
-        header = json.loads(raw)
-    except (ValueError, RecursionError) as e:
+        # Strict like the Rust reader: UTF-8 only (json.loads would also take UTF-16/32), no NaN/Infinity.
+        header = json.loads(bytes(raw).decode("utf-8"), object_pairs_hook=unique_keys, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
         return None, [finding("S002", entry, f"header is not valid JSON: {e}")]
     if not isinstance(header, dict):
         return None, [finding("S002", entry, "header is not a JSON object")]
     findings: list[Finding] = []
+    if repeated:
+        shown = ", ".join(repr(k) for k in repeated[:5])
+        findings.append(finding("S010", entry, f"header repeats key(s) {shown}: readers may pick different ones"))
     metadata = header.pop(spec.SAFETENSORS_METADATA_KEY, None)
     if metadata is not None and not (
         isinstance(metadata, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())

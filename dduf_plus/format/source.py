@@ -6,6 +6,8 @@ archive transfers kilobytes, not gigabytes."""
 from __future__ import annotations
 
 import os
+import stat
+import threading
 from typing import Protocol
 
 from ..errors import DDUFError
@@ -26,11 +28,18 @@ class LocalSource:
 
     def __init__(self, path: str | os.PathLike):
         self.name = os.fspath(path)
+        self.fd = -1
         try:
-            self.fd = os.open(self.name, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+            # O_NONBLOCK: opening a FIFO must not wait for a writer (it is refused just below).
+            self.fd = os.open(self.name, os.O_RDONLY | getattr(os, "O_BINARY", 0) | getattr(os, "O_NONBLOCK", 0))
+            info = os.fstat(self.fd)
         except OSError as e:
+            self.close()
             raise DDUFError(f"cannot open {self.name}: {e.strerror}") from None
-        self.size = os.fstat(self.fd).st_size
+        if not stat.S_ISREG(info.st_mode):
+            self.close()
+            raise DDUFError(f"cannot open {self.name}: not a regular file")
+        self.size = info.st_size
         self.bytes_read = 0
 
     def read_at(self, offset: int, length: int) -> bytes:
@@ -38,7 +47,10 @@ class LocalSource:
             raise DDUFError(f"{self.name}: read of {length} bytes at {offset} is outside the file")
         parts = []
         while length > 0:
-            chunk = os.pread(self.fd, length, offset)
+            try:
+                chunk = os.pread(self.fd, length, offset)
+            except OSError as e:
+                raise DDUFError(f"{self.name}: read failed at {offset}: {e.strerror}") from None
             if not chunk:
                 raise DDUFError(f"{self.name}: file shrank while reading")
             parts.append(chunk)
@@ -61,26 +73,40 @@ class LocalSource:
 
 class FsspecSource:
     """Any fsspec URL (``https://``, ``hf://``, ``s3://``...). No read-ahead cache: each ``read_at`` is
-    one range request, so the bytes transferred are exactly the bytes asked for."""
+    one range request, so the bytes transferred are exactly the bytes asked for.
+
+    ``cache_type="none"`` makes a buffered fsspec file fetch exactly ``[offset, offset + length)`` per read.
+    The block size must not be 0: for HTTP and hf:// that selects a *streaming* file that cannot seek."""
+
+    RANGE_BLOCK_SIZE = 1 << 20  # nominal: with cache_type "none" it never widens a request
 
     def __init__(self, url: str, **storage_options: object):
         import fsspec  # only remote validation pays for this import
 
         self.name = url
+        self._lock = threading.Lock()  # seek + read is one operation on a shared file object
         try:
             fs, path = fsspec.core.url_to_fs(url, **storage_options)
-            self._file = fs.open(path, "rb", block_size=0, cache_type="none")
-            self.size = int(self._file.size)
+            self._file = fs.open(path, "rb", block_size=self.RANGE_BLOCK_SIZE, cache_type="none")
+            size = getattr(self._file, "size", None)
+            if size is None:
+                raise DDUFError("the server does not report the file size")
+            self.size = int(size)
         except Exception as e:  # network/protocol errors of every backend
             raise DDUFError(f"cannot open {url}: {e}") from None
+        if not (hasattr(self._file, "seek") and self._file.seekable()):
+            raise DDUFError(f"cannot open {url}: the file system offers no random access (range requests)")
         self.bytes_read = 0
 
     def read_at(self, offset: int, length: int) -> bytes:
         if offset < 0 or length < 0 or offset + length > self.size:
             raise DDUFError(f"{self.name}: read of {length} bytes at {offset} is outside the file")
+        if length == 0:
+            return b""
         try:
-            self._file.seek(offset)
-            data = self._file.read(length)
+            with self._lock:
+                self._file.seek(offset)
+                data = self._file.read(length)
         except Exception as e:
             raise DDUFError(f"{self.name}: read failed at {offset}: {e}") from None
         if len(data) != length:

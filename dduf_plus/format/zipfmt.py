@@ -106,8 +106,8 @@ def parse_layout(source: ByteSource) -> tuple[ZipLayout | None, list[Finding]]:
     _, disk, cd_disk, n_here, n_total, cd_size, cd_offset, comment_len = struct.unpack(spec.EOCD_FMT, tail)
     trailing = size - (eocd_offset + spec.EOCD_SIZE)
     if trailing:
-        what = "an archive comment" if comment_len == trailing else "bytes"
-        findings.append(finding("Z002", None, f"{trailing} {what} after the end record"))
+        what = f"a {trailing}-byte archive comment" if comment_len == trailing else f"{trailing} bytes"
+        findings.append(finding("Z002", None, f"{what} after the end record"))
 
     zip64_end = False
     needs64 = spec.U16_MAX in (n_here, n_total) or spec.U32_MAX in (cd_size, cd_offset)
@@ -177,6 +177,10 @@ def parse_layout(source: ByteSource) -> tuple[ZipLayout | None, list[Finding]]:
             continue
         name, problems = check_name(name_bytes, flags)
         findings.extend(problems)
+        if name is not None and not flags & spec.FLAG_UTF8 and not name.isascii():
+            # zipfile (so huggingface_hub) decodes such a name as CP437: readers would disagree on it.
+            findings.append(finding("Z020", name, "non-ASCII name without the UTF-8 flag (bit 11): other "
+                                    f"readers see {name_bytes.decode('cp437')!r}"))
         label = name or name_bytes.decode("utf-8", "backslashreplace")
         fields = parse_extra(extra)
         if fields is None:
@@ -264,7 +268,9 @@ def _check_local_headers(source: ByteSource, entries: list[ZipEntry], cd_offset:
         checked.append(entry._replace(data_offset=data_offset, flags=entry.flags | (flags & spec.FLAG_DATA_DESCRIPTOR)))
 
     # The entries must tile [0, cd_offset): no prefix (polyglots), no overlap, no holes.
+    # An entry whose data runs past the central directory is dropped: nothing may read its bytes.
     position = 0
+    in_bounds: set[str] = set()
     for entry in sorted(checked, key=lambda e: e.header_offset):
         if entry.header_offset > position:
             where = "before the first entry" if position == 0 else "before this entry"
@@ -275,12 +281,13 @@ def _check_local_headers(source: ByteSource, entries: list[ZipEntry], cd_offset:
         if end > cd_offset:
             findings.append(finding("Z017", entry.name, "entry data runs into the central directory or past the file"))
             continue
+        in_bounds.add(entry.name)
         if entry.flags & spec.FLAG_DATA_DESCRIPTOR:
             end += _descriptor_size(source, end, cd_offset)
         position = max(position, end)
     if checked and position < cd_offset:
         findings.append(finding("Z016", None, f"{cd_offset - position} foreign bytes before the central directory"))
-    return checked
+    return [e for e in checked if e.name in in_bounds]
 
 
 def _descriptor_size(source: ByteSource, at: int, limit: int) -> int:

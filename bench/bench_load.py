@@ -1,0 +1,344 @@
+#!/usr/bin/env python
+"""Load benchmark: ``load_dduf`` against diffusers' own loaders on an SD-1.5-shaped fp16 pipeline (2.1 GB).
+
+    python bench/bench_load.py                # full run (~10 min on 2 cores), writes bench/results/load.{json,png}
+    python bench/bench_load.py --runs 3 --skip-old --skip-cold
+
+Every measurement runs in a fresh subprocess with the libraries and model classes imported before the
+clock starts; each figure is the median of several runs, and ratios are against anchors measured in the
+same run (so a busy machine moves both sides). Measured per loader: load (until the pipeline object
+exists), load+touch (then sum every parameter once: every page read) and peak RSS (ru_maxrss).
+
+Loaders: ``load_dduf`` (auto dtype; with and without read-ahead; the pread path), diffusers 0.42 folder
+load with ``dtype=float16``, and diffusers 0.35.2 ``from_pretrained(..., dduf_file=...)`` (the last diffusers
+that loads DDUF; installed in bench/_work/venv-diffusers-0.35) on a huggingface_hub-written archive and on
+ours. Cold cache: the files are evicted with ``posix_fadvise(DONTNEED)`` (no root needed; residency checked
+with ``mincore``), or ``/proc/sys/vm/drop_caches`` when writable; ``cat archive > /dev/null`` is the floor."""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import mmap
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+VENV = ROOT / "bench" / "_work" / "venv-diffusers-0.35"
+OLD_DIFFUSERS = "0.35.2"
+TARGETS = {
+    "warm load+touch vs folder": ("<=", 0.7),
+    "peak RSS vs folder": ("<=", 1.05),
+    "speed-up vs diffusers 0.35.2": (">=", 10.0),
+    "peak RSS vs diffusers 0.35.2": ("<=", 0.5),
+    "cold load+touch vs cat": ("<=", 1.15),
+}
+
+
+# --- child: one measurement ------------------------------------------------------------------------------
+def child(mode: str, path: str) -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    import resource
+
+    import diffusers
+    import torch
+    from diffusers import (  # noqa: F401
+        AutoencoderKL,
+        DiffusionPipeline,
+        PNDMScheduler,
+        StableDiffusionPipeline,
+        UNet2DConditionModel,
+    )
+    from transformers import CLIPTextModel, CLIPTokenizer  # noqa: F401
+
+    diffusers.utils.logging.disable_progress_bar()
+    diffusers.utils.logging.set_verbosity_error()
+    torch.set_num_threads(os.cpu_count() or 1)
+    if mode.startswith("dduf"):
+        sys.path.insert(0, str(ROOT))
+        from dduf_plus import load_dduf
+
+        options = {"dduf": {}, "dduf-noprefetch": {"prefetch": False}, "dduf-pread": {"use_mmap": False}}[mode]
+        load = lambda: load_dduf(path, **options)  # noqa: E731
+    elif mode == "folder":
+        load = lambda: DiffusionPipeline.from_pretrained(path, dtype=torch.float16)  # noqa: E731
+    elif mode.startswith("old"):
+        folder, name = os.path.split(path)
+        load = lambda: DiffusionPipeline.from_pretrained(folder, dduf_file=name, torch_dtype=torch.float16)  # noqa: E731
+    else:
+        raise SystemExit(f"unknown mode {mode}")
+    started = time.perf_counter()
+    pipe = load()
+    loaded = time.perf_counter()
+    total = 0.0
+    with torch.no_grad():
+        for component in pipe.components.values():
+            if isinstance(component, torch.nn.Module):
+                for p in component.parameters():
+                    total += float(p.sum())
+    touched = time.perf_counter()
+    dtypes = {n: str(getattr(c, "dtype", "")) for n, c in pipe.components.items() if isinstance(c, torch.nn.Module)}
+    print("RESULT " + json.dumps({"load": loaded - started, "load_touch": touched - started,
+                                   "rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
+                                   "dtypes": dtypes, "checksum": total}))
+
+
+# --- page cache control ------------------------------------------------------------------------------------
+def files_of(path: Path) -> list[Path]:
+    return [path] if path.is_file() else [p for p in sorted(path.rglob("*")) if p.is_file()]
+
+
+def evict(paths: list[Path]) -> bool:
+    """Drop the files' pages from the page cache. True when (nearly) nothing stays resident."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+    except OSError:
+        for p in paths:
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+    return resident_fraction(paths) < 0.02
+
+
+def warm(paths: list[Path]) -> None:
+    for p in paths:
+        subprocess.run(["cat", str(p)], stdout=subprocess.DEVNULL, check=True)
+
+
+def resident_fraction(paths: list[Path]) -> float:
+    """Share of the files' pages in the page cache (mincore over a private map; nothing is read)."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
+    resident = pages = 0
+    for p in paths:
+        size = p.stat().st_size
+        if size == 0:
+            continue
+        with open(p, "rb") as f:
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        n = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+        vec = ctypes.create_string_buffer(n)
+        anchor = ctypes.c_char.from_buffer(mm)
+        libc.mincore(ctypes.addressof(anchor), size, vec)
+        del anchor
+        resident += sum(b & 1 for b in vec.raw)
+        pages += n
+        mm.close()
+    return resident / pages if pages else 0.0
+
+
+# --- parent --------------------------------------------------------------------------------------------------
+def measure(mode: str, path: Path, python: str, files: list[Path], *, cold: bool) -> dict | None:
+    if cold:
+        if not evict(files):
+            return None
+    else:
+        warm(files)
+    cmd = [python, str(Path(__file__).resolve()), "--child", mode, "--path", str(path)]
+    out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    for line in out.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    raise RuntimeError(f"{mode} failed:\n{out.stderr[-3000:]}")
+
+
+def median(values: list[float]) -> float:
+    values = sorted(values)
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
+def cat_seconds(path: Path, cold: bool) -> float | None:
+    if cold and not evict([path]):
+        return None
+    if not cold:
+        warm([path])
+    started = time.perf_counter()
+    subprocess.run(["cat", str(path)], stdout=subprocess.DEVNULL, check=True)
+    return time.perf_counter() - started
+
+
+def prepare(skip_old: bool) -> dict[str, Path]:
+    from _common import WORK, sd15_archive, sd15_folder
+
+    folder, archive = sd15_folder(), sd15_archive()
+    paths = {"folder": folder, "dduf": archive}
+    if not skip_old:
+        hub = WORK / "old-hub" / "sd15.dduf"
+        if not hub.exists():
+            from huggingface_hub import export_folder_as_dduf
+
+            hub.parent.mkdir(parents=True, exist_ok=True)
+            export_folder_as_dduf(hub.with_suffix(".tmp"), folder)
+            os.replace(hub.with_suffix(".tmp"), hub)
+        ours = WORK / "old-ours" / "sd15.dduf"
+        if not ours.exists():
+            ours.parent.mkdir(parents=True, exist_ok=True)
+            os.link(archive, ours)  # same bytes, in a folder of its own (dduf_file= wants one)
+        paths["old-hub"], paths["old-ours"] = hub, ours
+    return paths
+
+
+def old_python() -> str:
+    python = VENV / "bin" / "python"
+    if not python.exists():
+        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(VENV)], check=True)
+    probe = subprocess.run([str(python), "-c", "import diffusers; print(diffusers.__version__)"],
+                           capture_output=True, text=True)
+    if probe.stdout.strip() != OLD_DIFFUSERS:
+        subprocess.run([str(python), "-m", "pip", "install", "-q", f"diffusers=={OLD_DIFFUSERS}"], check=True)
+    return str(python)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--path", help=argparse.SUPPRESS)
+    parser.add_argument("--runs", type=int, default=5, help="warm runs per loader (median)")
+    parser.add_argument("--cold-runs", type=int, default=3)
+    parser.add_argument("--old-runs", type=int, default=3, help="runs of the (slow) diffusers 0.35.2 loader")
+    parser.add_argument("--skip-old", action="store_true", help="skip diffusers 0.35.2")
+    parser.add_argument("--skip-cold", action="store_true")
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "load.json"))
+    args = parser.parse_args()
+    if args.child:
+        child(args.child, args.path)
+        return
+
+    paths = prepare(args.skip_old)
+    pythons = {m: sys.executable for m in ("dduf", "dduf-noprefetch", "dduf-pread", "folder")}
+    if not args.skip_old:
+        pythons["old-hub"] = pythons["old-ours"] = old_python()
+    source = {"dduf": "dduf", "dduf-noprefetch": "dduf", "dduf-pread": "dduf", "folder": "folder",
+              "old-hub": "old-hub", "old-ours": "old-ours"}
+    results: dict[str, dict] = {}
+    for cache in ("warm",) + (() if args.skip_cold else ("cold",)):
+        modes = ["dduf", "dduf-noprefetch", "dduf-pread", "folder"] + ([] if args.skip_old or cache == "cold" else ["old-hub", "old-ours"])
+        for mode in modes:
+            path = paths[source[mode]]
+            runs = args.old_runs if mode.startswith("old") else (args.runs if cache == "warm" else args.cold_runs)
+            samples = []
+            for _ in range(runs):
+                sample = measure(mode, path, pythons[mode], files_of(path), cold=cache == "cold")
+                if sample is None:
+                    print(f"cold cache cannot be produced here; skipping cold {mode}")
+                    break
+                samples.append(sample)
+            if samples:
+                results[f"{cache}:{mode}"] = {
+                    "load": median([s["load"] for s in samples]),
+                    "load_touch": median([s["load_touch"] for s in samples]),
+                    "rss_gb": median([s["rss_gb"] for s in samples]),
+                    "runs": len(samples), "dtypes": samples[0]["dtypes"],
+                    "samples": [{k: s[k] for k in ("load", "load_touch", "rss_gb")} for s in samples],
+                }
+                r = results[f"{cache}:{mode}"]
+                print(f"{cache:5} {mode:16} load {r['load']:7.3f} s  load+touch {r['load_touch']:7.3f} s  "
+                      f"peak RSS {r['rss_gb']:.2f} GB  ({len(samples)} runs)", flush=True)
+    cat = {"warm": median([cat_seconds(paths["dduf"], False) for _ in range(3)])}
+    if not args.skip_cold:
+        cold = [cat_seconds(paths["dduf"], True) for _ in range(3)]
+        if all(c is not None for c in cold):
+            cat["cold"] = median(cold)
+    ratios = compute_ratios(results, cat)
+    report = {"archive_bytes": paths["dduf"].stat().st_size, "cpus": os.cpu_count(), "results": results,
+              "cat_archive_s": cat, "ratios": ratios, "targets": {k: list(v) for k, v in TARGETS.items()},
+              "command": "python bench/bench_load.py", "unix_time": time.time()}
+    print_table(results, cat, ratios)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    chart(results, cat, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+
+
+def compute_ratios(results: dict, cat: dict) -> dict[str, float]:
+    ratios = {}
+    ours, folder = results.get("warm:dduf"), results.get("warm:folder")
+    if ours and folder:
+        ratios["warm load+touch vs folder"] = ours["load_touch"] / folder["load_touch"]
+        ratios["warm load vs folder"] = ours["load"] / folder["load"]
+        ratios["peak RSS vs folder"] = ours["rss_gb"] / folder["rss_gb"]
+    old = results.get("warm:old-hub")
+    if ours and old:
+        ratios["speed-up vs diffusers 0.35.2"] = old["load"] / ours["load"]
+        ratios["speed-up vs diffusers 0.35.2 (load+touch)"] = old["load_touch"] / ours["load_touch"]
+        ratios["peak RSS vs diffusers 0.35.2"] = ours["rss_gb"] / old["rss_gb"]
+    cold = results.get("cold:dduf")
+    if cold and "cold" in cat:
+        ratios["cold load+touch vs cat"] = cold["load_touch"] / cat["cold"]
+        if results.get("cold:dduf-noprefetch"):
+            ratios["cold load+touch vs cat, no prefetch"] = results["cold:dduf-noprefetch"]["load_touch"] / cat["cold"]
+        if results.get("cold:folder"):
+            ratios["cold load+touch vs folder"] = cold["load_touch"] / results["cold:folder"]["load_touch"]
+    return ratios
+
+
+def print_table(results: dict, cat: dict, ratios: dict) -> None:
+    print("\n| cache | loader | load (s) | load+touch (s) | peak RSS (GB) |")
+    print("| --- | --- | --- | --- | --- |")
+    for key, r in results.items():
+        cache, mode = key.split(":", 1)
+        print(f"| {cache} | {LABELS.get(mode, mode)} | {r['load']:.3f} | {r['load_touch']:.3f} | {r['rss_gb']:.2f} |")
+    for k, v in cat.items():
+        print(f"| {k} | `cat archive > /dev/null` | | {v:.3f} | |")
+    print("\n| ratio | value | target |")
+    print("| --- | --- | --- |")
+    for name, value in ratios.items():
+        op, goal = TARGETS.get(name, ("", None))
+        met = "" if goal is None else (" met" if (value <= goal if op == "<=" else value >= goal) else " MISSED")
+        print(f"| {name} | {value:.2f}x | {'' if goal is None else f'{op} {goal}x{met}'} |")
+
+
+LABELS = {
+    "dduf": "dduf_plus load_dduf (auto)",
+    "dduf-noprefetch": "load_dduf, prefetch=False",
+    "dduf-pread": "load_dduf, use_mmap=False",
+    "folder": "diffusers 0.42 folder, dtype=float16",
+    "old-hub": "diffusers 0.35.2 dduf_file= (hub archive)",
+    "old-ours": "diffusers 0.35.2 dduf_file= (our archive)",
+}
+
+
+def chart(results: dict, cat: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no chart")
+        return
+    keys = list(results)
+    labels = [f"{k.split(':')[0]}: {LABELS.get(k.split(':', 1)[1], k)}" for k in keys]
+    fig, (ax_time, ax_rss) = plt.subplots(1, 2, figsize=(13, 0.5 * len(keys) + 2.5), sharey=True)
+    y = range(len(keys))
+    ax_time.barh([i + 0.2 for i in y], [results[k]["load"] for k in keys], height=0.4, label="load")
+    ax_time.barh([i - 0.2 for i in y], [results[k]["load_touch"] for k in keys], height=0.4, label="load + touch")
+    for name, value in cat.items():
+        ax_time.axvline(value, linestyle="--", color="grey")
+        ax_time.text(value, len(keys) - 0.4, f" cat {name}", color="grey", fontsize=8)
+    ax_time.set_xscale("log")
+    ax_time.set_xlabel("seconds (log)")
+    ax_time.set_yticks(list(y), labels, fontsize=8)
+    ax_time.invert_yaxis()
+    ax_time.legend(fontsize=8)
+    ax_rss.barh(list(y), [results[k]["rss_gb"] for k in keys], height=0.5, color="tab:green")
+    ax_rss.set_xlabel("peak RSS (GB)")
+    fig.suptitle("Loading an SD-1.5-shaped fp16 pipeline (2.1 GB), medians")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+"""``dduf complete PARTIAL -o FULL``: pull referenced components into a self-contained archive."""
+
+from __future__ import annotations
+
+import argparse
+
+from ._common import human_bytes
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("complete", help="pull referenced components into a self-contained archive")
+    p.add_argument("partial", help="a partial .dduf archive (with references)")
+    p.add_argument("-o", "--output", required=True, help="self-contained archive to write (atomically)")
+    p.add_argument("--ref", action="append", metavar="[NAME=]SPEC",
+                   help="take a referenced component from this source (Hub repo id[@revision], folder or .dduf)")
+    p.add_argument("--cache-dir", help="Hugging Face cache to search first (and download into)")
+    p.add_argument("--local-files-only", action="store_true", help="never download")
+    p.add_argument("--token", help="Hugging Face token for downloads")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..format.complete import complete_archive
+    from ..refs.resolve import parse_ref_args
+
+    result = complete_archive(args.partial, args.output, refs=parse_ref_args(args.ref),
+                              local_files_only=args.local_files_only, token=args.token, cache_dir=args.cache_dir,
+                              quiet=args.quiet)
+    if not args.quiet:
+        print(f"wrote {result.path}: {result.entries} entries, {human_bytes(result.bytes_written)} "
+              f"in {result.seconds:.2f} s")
+    return 0

@@ -1,0 +1,53 @@
+"""``dduf compress X.dduf -o X.dduf.zst``: zstd for transport (the archive itself stays STORED)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ..errors import DDUFError
+
+
+def _size(text: str) -> int:
+    """``256M``, ``1G``, ``1048576`` -> bytes."""
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    text = text.strip().lower().removesuffix("ib").removesuffix("b")
+    scale = units.get(text[-1:], 1)
+    try:
+        return int(float(text[:-1] if scale != 1 else text) * scale)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 256M)") from None
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "compress", help="zstd-compress an archive for transport",
+        description="Compress an archive into independent zstd frames with content checksums and a seek "
+                    "table (any `zstd -d` decodes it; `dduf decompress` decodes frames in parallel).")
+    p.add_argument("archive", help="the .dduf archive to compress")
+    p.add_argument("-o", "--output", help="where to write (default: ARCHIVE.zst); written atomically")
+    p.add_argument("--level", type=int, default=3, help="zstd level, 1 (fast) to 19 (small); default 3")
+    p.add_argument("--threads", type=int, default=-1, help="compression threads (default: one per CPU)")
+    p.add_argument("--long", action="store_true", help="long-distance matching, 128 MiB window")
+    p.add_argument("--frame-size", type=_size, default="256M", metavar="SIZE",
+                   help="input bytes per independent frame (default 256M)")
+    p.add_argument("-f", "--force", action="store_true", help="overwrite OUTPUT if it exists")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no summary")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..format.zst import compress
+    from ._common import human_bytes
+
+    output = Path(args.output) if args.output else Path(args.archive + ".zst")
+    if output.exists() and not args.force:
+        raise DDUFError(f"{output} exists (use --force to overwrite)")
+    result = compress(args.archive, output, level=args.level, threads=args.threads, frame_size=args.frame_size,
+                      long=args.long, quiet=args.quiet)
+    if not args.quiet:
+        ratio = result.input_bytes / result.output_bytes if result.output_bytes else 0.0
+        speed = result.input_bytes / result.seconds / 1e9 if result.seconds else 0.0
+        print(f"wrote {result.path}: {human_bytes(result.output_bytes)} from {human_bytes(result.input_bytes)} "
+              f"(ratio {ratio:.3f}, {result.frames} frames) in {result.seconds:.2f} s, {speed:.2f} GB/s")
+    return 0

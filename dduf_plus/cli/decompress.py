@@ -1,0 +1,41 @@
+"""``dduf decompress X.dduf.zst -o X.dduf``"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ..errors import DDUFError
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "decompress", help="decompress a .dduf.zst archive",
+        description="Decompress a zstd stream (frames in parallel when it has a seek table), verifying every "
+                    "frame's checksum and size; the output appears only when complete.")
+    p.add_argument("archive", help="the .dduf.zst to decompress")
+    p.add_argument("-o", "--output", help="where to write (default: ARCHIVE without .zst); written atomically")
+    p.add_argument("--threads", type=int, default=-1, help="decompression threads (default: one per CPU)")
+    p.add_argument("-f", "--force", action="store_true", help="overwrite OUTPUT if it exists")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no summary")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..format.zst import decompress
+    from ._common import human_bytes
+
+    if args.output:
+        output = Path(args.output)
+    elif args.archive.endswith(".zst"):
+        output = Path(args.archive[: -len(".zst")])
+    else:
+        raise DDUFError(f"{args.archive} does not end in .zst: say where to write with -o")
+    if output.exists() and not args.force:
+        raise DDUFError(f"{output} exists (use --force to overwrite)")
+    result = decompress(args.archive, output, threads=args.threads, quiet=args.quiet)
+    if not args.quiet:
+        speed = result.output_bytes / result.seconds / 1e9 if result.seconds else 0.0
+        print(f"wrote {result.path}: {human_bytes(result.output_bytes)} ({result.frames} frames) "
+              f"in {result.seconds:.2f} s, {speed:.2f} GB/s")
+    return 0

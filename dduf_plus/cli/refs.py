@@ -1,0 +1,51 @@
+"""``dduf refs ARCHIVE [--json] [--verify]``: an archive's external references and where each resolves here."""
+
+from __future__ import annotations
+
+import argparse
+
+from ._common import human_bytes, print_json
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("refs", help="list an archive's external references and where each resolves")
+    p.add_argument("archive", help="a .dduf archive")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--verify", action="store_true",
+                   help="hash files not yet verified on this machine (default: sizes and remembered hashes only)")
+    p.add_argument("--ref", action="append", metavar="[NAME=]SPEC",
+                   help="check this source instead of the recorded one (as load_dduf(refs=...))")
+    p.add_argument("--cache-dir", help="Hugging Face cache to search first")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Exit 0 when every reference resolves here (or can be downloaded), 1 otherwise."""
+    from ..format.archive import DDUFArchive
+    from ..refs.resolve import check_references, parse_ref_args
+
+    with DDUFArchive(args.archive) as archive:
+        references = archive.references
+    rows = check_references(references, refs=parse_ref_args(args.ref), cache_dir=args.cache_dir, verify=args.verify)
+    bad = [r for r in rows if r["status"] == "unresolved"]
+    if args.json:
+        print_json({"archive": str(args.archive), "references": rows})
+        return 1 if bad else 0
+    if not rows:
+        print(f"{args.archive}: no references (self-contained)")
+        return 0
+    print(f"{args.archive}: {len(rows)} reference{'s' if len(rows) != 1 else ''}")
+    for r in rows:
+        print(f"  {r['component']:<16} {r['source']}  ({r['files']} files, {human_bytes(r['bytes'])})")
+        if r["status"] == "ok":
+            state = "verified" if r["verified"] else "sizes match, not hashed yet (--verify)"
+            member = f" component {r['member']}" if r.get("member") and r["member"] != r["component"] else ""
+            print(f"      -> {r['how']}: {r['resolves_to']}{member}  [{state}]")
+        elif r["status"] == "download":
+            print("      -> not on this machine: will be downloaded from the Hub when loaded")
+        else:
+            lines = r["reason"].splitlines()
+            print("      -> UNRESOLVED:")
+            for line in lines[1:]:  # the first line repeats the component and its source
+                print(f"         {line.strip()}")
+    return 1 if bad else 0

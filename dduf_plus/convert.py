@@ -1,0 +1,634 @@
+"""Pack-time dtype conversion: write a pipeline's weights in another precision while packing.
+
+``dduf pack SRC -o OUT --dtype bfloat16`` (or ``--dtype unet=float8_e4m3fn``) goes through
+:func:`convert_sources`: each safetensors file of a converted component is rewritten tensor by tensor, in
+slices of at most 64 MiB read from a private mmap of the source, so peak memory stays about one slice
+whatever the model size. The new safetensors header is computed before any data, so the entry's size is
+known up front and the writer streams it straight into the archive (with the usual 4096-byte alignment).
+
+What is converted, and what is left alone:
+
+- floating tensors (float16/bfloat16/float32/float64, float8 when up-casting) go to the target dtype;
+- integer, bool, complex and packed (float4/6, e8m0) tensors are copied unchanged;
+- tensors of modules the model class keeps in fp32 keep their dtype: diffusers' ``_keep_in_fp32_modules``
+  (always, as diffusers does), transformers' ``_keep_in_fp32_modules_strict`` (for fp16/bf16/fp8 targets)
+  and ``_keep_in_fp32_modules`` (for fp16 and fp8 targets: transformers applies it to fp16 only);
+- a file whose tensors would all stay as they are is packed byte-identical (no rewrite).
+
+fp8 storage (``float8_e4m3fn`` / ``float8_e5m2``) is not a compute dtype: only the weights of the layers
+diffusers' layerwise casting would hook (Linear/Conv/Embedding outside its skip patterns: ``norm``,
+``pos_embed``, ``patch_embed``, ``proj_in/out``, the class' ``_skip_layerwise_casting_patterns`` and
+keep-in-fp32 modules) are stored as fp8; every other floating tensor is stored in the compute dtype. The
+component's index record then carries ``storage_dtype``, ``compute_dtype`` and the skip patterns used, and
+the loader restores it with ``enable_layerwise_casting`` (see :func:`apply_fp8_storage`). Values beyond the
+fp8 range are saturated (clamped to ±max) rather than turned into NaN, and counted in the log.
+
+fp8 storage applies to diffusers models (the loader restores it with diffusers' layerwise casting): naming
+a transformers component (``--dtype text_encoder=float8_e4m3fn``) is an error; under a default fp8 target a
+transformers component is stored in the given compute dtype, or left alone when none is given.
+
+Quantized components are not re-quantized: in an optimum-quanto component (``quanto_qmap.json``) the
+quantized values (``*._data``) are left alone and only scales, biases and unquantized layers convert;
+other quantized components (diffusers ``quantization_config``) and fp8 targets for any quantized
+component are packed unchanged, or refused when ``--dtype`` names them.
+
+Converted entries are no longer byte-identical to the source files: the index records the new sha256 and
+the source file's as ``source_sha256``. Shard indexes (``*.safetensors.index.json``) keep their
+``weight_map`` and get ``metadata.total_size`` recomputed."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import logging
+import mmap
+import os
+import re
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+from .errors import DDUFPackError
+from .format import spec
+from .format.index import summarize
+from .format.pack import EntrySource, FolderPlan, PackResult, plan_folder, write_archive
+from .format.safetensors_header import SafetensorsHeader, TensorInfo, parse_header
+from .format.structure import component_specs
+from .format.weights import classify
+
+logger = logging.getLogger("dduf_plus")
+
+SLICE_BYTES = 64 << 20  # source bytes converted at a time: bounds peak memory for huge tensors
+FP8 = ("float8_e4m3fn", "float8_e5m2")
+STORAGE_DTYPES = ("float16", "bfloat16", "float32") + FP8
+COMPUTE_DTYPES = ("float16", "bfloat16", "float32")
+# Source dtypes torch converts elementwise. float8_e8m0fnu (a scale format) and the packed 4/6-bit
+# types are left as they are: converting them would change their meaning, not their precision.
+CONVERTIBLE = frozenset({"float16", "bfloat16", "float32", "float64", "float8_e4m3fn", "float8_e5m2"})
+ALIASES = {
+    "bf16": "bfloat16", "fp16": "float16", "half": "float16", "f16": "float16", "fp32": "float32",
+    "float": "float32", "f32": "float32", "fp8": "float8_e4m3fn", "float8": "float8_e4m3fn",
+    "fp8_e4m3": "float8_e4m3fn", "float8_e4m3": "float8_e4m3fn", "e4m3": "float8_e4m3fn",
+    "fp8_e5m2": "float8_e5m2", "e5m2": "float8_e5m2",
+}
+DEFAULT_KEY = "default"
+QUANTO_QMAP = "quanto_qmap.json"
+# diffusers.hooks.layerwise_casting.DEFAULT_SKIP_MODULES_PATTERN, in case a diffusers without it is installed
+_FALLBACK_SKIP_PATTERNS = ("pos_embed", "patch_embed", "norm", "^proj_in$", "^proj_out$")
+
+
+class Target(NamedTuple):
+    """Where a component's floating tensors go: ``storage`` dtype, and for fp8 the ``compute`` dtype
+    (None: the component's dominant source dtype)."""
+
+    storage: str
+    compute: str | None = None
+
+
+# --- the --dtype argument ----------------------------------------------------------------------------
+
+
+def _dtype_name(value: Any, what: str) -> str:
+    if isinstance(value, torch.dtype):
+        value = str(value).removeprefix("torch.")
+    if not isinstance(value, str):
+        raise DDUFPackError(f"{what}: {value!r} is not a dtype name")
+    name = value.strip().lower().removeprefix("torch.")
+    return ALIASES.get(name, name)
+
+
+def parse_target(value: str | torch.dtype, what: str = "--dtype") -> Target:
+    """``"bfloat16"`` / ``"bf16"`` / ``torch.bfloat16`` / ``"float8_e4m3fn:float16"`` -> :class:`Target`."""
+    text = value if isinstance(value, str) else _dtype_name(value, what)
+    storage_text, _, compute_text = text.partition(":")
+    storage = _dtype_name(storage_text, what)
+    if storage not in STORAGE_DTYPES:
+        raise DDUFPackError(f"{what} {value!r}: storage dtype must be one of {', '.join(STORAGE_DTYPES)}")
+    compute = _dtype_name(compute_text, what) if compute_text else None
+    if compute is not None:
+        if storage not in FP8:
+            raise DDUFPackError(f"{what} {value!r}: a ':compute' dtype only applies to float8 storage")
+        if compute not in COMPUTE_DTYPES:
+            raise DDUFPackError(f"{what} {value!r}: compute dtype must be one of {', '.join(COMPUTE_DTYPES)}")
+    return Target(storage, compute)
+
+
+def parse_dtype_spec(dtype: str | torch.dtype | Mapping[str, Any]) -> dict[str, Target]:
+    """Normalise the ``dtype`` argument: one dtype for every component, or ``{component: dtype}`` with an
+    optional ``"default"`` (``"*"`` is accepted for it) for the components not named.
+
+    Example:
+        >>> parse_dtype_spec({"unet": "float8_e4m3fn:float16", "default": "bf16"})
+        {'unet': Target(storage='float8_e4m3fn', compute='float16'), 'default': Target(storage='bfloat16', compute=None)}
+    """
+    if isinstance(dtype, Mapping):
+        out = {}
+        for key, value in dtype.items():
+            key = DEFAULT_KEY if key == "*" else key
+            out[key] = parse_target(value, f"--dtype {key}=")
+        return out
+    return {DEFAULT_KEY: parse_target(dtype)}
+
+
+def parse_dtype_args(values: Iterable[str]) -> dict[str, str]:
+    """CLI spelling -> mapping: ``["bfloat16", "unet=float8_e4m3fn:float16"]`` ->
+    ``{"default": "bfloat16", "unet": "float8_e4m3fn:float16"}``. A later value for a key wins."""
+    out: dict[str, str] = {}
+    for value in values:
+        name, sep, rest = value.partition("=")
+        if sep:
+            if not name or not rest:
+                raise DDUFPackError(f"--dtype {value!r}: expected COMPONENT=DTYPE")
+            out[name] = rest
+        else:
+            out[DEFAULT_KEY] = value
+    for key, text in out.items():
+        parse_target(text, f"--dtype {key}")
+    return out
+
+
+# --- what a model class keeps in fp32 / what layerwise casting touches --------------------------------
+
+
+class ComponentRules:
+    """The dtype decisions for one component, derived from its model class (when it can be imported)."""
+
+    def __init__(self, component: str, library: str | None, class_name: str | None, config: dict[str, Any] | None):
+        self.component = component
+        self.library, self.class_name = library, class_name
+        self.cls = _import_class(library, class_name)
+        self.model: torch.nn.Module | None = None
+        if self.cls is not None and config is not None:
+            self.model = _meta_model(self.cls, config, component)
+        source = self.model if self.model is not None else self.cls
+        self.is_diffusers = _is_diffusers_model(self.cls)
+        self.keep_fp32 = sorted(_as_list(getattr(source, "_keep_in_fp32_modules", None)))
+        self.keep_fp32_strict = sorted(_as_list(getattr(source, "_keep_in_fp32_modules_strict", None)))
+        self.skip_casting = sorted(_as_list(getattr(source, "_skip_layerwise_casting_patterns", None)))
+
+    def keeps(self, tensor_name: str, target: str) -> bool:
+        """Whether ``tensor_name`` stays in its dtype for ``target`` (the class keeps it in fp32)."""
+        if self.is_diffusers:
+            # diffusers' rule (model_loading_utils.load_model_dict_into_meta): a path component matches.
+            parts = tensor_name.split(".")
+            return any(m in parts for m in self.keep_fp32)
+        patterns = list(self.keep_fp32_strict) if target != "float32" else []
+        if target in ("float16",) + FP8:
+            patterns += self.keep_fp32  # transformers applies the non-strict list to fp16 only
+        # transformers' rule (core_model_loading: a regex search of the glob over the key).
+        return any(re.search(p.replace("*", ".*"), tensor_name) for p in patterns)
+
+    def skip_patterns(self) -> list[str]:
+        """The skip patterns ``enable_layerwise_casting`` uses for this class."""
+        try:
+            from diffusers.hooks.layerwise_casting import DEFAULT_SKIP_MODULES_PATTERN as default
+        except ImportError:  # pragma: no cover - older diffusers
+            default = _FALLBACK_SKIP_PATTERNS
+        return sorted(set(default) | set(self.keep_fp32) | set(self.keep_fp32_strict) | set(self.skip_casting))
+
+    def layerwise_cast_tensors(self) -> set[str]:
+        """State-dict names of the tensors diffusers' layerwise casting stores in the storage dtype: the
+        parameters and floating buffers of every supported leaf layer whose name no skip pattern matches."""
+        if self.model is None:
+            raise DDUFPackError(
+                f"{self.component}: float8 storage needs the model class to decide which layers are cast "
+                f"({self.library}.{self.class_name} could not be built from its config)")
+        try:
+            from diffusers.hooks._common import _GO_LC_SUPPORTED_PYTORCH_LAYERS as supported
+        except ImportError:  # pragma: no cover
+            supported = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.ConvTranspose1d,
+                         torch.nn.ConvTranspose2d, torch.nn.ConvTranspose3d, torch.nn.Linear, torch.nn.Embedding)
+        patterns = self.skip_patterns()
+        out: set[str] = set()
+
+        def walk(module: torch.nn.Module, prefix: str) -> None:
+            # Same traversal as diffusers.hooks.layerwise_casting._apply_layerwise_casting.
+            if any(re.search(p, prefix) for p in patterns):
+                return
+            if isinstance(module, supported):
+                for name, _ in module.named_parameters(remove_duplicate=False):
+                    out.add(f"{prefix}.{name}" if prefix else name)
+                for name, buf in module.named_buffers(remove_duplicate=False):
+                    if buf.is_floating_point():
+                        out.add(f"{prefix}.{name}" if prefix else name)
+                return
+            for name, child in module.named_children():
+                walk(child, f"{prefix}.{name}" if prefix else name)
+
+        walk(self.model, "")
+        return out
+
+
+def _as_list(value: Any) -> list[str]:
+    if not value:
+        return []
+    if isinstance(value, str):
+        return [value]
+    return [v for v in value if isinstance(v, str)]
+
+
+def _import_class(library: str | None, class_name: str | None) -> type | None:
+    if not library or not class_name:
+        return None
+    try:
+        return getattr(importlib.import_module(library), class_name)
+    except (ImportError, AttributeError) as e:
+        logger.info("cannot import %s.%s (%s): keep-in-fp32 rules unknown", library, class_name, e)
+        return None
+
+
+def _is_diffusers_model(cls: type | None) -> bool:
+    try:
+        from diffusers import ModelMixin
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(cls, type) and issubclass(cls, ModelMixin)
+
+
+def _meta_model(cls: type, config: dict[str, Any], component: str) -> torch.nn.Module | None:
+    """An instance with parameters on the meta device (no memory): its module tree names the tensors."""
+    from accelerate import init_empty_weights
+
+    try:
+        with init_empty_weights():
+            if _is_diffusers_model(cls):
+                return cls.from_config(config)
+            config_class = getattr(cls, "config_class", None)
+            if config_class is None:
+                return None
+            return cls(config_class.from_dict(config))
+    except Exception as e:  # arbitrary model code; a failure only loses precision rules
+        logger.info("%s: cannot build %s on the meta device (%s)", component, cls.__name__, e)
+        return None
+
+
+# --- safetensors rewriting ---------------------------------------------------------------------------
+
+
+class _Planned(NamedTuple):
+    info: TensorInfo
+    dtype: str  # dtype written
+    begin: int  # in the new data section
+    end: int
+
+
+def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
+    numel = 1
+    for d in shape:
+        numel *= d
+    return numel * spec.DTYPE_BY_TORCH[dtype].bits // 8
+
+
+def _itemsize(dtype: str) -> int:
+    return max(1, spec.DTYPE_BY_TORCH[dtype].bits // 8)
+
+
+def plan_file(header: SafetensorsHeader, dtype_for: Mapping[str, str]) -> tuple[bytes, list[_Planned], int]:
+    """New header bytes, tensor placements and total file size, for writing ``header``'s tensors with
+    the dtypes in ``dtype_for`` (name -> dtype; missing names keep theirs). Tensors whose size is a
+    multiple of 64 bytes come first, so they all start 64-byte aligned in the (page-aligned) data section;
+    within each group widest element first (as safetensors does), which keeps every tensor aligned to its
+    element size without padding (safetensors forbids holes)."""
+    def key(t: TensorInfo) -> tuple[bool, int, str]:
+        dtype = dtype_for.get(t.name, t.dtype)
+        return _nbytes(t.shape, dtype) % 64 != 0, -_itemsize(dtype), t.name
+
+    order = sorted(header.tensors.values(), key=key)
+    planned, position = [], 0
+    for info in order:
+        dtype = dtype_for.get(info.name, info.dtype)
+        size = _nbytes(info.shape, dtype)
+        planned.append(_Planned(info, dtype, position, position + size))
+        position += size
+    record: dict[str, Any] = {}
+    if header.metadata is not None:
+        record[spec.SAFETENSORS_METADATA_KEY] = header.metadata
+    for p in planned:
+        record[p.info.name] = {"dtype": spec.DTYPE_BY_TORCH[p.dtype].safetensors, "shape": list(p.info.shape),
+                               "data_offsets": [p.begin, p.end]}
+    raw = json.dumps(record, separators=(",", ":"), ensure_ascii=False).encode()
+    raw += b" " * (-len(raw) % 8)  # safetensors pads the header so the data section is 8-byte aligned
+    return raw, planned, 8 + len(raw) + position
+
+
+def _tensor_chunks(path: Path, header: SafetensorsHeader, planned: list[_Planned], head: bytes,
+                   entry: str) -> Iterator[Any]:
+    """The new file's bytes: header, then each tensor converted slice by slice from a private mmap of the
+    source. Source pages are dropped from this process once converted (MADV_DONTNEED) so that RSS stays
+    about one slice, not the whole file."""
+    yield head
+    clipped = [0]
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            return
+        mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)  # writable for torch.frombuffer, never written
+        try:
+            for p in planned:
+                start = header.data_start + p.info.begin
+                yield from _convert_tensor(mm, start, p, clipped)
+                if hasattr(mm, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+                    page = start // mmap.PAGESIZE * mmap.PAGESIZE
+                    mm.madvise(mmap.MADV_DONTNEED, page, start + p.info.nbytes - page)
+        finally:
+            try:
+                mm.close()
+            except BufferError:  # a consumer kept a view: the map goes with it
+                pass
+    if clipped[0]:
+        logger.warning("%s: %d values beyond the float8 range were saturated to ±max", entry, clipped[0])
+
+
+def _convert_tensor(mm: mmap.mmap, start: int, p: _Planned, clipped: list[int]) -> Iterator[Any]:
+    nbytes = p.info.nbytes
+    if p.dtype == p.info.dtype:
+        for at in range(0, nbytes, SLICE_BYTES):
+            view = memoryview(mm)[start + at : start + min(nbytes, at + SLICE_BYTES)]
+            yield view
+            view.release()
+        return
+    src_dtype = getattr(torch, p.info.dtype)
+    dst_dtype = getattr(torch, p.dtype)
+    width = _itemsize(p.info.dtype)
+    per_slice = max(1, SLICE_BYTES // width)
+    numel = nbytes // width
+    fp8_max = torch.finfo(dst_dtype).max if p.dtype in FP8 else None
+    for first in range(0, numel, per_slice):
+        count = min(per_slice, numel - first)
+        offset = start + first * width
+        if offset % width:  # misaligned by a foreign writer: copy the slice first
+            source = torch.frombuffer(bytearray(mm[offset : offset + count * width]), dtype=src_dtype)
+        else:
+            source = torch.frombuffer(mm, dtype=src_dtype, count=count, offset=offset)
+        if fp8_max is not None:
+            over = source.abs() > fp8_max
+            if bool(over.any()):
+                clipped[0] += int(over.sum())
+                source = source.clamp(-fp8_max, fp8_max)  # saturate: plain casting gives NaN past the range
+            del over
+        converted = source.to(dst_dtype)
+        del source
+        yield converted.view(torch.uint8).numpy()
+        del converted
+
+
+def _file_sha256(path: Path) -> str:
+    """sha256 of a source file. In the Hugging Face cache a weight file is a link to ``blobs/<sha256>``:
+    the name is that digest (the LFS oid), so it is not read again."""
+    resolved = path.resolve()
+    if resolved.parent.name == "blobs" and re.fullmatch(r"[0-9a-f]{64}", resolved.name):
+        return resolved.name
+    digest = hashlib.sha256()
+    with open(resolved, "rb") as f:
+        while chunk := f.read(16 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+# --- components --------------------------------------------------------------------------------------
+
+
+def _read_config(sources: list[EntrySource], component: str) -> dict[str, Any] | None:
+    for source in sources:
+        if source.name == f"{component}/config.json":
+            raw = source.path.read_bytes() if source.path is not None else source.data
+            try:
+                value = json.loads(raw or b"")
+            except ValueError:
+                return None
+            return value if isinstance(value, dict) else None
+    return None
+
+
+def _target_for(targets: Mapping[str, Target], component: str) -> Target | None:
+    return targets.get(component, targets.get(DEFAULT_KEY))
+
+
+def convert_sources(
+    plan: FolderPlan, dtype: str | torch.dtype | Mapping[str, Any]
+) -> tuple[list[EntrySource], dict[str, dict[str, Any]]]:
+    """Entry sources with the floating weights of the chosen components converted, and the extra index
+    records of converted components (for :func:`~dduf_plus.format.pack.write_archive`'s
+    ``extra_components``).
+
+    ``dtype`` is one dtype for every component (``"bfloat16"``) or a mapping such as
+    ``{"unet": "float8_e4m3fn", "default": "bfloat16"}``; an fp8 value may name its compute dtype,
+    ``"float8_e4m3fn:float16"`` (default: the component's dominant source dtype).
+
+    Example:
+        >>> plan = plan_folder("tiny-sd")
+        >>> sources, extra = convert_sources(plan, {"unet": "float8_e4m3fn", "default": "bfloat16"})
+        >>> write_archive("tiny-sd.dduf", plan.model_index, plan.model_index_bytes, sources, extra_components=extra)
+
+    Raises:
+        DDUFPackError: unknown dtype or component name; fp8 asked for a component whose model class cannot
+            be built; a safetensors source that is not a file.
+    """
+    targets = parse_dtype_spec(dtype)
+    specs = component_specs(plan.model_index)
+    stored = {s.name.split("/")[0] for s in plan.sources if "/" in s.name}
+    unknown = sorted(k for k in targets if k != DEFAULT_KEY and k not in specs)
+    if unknown:
+        raise DDUFPackError(f"--dtype names {', '.join(unknown)}: not components of model_index.json "
+                            f"(has: {', '.join(sorted(specs))})")
+    by_component: dict[str, list[EntrySource]] = {}
+    for source in plan.sources:
+        by_component.setdefault(source.name.split("/")[0] if "/" in source.name else "", []).append(source)
+    out: list[EntrySource] = []
+    extra: dict[str, dict[str, Any]] = {}
+    for component, sources in sorted(by_component.items()):
+        target = _target_for(targets, component) if component in stored else None
+        weights = [s for s in sources if s.name.endswith(".safetensors") and s.header is not None]
+        if target is None or not weights:
+            if component in targets and not weights:
+                logger.info("%s has no safetensors weights: --dtype does not apply", component)
+            out.extend(sources)
+            continue
+        converted, record = _convert_component(component, specs.get(component, (None, None)), sources, target,
+                                               explicit=component in targets)
+        out.extend(converted)
+        if record:
+            extra[component] = record
+    return out, extra
+
+
+def _convert_component(
+    component: str, class_spec: tuple[str | None, str | None], sources: list[EntrySource], target: Target,
+    *, explicit: bool,
+) -> tuple[list[EntrySource], dict[str, Any]]:
+    """Convert one component; ``explicit`` when ``--dtype`` named it (errors instead of skipping)."""
+    library, class_name = class_spec
+    config = _read_config(sources, component)
+    weights = [s for s in sources if s.name.endswith(".safetensors") and s.header is not None]
+    fp8 = target.storage in FP8
+    quanto = any(s.name == f"{component}/{QUANTO_QMAP}" for s in sources)
+    if quanto or (config or {}).get("quantization_config") is not None:
+        if fp8 or not quanto:
+            # Backend-specific layouts (bitsandbytes, torchao...) and fp8 storage of already quantized
+            # weights have no meaningful conversion.
+            if explicit:
+                raise DDUFPackError(f"{component} is quantized ({QUANTO_QMAP if quanto else 'quantization_config'}); "
+                                    f"--dtype {target.storage} cannot apply to it")
+            logger.info("%s is quantized: packed unchanged", component)
+            return sources, {}
+    rules = ComponentRules(component, library, class_name, config)
+    if fp8 and not rules.is_diffusers:
+        # The loader restores fp8 storage with diffusers' enable_layerwise_casting (diffusers models only).
+        if explicit:
+            raise DDUFPackError(f"{component}: float8 storage is supported for diffusers models only "
+                                f"({library}.{class_name} is not one)")
+        if target.compute is None:
+            logger.info("%s: not a diffusers model, float8 storage skipped: packed unchanged", component)
+            return sources, {}
+        logger.info("%s: not a diffusers model, stored in %s instead of float8", component, target.compute)
+        target, fp8 = Target(target.compute), False
+    headers = [s.header for s in weights if s.header is not None]
+    dominant = summarize(headers)["dtype"]
+    compute = target.compute or dominant
+    if fp8:
+        if compute is None or compute not in COMPUTE_DTYPES:
+            raise DDUFPackError(f"{component}: cannot infer a compute dtype from {dominant!r} weights; "
+                                f"give one: --dtype {component}={target.storage}:bfloat16")
+        cast = rules.layerwise_cast_tensors()
+    converted_files: dict[str, tuple[list[_Planned], int]] = {}
+    new_sources: list[EntrySource] = []
+    counts = {"converted": 0, "kept_fp32": 0, "unchanged": 0}
+    weight_names = {s.name for s in weights}
+    for source in sources:
+        if source.name not in weight_names:
+            continue
+        header = source.header
+        assert header is not None
+        dtype_for: dict[str, str] = {}
+        for name, info in header.tensors.items():
+            if info.dtype not in CONVERTIBLE or (quanto and "._data" in name):  # quanto's quantized values stay
+                counts["unchanged"] += 1
+                continue
+            if fp8:
+                wanted = target.storage if name in cast else compute
+                keep = name not in cast and rules.keeps(name, target.storage)
+            else:
+                wanted, keep = target.storage, rules.keeps(name, target.storage)
+            if keep:
+                counts["kept_fp32"] += 1
+            elif wanted != info.dtype:
+                dtype_for[name] = wanted
+                counts["converted"] += 1
+        if not dtype_for:
+            new_sources.append(source)  # nothing changes: keep the file byte-identical
+            continue
+        if source.path is None:
+            raise DDUFPackError(f"{source.name}: only safetensors files on disk can be converted")
+        head_raw, planned, size = plan_file(header, dtype_for)
+        head = len(head_raw).to_bytes(8, "little") + head_raw
+        new_header, problems = parse_header(head_raw, len(head_raw), size, source.name)
+        if new_header is None or any(p.severity == "error" for p in problems):  # pragma: no cover - our own bug
+            raise DDUFPackError(f"{source.name}: converted header does not check: {problems}")
+        path = source.path
+
+        def chunks(path: Path = path, header: SafetensorsHeader = header, planned: list[_Planned] = planned,
+                   head: bytes = head, entry: str = source.name) -> Iterator[Any]:
+            return _tensor_chunks(path, header, planned, head, entry)
+
+        new_sources.append(EntrySource(source.name, size=size, chunks=chunks, header=new_header,
+                                       source_sha256=_file_sha256(path)))
+        converted_files[source.name] = (planned, size)
+    for source in sources:
+        if source.name in weight_names:
+            continue
+        rewritten = _rewrite_shard_index(source, component, sources, converted_files) if converted_files else None
+        new_sources.append(rewritten or source)
+    if not converted_files:
+        logger.info("%s is already %s: packed unchanged", component, target.storage)
+        return new_sources, {}
+    record: dict[str, Any] = {"dtype_conversion": {"storage_dtype": target.storage, "from": dominant, **counts}}
+    if fp8:
+        record.update({"storage_dtype": target.storage, "compute_dtype": compute,
+                       "layerwise_casting": {"skip_modules_pattern": rules.skip_patterns()}})
+    return new_sources, record
+
+
+def _rewrite_shard_index(source: EntrySource, component: str, sources: list[EntrySource],
+                         converted: Mapping[str, tuple[list[_Planned], int]]) -> EntrySource | None:
+    """The shard index with ``metadata.total_size`` recomputed (``weight_map`` unchanged), or None when the
+    entry is not a shard index of converted files."""
+    kind = classify(source.name.split("/", 1)[1])
+    if kind is None or not kind.is_index:
+        return None
+    raw = source.path.read_bytes() if source.path is not None else source.data
+    try:
+        index = json.loads(raw or b"")
+    except ValueError:
+        return None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        return None
+    shards = {f"{component}/{f}" for f in weight_map.values() if isinstance(f, str)}
+    if not shards & set(converted):
+        return None
+    total = 0
+    for shard in sorted(shards):
+        if shard in converted:
+            planned, _ = converted[shard]
+            total += sum(p.end - p.begin for p in planned)
+        else:
+            header = next((s.header for s in sources if s.name == shard and s.header is not None), None)
+            total += sum(t.nbytes for t in header.tensors.values()) if header else 0
+    metadata = index.get("metadata")
+    if isinstance(metadata, dict) and metadata.get("total_size") == total:
+        return None  # same size (e.g. fp16 -> bf16): keep the file byte-identical
+    index["metadata"] = {**(metadata if isinstance(metadata, dict) else {}), "total_size": total}
+    data = (json.dumps(index, indent=2) + "\n").encode()
+    original = hashlib.sha256(raw or b"").hexdigest()
+    return EntrySource(source.name, data=data, source_sha256=original)
+
+
+def pack_converted(
+    folder: str | os.PathLike,
+    output: str | os.PathLike,
+    *,
+    dtype: str | torch.dtype | Mapping[str, Any],
+    variant: str | None = None,
+    quiet: bool = False,
+) -> PackResult:
+    """Pack a diffusers folder with its weights converted (see :func:`convert_sources`).
+
+    Example:
+        >>> pack_converted("sd15", "sd15-bf16.dduf", dtype="bfloat16")
+        >>> pack_converted("flux", "flux-fp8.dduf", dtype={"transformer": "float8_e4m3fn:bfloat16"})
+
+    Raises:
+        DDUFPackError: as :func:`~dduf_plus.format.pack.plan_folder` and :func:`convert_sources`.
+    """
+    plan = plan_folder(folder, variant=variant)
+    sources, extra = convert_sources(plan, dtype)
+    return write_archive(output, plan.model_index, plan.model_index_bytes, sources, skipped=plan.skipped,
+                         extra_components=extra, quiet=quiet)
+
+
+# --- loading side ------------------------------------------------------------------------------------
+
+
+def apply_fp8_storage(model: torch.nn.Module, record: Mapping[str, Any]) -> torch.nn.Module:
+    """Restore an fp8-stored component after its tensors are assigned (fp8 ones as they are, the others
+    in the compute dtype): hooks diffusers' layerwise casting with the skip patterns recorded at pack time,
+    so the layers cast are exactly the layers stored as fp8. Works for any ``nn.Module`` (transformers
+    text encoders too); a diffusers model gets the same result from ``enable_layerwise_casting``.
+
+    Example:
+        >>> record = archive.index["components"]["unet"]
+        >>> apply_fp8_storage(unet, record)   # weights stay fp8 in memory, forward runs in compute dtype
+    """
+    from diffusers.hooks import apply_layerwise_casting
+
+    storage = getattr(torch, str(record["storage_dtype"]))
+    compute = getattr(torch, str(record["compute_dtype"]))
+    patterns = (record.get("layerwise_casting") or {}).get("skip_modules_pattern")
+    if patterns is None:
+        patterns = ComponentRules("", None, None, None).skip_patterns()
+    apply_layerwise_casting(model, storage_dtype=storage, compute_dtype=compute,
+                            skip_modules_pattern=tuple(patterns))
+    return model

@@ -1,0 +1,133 @@
+"""``complete``: a partial archive plus its resolved references -> one self-contained archive.
+
+Stored entries are streamed from the partial archive and referenced files from where they resolve, both
+byte-identical, through the same writer (alignment, order, index, atomic rename). ``model_index.json``
+loses ``_dduf_plus_references``; when the partial was packed from a canonical (diffusers-written)
+model_index.json, or recorded the original text, the output equals a direct full pack of the same
+components byte for byte, whole file included."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from ..errors import DDUFReferenceError
+from ..refs.resolve import Located, SpecLike, locate_component
+from . import spec
+from .archive import DDUFArchive
+from .pack import EntrySource, PackResult, _read_header, write_archive
+from .partial import ORIGINAL_MODEL_INDEX_KEY, canonical_model_index_bytes
+
+CHUNK = 64 << 20
+# index keys build_index derives itself; any other key of a stored component (e.g. a dtype conversion's
+# record) is carried over through extra_components
+_DERIVED_KEYS = {"library", "class", "files", "summary", "variants", "external"}
+
+
+def _chunks(archive: DDUFArchive, name: str) -> Iterable[memoryview]:
+    view = archive.view(name)
+    for at in range(0, len(view), CHUNK):
+        yield view[at : at + CHUNK]
+
+
+def _stream(archive: DDUFArchive, entry: str, name: str | None = None, *, sha: str | None = None) -> EntrySource:
+    e = archive.entry(entry)
+    return EntrySource(name or entry, size=e.length, chunks=lambda: _chunks(archive, entry),
+                       header=archive.headers.get(entry), source_sha256=sha)
+
+
+def full_model_index(model_index: Mapping[str, Any], partial_bytes: bytes | None = None) -> tuple[dict[str, Any], bytes]:
+    """model_index.json without the reference keys, as the original file when it can be restored."""
+    stripped = {k: v for k, v in model_index.items() if k not in (spec.REFERENCES_KEY, ORIGINAL_MODEL_INDEX_KEY)}
+    original = model_index.get(ORIGINAL_MODEL_INDEX_KEY)
+    if isinstance(original, dict) and isinstance(original.get("text"), str):
+        raw = original["text"].encode("utf-8")
+        try:
+            same = json.loads(raw) == stripped  # an edited partial must not get the stale original back
+        except ValueError:
+            same = False
+        if same and hashlib.sha256(raw).hexdigest() == original.get("sha256"):
+            return stripped, raw
+    if partial_bytes is not None and spec.REFERENCES_KEY not in model_index and ORIGINAL_MODEL_INDEX_KEY not in model_index:
+        return stripped, partial_bytes  # already complete: keep its bytes
+    return stripped, canonical_model_index_bytes(stripped)
+
+
+def complete_archive(
+    partial: str | os.PathLike,
+    output: str | os.PathLike,
+    *,
+    refs: Mapping[str, SpecLike] | None = None,
+    local_files_only: bool = False,
+    token: str | bool | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    quiet: bool = False,
+) -> PackResult:
+    """Write ``output``: ``partial`` with every referenced component pulled in, verified by sha256.
+
+    Example:
+        >>> complete_archive("finetune.partial.dduf", "finetune.dduf")
+
+    Raises:
+        DDUFReferenceError: a reference cannot be resolved or its files do not match (nothing is written).
+        DDUFValidationError: ``partial`` is not a valid archive.
+    """
+    started = time.perf_counter()
+    with DDUFArchive(partial) as archive:
+        references = archive.references
+        located: dict[str, Located] = {}
+        for name in sorted(references):
+            ref = references[name]
+            if not isinstance(ref, dict) or not ref.get("files"):
+                raise DDUFReferenceError(f"component {name!r}: the reference records no files, so there is nothing to "
+                                         "verify a copy against; complete it by packing the full pipeline instead")
+            located[name] = locate_component(name, ref, refs=refs, local_files_only=local_files_only, token=token,
+                                             cache_dir=cache_dir, verify=True)
+        model_index, model_index_bytes = full_model_index(archive.model_index, archive.read_bytes(spec.MODEL_INDEX))
+        index_files = archive.index.get("files", {})
+        sources: list[EntrySource] = []
+        for entry in archive.entries:
+            if entry in (spec.MODEL_INDEX, spec.INDEX_NAME) or entry.split("/")[0] in references:
+                continue
+            rec = index_files.get(entry) if isinstance(index_files, dict) else None
+            sha = rec.get("source_sha256") if isinstance(rec, dict) else None
+            sources.append(_stream(archive, entry, sha=sha))
+        others: list[DDUFArchive] = []
+        try:
+            for name, loc in located.items():
+                files = references[name]["files"]
+                if loc.archive is not None:
+                    other = DDUFArchive(loc.archive)
+                    others.append(other)
+                    for fname in sorted(files):
+                        sources.append(_stream(other, f"{loc.member}/{fname}", f"{name}/{fname}"))
+                else:
+                    for fname in sorted(files):
+                        path = loc.files[fname]
+                        entry = f"{name}/{fname}"
+                        header = _read_header(path, entry) if fname.endswith(".safetensors") else None
+                        sources.append(EntrySource(entry, path=path, header=header))
+            extra = {n: {k: v for k, v in c.items() if k not in _DERIVED_KEYS}
+                     for n, c in archive.index.get("components", {}).items()
+                     if isinstance(c, dict) and n not in references}
+            extra = {n: e for n, e in extra.items() if e}
+            result = write_archive(output, model_index, model_index_bytes, sources, extra_components=extra or None,
+                                   quiet=quiet)
+        finally:
+            for other in others:
+                other.close()
+    # The writer hashed every byte it copied: a file that changed after it was verified is caught here.
+    written = result.index["files"]
+    for name in references:
+        for fname, rec in references[name]["files"].items():
+            got = written.get(f"{name}/{fname}", {}).get("sha256")
+            if rec.get("sha256") and got != rec["sha256"]:
+                Path(output).unlink(missing_ok=True)
+                raise DDUFReferenceError(f"component {name!r}: {fname} from {located[name].source} changed while it was "
+                                         f"copied (sha256 {got}, recorded {rec['sha256']}); nothing was written")
+    return result._replace(seconds=time.perf_counter() - started)

@@ -1,0 +1,488 @@
+"""Partial archives: store references instead of components that live elsewhere.
+
+A reference sits in ``model_index.json`` under ``_dduf_plus_references`` and speaks Modular Diffusers'
+component-spec vocabulary plus what that spec lacks, the identity of every file::
+
+    "_dduf_plus_references": {
+      "text_encoder": {
+        "pretrained_model_name_or_path": "org/base-model",    # repo id, folder, .dduf, or null
+        "subfolder": "text_encoder",
+        "revision": "0123...cdef",                            # null: the default branch
+        "variant": null,
+        "type_hint": ["transformers", "CLIPTextModel"],
+        "files": {
+          "config.json": {"size": 534, "sha256": "...", "git_sha1": "..."},
+          "model.safetensors": {"size": 159416, "sha256": "..."}
+        }
+      }
+    }
+
+``sha256`` is the content identity (the Hub's LFS oid, the Hugging Face cache blob name of LFS files);
+``git_sha1`` (the git blob id, which names the cache blob of a small non-LFS file) is recorded for files
+the Hub keeps out of LFS, so they are found in the cache by content too. No torch here."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from ..errors import DDUFError, DDUFPackError
+from ..refs import cache as _cache
+from ..refs.resolve import Spec, parse_ref_args, parse_spec
+from . import spec
+from .pack import EntrySource, FolderPlan, PackResult, Skipped, _plan_component, plan_folder, write_archive
+from .structure import component_specs
+from .weights import classify, select_weights
+
+logger = logging.getLogger("dduf_plus")
+
+__all__ = ["ORIGINAL_MODEL_INDEX_KEY", "PartialPlan", "make_references", "pack_partial", "parse_ref_args",
+           "canonical_model_index_bytes"]
+
+# Set only when the source model_index.json is not in diffusers' canonical form: its exact text, so that
+# ``dduf complete`` can restore it and equal a direct full pack byte for byte.
+ORIGINAL_MODEL_INDEX_KEY = "_dduf_plus_original_model_index"
+
+FileRecords = dict[str, dict[str, Any]]
+
+
+class PartialPlan(NamedTuple):
+    model_index: dict[str, Any]  # with _dduf_plus_references
+    model_index_bytes: bytes
+    sources: list[EntrySource]  # what is still stored
+    skipped: list[Skipped]
+    references: dict[str, dict[str, Any]]
+    report: list[str]  # human lines: what was referenced, what was compared, bytes saved
+    bytes_saved: int  # bytes of local files not stored because they are referenced
+    folder: Path
+
+
+def canonical_model_index_bytes(model_index: Mapping[str, Any]) -> bytes:
+    """model_index.json as diffusers writes it (``ConfigMixin.to_json_string``)."""
+    return (json.dumps(model_index, indent=2, sort_keys=True) + "\n").encode("utf-8")
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n} B"
+
+
+# --- file identities -------------------------------------------------------------------------------------
+def hash_local_files(files: Mapping[str, Path]) -> FileRecords:
+    """{filename: {size, sha256[, git_sha1]}} of local files; sha256 through the verified-hash memory, so
+    packing a fine-tune and loading it later on the same machine hash each referenced file once."""
+    hv = _cache.verified_hashes()
+    out: FileRecords = {}
+    for fname, path in sorted(files.items()):
+        size = path.stat().st_size
+        rec: dict[str, Any] = {"size": size, "sha256": hv.sha256(path)}
+        if not _cache.is_lfs_by_default(fname, size):
+            rec["git_sha1"] = _cache.git_blob_sha1_file(path)
+        out[fname] = rec
+    return out
+
+
+def _pack_selection(filenames: Sequence[str], variant: str | None) -> list[str]:
+    """The files a pack keeps from a component listing: allowed types, the chosen variant's weights."""
+    allowed = [f for f in filenames if f.endswith(spec.ALLOWED_EXTENSIONS) and not f.startswith(".") and "/" not in f]
+    weights = set(select_weights(allowed, variant))
+    return sorted(f for f in allowed if classify(f) is None or f in weights)
+
+
+class _Source:
+    """A SPEC's side of the comparison: per component, {filename: record} (records may lack sha256 when
+    only the Hub's git id is known) and the revision the records were read at."""
+
+    def __init__(self, spec_: Spec, *, variant: str | None, token: str | bool | None, local_files_only: bool):
+        self.spec = spec_
+        self.variant = variant
+        self.token = token
+        self.local_files_only = local_files_only
+        self.revision: str | None = spec_.revision
+        self._hub: dict[str, dict[str, Any]] | None = None
+        self.hub_from: str = ""
+        self.model_index: dict[str, Any] | None = None
+
+    def _hub_files(self) -> dict[str, dict[str, Any]]:
+        """{repo path: record} from the Hub's file metadata, or from the local HF cache when offline."""
+        if self._hub is not None:
+            return self._hub
+        repo, rev = self.spec.location, self.spec.revision
+        problems = []
+        if not (self.local_files_only or _cache.is_offline()):
+            try:
+                from huggingface_hub import HfApi
+
+                info = HfApi().model_info(repo, revision=rev, files_metadata=True, token=self.token)
+                files: dict[str, dict[str, Any]] = {}
+                for s in info.siblings or []:
+                    lfs = s.lfs
+                    sha = (getattr(lfs, "sha256", None) or (lfs.get("sha256") if isinstance(lfs, dict) else None)) \
+                        if lfs is not None else None
+                    rec: dict[str, Any] = {"size": s.size}
+                    if sha:
+                        rec["sha256"] = sha
+                    elif s.blob_id:
+                        rec["git_sha1"] = s.blob_id
+                    files[s.rfilename] = rec
+                self._hub, self.revision, self.hub_from = files, info.sha or rev, "Hub file metadata"
+                return files
+            except Exception as e:  # network, auth, not found: say so; the cache may still know it
+                problems.append(f"Hub metadata unavailable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+        for cache in _cache.hf_cache_dirs(None):
+            snap = _cache.snapshot_dir(cache, repo, rev)
+            if snap is None:
+                continue
+            files = {}
+            for path in sorted(snap.rglob("*")):
+                if not path.is_file():
+                    continue
+                name = _cache.blob_name_of(path) or ""
+                rec = {"size": path.stat().st_size}
+                if len(name) == 64:
+                    rec["sha256"] = name
+                elif len(name) == 40:
+                    rec["git_sha1"] = name
+                files[path.relative_to(snap).as_posix()] = rec
+            self._hub, self.revision, self.hub_from = files, snap.name, f"Hugging Face cache ({snap})"
+            return files
+        problems.append(f"{repo}" + (f"@{rev}" if rev else "") + " is not in the Hugging Face cache")
+        raise DDUFPackError(f"cannot read the file list of {self.spec}: " + "; ".join(problems))
+
+    def component_files(self, sub: str) -> tuple[FileRecords, dict[str, Path]] | None:
+        """({filename: record}, {filename: local path}) of the source's component folder, None if absent."""
+        kind = self.spec.kind
+        if kind == "folder":
+            root = Path(self.spec.location)
+            folder = root / sub
+            if not folder.is_dir():
+                return None
+            names = _pack_selection(sorted(e.name for e in os.scandir(folder) if e.is_file()), self.variant)
+            return {n: {"size": (folder / n).stat().st_size} for n in names}, {n: folder / n for n in names}
+        if kind == "dduf":
+            from .archive import DDUFArchive
+
+            with DDUFArchive(self.spec.location) as archive:
+                if sub not in archive.components or not archive.components[sub].files:
+                    return None
+                names = _pack_selection(list(archive.components[sub].files), self.variant)
+                records: FileRecords = {}
+                for n in names:
+                    view = archive.view(f"{sub}/{n}")
+                    try:
+                        rec: dict[str, Any] = {"size": len(view), "sha256": hashlib.sha256(view).hexdigest()}
+                        if not _cache.is_lfs_by_default(n, len(view)):
+                            rec["git_sha1"] = _cache.git_blob_sha1(bytes(view))
+                    finally:
+                        view.release()
+                    records[n] = rec
+                return records, {}
+        files = self._hub_files()
+        prefix = sub.rstrip("/") + "/"
+        records = {p[len(prefix):]: r for p, r in files.items() if p.startswith(prefix) and "/" not in p[len(prefix):]}
+        if not records:
+            return None
+        names = _pack_selection(list(records), self.variant)
+        return {n: records[n] for n in names}, {}
+
+    def type_hint(self, component: str) -> tuple[str | None, str | None] | None:
+        """(library, class) the source's model_index.json gives ``component``, when it is at hand."""
+        if self.model_index is None:
+            raw: bytes | None = None
+            try:
+                if self.spec.kind == "folder":
+                    raw = (Path(self.spec.location) / spec.MODEL_INDEX).read_bytes()
+                elif self.spec.kind == "dduf":
+                    from .archive import DDUFArchive
+
+                    with DDUFArchive(self.spec.location) as archive:
+                        raw = archive.read_bytes(spec.MODEL_INDEX)
+            except (OSError, DDUFError):
+                raw = None
+            try:
+                self.model_index = json.loads(raw) if raw else {}
+            except ValueError:
+                self.model_index = {}
+        specs = component_specs(self.model_index) if isinstance(self.model_index, dict) else {}
+        return specs.get(component)
+
+
+def _same_content(name: str, local: FileRecords, local_paths: Mapping[str, Path], other: FileRecords,
+                  other_paths: Mapping[str, Path]) -> list[str]:
+    """Why the local component differs from ``other`` (empty: every local file is there, same bytes)."""
+    hv = _cache.verified_hashes()
+    why = []
+    for fname, rec in sorted(local.items()):
+        o = other.get(fname)
+        if o is None:
+            why.append(f"{name}/{fname} is not in it")
+            continue
+        if o.get("size") is not None and o["size"] != rec["size"]:
+            why.append(f"{name}/{fname}: {o['size']} bytes there, {rec['size']} here")
+            continue
+        if fname in other_paths and "sha256" not in o:
+            src, dst = other_paths[fname], local_paths.get(fname)
+            same_inode = dst is not None and os.path.samefile(src, dst)
+            o = {**o, "sha256": rec["sha256"] if same_inode else hv.sha256(src)}
+        if o.get("sha256"):
+            if o["sha256"] != rec["sha256"]:
+                why.append(f"{name}/{fname}: sha256 differs")
+        elif o.get("git_sha1"):
+            mine = rec.get("git_sha1") or _cache.git_blob_sha1_file(local_paths[fname])
+            if o["git_sha1"] != mine:
+                why.append(f"{name}/{fname}: git blob id differs")
+        else:
+            why.append(f"{name}/{fname}: no hash known there")
+    return why
+
+
+def _infer_variant(plan: FolderPlan) -> str | None:
+    found = {w.variant for s in plan.sources if (w := classify(s.name.split("/")[-1])) is not None and w.variant}
+    return found.pop() if len(found) == 1 else None
+
+
+# --- the plan --------------------------------------------------------------------------------------------
+def make_references(
+    plan: FolderPlan,
+    *,
+    exclude: Sequence[str] = (),
+    refs: Mapping[str, str] | None = None,
+    base: str | None = None,
+    token: str | bool | None = None,
+    local_files_only: bool = False,
+    variant: str | None = None,
+) -> PartialPlan:
+    """Turn a folder plan into a partial one.
+
+    Referenced: every component in ``exclude``, every component named in ``refs`` (``{name: SPEC}``), and
+    with ``base`` every component whose files are all in BASE's same-named component with the same
+    sha256 (and, when BASE's model_index.json is at hand, the same class). An excluded component's source
+    is ``refs[name]``, else ``refs["*"]``, else ``base``, else none (the loader then requires it as an
+    argument). File records come from the local copy; a component with no local copy gets them from its
+    source (Hub file metadata, or the HF cache offline), pinned to the commit they were read at.
+    ``variant`` must be the one ``plan`` was made with (inferred from the stored files when None).
+
+    Raises:
+        DDUFPackError: unknown component names, a bad SPEC, a source whose copy differs from the local one
+            (the reference could never resolve), a BASE that cannot be read.
+    """
+    refs = dict(refs or {})
+    root = plan.folder
+    specs = component_specs(plan.model_index)
+    real = {n for n, (lib, _c) in specs.items() if lib is not None}
+    unknown = sorted((set(exclude) | set(refs)) - real - {"*"})
+    if unknown:
+        raise DDUFPackError(f"not components of {root / spec.MODEL_INDEX}: {', '.join(unknown)} "
+                            f"(has: {', '.join(sorted(real))})")
+    variant = variant if variant is not None else _infer_variant(plan)
+    try:
+        parsed = {k: parse_spec(v) for k, v in refs.items()}
+        base_spec = parse_spec(base) if base else None
+    except DDUFError as e:
+        raise DDUFPackError(str(e)) from None
+    if base_spec is not None and base_spec.subfolder:
+        raise DDUFPackError(f"--base {base!r}: BASE is a whole pipeline; give no :SUBFOLDER")
+    sources_by_spec: dict[Spec, _Source] = {}
+
+    def source_for(s: Spec) -> _Source:
+        key = s._replace(subfolder=None)
+        if key not in sources_by_spec:
+            sources_by_spec[key] = _Source(key, variant=variant, token=token, local_files_only=local_files_only)
+        return sources_by_spec[key]
+
+    stored: dict[str, list[EntrySource]] = {}
+    for s in plan.sources:
+        stored.setdefault(s.name.split("/")[0], []).append(s)
+    targets = sorted(set(exclude) | (set(refs) - {"*"}))
+    report: list[str] = []
+    references: dict[str, dict[str, Any]] = {}
+    local_bytes: dict[str, int] = {}
+
+    def local_copy(name: str) -> dict[str, Path] | None:
+        if name in stored:
+            return {s.name.split("/", 1)[1]: s.path for s in stored[name] if s.path is not None}
+        if (root / name).is_dir():
+            chosen, _skipped = _plan_component(root, name, variant)
+            return {s.name.split("/", 1)[1]: s.path for s in chosen if s.path is not None}
+        return None
+
+    def reference(name: str, src: Spec | None, files: FileRecords, revision: str | None) -> dict[str, Any]:
+        library, cls = specs[name]
+        sub = (src.subfolder if src else None) or name
+        has_variant = variant is not None and any((w := classify(f)) and w.variant == variant for f in files)
+        return {
+            "pretrained_model_name_or_path": None if src is None else src.location,
+            "subfolder": sub,
+            "revision": revision,
+            "variant": variant if has_variant else None,
+            "type_hint": [library, cls],
+            "files": files,
+        }
+
+    # --- explicit references -------------------------------------------------------------------------
+    for name in targets:
+        src = parsed.get(name) or parsed.get("*") or base_spec
+        paths = local_copy(name)
+        revision = src.revision if src else None
+        if paths is not None:
+            files = hash_local_files(paths)
+            local_bytes[name] = sum(r["size"] for r in files.values())
+            origin = "hashes of the local copy"
+            if src is not None:
+                checked = _check_against_source(name, src, source_for(src), files, paths, report)
+                if checked is not None:
+                    revision = checked
+        elif src is not None:
+            source = source_for(src)
+            found = source.component_files(src.subfolder or name)
+            if found is None:
+                raise DDUFPackError(f"{name}: no local copy in {root} and {src} has no {src.subfolder or name}/ folder")
+            files = found[0] if not found[1] else hash_local_files(found[1])
+            revision = source.revision
+            origin = f"hashes from {source.hub_from or src}"
+            if any("sha256" not in r for r in files.values()):
+                origin += "; small non-LFS files are verified by size and git blob id after download"
+        else:
+            files, origin = {}, "no local copy: nothing to verify"
+        references[name] = reference(name, src, files, revision)
+        where = str(src) if src is not None else "no source (must be passed to load_dduf as an argument)"
+        report.append(f"referenced {name} -> {where} ({len(files)} files, {_human(local_bytes.get(name, 0))}; {origin})")
+
+    # --- components identical to BASE ---------------------------------------------------------------
+    if base_spec is not None:
+        source = source_for(base_spec)
+        for name in sorted(real - set(references)):
+            paths = local_copy(name)
+            if paths is None:
+                continue
+            found = source.component_files(name)
+            if found is None:
+                report.append(f"stored {name}: BASE {base_spec} has no {name}/")
+                continue
+            hint = source.type_hint(name)
+            if hint is not None and tuple(hint) != tuple(specs[name]):
+                report.append(f"stored {name}: BASE's is {hint[0]}.{hint[1]}, this one {specs[name][0]}.{specs[name][1]}")
+                continue
+            other, other_paths = found
+            mine = {f: {"size": p.stat().st_size} for f, p in paths.items()}
+            if any(f not in other or other[f].get("size") not in (None, r["size"]) for f, r in mine.items()):
+                report.append(f"stored {name}: differs from BASE {base_spec} (file list or sizes)")
+                continue
+            files = hash_local_files(paths)
+            why = _same_content(name, files, paths, other, other_paths)
+            if why:
+                report.append(f"stored {name}: differs from BASE {base_spec} ({why[0]}" + (", ..." if len(why) > 1 else "") + ")")
+                continue
+            local_bytes[name] = sum(r["size"] for r in files.values())
+            references[name] = reference(name, base_spec, files, source.revision)
+            report.append(f"referenced {name} -> {base_spec} (identical: {len(files)} files, "
+                          f"{_human(local_bytes[name])})")
+
+    # --- references the source model_index already carried (a re-pack of a partial) ----------------
+    previous = plan.model_index.get(spec.REFERENCES_KEY)
+    if isinstance(previous, dict):
+        for name, ref in previous.items():
+            if name in real and name not in references and name not in stored and isinstance(ref, dict):
+                references[name] = ref
+                report.append(f"kept the existing reference of {name}")
+
+    referenced = set(references)
+    sources = [s for s in plan.sources if s.name.split("/")[0] not in referenced]
+    skipped = list(plan.skipped) + [Skipped(f"{n}/", "referenced") for n in sorted(referenced) if n in stored]
+    saved = sum(local_bytes.values())
+    total = sum(s.nbytes for s in plan.sources) + sum(b for n, b in local_bytes.items() if n not in stored)
+    if references:
+        pct = f" ({100.0 * saved / total:.1f}% of the component files)" if total else ""
+        report.append(f"bytes saved: {saved} ({_human(saved)}){pct} by referencing {len(references)} "
+                      f"component{'s' if len(references) != 1 else ''}")
+    else:
+        report.append("nothing referenced: the archive is complete")
+    model_index, raw = _model_index_with(plan, references)
+    return PartialPlan(model_index, raw, sources, skipped, references, report, saved, root)
+
+
+def _check_against_source(name: str, src: Spec, source: _Source, files: FileRecords, paths: Mapping[str, Path],
+                          report: list[str]) -> str | None:
+    """Refuse a reference that could never resolve: SPEC's copy differs from the local one. Returns the
+    revision the source was compared at (Hub commit) or None. A source that cannot be read is noted."""
+    sub = src.subfolder or name
+    try:
+        found = source.component_files(sub)
+    except DDUFPackError as e:
+        if src.kind != "hub":
+            raise
+        report.append(f"note: {name} not compared with {src} ({e})")
+        return None
+    if found is None:
+        if src.kind == "hub":
+            raise DDUFPackError(f"--ref for {name}: {src} has no {sub}/ folder")
+        raise DDUFPackError(f"--ref for {name}: {src.location} has no {sub}/ folder")
+    why = _same_content(name, files, paths, found[0], found[1])
+    if why:
+        raise DDUFPackError(f"{name} differs from its reference {src}: {'; '.join(why[:3])}. The reference could never "
+                            f"resolve: store {name} (drop --exclude) or point --ref at a source holding this exact copy")
+    return source.revision if src.kind == "hub" else None
+
+
+def _model_index_with(plan: FolderPlan, references: Mapping[str, Any]) -> tuple[dict[str, Any], bytes]:
+    """model_index.json with the references, in diffusers' canonical form; keeps the source text when it
+    was not canonical, so ``complete`` can restore it exactly. No references: the source bytes as they are."""
+    original = {k: v for k, v in plan.model_index.items() if k not in (spec.REFERENCES_KEY, ORIGINAL_MODEL_INDEX_KEY)}
+    if not references:
+        if spec.REFERENCES_KEY in plan.model_index:
+            return original, canonical_model_index_bytes(original)
+        return dict(plan.model_index), plan.model_index_bytes
+    model_index = dict(original)
+    model_index[spec.REFERENCES_KEY] = {n: references[n] for n in sorted(references)}
+    if plan.model_index_bytes != canonical_model_index_bytes(original) and spec.REFERENCES_KEY not in plan.model_index:
+        try:
+            text = plan.model_index_bytes.decode("utf-8")
+        except UnicodeDecodeError:
+            logger.info("model_index.json is not UTF-8: dduf complete will write it in canonical form")
+        else:
+            model_index[ORIGINAL_MODEL_INDEX_KEY] = {
+                "sha256": hashlib.sha256(plan.model_index_bytes).hexdigest(), "text": text}
+    return model_index, canonical_model_index_bytes(model_index)
+
+
+def pack_partial(
+    folder: str | os.PathLike,
+    output: str | os.PathLike,
+    *,
+    exclude: Sequence[str] = (),
+    refs: Mapping[str, str] | None = None,
+    base: str | None = None,
+    variant: str | None = None,
+    quiet: bool = False,
+    token: str | bool | None = None,
+    local_files_only: bool = False,
+) -> PackResult:
+    """Pack ``folder`` storing references instead of excluded / BASE-identical components.
+
+    Example:
+        >>> pack_partial("my-finetune", "ft.dduf", base="stable-diffusion-v1-5/stable-diffusion-v1-5")
+
+    The report (what was referenced, bytes saved) is logged at INFO on the ``dduf_plus`` logger.
+
+    Raises:
+        DDUFPackError: see :func:`plan_folder` and :func:`make_references`.
+    """
+    started = time.perf_counter()
+    named = [n for n in (refs or {}) if n != "*"]
+    plan = plan_folder(folder, variant=variant, exclude=sorted(set(exclude) | set(named)))
+    partial = make_references(plan, exclude=exclude, refs=refs, base=base, token=token,
+                              local_files_only=local_files_only, variant=variant)
+    for line in partial.report:
+        logger.info("%s", line)
+    result = write_archive(output, partial.model_index, partial.model_index_bytes, partial.sources,
+                           skipped=partial.skipped, references=partial.references or None, quiet=quiet)
+    return result._replace(seconds=time.perf_counter() - started)

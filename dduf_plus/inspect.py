@@ -1,0 +1,186 @@
+"""inspect_dtypes: "what precision was this saved in?", answered from safetensors headers alone.
+
+Works on a ``.dduf`` archive (local or an fsspec URL), a diffusers pipeline folder, or a Hub repo id;
+reads kilobytes, never tensor data, and imports no torch (the format layer's start-up speed). The
+numbers are the ones the archive index and ``dduf info`` show: both use
+:func:`dduf_plus.format.index.summarize`."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, TypedDict
+
+from .errors import DDUFError
+from .format import spec
+from .format.index import summarize
+from .format.safetensors_header import SafetensorsHeader, TensorInfo, read_safetensors_header
+from .format.source import LocalSource, is_url
+from .format.structure import component_specs
+from .format.weights import select_weights, tensor_files
+
+logger = logging.getLogger("dduf_plus")
+
+
+class ComponentDtypes(TypedDict):
+    dtype: str | None  # dominant floating dtype (most bytes), torch spelling: "float16"; None: no floats
+    dtypes: dict[str, int]  # bytes per dtype
+    parameters: int
+    bytes: int
+
+
+def inspect_dtypes(
+    source: str | os.PathLike,
+    *,
+    variant: str | None = None,
+    revision: str | None = None,
+    token: str | bool | None = None,
+) -> dict[str, ComponentDtypes]:
+    """Per model component of a pipeline, the dtypes its weights were saved in, before loading anything.
+
+    ``source``: a ``.dduf`` file (or fsspec URL of one), a diffusers pipeline folder, or a Hub repo id
+    (``revision`` and ``token`` apply there; a repo holding a single ``.dduf`` file is read through
+    range requests). ``variant`` picks variant weight files as diffusers does (falling back to the
+    default ones). Components without safetensors weights (tokenizers, schedulers, pickle-only models)
+    are left out.
+
+    Example:
+        >>> inspect_dtypes("fixtures/pipelines/tiny-sd")["unet"]["dtype"]
+        'float16'
+
+    Raises:
+        DDUFError: the source does not exist, is not a pipeline, or its headers are broken
+            (``DDUFValidationError`` for a malformed archive).
+    """
+    text = os.fspath(source)
+    if is_url(text) or text.endswith(".dduf") or os.path.isfile(text):
+        return _from_archive(text, variant)
+    if os.path.isdir(text):
+        return _from_folder(Path(text), variant)
+    if os.path.exists(text) or text.startswith((".", "/", "~")) or text.count("/") > 1:
+        raise DDUFError(f"{text}: not a .dduf archive, a pipeline folder or a Hub repo id")
+    return _from_hub(text, variant=variant, revision=revision, token=token)
+
+
+def _summary(headers: Iterable[SafetensorsHeader]) -> ComponentDtypes:
+    s = summarize(headers)
+    return ComponentDtypes(dtype=s["dtype"], dtypes=s["dtypes"], parameters=s["parameters"], bytes=s["bytes"])
+
+
+def _model_components(model_index: dict[str, Any]) -> list[str]:
+    return [name for name, (library, _cls) in component_specs(model_index).items() if library is not None]
+
+
+def _per_component(
+    model_index: dict[str, Any],
+    files_of: Callable[[str], list[str]],
+    headers_of: Callable[[str, list[str]], list[SafetensorsHeader]],
+    variant: str | None,
+) -> dict[str, ComponentDtypes]:
+    out: dict[str, ComponentDtypes] = {}
+    for name in _model_components(model_index):
+        chosen = tensor_files(select_weights(files_of(name), variant))
+        if chosen:
+            out[name] = _summary(headers_of(name, chosen))
+    return out
+
+
+# --- archives ----------------------------------------------------------------------------------------
+def _from_archive(path: str, variant: str | None = None, **storage_options: Any) -> dict[str, ComponentDtypes]:
+    from .format.archive import DDUFArchive
+
+    with DDUFArchive(path, **storage_options) as archive:
+        out: dict[str, ComponentDtypes] = {}
+        for name, comp in archive.components.items():
+            if comp.library is None or comp.external is not None:
+                continue  # stored elsewhere: its precision is that source's to tell
+            files = archive.weight_files(name, variant)
+            if files:
+                out[name] = _summary(archive.headers[f] for f in files)
+        return out
+
+
+# --- folders -----------------------------------------------------------------------------------------
+def _from_folder(root: Path, variant: str | None) -> dict[str, ComponentDtypes]:
+    model_index = _read_model_index((root / spec.MODEL_INDEX).read_bytes() if (root / spec.MODEL_INDEX).is_file()
+                                    else None, str(root))
+
+    def files_of(name: str) -> list[str]:
+        folder = root / name
+        return sorted(p.name for p in folder.iterdir() if p.is_file()) if folder.is_dir() else []
+
+    def headers_of(name: str, files: list[str]) -> list[SafetensorsHeader]:
+        return [_file_header(root / name / f, f"{name}/{f}") for f in files]
+
+    return _per_component(model_index, files_of, headers_of, variant)
+
+
+def _read_model_index(raw: bytes | None, where: str) -> dict[str, Any]:
+    if raw is None:
+        raise DDUFError(f"{where}: no model_index.json (is this a diffusers pipeline?)")
+    try:
+        value = json.loads(raw)
+    except ValueError as e:
+        raise DDUFError(f"{where}: model_index.json is not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise DDUFError(f"{where}: model_index.json must hold a JSON object")
+    return value
+
+
+def _file_header(path: Path, entry: str) -> SafetensorsHeader:
+    with LocalSource(path) as source:
+        header, problems = read_safetensors_header(source.read_at, 0, source.size, entry)
+    errors = [p for p in problems if p.severity == "error"]
+    if header is None or errors:
+        raise DDUFError(f"{path}: not a valid safetensors file: {(errors or problems)[0]}")
+    return header
+
+
+# --- the Hub -----------------------------------------------------------------------------------------
+def _from_hub(repo_id: str, *, variant: str | None, revision: str | None, token: str | bool | None) -> dict[str, ComponentDtypes]:
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+
+    api = HfApi(token=token)
+    try:
+        files = api.list_repo_files(repo_id, revision=revision, token=token)
+        if spec.MODEL_INDEX not in files:
+            archives = [f for f in files if f.endswith(".dduf")]
+            if len(archives) == 1:  # a DDUF repo: read the archive's headers by range requests
+                at = f"@{revision}" if revision else ""
+                options = {"token": token} if token is not None else {}
+                return _from_archive(f"hf://{repo_id}{at}/{archives[0]}", variant, **options)
+            raise DDUFError(f"{repo_id}: no model_index.json at the repo root"
+                            + (f" and {len(archives)} .dduf files (pass one by URL)" if archives else ""))
+        path = api.hf_hub_download(repo_id, spec.MODEL_INDEX, revision=revision, token=token)
+        model_index = _read_model_index(Path(path).read_bytes(), repo_id)
+
+        def files_of(name: str) -> list[str]:
+            prefix = name + "/"
+            return sorted(f[len(prefix):] for f in files if f.startswith(prefix) and "/" not in f[len(prefix):])
+
+        def headers_of(name: str, chosen: list[str]) -> list[SafetensorsHeader]:
+            return [_hub_header(api.parse_safetensors_file_metadata(repo_id, f"{name}/{f}", revision=revision,
+                                                                   token=token), f"{name}/{f}")
+                    for f in chosen]
+
+        return _per_component(model_index, files_of, headers_of, variant)
+    except HfHubHTTPError as e:
+        raise DDUFError(f"{repo_id}: {e}") from None
+    except OSError as e:  # offline mode, unreachable host, missing cache entry
+        raise DDUFError(f"{repo_id}: cannot reach the Hub ({e})") from None
+
+
+def _hub_header(meta: Any, entry: str) -> SafetensorsHeader:
+    """huggingface_hub's SafetensorsFileMetadata as our header record (torch dtype names)."""
+    tensors = {}
+    for name, info in meta.tensors.items():
+        dtype = spec.DTYPE_BY_SAFETENSORS.get(info.dtype)
+        if dtype is None:
+            raise DDUFError(f"{entry}:{name}: unknown dtype {info.dtype!r}")
+        begin, end = info.data_offsets
+        tensors[name] = TensorInfo(name, dtype.torch, tuple(info.shape), begin, end)
+    return SafetensorsHeader(0, tensors, meta.metadata or None)

@@ -1,0 +1,124 @@
+"""Find the class of each pipeline component as diffusers does (``[library, class]`` in model_index.json)
+and build it with the loader its kind needs: models (``models.py``), schedulers and other diffusers
+configs (``from_config``), tokenizers and processors (transformers ``from_pretrained`` over the component's
+small files)."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+from typing import Any
+
+from ..errors import DDUFError, DDUFLoadError
+from .files import ComponentFiles
+from .models import ModelRequest, build_diffusers_model, build_transformers_model
+
+logger = logging.getLogger("dduf_plus")
+
+# Libraries whose components load_dduf builds (diffusers' own list, less ONNX runtime training).
+KNOWN_LIBRARIES = ("diffusers", "transformers")
+_INSTALL = {"transformers": "transformers", "diffusers": "diffusers"}
+
+
+def resolve_class(component: str, library: str, class_name: str) -> type:
+    """The class ``[library, class_name]`` names, found where diffusers looks: ``diffusers``,
+    ``transformers``, a pipeline module of diffusers (``["stable_diffusion", "StableDiffusionSafetyChecker"]``),
+    or a module the caller has already imported (the archive never makes us import a module by name).
+
+    Raises:
+        DDUFLoadError: unknown library or class, or a library (or one of its backends) that is not installed.
+    """
+    if not isinstance(library, str) or not isinstance(class_name, str):
+        raise DDUFLoadError(f"component {component!r}: model_index.json entry [{library!r}, {class_name!r}] is not [library, class]")
+    module = _library(component, library)
+    if library == "transformers":
+        try:
+            from diffusers.utils import _maybe_remap_transformers_class
+
+            class_name = _maybe_remap_transformers_class(class_name) or class_name
+        except ImportError:  # pragma: no cover - older diffusers
+            pass
+    try:
+        cls = getattr(module, class_name, None)
+    except (ImportError, RuntimeError) as e:  # lazy modules import the class's backends on access
+        raise DDUFLoadError(f"component {component!r}: {library}.{class_name} cannot be imported: {e}") from e
+    if cls is None or not isinstance(cls, type):
+        raise DDUFLoadError(f"component {component!r}: {library} has no class {class_name!r} "
+                            f"(model_index.json names [{library!r}, {class_name!r}]); upgrade {library} or "
+                            f"pass the component yourself: load_dduf(..., {component}=...)")
+    if type(cls).__name__ == "DummyObject":  # diffusers/transformers placeholder for a missing backend
+        backends = [b for b in getattr(cls, "_backends", []) if isinstance(b, str)]
+        raise DDUFLoadError(f"component {component!r}: {class_name} needs {', '.join(backends) or 'a missing library'}; "
+                            f"pip install {' '.join(backends)}".rstrip())
+    return cls
+
+
+def _library(component: str, library: str) -> Any:
+    if library in KNOWN_LIBRARIES:
+        try:
+            return importlib.import_module(library)
+        except ImportError as e:
+            raise DDUFLoadError(f"component {component!r} needs {library}: pip install {_INSTALL[library]}") from e
+    import diffusers.pipelines as pipelines
+
+    if isinstance(library, str) and library.isidentifier() and hasattr(pipelines, library):
+        return getattr(pipelines, library)
+    if library in sys.modules:
+        return sys.modules[library]
+    raise DDUFLoadError(f"component {component!r}: library {library!r} is not one load_dduf builds components from "
+                        f"({', '.join(KNOWN_LIBRARIES)}, diffusers pipeline modules, or a module you imported first); "
+                        f"import it before load_dduf, or pass the component: load_dduf(..., {component}=...)")
+
+
+def kind_of(cls: type) -> str:
+    """``diffusers_model``, ``transformers_model``, ``config`` (diffusers ConfigMixin: schedulers, guiders),
+    ``files`` (transformers tokenizers / processors / feature extractors)."""
+    import diffusers
+
+    if issubclass(cls, diffusers.ModelMixin):
+        return "diffusers_model"
+    if issubclass(cls, diffusers.DiffusionPipeline):
+        return "pipeline"
+    if issubclass(cls, diffusers.ConfigMixin):
+        return "config"
+    if "transformers" in sys.modules or cls.__module__.startswith("transformers"):
+        import transformers
+
+        if issubclass(cls, transformers.PreTrainedModel):
+            return "transformers_model"
+        bases = [getattr(transformers, n, None) for n in ("PreTrainedTokenizerBase", "FeatureExtractionMixin",
+                                                           "ImageProcessingMixin", "ProcessorMixin")]
+        if any(b is not None and issubclass(cls, b) for b in bases):
+            return "files"
+    return "unknown"
+
+
+def build_component(cls: type, files: ComponentFiles, request: ModelRequest) -> Any:
+    """Build one component. Every failure comes out as a :class:`DDUFError` naming the component."""
+    kind = kind_of(cls)
+    try:
+        if kind == "diffusers_model":
+            return build_diffusers_model(cls, files, request)
+        if kind == "transformers_model":
+            return build_transformers_model(cls, files, request)
+        if kind == "config":
+            config_name = getattr(cls, "config_name", None)
+            if not config_name:
+                raise DDUFLoadError(f"{files.description}: {cls.__name__} has no config file name")
+            return cls.from_config(files.read_json(config_name))
+        if kind == "files":
+            # transformers tokenizers/processors read their files by path: only these small files
+            # are materialised, once per content (see files.local_dir).
+            return cls.from_pretrained(files.local_dir())
+        if kind == "pipeline":
+            raise DDUFLoadError(f"{files.description}: nested pipelines ({cls.__name__}) are not supported")
+        raise DDUFLoadError(f"{files.description}: don't know how to build {cls.__module__}.{cls.__name__} "
+                            f"(not a diffusers model/scheduler nor a transformers model/tokenizer/processor); "
+                            f"pass it yourself: load_dduf(..., {files.name}=...)")
+    except DDUFError:
+        raise
+    except ImportError as e:
+        raise DDUFLoadError(f"{files.description}: {cls.__name__} needs a missing library ({e}); pip install it") from e
+    except Exception as e:  # a library's own error on damaged or mismatched data: say which component
+        raise DDUFLoadError(f"{files.description}: cannot build {cls.__name__}: {type(e).__name__}: {e}") from e

@@ -1,0 +1,384 @@
+"""Where a component's files come from: the :class:`ComponentFiles` protocol and its two implementations,
+one over a component folder inside a DDUF archive and one over a plain diffusers component folder.
+
+Builders only ever see this protocol, so a component stored in the archive, one resolved from an external
+reference (``dduf_plus.refs``) and one on disk are loaded by the same code. Weights are handed out as torch
+tensors that view a memory map (no copy), or, with ``use_mmap=False``, read tensor by tensor with
+``os.preadv`` into their own buffers (for network file systems where mmap page faults are slow)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import mmap
+import os
+import shutil
+import tempfile
+import uuid
+import weakref
+import zlib
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from ..errors import DDUFError, DDUFFormatError, DDUFIntegrityError, DDUFLoadError
+from ..format import spec
+from ..format.archive import DDUFArchive, tensor_view
+from ..format.safetensors_header import SafetensorsHeader, TensorInfo, read_safetensors_header
+from ..format.weights import classify, select_weights, tensor_files
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from .prefetch import Prefetcher
+
+logger = logging.getLogger("dduf_plus")
+
+CACHE_ENV = "DDUF_PLUS_CACHE"
+MAX_LOCAL_FILE = 64 << 20  # local_dir serves tokenizer/processor files, never weights
+
+
+@runtime_checkable
+class ComponentFiles(Protocol):
+    """The files of one pipeline component, wherever they are stored.
+
+    ``tensors`` returns torch tensors that view the storage where possible (no copy); ``local_dir``
+    materialises *small non-weight* files (tokenizers, processors) for libraries that insist on a path."""
+
+    name: str
+    description: str  # for messages: "model.dduf:unet", "/path/to/unet"
+
+    def listdir(self) -> list[str]: ...
+
+    def read_bytes(self, filename: str) -> bytes: ...
+
+    def read_json(self, filename: str) -> Any: ...
+
+    def tensors(self, filenames: Sequence[str]) -> Mapping[str, torch.Tensor]: ...
+
+    def local_dir(self, filenames: Iterable[str] | None = None) -> str: ...
+
+    def weight_files(self, variant: str | None = None) -> list[str]: ...
+
+
+# --- shared helpers ------------------------------------------------------------------------------------
+def choose_weight_files(files: ComponentFiles, variant: str | None) -> list[str]:
+    """The safetensors files holding ``files``' weights for ``variant``, as diffusers picks them: the
+    variant's files if the component has them, else the default ones; for sharded weights, the shards
+    the index's ``weight_map`` names (each must be present)."""
+    listing = files.listdir()
+    selected = select_weights(listing, variant)
+    indexes = [f for f in selected if (w := classify(f)) is not None and w.is_index]
+    if not indexes:
+        return tensor_files(selected)
+    shards: set[str] = set()
+    for index_name in indexes:
+        index = files.read_json(index_name)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise DDUFLoadError(f"{files.description}: {index_name} has no valid 'weight_map'")
+        shards.update(weight_map.values())
+    missing = sorted(shards - set(listing))
+    if missing:
+        raise DDUFLoadError(
+            f"{files.description}: the shard index names {', '.join(missing)}, which is missing "
+            f"(has: {', '.join(listing)}); re-pack the component with all its shards"
+        )
+    return sorted(shards)
+
+
+def json_from_bytes(raw: bytes, where: str) -> Any:
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        raise DDUFFormatError(f"{where} is not valid JSON: {e}") from None
+
+
+def _check_name(files: ComponentFiles, filename: str, listing: Sequence[str]) -> None:
+    if filename not in listing:
+        raise DDUFLoadError(f"{files.description} has no file {filename!r} (has: {', '.join(listing) or 'nothing'})")
+
+
+class LazyTensors(Mapping):
+    """Tensors read on first access with ``os.preadv`` into buffers of their own (the non-mmap path).
+
+    A consumer that takes tensors one at a time (``materialize``) never holds a whole component in
+    anonymous memory on the way to a device."""
+
+    def __init__(self, path: str, records: dict[str, tuple[int, TensorInfo]]):
+        self._records = records  # name -> (absolute offset, info)
+        self._fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+        self._path = path
+        weakref.finalize(self, os.close, self._fd)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        offset, info = self._records[name]
+        return pread_tensor(self._fd, offset, info, self._path)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._records)
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+
+def pread_tensor(fd: int, offset: int, info: TensorInfo, where: str) -> torch.Tensor:
+    import torch
+
+    dtype = spec.DTYPE_BY_TORCH[info.dtype]
+    torch_dtype = getattr(torch, dtype.torch, None)
+    if torch_dtype is None or dtype.bits < 8:
+        raise DDUFFormatError(f"tensor {info.name}: dtype {dtype.torch} is not supported by this torch")
+    if info.nbytes == 0:
+        return torch.empty(info.shape, dtype=torch_dtype)
+    buffer = torch.empty(info.nbytes, dtype=torch.uint8)
+    view = memoryview(buffer.numpy()).cast("B")
+    done = 0
+    while done < info.nbytes:  # preadv may return short counts (Linux caps one call near 2 GiB)
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise DDUFError(f"{where}: file ended while reading tensor {info.name}")
+        done += n
+    return buffer.view(torch_dtype).view(info.shape)
+
+
+# --- local materialisation of small files -----------------------------------------------------------
+def cache_root() -> Path:
+    """``$DDUF_PLUS_CACHE``, else ``dduf_plus/files`` under huggingface_hub's cache home (``$HF_HOME``)."""
+    env = os.environ.get(CACHE_ENV)
+    if env:
+        return Path(env)
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HOME) / "dduf_plus" / "files"
+
+
+def materialize_files(contents: Mapping[str, bytes]) -> str:
+    """A directory holding exactly ``contents`` ({file name: bytes}), shared by every load of the same
+    bytes: keyed by the files' sha256 (computed here, never taken from the archive's claims), created
+    once, atomically (written in a temporary folder, then renamed)."""
+    digest = hashlib.sha256()
+    for name in sorted(contents):
+        digest.update(name.encode() + b"\0" + hashlib.sha256(contents[name]).digest())
+    key = digest.hexdigest()[:32]
+    for root in (cache_root(), Path(tempfile.gettempdir()) / "dduf_plus-files"):
+        final = root / key
+        if _complete(final, contents):
+            return str(final)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            tmp = root / f".tmp-{key}-{uuid.uuid4().hex[:8]}"
+            tmp.mkdir()
+            for name, data in contents.items():
+                (tmp / name).write_bytes(data)
+            try:
+                os.rename(tmp, final)
+            except OSError:  # another process won the race (or a stale, incomplete copy is in the way)
+                if not _complete(final, contents):
+                    shutil.rmtree(final, ignore_errors=True)
+                    os.rename(tmp, final)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+            return str(final)
+        except OSError as e:
+            logger.debug("cannot write the file cache under %s (%s); trying the next location", root, e)
+    raise DDUFLoadError(f"cannot write tokenizer/processor files to {cache_root()} (set ${CACHE_ENV})")
+
+
+def _complete(folder: Path, contents: Mapping[str, bytes]) -> bool:
+    try:
+        return all((folder / n).stat().st_size == len(d) for n, d in contents.items())
+    except OSError:
+        return False
+
+
+def _small_files(files: ComponentFiles, filenames: Iterable[str] | None) -> dict[str, bytes]:
+    listing = files.listdir()
+    wanted = [f for f in listing if not f.endswith(".safetensors")] if filenames is None else list(filenames)
+    out = {}
+    for name in wanted:
+        if name.endswith(".safetensors"):
+            raise DDUFLoadError(f"{files.description}: weights ({name}) are never extracted to disk")
+        out[name] = files.read_bytes(name)
+    return out
+
+
+# --- archive ---------------------------------------------------------------------------------------------
+class ArchiveComponentFiles:
+    """A component folder inside a :class:`DDUFArchive`.
+
+    ``verify`` checks the CRC-32 of every non-weight entry read (they are small); weight data is not
+    hashed on load (that would cost more than the load itself; ``dduf validate --hash`` does it)."""
+
+    def __init__(self, archive: DDUFArchive, component: str, *, use_mmap: bool = True, verify: bool = True,
+                 prefetcher: Prefetcher | None = None):
+        self.archive = archive
+        self.name = component
+        self.description = f"{archive.path}:{component}"
+        self.use_mmap = use_mmap
+        self.verify = verify
+        self._prefetcher = prefetcher
+        self._files = list(archive.component(component).files)
+
+    def __repr__(self) -> str:
+        return f"ArchiveComponentFiles({self.description!r})"
+
+    def listdir(self) -> list[str]:
+        return list(self._files)
+
+    def _entry(self, filename: str) -> str:
+        _check_name(self, filename, self._files)
+        return f"{self.name}/{filename}"
+
+    def read_bytes(self, filename: str) -> bytes:
+        entry = self._entry(filename)
+        data = self.archive.read_bytes(entry)
+        if self.verify and zlib.crc32(data) != self.archive.entry(entry).crc32:
+            raise DDUFIntegrityError(f"{self.archive.path}: entry {entry!r} does not match its CRC-32 (damaged archive)")
+        return data
+
+    def read_json(self, filename: str) -> Any:
+        return json_from_bytes(self.read_bytes(filename), f"{self.description}/{filename}")
+
+    def tensor_infos(self, filenames: Sequence[str]) -> dict[str, tuple[int, TensorInfo]]:
+        """{tensor name: (absolute offset in the archive, info)}: metadata only, nothing read."""
+        out: dict[str, tuple[int, TensorInfo]] = {}
+        for filename in filenames:
+            entry = self._entry(filename)
+            header = self.archive.headers.get(entry)
+            if header is None:
+                raise DDUFFormatError(f"{self.description}/{filename} is not a readable safetensors file")
+            start = self.archive.entry(entry).offset + header.data_start
+            for tname, info in header.tensors.items():
+                if tname in out:
+                    raise DDUFFormatError(f"{self.description}: tensor {tname!r} is stored in two weight files")
+                out[tname] = (start + info.begin, info)
+        return out
+
+    def tensors(self, filenames: Sequence[str]) -> Mapping[str, torch.Tensor]:
+        records = self.tensor_infos(filenames)
+        if not self.use_mmap:
+            return LazyTensors(self.archive.path, records)
+        import torch
+
+        mm = self.archive.mmap
+        return {name: tensor_view(mm, offset, info, torch) for name, (offset, info) in records.items()}
+
+    def byte_ranges(self, filenames: Sequence[str]) -> list[tuple[int, int]]:
+        """(offset, length) of each file's tensor data in the archive, for read-ahead."""
+        out = []
+        for filename in filenames:
+            entry = self._entry(filename)
+            e, header = self.archive.entry(entry), self.archive.headers.get(entry)
+            skip = header.data_start if header is not None else 0
+            out.append((e.offset + skip, e.length - skip))
+        return out
+
+    def prefetch(self, filenames: Sequence[str]) -> None:
+        if self._prefetcher is not None:
+            self._prefetcher.add(self.byte_ranges(filenames))
+
+    def local_dir(self, filenames: Iterable[str] | None = None) -> str:
+        return materialize_files(_small_files(self, filenames))
+
+    def weight_files(self, variant: str | None = None) -> list[str]:
+        return choose_weight_files(self, variant)
+
+
+# --- plain folder ----------------------------------------------------------------------------------------
+class FolderComponentFiles:
+    """A diffusers component folder on disk (``pipeline/unet``), weights memory-mapped per file."""
+
+    def __init__(self, path: str | os.PathLike, name: str | None = None, *, use_mmap: bool = True):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise DDUFLoadError(f"{self.path} is not a component folder")
+        self.name = name or self.path.name
+        self.description = str(self.path)
+        self.use_mmap = use_mmap
+        self._maps: dict[str, tuple[mmap.mmap, SafetensorsHeader]] = {}
+
+    def __repr__(self) -> str:
+        return f"FolderComponentFiles({self.description!r})"
+
+    def listdir(self) -> list[str]:
+        return sorted(n for n in os.listdir(self.path) if not n.startswith(".") and (self.path / n).is_file())
+
+    def read_bytes(self, filename: str) -> bytes:
+        _check_name(self, filename, self.listdir())
+        return (self.path / filename).read_bytes()
+
+    def read_json(self, filename: str) -> Any:
+        return json_from_bytes(self.read_bytes(filename), str(self.path / filename))
+
+    def _open(self, filename: str) -> tuple[mmap.mmap, SafetensorsHeader]:
+        if filename not in self._maps:
+            _check_name(self, filename, self.listdir())
+            where = str(self.path / filename)
+            with open(where, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size == 0:
+                    raise DDUFFormatError(f"{where} is empty, not a safetensors file")
+                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            header, problems = read_safetensors_header(lambda o, n: mm[o : o + n], 0, size, filename)
+            errors = [p for p in problems if p.severity == "error"]
+            if header is None or errors:
+                raise DDUFFormatError(f"{where} is not a valid safetensors file: {(errors or problems)[0]}")
+            self._maps[filename] = (mm, header)
+        return self._maps[filename]
+
+    def tensor_infos(self, filenames: Sequence[str]) -> dict[str, tuple[str, int, TensorInfo]]:
+        out: dict[str, tuple[str, int, TensorInfo]] = {}
+        for filename in filenames:
+            _, header = self._open(filename)
+            for tname, info in header.tensors.items():
+                if tname in out:
+                    raise DDUFFormatError(f"{self.description}: tensor {tname!r} is stored in two weight files")
+                out[tname] = (filename, header.data_start + info.begin, info)
+        return out
+
+    def tensors(self, filenames: Sequence[str]) -> Mapping[str, torch.Tensor]:
+        records = self.tensor_infos(filenames)
+        if not self.use_mmap:
+            return _FolderLazyTensors({f: LazyTensors(str(self.path / f), {}) for f in filenames}, records)
+        import torch
+
+        return {name: tensor_view(self._open(f)[0], offset, info, torch) for name, (f, offset, info) in records.items()}
+
+    def prefetch(self, filenames: Sequence[str]) -> None:
+        pass  # per-file maps: the kernel's own read-ahead on sequential faults does well enough
+
+    def local_dir(self, filenames: Iterable[str] | None = None) -> str:
+        return str(self.path)  # already on disk
+
+    def weight_files(self, variant: str | None = None) -> list[str]:
+        return choose_weight_files(self, variant)
+
+
+class _FolderLazyTensors(Mapping):
+    def __init__(self, readers: dict[str, LazyTensors], records: dict[str, tuple[str, int, TensorInfo]]):
+        self._readers, self._records = readers, records
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        filename, offset, info = self._records[name]
+        reader = self._readers[filename]
+        return pread_tensor(reader._fd, offset, info, reader._path)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._records)
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+
+def tensor_metadata(files: ComponentFiles, filenames: Sequence[str]) -> dict[str, tuple[str, tuple[int, ...], int]]:
+    """{tensor name: (torch dtype name, shape, nbytes)} without reading tensor data where the
+    implementation allows it (protocol objects without ``tensor_infos`` are asked for their tensors)."""
+    infos = getattr(files, "tensor_infos", None)
+    if infos is not None:
+        return {n: (rec[-1].dtype, rec[-1].shape, rec[-1].nbytes) for n, rec in infos(filenames).items()}
+    out = {}
+    for name, t in files.tensors(filenames).items():
+        out[name] = (str(t.dtype).removeprefix("torch."), tuple(t.shape), t.numel() * t.element_size())
+    return out

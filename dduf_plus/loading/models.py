@@ -1,0 +1,240 @@
+"""Build diffusers and transformers models from a component's config and tensors that view the archive.
+
+diffusers models are built on the meta device from their config (``from_config`` under accelerate's
+``init_empty_weights``, as diffusers does) and then given the tensors with ``load_state_dict(assign=True)``:
+parameters *are* the views, nothing is copied. transformers models go through transformers' own loader
+(``from_pretrained(None, config=..., state_dict=...)``), which applies the class's checkpoint key renames,
+weight conversions, tied weights, non-persistent buffers and dtype plan; a tensor it receives in the right
+dtype and device is kept as it is (no copy)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+from ..errors import DDUFLoadError
+from ..format.weights import classify
+from .dtypes import plan_dtypes
+from .files import ComponentFiles, tensor_metadata
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+logger = logging.getLogger("dduf_plus")
+
+QUANTO_QMAP = "quanto_qmap.json"
+Materialize = Callable[..., dict]
+
+
+class ModelRequest:
+    """What the pipeline asks of one model component."""
+
+    def __init__(self, *, variant: str | None, dtype: Any, device: torch.device, declared: Mapping[str, Any] | None,
+                 name_or_path: str, materialize: Materialize):
+        self.variant = variant
+        self.dtype = dtype  # "auto" or a torch.dtype
+        self.device = device
+        self.declared = declared or {}
+        self.name_or_path = name_or_path
+        self.materialize = materialize
+
+
+def pick_weight_files(files: ComponentFiles, variant: str | None, preferred_stem: str) -> list[str]:
+    """The component's weight files; when the folder holds weights under several stems (a repo with both
+    ``model.safetensors`` and ``diffusion_pytorch_model.safetensors``), the library's own stem wins."""
+    chosen = files.weight_files(variant)
+    stems = {w.stem for f in chosen if (w := classify(f)) is not None}
+    if len(stems) > 1:
+        chosen = [f for f in chosen if (w := classify(f)) is not None and w.stem == preferred_stem] or chosen
+    if not chosen:
+        raise DDUFLoadError(f"{files.description}: no safetensors weights (has: {', '.join(files.listdir()) or 'nothing'})")
+    return chosen
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Build under ``dtype`` as diffusers/transformers do: buffers computed at construction (not stored in
+    the checkpoint) then come out in the component's dtype, exactly as theirs."""
+    import torch
+
+    previous = torch.get_default_dtype()
+    if dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+# --- diffusers -------------------------------------------------------------------------------------------
+def diffusers_class_for(cls: type, config: Mapping[str, Any]) -> type:
+    """Legacy classes (``Transformer2DModel``) resolve to the class the config really describes."""
+    try:
+        from diffusers.configuration_utils import LegacyConfigMixin
+        from diffusers.models.model_loading_utils import _fetch_remapped_cls_from_config
+    except ImportError:  # pragma: no cover - older diffusers
+        return cls
+    if issubclass(cls, LegacyConfigMixin):
+        return _fetch_remapped_cls_from_config(dict(config), cls)
+    return cls
+
+
+def build_diffusers_model(cls: type, files: ComponentFiles, request: ModelRequest) -> torch.nn.Module:
+    from accelerate import init_empty_weights
+    from diffusers.models.modeling_utils import no_init_weights
+
+    config = files.read_json(getattr(cls, "config_name", None) or "config.json")
+    if not isinstance(config, dict):
+        raise DDUFLoadError(f"{files.description}: config.json is not a JSON object")
+    if config.get("quantization_config") is not None:
+        raise DDUFLoadError(f"{files.description}: pre-quantized diffusers models (quantization_config) are not "
+                            "supported by load_dduf; load the folder with diffusers")
+    cls = diffusers_class_for(cls, config)
+    if QUANTO_QMAP in files.listdir():
+        return build_quanto(cls, config, files, request, "diffusers", "diffusion_pytorch_model")
+    weight_files = pick_weight_files(files, request.variant, "diffusion_pytorch_model")
+    plan = plan_dtypes(request.dtype, tensor_metadata(files, weight_files), model_cls=cls, library="diffusers",
+                       declared=request.declared, where=files.description)
+    with no_init_weights(), init_empty_weights(), default_dtype(plan.dtype):
+        model = cls.from_config(config)
+    state = dict(request.materialize(files.tensors(weight_files), device=request.device, dtype_for=plan.dtype_for))
+    model._fix_state_dict_keys_on_load(state)  # old attention-block key names, as diffusers renames them
+    result = model.load_state_dict(state, strict=False, assign=True)
+    del state
+    unexpected = list(result.unexpected_keys)
+    for pattern in getattr(cls, "_keys_to_ignore_on_load_unexpected", None) or []:
+        unexpected = [k for k in unexpected if re.search(pattern, k) is None]
+    if unexpected:
+        logger.warning("%s: weights not used by %s: %s", files.description, cls.__name__, ", ".join(sorted(unexpected)[:10]))
+    still_meta = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+    if still_meta:
+        shown = ", ".join(still_meta[:8]) + (f" and {len(still_meta) - 8} more" if len(still_meta) > 8 else "")
+        raise DDUFLoadError(f"{files.description}: weights missing for {cls.__name__}: {shown}")
+    _move_buffers(model, request.device)
+    if plan.storage_dtype is not None:
+        model.enable_layerwise_casting(storage_dtype=plan.storage_dtype, compute_dtype=plan.dtype)
+    model.register_to_config(_name_or_path=request.name_or_path)
+    model.eval()
+    return model
+
+
+def _move_buffers(model: torch.nn.Module, device: torch.device) -> None:
+    """Buffers the checkpoint does not hold were created on CPU at construction; follow the weights."""
+    if device.type == "cpu":
+        return
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and buf.device != device:
+                module._buffers[name] = buf.to(device)
+
+
+# --- transformers ------------------------------------------------------------------------------------------
+def transformers_config(cls: type, config_dict: Mapping[str, Any], where: str) -> Any:
+    """The config object ``cls.from_pretrained(folder)`` would build from ``config.json``, in memory:
+    same sub-config selection (``base_config_key``, nested ``model_type``) as ``PreTrainedConfig.from_pretrained``."""
+    config_class = getattr(cls, "config_class", None)
+    if config_class is None:
+        raise DDUFLoadError(f"{where}: {cls.__name__} declares no config_class")
+    data = dict(config_dict)
+    key = getattr(config_class, "base_config_key", None)
+    if key and isinstance(data.get(key), dict):
+        data = data[key]
+    model_type = getattr(config_class, "model_type", None)
+    if model_type and "model_type" in data and data["model_type"] != model_type:
+        for value in list(data.values()):
+            if isinstance(value, dict) and value.get("model_type") == model_type:
+                data = value
+    return config_class.from_dict(dict(data))
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """transformers draws a "Loading weights" bar per model; a pipeline load shows none of them."""
+    from transformers.utils import logging as tlogging
+
+    enabled = tlogging.is_progress_bar_enabled()
+    if enabled:
+        tlogging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            tlogging.enable_progress_bar()
+
+
+@contextlib.contextmanager
+def _no_allocator_warmup() -> Iterator[None]:
+    """Our tensors are already on the device: transformers' caching-allocator warm-up would reserve a second
+    model-sized block there for nothing."""
+    import transformers.modeling_utils as modeling_utils
+
+    original = getattr(modeling_utils, "caching_allocator_warmup", None)
+    if original is None:
+        yield
+        return
+    modeling_utils.caching_allocator_warmup = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        modeling_utils.caching_allocator_warmup = original
+
+
+def build_transformers_model(cls: type, files: ComponentFiles, request: ModelRequest) -> torch.nn.Module:
+    config_dict = files.read_json("config.json")
+    if not isinstance(config_dict, dict):
+        raise DDUFLoadError(f"{files.description}: config.json is not a JSON object")
+    if QUANTO_QMAP in files.listdir():
+        return build_quanto(cls, config_dict, files, request, "transformers", "model")
+    config = transformers_config(cls, config_dict, files.description)
+    weight_files = pick_weight_files(files, request.variant, "model")
+    plan = plan_dtypes(request.dtype, tensor_metadata(files, weight_files), model_cls=cls, library="transformers",
+                       declared=request.declared, where=files.description)
+    if plan.storage_dtype is not None:
+        raise DDUFLoadError(f"{files.description}: fp8 storage is supported for diffusers models only")
+    state = dict(request.materialize(files.tensors(weight_files), device=request.device, dtype_for=plan.dtype_for))
+    kwargs: dict[str, Any] = {"config": config, "state_dict": state, "dtype": plan.dtype, "output_loading_info": True}
+    if "generation_config.json" in files.listdir() and getattr(cls, "can_generate", lambda: False)():
+        from transformers import GenerationConfig
+
+        kwargs["generation_config"] = GenerationConfig.from_dict(files.read_json("generation_config.json"))
+    on_device = request.device.type != "cpu"
+    if on_device:
+        kwargs["device_map"] = {"": request.device}
+    with _quiet_transformers(), (_no_allocator_warmup() if on_device else contextlib.nullcontext()):
+        model, info = cls.from_pretrained(None, **kwargs)
+    del state, kwargs
+    if info.get("mismatched_keys"):
+        shown = ", ".join(str(k[0] if isinstance(k, tuple) else k) for k in list(info["mismatched_keys"])[:8])
+        raise DDUFLoadError(f"{files.description}: weight shapes do not fit {cls.__name__}'s config: {shown}")
+    if info.get("missing_keys"):
+        # transformers initialises them (its own loader does the same, with the same warning)
+        logger.warning("%s: weights missing for %s, initialised: %s", files.description, cls.__name__,
+                       ", ".join(sorted(info["missing_keys"])[:10]))
+    model.config.name_or_path = request.name_or_path
+    model.eval()
+    return model
+
+
+# --- quantized -----------------------------------------------------------------------------------------------
+def build_quanto(cls: type, config: dict, files: ComponentFiles, request: ModelRequest, library: str,
+                 stem: str) -> torch.nn.Module:
+    """Components saved with optimum-quanto (``quanto_qmap.json`` beside the weights)."""
+    try:
+        from . import quant
+    except ImportError as e:
+        raise DDUFLoadError(f"{files.description} is quantized with optimum-quanto, which is not available ({e}); "
+                            'pip install "dduf_plus[quanto]"') from e
+    weight_files = pick_weight_files(files, request.variant, stem)
+    plan = plan_dtypes(request.dtype, tensor_metadata(files, weight_files), model_cls=cls, library=library,
+                       declared=request.declared, where=files.description)
+    try:
+        model = quant.load_quanto_component(cls, config, files, device=request.device, dtype=plan.dtype)
+    except ImportError as e:
+        raise DDUFLoadError(f"{files.description} needs optimum-quanto ({e}); pip install \"dduf_plus[quanto]\"") from e
+    if hasattr(model, "register_to_config"):
+        model.register_to_config(_name_or_path=request.name_or_path)
+    model.eval()
+    return model

@@ -1,0 +1,291 @@
+"""``load_dduf``: a ready-to-call diffusers pipeline from a DDUF archive, weights viewing the archive's mmap."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from ..errors import DDUFError, DDUFLoadError, DDUFReferenceError
+from ..format.archive import DDUFArchive
+from ..format.source import is_url
+from ..format.weights import variants
+from .bridge import install_bridge
+from .components import build_component, resolve_class
+from .dtypes import AUTO, requested_for, resolve_request
+from .files import ArchiveComponentFiles, ComponentFiles
+from .models import ModelRequest
+from .prefetch import Prefetcher
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+    from diffusers import DiffusionPipeline
+
+logger = logging.getLogger("dduf_plus")
+
+_UNSUPPORTED_DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+def load_dduf(
+    path: str | os.PathLike,
+    torch_dtype: Any = AUTO,
+    *,
+    dtype: Any = None,
+    device: Any = None,
+    device_map: Any = None,
+    variant: str | None = None,
+    refs: Any = None,
+    local_files_only: bool = False,
+    token: str | bool | None = None,
+    revision: str | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    verify: bool = True,
+    use_mmap: bool = True,
+    prefetch: bool = True,
+    **kwargs: Any,
+) -> DiffusionPipeline:
+    """Load the pipeline a ``.dduf`` archive holds, ready to call.
+
+    Models are built on the meta device from their configs and given tensors that view the archive's
+    memory map: on CPU in the saved dtype nothing is copied. Mixed-precision pipelines run as saved
+    through the precision bridge (``dduf_plus.loading.bridge``).
+
+    Args:
+        path: a local ``.dduf`` file.
+        torch_dtype: ``"auto"`` (each component in the dtype it was saved in: see docs/loading.md), a torch
+            dtype, a name (``"bfloat16"``) or {component: dtype, "default": dtype}. ``dtype=`` is an alias.
+        device, device_map: ``"cpu"`` (default), ``"cuda"``, ``"cuda:1"``, or {component: device, "default": ...}.
+        variant: weight variant (``"fp16"``): components that have it load it, the others their default weights.
+        refs, local_files_only, token, revision, cache_dir, verify: how components stored elsewhere
+            (external references) are resolved and checked; ``verify`` also checks the CRC-32 of the
+            archive's small entries.
+        use_mmap: False reads each tensor into its own buffer with ``os.preadv`` (network file systems).
+        prefetch: read the weights in on a background thread while the modules are being built.
+        **kwargs: components to use instead of the archive's (``vae=my_vae``, ``safety_checker=None``) and
+            pipeline ``__init__`` options, as with ``DiffusionPipeline.from_pretrained``.
+
+    Example:
+        >>> pipe = load_dduf("tiny-sd.dduf", torch_dtype="auto")
+        >>> image = pipe("a photo of a cat", num_inference_steps=2).images[0]
+
+    Raises:
+        DDUFValidationError: the file is not a valid DDUF archive (``.findings`` says why).
+        DDUFLoadError: a component cannot be built; the message names it and says what to do.
+        DDUFReferenceError: an external component cannot be resolved.
+    """
+    started = time.perf_counter()
+    path_str = os.fspath(path)
+    if is_url(path_str):
+        raise DDUFLoadError(f"{path_str}: load_dduf reads local files; download it first "
+                            "(huggingface_hub.hf_hub_download)")
+    request = resolve_request(torch_dtype, dtype)
+    device_for = _device_resolver(device, device_map)
+    archive = DDUFArchive(path_str)
+    prefetcher = Prefetcher(archive.mmap) if prefetch and use_mmap else None
+    try:
+        pipe = _load(archive, path_str, request, device_for, variant, prefetcher, kwargs,
+                     resolve_options={"refs": refs, "local_files_only": local_files_only, "token": token,
+                                      "revision": revision, "cache_dir": cache_dir, "verify": verify},
+                     use_mmap=use_mmap, verify=verify)
+        if prefetcher is not None:
+            # Return with the weights resident: on a warm cache this costs milliseconds; on a cold one the
+            # first forward pass would otherwise fault pages in parameter order (random I/O) instead of the
+            # prefetcher's file order.
+            prefetcher.wait()
+    except BaseException:
+        if prefetcher is not None:
+            prefetcher.stop()
+        raise
+    finally:
+        archive.close()  # the tensors keep the mapping alive; the file descriptor is not needed any more
+    logger.info("loaded %s in %.2f s", path_str, time.perf_counter() - started)
+    return pipe
+
+
+def _load(archive: DDUFArchive, path: str, request: Any, device_for: Callable[[str], torch.device],
+          variant: str | None, prefetcher: Prefetcher | None, kwargs: dict[str, Any], *,
+          resolve_options: dict[str, Any], use_mmap: bool, verify: bool) -> DiffusionPipeline:
+    from diffusers import DiffusionPipeline
+
+    model_index = dict(archive.model_index)
+    model_index.pop("_ignore_files", None)
+    pipeline_class = _pipeline_class(model_index, path)
+    expected_modules, optional_kwargs = DiffusionPipeline._get_signature_keys(pipeline_class)
+    passed_components = {k: kwargs.pop(k) for k in expected_modules if k in kwargs}
+    passed_options = {k: kwargs.pop(k) for k in optional_kwargs if k in kwargs}
+    init_dict, unused, _ = pipeline_class.extract_init_dict(model_index, **kwargs)
+    init_kwargs = {k: init_dict.pop(k) for k in optional_kwargs
+                   if k in init_dict and k not in pipeline_class._optional_components}
+    init_kwargs.update(passed_options)
+    to_build = {k: v for k, v in init_dict.items()
+                if isinstance(v, (list, tuple)) and len(v) == 2 and v[0] is not None
+                and not (k in passed_components and passed_components[k] is None)}
+    if unused:
+        logger.warning("keyword arguments %s are not expected by %s and are ignored",
+                       sorted(unused), pipeline_class.__name__)
+
+    stored = archive.components
+    references = archive.references
+    if variant is not None and not any(variant in variants(c.files) for n, c in stored.items() if n in to_build):
+        raise DDUFLoadError(f"{path}: no component has weights of variant {variant!r} "
+                            f"(variants present: {', '.join(sorted(set().union(*(variants(c.files) for c in stored.values())))) or 'none'})")
+    index_components = archive.index.get("components", {}) if isinstance(archive.index, dict) else {}
+
+    sources: dict[str, ComponentFiles] = {}
+    for name in to_build:
+        if name in passed_components:
+            continue
+        sources[name] = _component_files(archive, name, stored, references, resolve_options,
+                                         use_mmap=use_mmap, verify=verify, prefetcher=prefetcher)
+    if prefetcher is not None:  # queue every model's weights now, in build order: I/O overlaps construction
+        for files in sources.values():
+            _queue_prefetch(files, variant)
+
+    for name, (library, class_name) in to_build.items():
+        if name in passed_components:
+            init_kwargs[name] = passed_components[name]
+            continue
+        t0 = time.perf_counter()
+        cls = resolve_class(name, library, class_name)
+        model_request = ModelRequest(
+            variant=variant,
+            dtype=requested_for(request, name),
+            device=device_for(name),
+            declared=index_components.get(name) if isinstance(index_components.get(name), dict) else None,
+            name_or_path=os.path.join(path, name),
+            materialize=_materializer(),
+        )
+        init_kwargs[name] = build_component(cls, sources[name], model_request)
+        logger.debug("built %s (%s) in %.3f s", name, class_name, time.perf_counter() - t0)
+
+    missing = set(expected_modules) - set(init_kwargs)
+    optional = set(pipeline_class._optional_components) | set(passed_components)
+    if missing - optional:
+        raise DDUFLoadError(f"{path}: {pipeline_class.__name__} needs {', '.join(sorted(missing - optional))}, "
+                            "which model_index.json does not provide; pass "
+                            + ", ".join(f"{m}=..." for m in sorted(missing - optional)))
+    for name in missing:
+        init_kwargs[name] = passed_components.get(name)
+    try:
+        pipe = pipeline_class(**init_kwargs)
+    except DDUFError:
+        raise
+    except Exception as e:
+        raise DDUFLoadError(f"{path}: cannot create {pipeline_class.__name__}: {type(e).__name__}: {e}") from e
+    pipe.register_to_config(_name_or_path=path)
+    bridged = install_bridge(pipe)
+    if bridged:
+        logger.info("%s: components in different dtypes, precision bridge on %s", path, ", ".join(bridged))
+    return pipe
+
+
+def _pipeline_class(model_index: Mapping[str, Any], path: str) -> type:
+    import diffusers
+
+    name = model_index.get("_class_name")
+    if not isinstance(name, str):
+        raise DDUFLoadError(f"{path}: model_index.json has no _class_name")
+    cls = getattr(diffusers, name.removeprefix("Flax"), None) if name.isidentifier() else None
+    if not (isinstance(cls, type) and issubclass(cls, diffusers.DiffusionPipeline)):
+        raise DDUFLoadError(f"{path}: model_index.json names the pipeline class {name!r}, which diffusers "
+                            f"{diffusers.__version__} does not have (upgrade diffusers?)")
+    return cls
+
+
+def _component_files(archive: DDUFArchive, name: str, stored: Mapping[str, Any], references: Mapping[str, Any],
+                     resolve_options: dict[str, Any], *, use_mmap: bool, verify: bool,
+                     prefetcher: Prefetcher | None) -> ComponentFiles:
+    if name in references:
+        try:
+            from ..refs.resolve import resolve_component
+        except ModuleNotFoundError as e:
+            if not (e.name or "").startswith("dduf_plus.refs"):
+                raise
+            raise DDUFReferenceError(f"component {name!r} is stored outside {archive.path} "
+                                     f"({_describe_reference(references[name])}) and this dduf_plus cannot resolve "
+                                     f"references; pass it as an argument: load_dduf(..., {name}=...)") from None
+        return resolve_component(name, references[name], **resolve_options)
+    if name in stored and stored[name].files:
+        return ArchiveComponentFiles(archive, name, use_mmap=use_mmap, verify=verify, prefetcher=prefetcher)
+    raise DDUFLoadError(f"component {name!r} is named in model_index.json but {archive.path} neither stores nor "
+                        f"references it; pass it as an argument: load_dduf(..., {name}=...)")
+
+
+def _describe_reference(reference: Any) -> str:
+    if isinstance(reference, Mapping):
+        repo = reference.get("pretrained_model_name_or_path")
+        sub = reference.get("subfolder")
+        return f"{repo}/{sub}" if repo and sub else str(repo or reference)
+    return str(reference)
+
+
+def _queue_prefetch(files: ComponentFiles, variant: str | None) -> None:
+    fetch = getattr(files, "prefetch", None)
+    if fetch is None:
+        return
+    try:
+        fetch(files.weight_files(variant))
+    except DDUFError:
+        pass  # the build reports it, with the component's name
+
+
+def _device_resolver(device: Any, device_map: Any) -> Callable[[str], torch.device]:
+    import torch
+
+    if device is not None and device_map is not None and device != device_map:
+        raise DDUFLoadError(f"device={device!r} and device_map={device_map!r} disagree; pass one of them")
+    value = device if device is not None else device_map
+    if isinstance(value, Mapping):
+        table = {str(k): _parse_device(v) for k, v in value.items()}
+        default = table.get("default", table.get("", torch.device("cpu")))
+        return lambda name: table.get(name, default)
+    one = _parse_device(value if value is not None else "cpu")
+    return lambda name: one
+
+
+def _parse_device(value: Any) -> torch.device:
+    import torch
+
+    if isinstance(value, str) and value in _UNSUPPORTED_DEVICE_MAPS:
+        raise DDUFLoadError(f"device_map={value!r} is not supported; give a device per component "
+                            "(device_map={'unet': 'cuda:0', 'default': 'cuda:1'})")
+    try:
+        dev = torch.device(value) if not isinstance(value, int) else torch.device("cuda", value)
+    except (RuntimeError, TypeError) as e:
+        raise DDUFLoadError(f"device {value!r} is not a torch device: {e}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise DDUFLoadError(f"device {value!r}: CUDA is not available in this torch")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+# --- device / dtype transfer -----------------------------------------------------------------------------------
+def _materializer() -> Callable[..., dict]:
+    """``dduf_plus.loading.transfer.materialize`` (pinned, chunked streaming to CUDA); a plain per-tensor
+    fallback while that module is absent."""
+    try:
+        from .transfer import materialize
+    except ModuleNotFoundError as e:
+        if e.name != f"{__package__}.transfer":
+            raise
+        return _materialize_fallback
+    return materialize
+
+
+def _materialize_fallback(tensors: Mapping[str, torch.Tensor], *, device: torch.device,
+                          dtype_for: Callable[[str, torch.Tensor], torch.dtype | None]) -> dict[str, torch.Tensor]:
+    out = {}
+    for name in tensors:
+        tensor = tensors[name]
+        target = dtype_for(name, tensor)
+        if target is None or target == tensor.dtype:
+            out[name] = tensor if tensor.device == device else tensor.to(device)
+        else:
+            out[name] = tensor.to(device=device, dtype=target)  # one tensor at a time: never two full copies
+    return out
+
+
+__all__ = ["load_dduf"]

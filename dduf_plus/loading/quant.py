@@ -1,0 +1,466 @@
+"""Quantized components: optimum-quanto (``quanto_qmap.json``) and diffusers' ``quantization_config``.
+
+Saving. A module quantized with optimum-quanto (``quantize`` + ``freeze``) has a ``state_dict()`` of plain
+tensors: a quantized weight ``W`` of a layer ``L`` is flattened into ``L.weight._data`` (int8 or float8
+values; for qint4/qint2 the packed uint8 ``L.weight._data._data``), ``L.weight._scale`` and, for
+qint4/qint2, ``L.weight._shift``; every quantized layer adds ``L.input_scale`` / ``L.output_scale``.
+:func:`quanto_state` returns that state dict (contiguous, CPU, unshared) and the quantization map
+(``quanto_qmap.json``, quanto's own name for it); the component folder of the archive holds both.
+
+Loading. quanto's ``requantize`` first materialises every meta parameter as an empty full-precision
+tensor (``torch.empty_like(t, device="cpu")``), then loads the quantized state over it: a qint8 model
+briefly needs its fp32 size in RAM. :func:`load_quanto_component` never does: it builds the model on the
+meta device, swaps the layers the map names for quanto's ``Q*`` layers (still on meta, via
+``qcreate(..., device="meta")``), and loads the stored tensors with ``load_state_dict(assign=True)``, so
+quanto's own ``_load_from_state_dict`` wraps the archive's mmap views into ``WeightQBytesTensor`` /
+``WeightQBitsTensor`` without copying them (qint4 is unpacked to quanto's kernel layout, a
+quantized-sized transient per layer). Peak memory is the quantized size.
+
+Components that carry a diffusers ``quantization_config`` in config.json go through
+:func:`load_with_diffusers_quantizer`: ``quant_method == "quanto"`` (diffusers' QuantoConfig) stores the
+same tensors, so it is rebuilt the same zero-copy way from a map derived from the config; other methods
+(torchao, bitsandbytes, ...) are handed to diffusers' quantizers through ``from_pretrained``.
+
+optimum-quanto is optional (``pip install "dduf_plus[quanto]"``); without it, loading a quanto component
+raises :class:`~dduf_plus.errors.DDUFLoadError` saying so. This module's top level imports neither torch nor
+quanto, so :func:`quanto_index_record` is usable from torch-free packing code."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..errors import DDUFLoadError, DDUFPackError
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+logger = logging.getLogger("dduf_plus")
+
+QMAP_NAME = "quanto_qmap.json"
+INSTALL_HINT = "pip install 'dduf_plus[quanto]'"
+KERNEL_ALIGNMENT = 64  # bytes; quanto's CPU int8 kernel needs 16, AVX-512 paths like 64
+# diffusers' QuantoConfig.weights_dtype -> quanto qtype attribute (diffusers/quantizers/quanto/utils.py)
+_DIFFUSERS_QUANTO_WEIGHTS = {"float8": "qfloat8", "int8": "qint8", "int4": "qint4", "int2": "qint2"}
+# What works without a GPU, as checked for this release (docs/precision.md has the table).
+CPU_BACKENDS = {
+    "quanto": "yes: zero-copy load by dduf_plus (qint8, qfloat8, qint4, qint2 weights)",
+    "bitsandbytes_4bit": "no: diffusers' bitsandbytes quantizer refuses to run without a GPU",
+    "bitsandbytes_8bit": "no: diffusers' bitsandbytes quantizer refuses to run without a GPU",
+    "torchao": "untested: needs torchao>=0.15 (not installable here); int8 weight-only is CPU-capable in torchao",
+    "gguf": "not applicable: DDUF cannot hold .gguf files",
+}
+
+
+# --- torch-free helpers ------------------------------------------------------------------------------
+
+
+def quanto_index_record(qmap: Mapping[str, Any]) -> dict[str, Any]:
+    """The extra index record of a quanto component (for ``write_archive(extra_components=...)``): the
+    map's entry name and which qtypes it uses. Torch-free.
+
+    Example:
+        >>> quanto_index_record({"conv_in": {"weights": "qint8", "activations": "none"}})
+        {'quantization': {'method': 'optimum-quanto', 'map': 'quanto_qmap.json', 'modules': 1, 'weights': ['qint8'], 'activations': []}}
+    """
+    weights = sorted({str(v.get("weights")) for v in qmap.values() if isinstance(v, dict)} - {"none", "None"})
+    acts = sorted({str(v.get("activations")) for v in qmap.values() if isinstance(v, dict)} - {"none", "None"})
+    return {"quantization": {"method": "optimum-quanto", "map": QMAP_NAME, "modules": len(qmap),
+                             "weights": weights, "activations": acts}}
+
+
+def quantization_method(config: Mapping[str, Any]) -> str | None:
+    """``quant_method`` of a config.json's ``quantization_config`` (diffusers/transformers), or None."""
+    qc = config.get("quantization_config") if isinstance(config, Mapping) else None
+    method = qc.get("quant_method") if isinstance(qc, Mapping) else None
+    if method == "bitsandbytes" and isinstance(qc, Mapping):  # diffusers splits bnb by bit width
+        method = "bitsandbytes_4bit" if qc.get("load_in_4bit") else "bitsandbytes_8bit"
+    return method if isinstance(method, str) else None
+
+
+def _require_quanto() -> Any:
+    try:
+        return importlib.import_module("optimum.quanto")
+    except ImportError as e:
+        raise DDUFLoadError(f"this component was quantized with optimum-quanto, which is not installed ({e}); "
+                            f"install it with: {INSTALL_HINT}") from None
+
+
+# --- saving ------------------------------------------------------------------------------------------
+
+
+def aligned_order(nbytes_by_name: Mapping[str, tuple[int, int]]) -> list[str]:
+    """An order for writing tensors into a safetensors file so that as many as possible start on a
+    64-byte boundary of a page-aligned data section, without padding (safetensors forbids holes): tensors
+    whose size is a multiple of 64 first, then the rest, each group widest element first (which keeps
+    every tensor aligned to its element size). ``nbytes_by_name`` maps name -> (nbytes, element size).
+
+    Quantized int8 weights that land misaligned must be copied at load time (quanto's CPU int8 kernel
+    needs aligned data), so a writer of quanto components should use this order."""
+    return sorted(nbytes_by_name, key=lambda n: (nbytes_by_name[n][0] % KERNEL_ALIGNMENT != 0,
+                                                 -nbytes_by_name[n][1], n))
+
+
+def quanto_state(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor], bytes] | None:
+    """The tensors and quantization map to store for a quanto-quantized module, or None when ``module``
+    holds no quanto layer (or optimum-quanto is not installed: then nothing can be quantized).
+
+    Every returned tensor is a plain, contiguous CPU ``torch.Tensor`` whose storage no other entry shares
+    (safetensors' requirement); the names are those ``module.state_dict()`` uses, which are those
+    :func:`load_quanto_component` expects. The map bytes are ``quanto_qmap.json``.
+
+    Example:
+        >>> quantize(pipe.unet, weights=qint8); freeze(pipe.unet)
+        >>> tensors, qmap = quanto_state(pipe.unet)
+        >>> tensors["conv_in.weight._data"].dtype
+        torch.int8
+
+    Raises:
+        DDUFPackError: some quantized layer is not frozen (its weights are still floats: call
+            ``optimum.quanto.freeze(module)`` first).
+    """
+    try:
+        quanto = importlib.import_module("optimum.quanto")
+    except ImportError:
+        return None
+    import torch
+
+    qmap = quanto.quantization_map(module)
+    if not qmap:
+        return None
+    unfrozen = [name for name, m in module.named_modules()
+                if isinstance(m, quanto.QModuleMixin) and m.weight_qtype is not None and not m.frozen]
+    if unfrozen:
+        raise DDUFPackError(f"{len(unfrozen)} quantized layers are not frozen (first: {unfrozen[0]!r}); call "
+                            "optimum.quanto.freeze(model) before saving")
+    out: dict[str, torch.Tensor] = {}
+    storages: set[tuple[int, int]] = set()
+    for name, value in module.state_dict().items():
+        if type(value) is not torch.Tensor:  # quanto flattens its tensors; anything else is a bug upstream
+            raise DDUFPackError(f"{name}: state_dict holds a {type(value).__name__}, not a plain tensor")
+        tensor = value.detach().to("cpu").contiguous()
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        if tensor.numel() and key in storages:
+            tensor = tensor.clone()  # tied/shared storage: safetensors stores each tensor once
+        storages.add((tensor.untyped_storage().data_ptr(), tensor.storage_offset()))
+        out[name] = tensor
+    return out, (json.dumps(qmap, indent=4, sort_keys=True) + "\n").encode()
+
+
+def save_quanto_component(module: torch.nn.Module, folder: str | os.PathLike, *,
+                          weights_name: str | None = None) -> Path:
+    """Write a frozen quanto-quantized model as a component folder ``dduf pack`` takes: its config
+    (``save_config`` / ``config.save_pretrained``), one safetensors file with the tensors in
+    :func:`aligned_order` (so no quantized weight needs a copy at load) and ``quanto_qmap.json``.
+
+    Example:
+        >>> quantize(pipe.unet, weights=qint8); freeze(pipe.unet)
+        >>> pipe.save_pretrained("sd-q8")             # the other components, as usual
+        >>> save_quanto_component(pipe.unet, "sd-q8/unet")
+        >>> # dduf pack sd-q8 -o sd-q8.dduf
+
+    Raises:
+        DDUFPackError: ``module`` holds no quanto layer, or one that is not frozen.
+    """
+    import torch
+
+    folder = Path(folder)
+    state = quanto_state(module)
+    if state is None:
+        raise DDUFPackError(f"{type(module).__name__} holds no optimum-quanto layer (quantize + freeze it first)")
+    tensors, qmap = state
+    folder.mkdir(parents=True, exist_ok=True)
+    for old in folder.glob("*.safetensors*"):
+        old.unlink()  # a previous (unquantized) save's shards would be picked up as weights
+    if hasattr(module, "save_config"):
+        module.save_config(folder)
+    elif getattr(module, "config", None) is not None and hasattr(module.config, "save_pretrained"):
+        module.config.save_pretrained(folder)
+    name = weights_name or ("diffusion_pytorch_model.safetensors" if _is_diffusers_class(type(module))
+                            else "model.safetensors")
+    from ..format import spec
+
+    order = aligned_order({k: (t.nbytes, t.element_size()) for k, t in tensors.items()})
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    position = 0
+    for key in order:
+        t = tensors[key]
+        dtype = spec.DTYPE_BY_TORCH[str(t.dtype).removeprefix("torch.")].safetensors
+        header[key] = {"dtype": dtype, "shape": list(t.shape), "data_offsets": [position, position + t.nbytes]}
+        position += t.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    tmp = folder / f".{name}.partial"
+    with open(tmp, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw)
+        for key in order:  # little-endian hosts, as safetensors requires
+            f.write(tensors[key].reshape(-1).view(torch.uint8).numpy().data)
+    os.replace(tmp, folder / name)
+    (folder / QMAP_NAME).write_bytes(qmap)
+    return folder
+
+
+# --- loading -----------------------------------------------------------------------------------------
+
+
+def _torch_dtype(dtype: Any) -> torch.dtype | None:
+    import torch
+
+    if dtype is None or dtype == "auto":
+        return None
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    value = getattr(torch, str(dtype).removeprefix("torch."), None)
+    if not isinstance(value, torch.dtype):
+        raise DDUFLoadError(f"unknown dtype {dtype!r}")
+    return value
+
+
+def _is_diffusers_class(model_cls: type) -> bool:
+    try:
+        from diffusers import ModelMixin
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(model_cls, type) and issubclass(model_cls, ModelMixin)
+
+
+def _empty_model(model_cls: type, config: Mapping[str, Any], where: str) -> torch.nn.Module:
+    """The model with its parameters on the meta device (buffers stay real: non-persistent ones such
+    as position ids are not in the archive and must exist)."""
+    from accelerate import init_empty_weights
+
+    config = {k: v for k, v in config.items() if k != "quantization_config"}
+    try:
+        with init_empty_weights(include_buffers=False):
+            if _is_diffusers_class(model_cls):
+                return model_cls.from_config(config)
+            config_class = getattr(model_cls, "config_class", None)
+            if config_class is None:
+                raise DDUFLoadError(f"{where}: {model_cls.__name__} is neither a diffusers nor a transformers model")
+            return model_cls(config_class.from_dict(config))
+    except DDUFLoadError:
+        raise
+    except Exception as e:  # model code can raise anything for a bad config
+        raise DDUFLoadError(f"{where}: cannot build {model_cls.__name__} from its config: {e}") from e
+
+
+def _check_qmap(qmap: Any, quanto: Any, where: str) -> dict[str, dict[str, Any]]:
+    if not isinstance(qmap, dict):
+        raise DDUFLoadError(f"{where}: {QMAP_NAME} must be a JSON object")
+    for name, entry in qmap.items():
+        if not isinstance(entry, dict):
+            raise DDUFLoadError(f"{where}: {QMAP_NAME} entry {name!r} is not an object")
+        for key in ("weights", "activations"):
+            value = entry.get(key, "none")
+            if value not in ("none", None) and value not in quanto.tensor.qtypes:
+                raise DDUFLoadError(f"{where}: {QMAP_NAME} entry {name!r}: unknown {key} qtype {value!r} "
+                                    f"(known: {', '.join(sorted(quanto.tensor.qtypes))})")
+    return qmap
+
+
+def _quantize_skeleton(model: torch.nn.Module, qmap: Mapping[str, Mapping[str, Any]], quanto: Any,
+                       where: str) -> None:
+    """Replace the layers the map names with quanto layers, on the meta device: no weight is allocated
+    (quanto's ``requantize`` would create empty full-precision tensors here)."""
+    from optimum.quanto.nn.qmodule import _QMODULE_TABLE
+    from optimum.quanto.quantize import set_module_by_name
+
+    for name, entry in qmap.items():
+        try:
+            module = model.get_submodule(name)
+        except AttributeError:
+            raise DDUFLoadError(f"{where}: {QMAP_NAME} names {name!r}, which the model does not have") from None
+        weights = entry.get("weights") if entry.get("weights") not in ("none", None) else None
+        activations = entry.get("activations") if entry.get("activations") not in ("none", None) else None
+        qcls = next((q for base, q in _QMODULE_TABLE.items() if isinstance(module, base)), None)
+        if qcls is None:
+            raise DDUFLoadError(f"{where}: quanto has no quantized form of {name!r} ({type(module).__name__})")
+        qmodule = qcls.qcreate(module, weights, activations, None, device="meta")
+        if qmodule is None:
+            raise DDUFLoadError(f"{where}: quanto cannot quantize {name!r} with {entry}")
+        qmodule.name = name
+        set_module_by_name(model, name, qmodule)
+
+
+def _expected_keys(model: torch.nn.Module, quanto: Any) -> set[str]:
+    """State-dict keys of the quantized model, from the meta skeleton (nothing materialised)."""
+    keys: set[str] = set()
+    for prefix, module in model.named_modules():
+        dot = f"{prefix}." if prefix else ""
+        for name, param in module.named_parameters(recurse=False):
+            if name == "weight" and isinstance(module, quanto.QModuleMixin) and module.weight_qtype is not None:
+                if module.weight_qtype.bits == 8:
+                    keys.update({f"{dot}weight._data", f"{dot}weight._scale"})
+                else:
+                    keys.update({f"{dot}weight._data._data", f"{dot}weight._scale", f"{dot}weight._shift"})
+            elif param is not None:
+                keys.add(dot + name)
+        for name, buf in module.named_buffers(recurse=False):
+            if buf is not None and name not in module._non_persistent_buffers_set:
+                keys.add(dot + name)
+    return keys
+
+
+def _tied_keys(model: torch.nn.Module) -> set[str]:
+    tied = getattr(model, "_tied_weights_keys", None)
+    if isinstance(tied, Mapping):
+        return set(tied)
+    return set(tied or [])
+
+
+def load_quanto_component(
+    model_cls: type,
+    config: Mapping[str, Any],
+    files: Any,
+    *,
+    device: Any = None,
+    dtype: Any = None,
+    variant: str | None = None,
+    qmap: Mapping[str, Any] | None = None,
+) -> torch.nn.Module:
+    """Build a quanto-quantized component from its config, quantization map and stored quantized tensors,
+    without allocating any full-precision weight.
+
+    Args:
+        model_cls: the component's class (diffusers ``ModelMixin`` or transformers ``PreTrainedModel``).
+        config: its config.json as a dict.
+        files: the component's files (``ComponentFiles``: ``read_json``, ``weight_files``, ``tensors``); the
+            tensors it returns should view the archive's mmap, which this function keeps (zero copy).
+        device: where to put the model (default: CPU, where the mmap views are).
+        dtype: compute dtype; None or ``"auto"`` keeps the stored one (the dtype of the quantization
+            scales). Another dtype casts the scales and the unquantized floating tensors only.
+        variant: weight variant to read.
+        qmap: the quantization map (default: the component's ``quanto_qmap.json``).
+
+    Example:
+        >>> unet = load_quanto_component(UNet2DConditionModel, config, files, dtype="auto")
+
+    Raises:
+        DDUFLoadError: optimum-quanto missing (with the install command), a malformed map, tensors missing
+            or unexpected, or a layer quanto cannot build.
+    """
+    quanto = _require_quanto()
+    import torch
+
+    where = getattr(files, "description", None) or getattr(files, "name", "component")
+    if qmap is None:
+        try:
+            qmap = files.read_json(QMAP_NAME)
+        except Exception as e:  # the protocol's own errors: missing entry, bad JSON
+            raise DDUFLoadError(f"{where}: cannot read {QMAP_NAME}: {e}") from e
+    qmap = _check_qmap(qmap, quanto, where)
+    target_dtype = _torch_dtype(dtype)
+    model = _empty_model(model_cls, config, where)
+    _quantize_skeleton(model, qmap, quanto, where)
+    expected = _expected_keys(model, quanto)
+
+    state = dict(files.tensors(files.weight_files(variant)))
+    missing = expected - set(state) - _tied_keys(model)
+    unexpected = set(state) - expected
+    if missing or unexpected:
+        shown = ", ".join(sorted(missing)[:5]) or "-"
+        extra = ", ".join(sorted(unexpected)[:5]) or "-"
+        raise DDUFLoadError(f"{where}: stored tensors do not match the quantized {model_cls.__name__} "
+                            f"({len(missing)} missing: {shown}; {len(unexpected)} unexpected: {extra})")
+    realigned = 0
+    for key, tensor in state.items():
+        # quanto runs bf16 x int8 on CPU with torch._weight_int8pack_mm, which crashes (SIGSEGV) on int8
+        # weights that are not 16-byte aligned. Only that path needs them aligned; a file written in
+        # aligned_order() order (save_quanto_component does) needs no copy.
+        scale = state.get(key[: -len("_data")] + "_scale") if key.endswith("._data") else None
+        if (tensor.dtype == torch.int8 and scale is not None and scale.dtype == torch.bfloat16
+                and (target_dtype in (None, torch.bfloat16)) and tensor.data_ptr() % KERNEL_ALIGNMENT):
+            state[key] = tensor.clone()
+            realigned += tensor.nbytes
+    if realigned:
+        logger.info("%s: copied %d bytes of int8 weights not aligned for quanto's bf16 kernel", where, realigned)
+    if target_dtype is not None:
+        keep = set(getattr(model, "_keep_in_fp32_modules", None) or [])
+        for key, tensor in state.items():
+            # Quantized values (`._data`) keep their integer/fp8 dtype; scales, shifts, biases and
+            # unquantized layers take the compute dtype, except modules the class keeps in fp32.
+            if (tensor.is_floating_point() and tensor.dtype != target_dtype and "._data" not in key
+                    and not any(m in key.split(".") for m in keep)):
+                state[key] = tensor.to(target_dtype)
+    # assign=True: quanto's QModuleMixin._load_from_state_dict wraps the stored `_data`/`_scale` views
+    # into its weight tensors and assigns them; every other tensor is assigned as is (no copy).
+    model.load_state_dict(state, strict=False, assign=True)
+    if _tied_keys(model) and hasattr(model, "tie_weights"):
+        model.tie_weights()
+    on_meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if on_meta:
+        raise DDUFLoadError(f"{where}: {len(on_meta)} tensors were not loaded (first: {on_meta[0]})")
+    model.requires_grad_(False)
+    model.eval()
+    if device is not None and torch.device(device).type != "cpu":
+        model.to(device)  # quanto moves _data/_scale and picks the device's kernels (Marlin, AWQ, ...)
+    return model
+
+
+def quanto_qmap_from_config(model: torch.nn.Module, quantization_config: Mapping[str, Any]) -> dict[str, Any]:
+    """The quantization map implied by diffusers' ``QuantoConfig`` for ``model``: the same layers
+    diffusers' ``_replace_with_quanto_layers`` converts (every ``nn.Linear`` whose own name is not in
+    ``modules_to_not_convert`` or the class' ``_keep_in_fp32_modules``)."""
+    import torch
+
+    quanto = _require_quanto()
+    weights = _DIFFUSERS_QUANTO_WEIGHTS.get(str(quantization_config.get("weights_dtype")))
+    if weights is None:
+        raise DDUFLoadError(f"quanto quantization_config: unknown weights_dtype {quantization_config.get('weights_dtype')!r}")
+    qtype_name = getattr(quanto, weights).name
+    skip = quantization_config.get("modules_to_not_convert") or []
+    skip = [skip] if isinstance(skip, str) else list(skip)
+    skip += list(getattr(model, "_keep_in_fp32_modules", None) or [])
+    return {name: {"weights": qtype_name, "activations": "none"}
+            for name, module in model.named_modules()
+            if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] not in skip}
+
+
+def load_with_diffusers_quantizer(
+    model_cls: type,
+    config: Mapping[str, Any],
+    files: Any,
+    *,
+    device: Any = None,
+    dtype: Any = None,
+    variant: str | None = None,
+) -> torch.nn.Module:
+    """Load a component whose config.json holds a ``quantization_config``.
+
+    ``quant_method == "quanto"`` is rebuilt zero-copy by :func:`load_quanto_component`; every other method
+    is passed to ``model_cls.from_pretrained`` on ``files.local_dir(...)`` so that diffusers' (or
+    transformers') quantizer for it runs. See :data:`CPU_BACKENDS` for what works without a GPU.
+
+    Raises:
+        DDUFLoadError: the quantizer's library is missing or refuses this machine (the message says which).
+    """
+    where = getattr(files, "description", None) or getattr(files, "name", "component")
+    method = quantization_method(config)
+    if method is None:
+        raise DDUFLoadError(f"{where}: config.json has no quantization_config.quant_method")
+    if method == "quanto":
+        _require_quanto()
+        skeleton = _empty_model(model_cls, config, where)
+        qmap = quanto_qmap_from_config(skeleton, config["quantization_config"])
+        del skeleton
+        return load_quanto_component(model_cls, config, files, device=device, dtype=dtype, variant=variant,
+                                     qmap=qmap)
+    target_dtype = _torch_dtype(dtype)
+    folder = files.local_dir(files.listdir())
+    kwargs: dict[str, Any] = {}
+    if target_dtype is not None:
+        kwargs["torch_dtype" if _is_diffusers_class(model_cls) else "dtype"] = target_dtype
+    if device is not None:
+        kwargs["device_map"] = str(device)
+    if variant is not None:
+        kwargs["variant"] = variant
+    try:
+        return model_cls.from_pretrained(folder, **kwargs)
+    except (ImportError, RuntimeError, ValueError) as e:
+        hint = CPU_BACKENDS.get(method, "untested backend")
+        raise DDUFLoadError(f"{where}: diffusers' {method} quantizer failed ({e}); CPU support: {hint}") from e

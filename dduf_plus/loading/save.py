@@ -1,0 +1,375 @@
+"""save_dduf: write an in-memory diffusers pipeline as a DDUF archive, streaming the weights.
+
+Each model's tensors go from the module straight into the archive: the safetensors header is computed
+from names, dtypes and shapes, then every tensor's bytes are handed to the writer as a view of the
+parameter itself (a converted copy of ONE tensor when ``dtype=`` changes it). No full copy of the
+weights is ever built and no weights touch a temporary folder. Small non-weight files (configs,
+tokenizer and scheduler files) come from each component's own save logic, through a temp dir.
+
+The bytes equal what ``pipeline.save_pretrained`` writes (same tensor names after transformers'
+checkpoint conversion, same header layout as ``safetensors.torch.save_file``), except that each model
+is one unsharded file: DDUF entries are ZIP64, so no size limit calls for shards."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import json
+import logging
+import os
+import re
+import sys
+import tempfile
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import DDUFPackError
+from ..format import spec
+from ..format.pack import EntrySource, PackResult, Skipped, write_archive
+from ..format.safetensors_header import parse_header
+
+logger = logging.getLogger("dduf_plus")
+
+PIECE_BYTES = 64 << 20  # big tensors are handed to the writer in slices: smooth progress, same bytes
+FLOATING_TO_CONVERT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # fp8/ints: never
+
+# safetensors sorts tensors by dtype (descending, in the order of its Rust ``Dtype`` enum) then by name.
+# Measured from safetensors 0.8's output; tests/test_save.py checks it against ``safetensors.torch.save``.
+_SAFETENSORS_DTYPE_ORDER = ("BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0",
+                            "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "C64", "F64", "I64", "U64")
+_DTYPE_RANK = {name: rank for rank, name in enumerate(_SAFETENSORS_DTYPE_ORDER)}
+_VARIANT = re.compile(r"^[A-Za-z0-9_]+$")  # what the weight-file naming rule (format/weights.py) parses back
+
+
+def save_dduf(
+    pipeline: Any,
+    path: str | os.PathLike,
+    *,
+    variant: str | None = None,
+    dtype: Any = None,
+    quiet: bool = False,
+) -> PackResult:
+    """Write ``pipeline`` (a diffusers ``DiffusionPipeline``) to ``path`` as a DDUF archive.
+
+    ``variant`` names the weight files as ``save_pretrained(variant=...)`` does
+    (``diffusion_pytorch_model.fp16.safetensors``). ``dtype`` converts floating tensors (fp16/bf16/fp32/
+    fp64; never fp8 or integers) while streaming, tensor by tensor: a torch dtype, its name, or a dict
+    per component with a ``"default"`` entry. Modules a model keeps in fp32 (``_keep_in_fp32_modules``)
+    are not downcast.
+
+    Example:
+        >>> pipe = StableDiffusionPipeline.from_pretrained("stable-diffusion-v1-5", dtype=torch.float16)
+        >>> save_dduf(pipe, "sd15.dduf").bytes_written
+
+    Raises:
+        DDUFPackError: a component cannot be written as DDUF (unsupported kind, quantized or offloaded
+            weights, files DDUF forbids, no config).
+    """
+    if variant is not None and not _VARIANT.match(variant):
+        raise DDUFPackError(f"variant {variant!r}: use letters, digits and underscores only")
+    model_index_bytes = pipeline.to_json_string().encode("utf-8")  # what pipeline.save_config writes
+    model_index = json.loads(model_index_bytes)
+    sources: list[EntrySource] = []
+    skipped: list[Skipped] = []
+    for name, component in _saveable_components(pipeline, model_index).items():
+        target = _component_dtype(dtype, name)
+        comp_sources, comp_skipped = _component_sources(name, component, variant, target)
+        sources.extend(comp_sources)
+        skipped.extend(comp_skipped)
+    for item in skipped:
+        logger.warning("save_dduf: not stored: %s (%s)", item.path, item.reason)
+    return write_archive(path, model_index, model_index_bytes, sources, skipped=skipped, quiet=quiet)
+
+
+# --- which components, and how -----------------------------------------------------------------------
+def _saveable_components(pipeline: Any, model_index: Mapping[str, Any]) -> dict[str, Any]:
+    """The components ``DiffusionPipeline.save_pretrained`` would save, with the same rules."""
+    expected, _optional = pipeline._get_signature_keys(pipeline)
+    out = {}
+    for name, value in model_index.items():
+        if name.startswith("_") or name not in expected:
+            continue
+        if not (isinstance(value, list) and len(value) == 2) or value[0] is None:
+            continue  # null optional component or a plain config value
+        component = getattr(pipeline, name, None)
+        if component is None:
+            continue
+        out[name] = _unwrap(component)
+    return out
+
+
+def _unwrap(component: Any) -> Any:
+    return getattr(component, "_orig_mod", component)  # torch.compile wrapper
+
+
+def _component_dtype(dtype: Any, name: str) -> torch.dtype | None:
+    if isinstance(dtype, Mapping):
+        dtype = dtype.get(name, dtype.get("default"))
+    if dtype is None:
+        return None
+    if isinstance(dtype, str):
+        resolved = getattr(torch, dtype.removeprefix("torch."), None)
+        if not isinstance(resolved, torch.dtype):
+            raise DDUFPackError(f"dtype {dtype!r} is not a torch dtype")
+        return resolved
+    if not isinstance(dtype, torch.dtype):
+        raise DDUFPackError(f"dtype must be a torch dtype, its name or a dict of them, not {dtype!r}")
+    return dtype
+
+
+def _component_sources(
+    name: str, component: Any, variant: str | None, dtype: torch.dtype | None
+) -> tuple[list[EntrySource], list[Skipped]]:
+    from diffusers import ModelMixin
+
+    transformers_model = _transformers_model_class()
+    with tempfile.TemporaryDirectory(prefix="dduf-save-") as tmp:
+        folder = Path(tmp) / name
+        folder.mkdir()
+        weights: EntrySource | None = None
+        if isinstance(component, ModelMixin):
+            _refuse_quantized(name, component)
+            component.save_config(folder)  # exactly ModelMixin.save_pretrained's config step
+            state = component.state_dict()
+            keep = _keep_in_fp32(component)
+            weights = weight_source(f"{name}/{_weights_name('diffusion_pytorch_model.safetensors', variant)}",
+                                    state, dtype_for=_dtype_rule(dtype, keep), what=name)
+        elif transformers_model is not None and isinstance(component, transformers_model):
+            _refuse_quantized(name, component)
+            state = transformers_checkpoint(component)
+            keep = _keep_in_fp32(component)
+            rule = _dtype_rule(dtype, keep)
+            _save_transformers_configs(component, folder, dtype or component.dtype)
+            weights = weight_source(f"{name}/{_weights_name('model.safetensors', variant)}", state,
+                                    dtype_for=rule, what=name)
+        elif isinstance(component, torch.nn.Module) and any(True for _ in component.parameters()):
+            raise DDUFPackError(f"component {name!r} ({type(component).__name__}) is a torch module that is "
+                                "neither a diffusers nor a transformers model: save_dduf cannot stream its weights")
+        else:
+            _save_small_component(name, component, folder, variant)
+        sources, skipped = _collect_small_files(name, folder)
+    if weights is not None:
+        sources.append(weights)
+    names = {s.name.split("/", 1)[1] for s in sources}
+    if not names & set(spec.CONFIG_FILES):
+        raise DDUFPackError(f"component {name!r} ({type(component).__name__}) saved no config file "
+                            f"(one of {', '.join(spec.CONFIG_FILES)}); DDUF needs one per component folder")
+    return sources, skipped
+
+
+def _transformers_model_class() -> type | None:
+    if "transformers" not in sys.modules:
+        return None  # a pipeline without transformers components never imported it
+    from transformers import PreTrainedModel
+
+    return PreTrainedModel
+
+
+def _weights_name(name: str, variant: str | None) -> str:
+    if not variant:
+        return name
+    stem, ext = name.rsplit(".", 1)
+    return f"{stem}.{variant}.{ext}"
+
+
+def _refuse_quantized(name: str, model: Any) -> None:
+    if getattr(model, "hf_quantizer", None) is not None or getattr(model, "is_quantized", False):
+        raise DDUFPackError(f"component {name!r} is quantized; save_dduf streams plain weights only "
+                            "(save it with its quantizer's save_pretrained and pack the folder)")
+
+
+def _keep_in_fp32(model: Any) -> tuple[str, ...]:
+    keep = getattr(model, "_keep_in_fp32_modules", None) or ()
+    return tuple(sorted(keep))
+
+
+def _dtype_rule(dtype: torch.dtype | None, keep_fp32: tuple[str, ...]):
+    """(name, tensor) -> dtype to store, or None to keep. Same keep-in-fp32 test as diffusers' loader:
+    a module name appearing as a component of the tensor's dotted name."""
+    def rule(name: str, tensor: torch.Tensor) -> torch.dtype | None:
+        if dtype is None or tensor.dtype == dtype or tensor.dtype not in FLOATING_TO_CONVERT:
+            return None
+        if keep_fp32 and any(m in name.split(".") for m in keep_fp32) and tensor.dtype == torch.float32:
+            return None
+        return dtype
+
+    return rule
+
+
+def _save_transformers_configs(model: Any, folder: Path, dtype: torch.dtype) -> None:
+    """PreTrainedModel.save_pretrained's config step, on a copy (it would mutate the live config)."""
+    config = copy.deepcopy(model.config)
+    config.dtype = str(dtype).split(".")[1]
+    config.architectures = [type(model).__name__.removeprefix("FSDP")]
+    config.save_pretrained(folder)
+    can_generate = getattr(model, "can_generate", None)
+    if callable(can_generate) and can_generate() and getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(folder)
+
+
+def _save_small_component(name: str, component: Any, folder: Path, variant: str | None) -> None:
+    """Tokenizers, schedulers, processors: their own save method, found as diffusers finds it."""
+    method_name = _save_method_name(component)
+    if method_name is None:
+        raise DDUFPackError(f"component {name!r} ({type(component).__name__}) has no known save method")
+    method = getattr(component, method_name)
+    params = inspect.signature(method).parameters
+    kwargs: dict[str, Any] = {}
+    if "safe_serialization" in params:
+        kwargs["safe_serialization"] = True
+    if "variant" in params:
+        kwargs["variant"] = variant
+    method(str(folder), **kwargs)
+
+
+def _save_method_name(component: Any) -> str | None:
+    import importlib
+
+    from diffusers.pipelines.pipeline_loading_utils import LOADABLE_CLASSES
+
+    for library_name, classes in LOADABLE_CLASSES.items():
+        if library_name not in sys.modules:
+            continue  # a component of a library never imported cannot be an instance of its classes
+        library = importlib.import_module(library_name)
+        for base_name, methods in classes.items():
+            base = getattr(library, base_name, None)
+            if isinstance(base, type) and isinstance(component, base):
+                return methods[0]
+    return "save_pretrained" if callable(getattr(component, "save_pretrained", None)) else None
+
+
+def _collect_small_files(name: str, folder: Path) -> tuple[list[EntrySource], list[Skipped]]:
+    sources, skipped = [], []
+    for path in sorted(folder.iterdir()):
+        rel = f"{name}/{path.name}"
+        if path.is_dir():
+            raise DDUFPackError(f"component {name!r}: its save method wrote a sub-folder {path.name!r}, "
+                                "which DDUF cannot hold")
+        if not path.name.endswith(spec.ALLOWED_EXTENSIONS):
+            skipped.append(Skipped(rel, "file type not allowed in DDUF"))
+            continue
+        if path.name.endswith(".safetensors"):  # a small component with weights we did not plan for
+            raise DDUFPackError(f"component {name!r}: unexpected weights file {path.name}")
+        sources.append(EntrySource(rel, data=path.read_bytes()))
+    return sources, skipped
+
+
+# --- transformers: the state dict save_pretrained writes ---------------------------------------------
+def transformers_checkpoint(model: Any) -> dict[str, torch.Tensor]:
+    """The tensors ``PreTrainedModel.save_pretrained`` writes, by the names it writes them under:
+    ignored keys dropped, tied weights removed (by transformers' own rule), and the load-time key
+    renaming reverted (transformers 5 ``revert_weight_conversion``). No tensor data is copied except by
+    conversions that merge or split tensors (none in the usual diffusion text encoders)."""
+    from transformers import modeling_utils
+
+    state = model.state_dict()
+    for key in getattr(model, "_keys_to_ignore_on_save", None) or ():
+        state.pop(key, None)
+    for tname, tensor in state.items():
+        if tensor.device.type == "meta":
+            raise DDUFPackError(f"{type(model).__name__}.{tname} is on the meta device (offloaded?): "
+                                "move the model to a real device before saving")
+    remove_tied = getattr(modeling_utils, "remove_tied_weights_from_state_dict", None)
+    if remove_tied is not None:
+        kept = remove_tied(_storage_tokens(state), model)
+        state = {k: state[k] for k in kept}
+    else:  # transformers 4: drop exact aliases, keeping the first name
+        seen: set[tuple[Any, ...]] = set()
+        state = {k: t for k, t in state.items() if not (_area(t) in seen or seen.add(_area(t)))}
+    revert = getattr(modeling_utils, "revert_weight_conversion", None)
+    if revert is not None:
+        state = revert(model, state)
+    return state
+
+
+def _area(t: torch.Tensor) -> tuple[Any, ...]:
+    return (t.device, t.data_ptr(), t.nbytes, t.dtype, tuple(t.shape))
+
+
+def _storage_tokens(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One tiny tensor per distinct memory area, shared by exact aliases (tied weights).
+
+    transformers decides tied weights by storage identity and clones "disjoint views of one storage";
+    weights materialized into one flat buffer per component (our CUDA path) would all look shared and
+    be cloned, doubling memory. Tokens keep its policy for true aliases and make views independent."""
+    tokens: dict[tuple[Any, ...], torch.Tensor] = {}
+    return {name: tokens.setdefault(_area(t), torch.empty(1)) for name, t in state.items()}
+
+
+# --- safetensors bytes, streamed ---------------------------------------------------------------------
+def weight_source(
+    entry: str,
+    state: Mapping[str, torch.Tensor],
+    *,
+    dtype_for=None,
+    metadata: Mapping[str, str] | None = None,
+    what: str = "",
+) -> EntrySource:
+    """An :class:`EntrySource` whose chunks are a safetensors file of ``state``, byte-identical to
+    ``safetensors.torch.save(state, metadata)``, produced tensor by tensor without a full copy."""
+    dtype_for = dtype_for or (lambda name, tensor: None)
+    metadata = {"format": "pt"} if metadata is None else dict(metadata)
+    plan: list[tuple[str, torch.Tensor, torch.dtype]] = []
+    for name, tensor in state.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise DDUFPackError(f"{what}: state dict entry {name!r} is not a tensor")
+        plan.append((name, tensor, dtype_for(name, tensor) or tensor.dtype))
+    plan.sort(key=lambda p: (-_DTYPE_RANK[_st_dtype(p[2], what)], p[0]))
+    raw, data_size = _header_json(plan, metadata)
+    size = 8 + len(raw) + data_size
+    header, problems = parse_header(raw, len(raw), size, entry)
+    errors = [p for p in problems if p.severity == "error"]
+    if header is None or errors:  # our own bug, not the user's: say so plainly
+        raise DDUFPackError(f"{entry}: computed safetensors header is invalid: {(errors or problems)[0]}")
+
+    def chunks() -> Iterator[Any]:
+        yield len(raw).to_bytes(8, "little") + raw
+        for _name, tensor, target in plan:
+            yield from tensor_bytes(tensor, target)
+
+    return EntrySource(entry, size=size, chunks=chunks, header=header)
+
+
+def _st_dtype(dtype: torch.dtype, what: str) -> str:
+    name = str(dtype).removeprefix("torch.")
+    info = spec.DTYPE_BY_TORCH.get(name)
+    if info is None or info.safetensors not in _DTYPE_RANK:
+        raise DDUFPackError(f"{what}: dtype {name} cannot be stored in safetensors")
+    return info.safetensors
+
+
+def _header_json(plan: list[tuple[str, torch.Tensor, torch.dtype]], metadata: Mapping[str, str]) -> tuple[bytes, int]:
+    header: dict[str, Any] = {spec.SAFETENSORS_METADATA_KEY: dict(metadata)} if metadata else {}
+    offset = 0
+    for name, tensor, target in plan:
+        nbytes = tensor.numel() * torch.empty((), dtype=target).element_size()
+        header[name] = {"dtype": _st_dtype(target, name), "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)  # safetensors pads the header to 8 bytes with spaces
+    return raw, offset
+
+
+def tensor_bytes(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> Iterator[memoryview]:
+    """The little-endian bytes of ``tensor`` (converted to ``dtype``), as views: of the tensor itself
+    when it is a contiguous CPU tensor of that dtype, else of one converted / moved copy of it."""
+    t = tensor.detach()
+    if dtype is not None and t.dtype != dtype:
+        t = t.to(dtype)  # on the tensor's own device: a GPU converts faster than the CPU
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.numel() == 0:
+        return
+    if sys.byteorder != "little":  # pragma: no cover - safetensors is little-endian
+        raise DDUFPackError("save_dduf needs a little-endian host")
+    # uint8 view: bf16/fp8 have no numpy dtype, and bytes are bytes.
+    flat = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    for at in range(0, len(flat), PIECE_BYTES):
+        yield flat[at : at + PIECE_BYTES]
+

@@ -1,0 +1,315 @@
+"""Content identity on this machine: hashing with a stat-keyed memory of verified files, and the
+Hugging Face cache layout (``models--org--name/{blobs,snapshots,refs}``).
+
+Standard library only. Nothing here imports huggingface_hub: paths come from the same environment
+variables it reads, evaluated at call time (so tests and long-running processes can change them)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, NamedTuple
+
+logger = logging.getLogger("dduf_plus")
+
+# The Hub stores these in Git LFS by default (its .gitattributes template) and every file over 10 MB:
+# the cache blob of an LFS file is named by its sha256, that of a regular file by its git blob sha1.
+LFS_EXTENSIONS = (".safetensors", ".model", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx")
+LFS_SIZE = 10 * 1000 * 1000
+CHUNK = 8 << 20
+VERIFIED_FILE = "verified.json"
+VERIFIED_VERSION = 1
+MAX_VERIFIED = 50_000  # oldest entries are dropped past this: the memory must stay a small file
+
+
+def _is_true(value: str | None) -> bool:
+    return (value or "").strip().upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def is_offline() -> bool:
+    """HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE, as set now (huggingface_hub reads them once, at import)."""
+    if _is_true(os.environ.get("HF_HUB_OFFLINE")) or _is_true(os.environ.get("TRANSFORMERS_OFFLINE")):
+        return True
+    import sys
+
+    constants = sys.modules.get("huggingface_hub.constants")
+    return bool(getattr(constants, "HF_HUB_OFFLINE", False))
+
+
+def hf_hub_cache() -> Path:
+    """The Hugging Face hub cache folder, resolved like huggingface_hub does (HF_HUB_CACHE, HF_HOME...)."""
+    explicit = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
+    if explicit:
+        return Path(os.path.expandvars(os.path.expanduser(explicit)))
+    return _hf_home() / "hub"
+
+
+def _hf_home() -> Path:
+    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
+    return Path(os.path.expandvars(os.path.expanduser(home)))
+
+
+def hf_cache_dirs(cache_dir: str | os.PathLike | None = None) -> list[Path]:
+    """The caches to search: ``cache_dir`` first when given, then the default one."""
+    out: list[Path] = []
+    for d in ([Path(cache_dir).expanduser()] if cache_dir else []) + [hf_hub_cache()]:
+        if d not in out:
+            out.append(d)
+    return out
+
+
+def dduf_cache_dir() -> Path:
+    """Where dduf_plus.refs keeps verified hashes and views of cache blobs: ``$DDUF_PLUS_CACHE/refs``,
+    else ``$HF_HOME/dduf_plus/refs`` (the loader keeps its extracted tokenizer files beside it)."""
+    explicit = os.environ.get("DDUF_PLUS_CACHE")
+    if explicit:
+        return Path(explicit).expanduser() / "refs"
+    return _hf_home() / "dduf_plus" / "refs"
+
+
+def repo_folder_name(repo_id: str, repo_type: str = "model") -> str:
+    return f"{repo_type}s--" + repo_id.replace("/", "--")
+
+
+def is_lfs_by_default(filename: str, size: int) -> bool:
+    return filename.endswith(LFS_EXTENSIONS) or size >= LFS_SIZE
+
+
+def is_commit(revision: str | None) -> bool:
+    return revision is not None and len(revision) == 40 and all(c in "0123456789abcdef" for c in revision)
+
+
+# --- hashing -----------------------------------------------------------------------------------------
+def sha256_file(path: str | os.PathLike) -> str:
+    with open(path, "rb") as f:
+        if hasattr(hashlib, "file_digest"):  # 3.11+: readinto a reused buffer, GIL released
+            return hashlib.file_digest(f, "sha256").hexdigest()
+        h = hashlib.sha256()
+        for block in iter(lambda: f.read(CHUNK), b""):
+            h.update(block)
+        return h.hexdigest()
+
+
+def git_blob_sha1(data: bytes) -> str:
+    """The git object id of a blob: what the Hub reports (and the cache names blobs) for non-LFS files."""
+    h = hashlib.sha1(b"blob %d\0" % len(data), usedforsecurity=False)
+    h.update(data)
+    return h.hexdigest()
+
+
+def git_blob_sha1_file(path: str | os.PathLike) -> str:
+    return git_blob_sha1(Path(path).read_bytes())
+
+
+class StatKey(NamedTuple):
+    size: int
+    mtime_ns: int
+    inode: int
+
+
+def stat_key(path: str | os.PathLike) -> StatKey:
+    st = os.stat(path)
+    return StatKey(st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+class VerifiedHashes:
+    """sha256 of files already hashed here, keyed by real path and remembered while (size, mtime_ns,
+    inode) stay the same: a second load of a partial archive hashes nothing.
+
+    Entries are also keyed ``<archive>#<entry>`` for members of other .dduf archives. The JSON file is
+    rewritten atomically and merged with what other processes wrote meanwhile."""
+
+    def __init__(self, path: Path | None = None):
+        self.path = path or dduf_cache_dir() / VERIFIED_FILE
+        self._lock = threading.Lock()
+        self._entries: dict[str, list[Any]] | None = None
+        self._dirty: dict[str, list[Any]] = {}
+
+    def _load(self) -> dict[str, list[Any]]:
+        try:
+            data = json.loads(self.path.read_text())
+            if isinstance(data, dict) and data.get("version") == VERIFIED_VERSION and isinstance(data.get("entries"), dict):
+                return data["entries"]
+        except (OSError, ValueError):
+            pass
+        return {}
+
+    @property
+    def entries(self) -> dict[str, list[Any]]:
+        if self._entries is None:
+            self._entries = self._load()
+        return self._entries
+
+    @staticmethod
+    def _key(path: str | os.PathLike, member: str | None) -> str:
+        real = os.path.realpath(path)
+        return f"{real}#{member}" if member else real
+
+    def lookup(self, path: str | os.PathLike, member: str | None = None) -> str | None:
+        """The remembered sha256 of ``path`` (or of ``member`` of archive ``path``) if it is unchanged."""
+        try:
+            key = stat_key(path)
+        except OSError:
+            return None
+        with self._lock:
+            rec = self.entries.get(self._key(path, member))
+        if rec and len(rec) == 4 and StatKey(*rec[:3]) == key:
+            return str(rec[3])
+        return None
+
+    def remember(self, path: str | os.PathLike, sha256: str, member: str | None = None,
+                 key: StatKey | None = None) -> None:
+        try:
+            key = key or stat_key(path)
+        except OSError:
+            return
+        rec = [key.size, key.mtime_ns, key.inode, sha256]
+        with self._lock:
+            self.entries[self._key(path, member)] = rec
+            self._dirty[self._key(path, member)] = rec
+        self.save()
+
+    def sha256(self, path: str | os.PathLike) -> str:
+        """sha256 of a file, hashing it only if it changed (or was never seen) since it was last hashed."""
+        known = self.lookup(path)
+        if known is not None:
+            return known
+        before = stat_key(path)
+        digest = sha256_file(path)
+        if stat_key(path) == before:  # a file written while we read it is not remembered
+            self.remember(path, digest, key=before)
+        return digest
+
+    def save(self) -> None:
+        with self._lock:
+            if not self._dirty:
+                return
+            merged = self._load()
+            merged.update(self._dirty)
+            if len(merged) > MAX_VERIFIED:
+                merged = dict(list(merged.items())[-MAX_VERIFIED:])
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                fd, tmp = tempfile.mkstemp(prefix=".verified.", dir=self.path.parent)
+                with os.fdopen(fd, "w") as f:
+                    json.dump({"version": VERIFIED_VERSION, "entries": merged}, f, separators=(",", ":"))
+                os.replace(tmp, self.path)
+            except OSError as e:  # a read-only home must not break loading: we just hash again next time
+                logger.debug("cannot save verified hashes to %s: %s", self.path, e)
+                return
+            self._entries = merged
+            self._dirty.clear()
+
+
+_VERIFIED: dict[Path, VerifiedHashes] = {}
+
+
+def verified_hashes() -> VerifiedHashes:
+    """The process-wide memory of verified hashes for the current DDUF_PLUS_CACHE."""
+    path = dduf_cache_dir() / VERIFIED_FILE
+    if path not in _VERIFIED:
+        _VERIFIED[path] = VerifiedHashes(path)
+    return _VERIFIED[path]
+
+
+# --- the Hugging Face cache layout ---------------------------------------------------------------------
+def repo_cache(cache: Path, repo_id: str) -> Path:
+    return cache / repo_folder_name(repo_id)
+
+
+def snapshot_dir(cache: Path, repo_id: str, revision: str | None) -> Path | None:
+    """The snapshot folder of ``repo_id`` at ``revision`` (a commit, or a ref such as main), if cached."""
+    root = repo_cache(cache, repo_id)
+    revision = revision or "main"
+    if is_commit(revision):
+        commit = revision
+    else:
+        try:
+            commit = (root / "refs" / revision).read_text().strip()
+        except (OSError, UnicodeDecodeError):
+            return None
+    snap = root / "snapshots" / commit
+    return snap if snap.is_dir() else None
+
+
+def blob_index(caches: Iterable[Path]) -> dict[str, Path]:
+    """{blob name: path} over every ``models--*/blobs`` of the given caches. Only directory listings:
+    blob names are the Hub's sha256 (LFS files) or git sha1 (regular files), nothing is hashed."""
+    out: dict[str, Path] = {}
+    for cache in caches:
+        try:
+            repos = [e for e in os.scandir(cache) if e.is_dir() and e.name.startswith("models--")]
+        except OSError:
+            continue
+        for repo in sorted(repos, key=lambda e: e.name):
+            try:
+                with os.scandir(os.path.join(repo.path, "blobs")) as blobs:
+                    for blob in blobs:
+                        # "<etag>.incomplete" (an interrupted download) never matches a hash
+                        if "." not in blob.name and blob.name not in out:
+                            out[blob.name] = Path(blob.path)
+            except OSError:
+                continue
+    return out
+
+
+def blob_name_of(path: Path) -> str | None:
+    """For a snapshot file (a symlink into ``blobs/``), the blob's name; None for anything else."""
+    try:
+        target = Path(os.path.realpath(path))
+    except OSError:
+        return None
+    return target.name if target.parent.name == "blobs" else None
+
+
+def add_to_hf_cache(
+    folder: str | os.PathLike,
+    repo_id: str,
+    *,
+    cache_dir: str | os.PathLike | None = None,
+    commit: str | None = None,
+    ref: str = "main",
+    files: Mapping[str, str | os.PathLike] | None = None,
+    link: str = "copy",
+) -> Path:
+    """Put a local pipeline folder into a Hugging Face cache as ``repo_id`` (an air-gapped machine, a
+    test, a benchmark): blobs named like the Hub names them, snapshot symlinks, ``refs/<ref>``.
+
+    ``files`` maps repo paths to local files (default: every file under ``folder``); ``link`` is
+    ``"copy"`` or ``"hardlink"`` (falls back to a copy across file systems). Returns the snapshot folder."""
+    cache = Path(cache_dir) if cache_dir else hf_hub_cache()
+    root = repo_cache(cache, repo_id)
+    if files is None:
+        base = Path(folder)
+        files = {p.relative_to(base).as_posix(): p for p in sorted(base.rglob("*")) if p.is_file()}
+    commit = commit or hashlib.sha1(repr(sorted((k, os.fspath(v)) for k, v in files.items())).encode()).hexdigest()
+    snap = root / "snapshots" / commit
+    (root / "blobs").mkdir(parents=True, exist_ok=True)
+    (root / "refs").mkdir(parents=True, exist_ok=True)
+    for rel, src in files.items():
+        src = Path(src)
+        size = src.stat().st_size
+        name = sha256_file(src) if is_lfs_by_default(rel, size) else git_blob_sha1_file(src)
+        blob = root / "blobs" / name
+        if not blob.exists():
+            if link == "hardlink":
+                try:
+                    os.link(src, blob)
+                except OSError:
+                    shutil.copyfile(src, blob)
+            else:
+                shutil.copyfile(src, blob)
+        target = snap / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if target.is_symlink() or target.exists():
+            target.unlink()
+        target.symlink_to(os.path.relpath(blob, target.parent))
+    (root / "refs" / ref).write_text(commit)
+    return snap

@@ -1,0 +1,621 @@
+"""Resolve a component reference to files on this machine, verified by size and sha256.
+
+Order (the loader has already used a component passed as an argument):
+  1. ``refs={name: SPEC}`` (or ``{"*": SPEC}``) given by the caller: only that source is tried;
+  2. the recorded local folder or ``.dduf`` when it exists here;
+  3. the Hugging Face cache: the recorded repo id at the recorded revision;
+  4. the Hugging Face cache by content: any ``models--*/blobs/<hash>`` of any repo (blobs are named by
+     sha256 for LFS files and by git blob sha1 for small files, so finding them hashes nothing);
+  5. a Hub download of only the recorded files, unless offline (HF_HUB_OFFLINE, ``local_files_only``).
+
+Each candidate's files are checked against the reference (size, then sha256, hashed once per file and
+remembered by stat in :mod:`dduf_plus.refs.cache`); a copy that does not match is refused and the next
+candidate tried. Torch-free; the loader's ``ComponentFiles`` classes are imported only by
+:func:`resolve_component`."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from ..errors import DDUFError, DDUFReferenceError
+from . import cache as _cache
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..format.archive import DDUFArchive
+
+logger = logging.getLogger("dduf_plus")
+
+SpecLike = str | os.PathLike
+
+# --- SPEC syntax ---------------------------------------------------------------------------------------
+_REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*(/[A-Za-z0-9_.\-]+)?$")
+_SUBFOLDER = re.compile(r"^[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*$")
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*$")
+_CONFIG_FILES = ("config.json", "tokenizer_config.json", "preprocessor_config.json", "scheduler_config.json")
+
+
+class Spec(NamedTuple):
+    """A parsed SPEC: ``SOURCE[@REVISION][:SUBFOLDER]``.
+
+    kind: ``"hub"`` (location is a repo id), ``"folder"`` or ``"dduf"`` (location is an absolute path).
+    subfolder: component folder inside the source; None means "the component's own name"."""
+
+    kind: str
+    location: str
+    revision: str | None = None
+    subfolder: str | None = None
+
+    def __str__(self) -> str:
+        rev = f"@{self.revision}" if self.revision else ""
+        sub = f":{self.subfolder}" if self.subfolder else ""
+        return f"{self.location}{rev}{sub}"
+
+
+def parse_spec(spec: SpecLike) -> Spec:
+    """Parse ``SOURCE[@REVISION][:SUBFOLDER]``.
+
+    SOURCE is a path ending in ``.dduf``, an existing folder (or any path starting with ``/``, ``.``
+    or ``~``), else a Hub repo id. ``@REVISION`` (branch, tag or commit) applies to repo ids only;
+    ``:SUBFOLDER`` names the component's folder in the source when it differs from the component name
+    (``org/sdxl:text_encoder_2``). A local path wins over a repo id of the same spelling, as in
+    ``from_pretrained``.
+
+    Raises:
+        DDUFReferenceError: SPEC is none of these.
+    """
+    text = os.fspath(spec).strip()
+    if not text:
+        raise DDUFReferenceError("empty reference SPEC")
+    source, subfolder = text, None
+    head, sep, tail = text.rpartition(":")
+    if sep and len(head) > 1 and _SUBFOLDER.match(tail):  # len > 1: "C:dir" is a Windows drive
+        source, subfolder = head, tail
+    if source.endswith(".dduf"):
+        return Spec("dduf", _abspath(source), None, subfolder)
+    if os.path.isdir(os.path.expanduser(source)) or source.startswith(("/", ".", "~", "\\")) or os.path.isabs(source):
+        return Spec("folder", _abspath(source), None, subfolder)
+    repo, _, revision = source.partition("@")
+    if not _REPO_ID.match(repo) or ".." in repo or (_ and not revision):
+        raise DDUFReferenceError(f"reference {text!r} is not an existing folder, a .dduf file or a Hub repo id "
+                                 "(SPEC syntax: SOURCE[@REVISION][:SUBFOLDER])")
+    return Spec("hub", repo, revision or None, subfolder)
+
+
+def _abspath(path: str) -> str:
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def parse_ref_args(values: list[str] | tuple[str, ...] | None) -> dict[str, str]:
+    """CLI ``--ref`` values to a refs mapping: ``SPEC`` -> ``{"*": SPEC}``, ``NAME=SPEC`` -> ``{NAME: SPEC}``.
+
+    ``NAME=`` is recognised when NAME is a component-like identifier (no ``/``); a later value for the
+    same key is an error."""
+    out: dict[str, str] = {}
+    for value in values or ():
+        name, sep, rest = value.partition("=")
+        key, spec = (name, rest) if sep and _NAME.match(name) else ("*", value)
+        if not spec:
+            raise DDUFReferenceError(f"--ref {value!r}: missing SPEC after '='")
+        if key in out:
+            raise DDUFReferenceError(f"--ref given twice for {'all components' if key == '*' else key}")
+        out[key] = spec
+    return out
+
+
+def reference_spec(reference: Mapping[str, Any]) -> Spec | None:
+    """The source a reference records, as a Spec (subfolder filled in); None when it records none."""
+    location = reference.get("pretrained_model_name_or_path")
+    if not location:
+        return None
+    location = str(location)
+    sub = reference.get("subfolder") or None
+    rev = reference.get("revision") or None
+    if location.endswith(".dduf"):
+        return Spec("dduf", location, None, sub)
+    if os.path.isabs(location) or location.startswith((".", "~")) or not _REPO_ID.match(location):
+        return Spec("folder", location, None, sub)
+    return Spec("hub", location, rev, sub)
+
+
+def describe_reference(name: str, reference: Mapping[str, Any]) -> str:
+    spec = reference_spec(reference)
+    if spec is None:
+        return "no source recorded"
+    sub = spec.subfolder or name
+    rev = f"@{spec.revision}" if spec.revision else ""
+    return f"{spec.location}{rev}:{sub}" if sub != name else f"{spec.location}{rev}"
+
+
+# --- the result ----------------------------------------------------------------------------------------
+class Located(NamedTuple):
+    """Where a reference resolved: a folder holding exactly the recorded files, or an archive component."""
+
+    component: str
+    how: str  # "override", "recorded folder", "recorded archive", "hf cache", "hf cache by content", "hub download"
+    source: str  # what was used, for messages ("org/repo@main (/root/.cache/...)")
+    folder: Path | None  # set for every kind except archives
+    archive: Path | None
+    member: str | None  # component folder inside ``archive``
+    files: dict[str, Path]  # recorded filename -> file on disk (empty for archives)
+    verified: bool  # every sha256 checked (now or remembered); False with verify=False or check-only
+
+
+class _Attempt(NamedTuple):
+    what: str
+    problem: str
+    mismatch: bool  # the source had the files, with the wrong content
+
+
+class _Candidate(NamedTuple):
+    how: str
+    source: str
+    # -> ("folder", Path) | ("files", {name: Path}) | ("dduf", (Path, member)) ; or raises _Skip
+    get: Callable[[], tuple[str, Any]]
+
+
+class _Skip(Exception):
+    """A candidate that does not apply here (not cached, path absent): a note for the error message."""
+
+
+class _Options(NamedTuple):
+    verify: bool  # refuse mismatches (else: warn and use)
+    hash_files: bool  # hash what is not yet known (False: dduf refs without --verify)
+    download: bool
+
+
+def _recorded_files(reference: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    files = reference.get("files")
+    if not isinstance(files, dict):
+        return {}
+    return {str(k): v for k, v in files.items() if isinstance(v, dict)}
+
+
+# --- checking ------------------------------------------------------------------------------------------
+def _check_folder_files(component: str, files: Mapping[str, Path], recorded: Mapping[str, Mapping[str, Any]],
+                        source: str, opts: _Options) -> tuple[bool, list[str]]:
+    """Compare files on disk with the reference. Returns (all hashes known and equal, problems)."""
+    hv = _cache.verified_hashes()
+    problems: list[str] = []
+    all_known = True
+    for fname, rec in sorted(recorded.items()):
+        path = files.get(fname)
+        where = f"{component}/{fname} from {source}"
+        if path is None or not path.is_file():
+            problems.append(f"{component}/{fname} is missing in {source}")
+            continue
+        size = path.stat().st_size
+        if rec.get("size") is not None and size != rec["size"]:
+            problems.append(f"{where}: {size} bytes, the reference records {rec['size']}")
+            continue
+        want, want_git = rec.get("sha256"), rec.get("git_sha1")
+        if want:
+            got = hv.lookup(path)
+            if got is None and opts.hash_files and opts.verify:
+                got = hv.sha256(path)
+            if got is None:
+                all_known = False
+            elif got != want:
+                problems.append(f"{where}: sha256 {got} differs from the recorded {want} ({path})")
+        elif want_git:
+            if opts.hash_files and opts.verify:
+                got = _cache.git_blob_sha1_file(path)
+                if got != want_git:
+                    problems.append(f"{where}: git blob sha1 {got} differs from the recorded {want_git} ({path})")
+            else:
+                all_known = False
+        else:
+            all_known = False  # only a size was recorded
+    return all_known and not problems, problems
+
+
+def _check_archive(component: str, archive: DDUFArchive, member: str,
+                   recorded: Mapping[str, Mapping[str, Any]], source: str, opts: _Options) -> tuple[bool, list[str]]:
+    """Entries of another archive against the reference. That archive's own index hashes are claims of
+    its writer, so each entry is hashed here once and remembered by the archive's stat."""
+    hv = _cache.verified_hashes()
+    problems: list[str] = []
+    all_known = True
+    if member not in archive.components:
+        return False, [f"{source} has no component {member!r}"]
+    comp = archive.components[member]
+    if comp.external is not None and not comp.files:
+        return False, [f"{source} does not store {member!r} either (it references it)"]
+    for fname, rec in sorted(recorded.items()):
+        entry_name = f"{member}/{fname}"
+        where = f"{component}/{fname} from {source} (entry {entry_name})"
+        if entry_name not in archive:
+            problems.append(f"{component}/{fname} is missing in {source} (no entry {entry_name})")
+            continue
+        entry = archive.entry(entry_name)
+        if rec.get("size") is not None and entry.length != rec["size"]:
+            problems.append(f"{where}: {entry.length} bytes, the reference records {rec['size']}")
+            continue
+        want = rec.get("sha256")
+        want_git = rec.get("git_sha1")
+        got = hv.lookup(archive.path, member=entry_name)
+        if got is None and opts.hash_files and opts.verify:
+            view = archive.view(entry_name)
+            try:
+                got = hashlib.sha256(view).hexdigest()
+                git = _cache.git_blob_sha1(bytes(view)) if (want_git and not want) else None
+            finally:
+                view.release()
+            hv.remember(archive.path, got, member=entry_name)
+            if git is not None and git != want_git:
+                problems.append(f"{where}: git blob sha1 {git} differs from the recorded {want_git}")
+                continue
+        if want:
+            if got is None:
+                all_known = False
+            elif got != want:
+                problems.append(f"{where}: sha256 {got} differs from the recorded {want}")
+        elif not (want_git and got is not None):
+            all_known = False
+    return all_known and not problems, problems
+
+
+# --- candidates ----------------------------------------------------------------------------------------
+def _folder_candidate(how: str, spec: Spec, name: str, fallback_subfolder: str | None = None) -> _Candidate:
+    """A pipeline folder's component folder. With no explicit subfolder, ``fallback_subfolder`` (the one
+    the reference records) and then ``name`` are tried, and a component folder given directly
+    (``refs={"vae": "/models/vae"}``: a config file, no model_index.json) is accepted too."""
+    subs = [spec.subfolder] if spec.subfolder else list(dict.fromkeys(s for s in (fallback_subfolder, name) if s))
+
+    def get() -> tuple[str, Any]:
+        root = Path(spec.location)
+        if not root.is_dir():
+            raise _Skip(f"{root} does not exist here")
+        for sub in subs:
+            if (root / sub).is_dir():
+                return "folder", root / sub
+        if spec.subfolder is None and not (root / "model_index.json").is_file() and any(
+                (root / c).is_file() for c in _CONFIG_FILES):
+            return "folder", root
+        raise _Skip(f"no {' or '.join(subs)} folder in {root}")
+
+    shown = spec.location + (f":{subs[0]}" if subs[0] != name else "")
+    return _Candidate(how, shown, get)
+
+
+def _dduf_candidate(how: str, spec: Spec, name: str) -> _Candidate:
+    sub = spec.subfolder or name
+
+    def get() -> tuple[str, Any]:
+        if not Path(spec.location).is_file():
+            raise _Skip(f"{spec.location} does not exist here")
+        return "dduf", (Path(spec.location), sub)
+
+    return _Candidate(how, f"{spec.location}" + (f":{sub}" if sub != name else ""), get)
+
+
+def _hf_cache_candidate(spec: Spec, name: str, revision: str | None, cache_dir: str | os.PathLike | None) -> _Candidate:
+    sub = spec.subfolder or name
+    rev = spec.revision or revision or "main"
+
+    def get() -> tuple[str, Any]:
+        for cache in _cache.hf_cache_dirs(cache_dir):
+            snap = _cache.snapshot_dir(cache, spec.location, rev)
+            if snap is not None and (snap / sub).is_dir():
+                return "folder", snap / sub
+        caches = ", ".join(str(c) for c in _cache.hf_cache_dirs(cache_dir))
+        raise _Skip(f"not in the Hugging Face cache ({caches})")
+
+    return _Candidate("hf cache", f"{spec.location}@{rev}:{sub}", get)
+
+
+def _content_candidate(recorded: Mapping[str, Mapping[str, Any]], cache_dir: str | os.PathLike | None) -> _Candidate:
+    def get() -> tuple[str, Any]:
+        if not recorded:
+            raise _Skip("no file hashes recorded")
+        blobs = _cache.blob_index(_cache.hf_cache_dirs(cache_dir))
+        found: dict[str, Path] = {}
+        missing = []
+        for fname, rec in sorted(recorded.items()):
+            keys = [k for k in (rec.get("sha256"), rec.get("git_sha1")) if k]
+            path = next((blobs[k] for k in keys if k in blobs), None)
+            if path is None:
+                missing.append(fname)
+            else:
+                found[fname] = path
+        if missing:
+            raise _Skip(f"{len(missing)} of {len(recorded)} files are in no cached repo ({', '.join(missing[:3])}"
+                        + (", ..." if len(missing) > 3 else "") + ")")
+        return "files", found
+
+    return _Candidate("hf cache by content", "", get)
+
+
+def _glob_escape(name: str) -> str:
+    return re.sub(r"([*?\[])", r"[\1]", name)
+
+
+def _download_candidate(spec: Spec, name: str, recorded: Mapping[str, Mapping[str, Any]], *, revision: str | None,
+                        local_files_only: bool, token: str | bool | None,
+                        cache_dir: str | os.PathLike | None) -> _Candidate:
+    sub = spec.subfolder or name
+    rev = spec.revision or revision
+
+    def get() -> tuple[str, Any]:
+        if local_files_only:
+            raise _Skip("not downloaded: local_files_only=True")
+        if _cache.is_offline():
+            raise _Skip("not downloaded: HF_HUB_OFFLINE is set")
+        try:
+            from huggingface_hub import snapshot_download
+        except ImportError:  # pragma: no cover - a dependency, but keep the message useful
+            raise _Skip("not downloaded: huggingface_hub is not installed") from None
+        patterns = [f"{_glob_escape(sub)}/{_glob_escape(f)}" for f in recorded] or [f"{_glob_escape(sub)}/*"]
+        try:
+            path = snapshot_download(spec.location, revision=rev, allow_patterns=patterns, cache_dir=cache_dir,
+                                     token=token)
+        except Exception as e:  # every hub/network error: report it, never retry here
+            raise _Skip(f"download failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+        return "folder", Path(path) / sub
+
+    return _Candidate("hub download", f"{spec.location}" + (f"@{rev}" if rev else "") + f":{sub}", get)
+
+
+def _candidates(name: str, reference: Mapping[str, Any], recorded: Mapping[str, Mapping[str, Any]], *,
+                override: SpecLike | None, revision: str | None, local_files_only: bool,
+                token: str | bool | None, cache_dir: str | os.PathLike | None, download: bool) -> list[_Candidate]:
+    def for_spec(spec: Spec, how: str) -> list[_Candidate]:
+        if spec.kind == "folder":
+            return [_folder_candidate(how, spec, name)]
+        if spec.kind == "dduf":
+            return [_dduf_candidate(how, spec, name)]
+        out = [_hf_cache_candidate(spec, name, revision, cache_dir)]
+        if download:
+            out.append(_download_candidate(spec, name, recorded, revision=revision, local_files_only=local_files_only,
+                                           token=token, cache_dir=cache_dir))
+        return out
+
+    if override is not None:
+        spec = parse_spec(override)
+        recorded_sub = str(reference.get("subfolder") or "") or None
+        if spec.kind == "folder":
+            return [_folder_candidate("override", spec, name, recorded_sub)]
+        if spec.subfolder is None and recorded_sub:
+            spec = spec._replace(subfolder=recorded_sub)
+        return for_spec(spec, "override")
+    recorded_spec = reference_spec(reference)
+    out: list[_Candidate] = []
+    if recorded_spec is not None and recorded_spec.kind in ("folder", "dduf"):
+        out += for_spec(recorded_spec, "recorded " + ("archive" if recorded_spec.kind == "dduf" else "folder"))
+    hub = recorded_spec if recorded_spec is not None and recorded_spec.kind == "hub" else None
+    if hub is not None:
+        out.append(_hf_cache_candidate(hub, name, revision, cache_dir))
+    out.append(_content_candidate(recorded, cache_dir))
+    if hub is not None and download:
+        out.append(_download_candidate(hub, name, recorded, revision=revision, local_files_only=local_files_only,
+                                       token=token, cache_dir=cache_dir))
+    return out
+
+
+# --- views -----------------------------------------------------------------------------------------------
+def _visible_files(folder: Path) -> set[str]:
+    try:
+        return {e.name for e in os.scandir(folder) if not e.name.startswith(".") and e.is_file()}
+    except OSError:
+        return set()
+
+
+def view_folder(component: str, files: Mapping[str, Path]) -> Path:
+    """A folder named ``component`` holding exactly ``files`` (symlinks), under dduf_plus' cache: the
+    loader then sees the recorded files and nothing else (no unverified variant or extra file)."""
+    targets = {f: os.path.realpath(p) for f, p in sorted(files.items())}
+    digest = hashlib.sha256(json.dumps(targets, sort_keys=True).encode()).hexdigest()[:24]
+    final = _cache.dduf_cache_dir() / "views" / digest / component
+    if final.is_dir() and all(os.path.realpath(final / f) == t for f, t in targets.items()) \
+            and _visible_files(final) == set(targets):
+        return final
+    final.parent.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".view.", dir=final.parent.parent))
+    try:
+        (tmp / component).mkdir()
+        for f, t in targets.items():
+            try:
+                os.symlink(t, tmp / component / f)
+            except OSError:  # no symlinks (some Windows setups): hard links need the same file system
+                os.link(t, tmp / component / f)
+        if final.parent.exists():
+            shutil.rmtree(final.parent, ignore_errors=True)
+        try:
+            os.replace(tmp, final.parent)
+        except OSError:  # another process made it meanwhile
+            if not final.is_dir():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+# --- entry points ----------------------------------------------------------------------------------------
+def _fix_hint(name: str, reference: Mapping[str, Any]) -> str:
+    spec = reference_spec(reference)
+    sub = (spec.subfolder if spec else None) or name
+    lines = []
+    if spec is not None and spec.kind == "hub":
+        rev = f" --revision {spec.revision}" if spec.revision else ""
+        lines.append(f"download it where there is network: hf download {spec.location}{rev} --include '{sub}/*'")
+    lines.append(f"or point to a local copy: load_dduf(..., refs={{{name!r}: '/path/to/pipeline'}}) "
+                 f"(CLI: --ref {name}=PATH)")
+    lines.append(f"or pass the component itself: load_dduf(..., {name}=...)")
+    return "; ".join(lines)
+
+
+def locate_component(
+    name: str,
+    reference: Mapping[str, Any],
+    *,
+    refs: Mapping[str, SpecLike] | None = None,
+    local_files_only: bool = False,
+    token: str | bool | None = None,
+    revision: str | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    verify: bool = True,
+    hash_files: bool = True,
+    download: bool = True,
+) -> Located:
+    """Find ``name``'s files as recorded in ``reference`` (see the module docstring for the order).
+
+    ``verify=False`` hashes nothing: sizes and hashes already known (remembered, or the cache blob's
+    name) are still compared and a mismatch is logged as a warning instead of refusing the copy.
+    ``hash_files=False`` (``dduf refs``) never hashes but still refuses known mismatches.
+    ``revision`` is used for references that record none.
+
+    Raises:
+        DDUFReferenceError: no candidate has the recorded files; the message names the component, every
+            source tried and why it was refused, and what to do.
+    """
+    if not isinstance(reference, Mapping):
+        raise DDUFReferenceError(f"component {name!r}: reference must be a JSON object, got {type(reference).__name__}")
+    recorded = _recorded_files(reference)
+    override = None
+    if refs:
+        override = refs.get(name, refs.get("*"))
+    opts = _Options(verify, hash_files, download)
+    if override is None and reference_spec(reference) is None:
+        raise DDUFReferenceError(
+            f"component {name!r} is not stored in the archive and has no recorded source: pass it to "
+            f"load_dduf(..., {name}=...), or give refs={{{name!r}: SPEC}} (CLI: --ref {name}=SPEC)")
+    attempts: list[_Attempt] = []
+    candidates = _candidates(name, reference, recorded, override=override, revision=revision,
+                             local_files_only=local_files_only, token=token, cache_dir=cache_dir, download=download)
+    for cand in candidates:
+        try:
+            kind, value = cand.get()
+        except _Skip as why:
+            attempts.append(_Attempt(f"{cand.how} {cand.source}".strip(), str(why), False))
+            continue
+        located = _try(name, cand, kind, value, recorded, opts, attempts)
+        if located is not None:
+            for a in attempts:
+                if a.mismatch:
+                    logger.warning("component %r: refused %s (%s); using %s", name, a.what, a.problem, located.source)
+            return located
+    raise DDUFReferenceError(_failure_message(name, reference, attempts))
+
+
+def _try(name: str, cand: _Candidate, kind: str, value: Any, recorded: Mapping[str, Mapping[str, Any]],
+         opts: _Options, attempts: list[_Attempt]) -> Located | None:
+    if kind == "dduf":
+        from ..format.archive import DDUFArchive
+
+        path, member = value
+        source = f"{cand.how} {path}" + (f" (component {member})" if member != name else "")
+        try:
+            with DDUFArchive(path) as archive:
+                known, problems = _check_archive(name, archive, member, recorded, source, opts)
+        except DDUFError as e:
+            attempts.append(_Attempt(f"{cand.how} {path}", f"cannot be read: {e}", False))
+            return None
+        result = Located(name, cand.how, str(path), None, path, member, {}, known)
+    else:
+        if kind == "folder":
+            folder: Path = value
+            files = {f: folder / f for f in recorded} if recorded else {f: folder / f for f in _visible_files(folder)}
+            source = f"{cand.how} {cand.source} ({folder})" if str(folder) not in cand.source else f"{cand.how} {folder}"
+        else:
+            folder, files = None, dict(value)  # type: ignore[assignment]
+            source = f"{cand.how} ({', '.join(sorted({str(p.parent.parent) for p in files.values()}))})"
+        known, problems = _check_folder_files(name, files, recorded, source, opts)
+        if folder is None or _visible_files(folder) != set(files):
+            folder = None
+        result = Located(name, cand.how, source, folder, None, None, files, known)
+    if problems:
+        missing = [p for p in problems if " is missing in " in p]
+        if missing or opts.verify:
+            attempts.append(_Attempt(source, "; ".join(problems[:3]) + ("; ..." if len(problems) > 3 else ""),
+                                     not missing))
+            return None
+        for p in problems:
+            logger.warning("component %r: %s (verify=False: using it anyway)", name, p)
+    if result.archive is None and result.folder is None:
+        result = result._replace(folder=view_folder(name, result.files))
+    return result
+
+
+def _failure_message(name: str, reference: Mapping[str, Any], attempts: list[_Attempt]) -> str:
+    hint = reference.get("type_hint")
+    what = f" ({' '.join(str(h) for h in hint)})" if isinstance(hint, list) and all(hint) else ""
+    header = f"component {name!r}{what}, referenced from {describe_reference(name, reference)}, cannot be resolved"
+    mismatches = [a for a in attempts if a.mismatch]
+    if mismatches:
+        header += " (a copy was found but its content differs from the reference)"
+    tried = "\n".join(f"  - {a.what}: {a.problem}" for a in attempts)
+    return f"{header}:\n{tried}\nTo fix: {_fix_hint(name, reference)}"
+
+
+def resolve_component(
+    name: str,
+    reference: Mapping[str, Any],
+    *,
+    refs: Mapping[str, SpecLike] | None = None,
+    local_files_only: bool = False,
+    token: str | bool | None = None,
+    revision: str | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    verify: bool = True,
+) -> Any:
+    """The referenced component's files as a ``ComponentFiles`` (see :mod:`dduf_plus.loading.files`):
+    ``FolderComponentFiles`` over a folder holding exactly the verified files, or
+    ``ArchiveComponentFiles`` over another ``.dduf``'s component.
+
+    Raises:
+        DDUFReferenceError: see :func:`locate_component`.
+    """
+    located = locate_component(name, reference, refs=refs, local_files_only=local_files_only, token=token,
+                               revision=revision, cache_dir=cache_dir, verify=verify)
+    from ..loading.files import ArchiveComponentFiles, FolderComponentFiles
+
+    if located.archive is not None:
+        from ..format.archive import DDUFArchive
+
+        return ArchiveComponentFiles(DDUFArchive(located.archive), located.member)
+    return FolderComponentFiles(located.folder, name)
+
+
+def check_references(
+    references: Mapping[str, Mapping[str, Any]],
+    *,
+    refs: Mapping[str, SpecLike] | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    verify: bool = False,
+    local_files_only: bool = False,
+) -> list[dict[str, Any]]:
+    """Where each reference resolves on this machine, without downloading (``dduf refs``).
+
+    ``verify=False`` hashes nothing (remembered hashes and sizes are used); ``verify=True`` hashes what is
+    not yet known. A reference that is not local reports whether a download would be attempted."""
+    out = []
+    for name, reference in sorted(references.items()):
+        recorded = _recorded_files(reference) if isinstance(reference, Mapping) else {}
+        row: dict[str, Any] = {
+            "component": name,
+            "source": describe_reference(name, reference) if isinstance(reference, Mapping) else None,
+            "files": len(recorded),
+            "bytes": sum(int(r.get("size") or 0) for r in recorded.values()),
+        }
+        try:
+            loc = locate_component(name, reference, refs=refs, cache_dir=cache_dir, verify=True, hash_files=verify,
+                                   download=False)
+        except DDUFReferenceError as e:
+            spec = reference_spec(reference) if isinstance(reference, Mapping) else None
+            online = spec is not None and spec.kind == "hub" and not (local_files_only or _cache.is_offline())
+            row.update(status="download" if online else "unresolved", resolves_to=None, how=None,
+                       verified=False, reason=str(e))
+        else:
+            where = loc.archive if loc.archive is not None else loc.folder
+            row.update(status="ok", how=loc.how, resolves_to=str(where), verified=loc.verified,
+                       member=loc.member, reason=None)
+        out.append(row)
+    return out

@@ -1,0 +1,202 @@
+"""Remote validation over fsspec: a range-capable HTTP server on 127.0.0.1 counts what it sends; structural
+validation of a multi-MB archive transfers kilobytes, in exact range requests."""
+
+from __future__ import annotations
+
+import http.server
+import importlib.util
+import json
+import os
+import re
+import threading
+from pathlib import Path
+
+import pytest
+
+from dduf_plus.cli import main as cli_main
+from dduf_plus.errors import DDUFError
+from dduf_plus.format.source import FsspecSource, open_source
+from dduf_plus.format.validate import validate
+
+pytest.importorskip("aiohttp")
+pytest.importorskip("fsspec")
+
+HOSTILE = Path(__file__).resolve().parent.parent / "fixtures" / "hostile"
+
+
+def _load_make_hostile():
+    module_spec = importlib.util.spec_from_file_location("make_hostile", HOSTILE / "make_hostile.py")
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
+
+
+mh = _load_make_hostile()
+
+
+class RangeServer(http.server.ThreadingHTTPServer):
+    """Serves files of ``root``; honours ``Range: bytes=a-b`` (206) and counts body bytes and requests."""
+
+    daemon_threads = True
+
+    def __init__(self, root: Path, ranges: bool = True):
+        self.root, self.ranges_supported = root, ranges
+        self.lock = threading.Lock()
+        self.reset()
+        super().__init__(("127.0.0.1", 0), RangeHandler)
+
+    def reset(self) -> None:
+        with getattr(self, "lock", threading.Lock()):
+            self.body_bytes, self.gets, self.heads, self.ranges = 0, 0, 0, []
+
+    def url(self, name: str) -> str:
+        return f"http://127.0.0.1:{self.server_port}/{name}"
+
+
+class RangeHandler(http.server.BaseHTTPRequestHandler):
+    server: RangeServer
+    protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # else each small response waits ~40 ms for a delayed ACK
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def _file(self) -> bytes | None:
+        path = self.server.root / self.path.lstrip("/")
+        return path.read_bytes() if path.is_file() else None
+
+    def do_HEAD(self) -> None:  # noqa: N802
+        data = self._file()
+        with self.server.lock:
+            self.server.heads += 1
+        if data is None:
+            self.send_error(404)
+            return
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("Accept-Ranges", "bytes" if self.server.ranges_supported else "none")
+        self.end_headers()
+
+    def do_GET(self) -> None:  # noqa: N802
+        data = self._file()
+        if data is None:
+            self.send_error(404)
+            return
+        match = re.fullmatch(r"bytes=(\d+)-(\d+)", self.headers.get("Range", ""))
+        if match and self.server.ranges_supported:
+            start, end = int(match[1]), min(int(match[2]), len(data) - 1)
+            body = data[start : end + 1]
+            self.send_response(206)
+            self.send_header("Content-Range", f"bytes {start}-{end}/{len(data)}")
+        else:
+            start, body = 0, data
+            self.send_response(200)
+        with self.server.lock:  # counted before sending: the client may finish before this thread resumes
+            self.server.gets += 1
+            self.server.body_bytes += len(body)
+            self.server.ranges.append((start, len(body)))
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    root = tmp_path_factory.mktemp("site")
+    big = {
+        "unet/diffusion_pytorch_model.safetensors": mh.safetensors(
+            {f"block{i}.weight": ("F16", [256, 1024], os.urandom(512 << 10)) for i in range(8)}, {"format": "pt"}),
+        "text_encoder/config.json": b'{"hidden_size": 64}',
+        "text_encoder/model.safetensors": mh.safetensors({"emb": ("F32", [512, 512], os.urandom(1 << 20))}),
+    }
+    mi = dict(mh.MODEL_INDEX, text_encoder=["transformers", "CLIPTextModel"])
+    mh.write_valid(root / "big.dduf", mh.base_entries() | big, model_index=mi)
+    for name in ("polyglot-suffix.dduf", "st-hole.dduf", "crc-mismatch.dduf"):
+        (root / name).write_bytes((HOSTILE / name).read_bytes())
+    server = RangeServer(root)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def test_structural_validation_transfers_kilobytes(site):
+    size = (site.root / "big.dduf").stat().st_size
+    assert size > 5 << 20
+    site.reset()
+    report = validate(site.url("big.dduf"))
+    assert report.valid, report
+    assert site.body_bytes == report.bytes_read  # exact range requests: nothing read ahead, nothing wasted
+    assert site.body_bytes < 32 << 10, site.body_bytes  # of a 5+ MB archive
+    assert all(length <= 16 << 10 for _, length in site.ranges)
+    assert site.heads <= 2 and site.gets < 40
+
+
+def test_remote_and_local_verdicts_agree(site):
+    for name in ("big.dduf", "polyglot-suffix.dduf", "st-hole.dduf"):
+        remote, local = validate(site.url(name)), validate(site.root / name)
+        assert remote.as_dict()["errors"] == local.as_dict()["errors"]
+        assert remote.valid == local.valid
+    assert "Z002" in validate(site.url("polyglot-suffix.dduf")).codes
+
+
+def test_remote_verify_streams_everything_once(site):
+    size = (site.root / "big.dduf").stat().st_size
+    site.reset()
+    assert validate(site.url("big.dduf"), verify=True).valid
+    assert size * 0.9 < site.body_bytes < size * 1.1
+    site.reset()
+    report = validate(site.url("crc-mismatch.dduf"), verify=True)
+    assert {"H001", "H002"} <= set(report.codes)
+
+
+def test_source_reads_exact_ranges(site):
+    data = (site.root / "big.dduf").read_bytes()
+    source = open_source(site.url("big.dduf"))
+    try:
+        assert isinstance(source, FsspecSource) and source.size == len(data)
+        site.reset()
+        for offset, length in ((0, 30), (len(data) - 22, 22), (1 << 20, 5), (12345, 0)):
+            assert source.read_at(offset, length) == data[offset : offset + length]
+        assert site.ranges == [(0, 30), (len(data) - 22, 22), (1 << 20, 5)]
+        with pytest.raises(DDUFError, match="outside the file"):
+            source.read_at(len(data) - 1, 2)
+    finally:
+        source.close()
+
+
+def test_missing_and_unreachable_urls_are_io_errors(site, capsys):
+    with pytest.raises(DDUFError):
+        validate(site.url("nope.dduf"))
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}/x.dduf"
+    with pytest.raises(DDUFError):
+        validate(dead)
+    assert cli_main(["validate", site.url("big.dduf")]) == 0
+    assert cli_main(["validate", "--json", site.url("st-hole.dduf")]) == 1
+    assert cli_main(["validate", site.url("big.dduf"), dead]) == 2
+    out = capsys.readouterr()
+    assert "x.dduf" in out.err
+
+
+def test_server_without_ranges_is_refused_not_downloaded(tmp_path):
+    mh.write_valid(tmp_path / "a.dduf")
+    server = RangeServer(tmp_path, ranges=False)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(DDUFError):
+            validate(server.url("a.dduf"))
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_cli_jobs_with_urls(site, capsys):
+    urls = [site.url(n) for n in ("big.dduf", "st-hole.dduf", "polyglot-suffix.dduf")]
+    assert cli_main(["validate", "--json", "--jobs", "2", *urls]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert [f["valid"] for f in doc["files"]] == [True, False, False]
