@@ -41,11 +41,33 @@ def pack(
                                   local_files_only=local_files_only)
         model_index, model_index_bytes = partial.model_index, partial.model_index_bytes
         sources, references = partial.sources, partial.references
-    extra: dict[str, Any] | None = None
+    extra: dict[str, Any] | None = _quanto_records(sources)
     if dtype:
         from .convert import convert_sources
 
-        sources, extra = convert_sources(plan._replace(sources=sources, model_index=model_index), dtype)
+        sources, converted = convert_sources(plan._replace(sources=sources, model_index=model_index), dtype)
+        extra = dict(extra or {})
+        for name, record in converted.items():
+            extra[name] = {**extra.get(name, {}), **record}
     result = write_archive(output, model_index, model_index_bytes, sources, skipped=plan.skipped,
                            references=references, extra_components=extra, quiet=quiet)
     return result, partial
+
+
+def _quanto_records(sources: Sequence[Any]) -> dict[str, Any] | None:
+    """Index records for components quantized with optimum-quanto (they ship ``quanto_qmap.json``)."""
+    import json
+
+    records = {}
+    for source in sources:
+        component, _, filename = source.name.partition("/")
+        if filename == "quanto_qmap.json" and source.path is not None:
+            from .loading.quant import quanto_index_record
+
+            try:
+                records[component] = quanto_index_record(json.loads(source.path.read_text()))
+            except ValueError as e:
+                from .errors import DDUFPackError
+
+                raise DDUFPackError(f"{source.path}: not valid JSON ({e})") from None
+    return records or None

@@ -90,10 +90,10 @@ def load_dduf(
                                       "revision": revision, "cache_dir": cache_dir, "verify": verify},
                      use_mmap=use_mmap, verify=verify)
         if prefetcher is not None:
-            # Return with the weights resident: on a warm cache this costs milliseconds; on a cold one the
-            # first forward pass would otherwise fault pages in parameter order (random I/O) instead of the
-            # prefetcher's file order.
-            prefetcher.wait()
+            # Not waiting for it: the read-ahead goes on while the caller starts using the pipeline. (Waiting
+            # until everything is resident measured slower here: proactive reclaim (DAMON pageout) drops
+            # populated pages that nobody has touched yet.)
+            prefetcher.finish()
     except BaseException:
         if prefetcher is not None:
             prefetcher.stop()
