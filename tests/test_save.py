@@ -193,6 +193,25 @@ def test_tied_weights_are_dropped_as_transformers_does(pipes):
 
 
 # --- memory ------------------------------------------------------------------------------------------
+def _sample_peak_rss(process):
+    """Start sampling RSS every 2 ms; returns ([peak], stop)."""
+    peak, stop = [0], threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], process.memory_info().rss)
+            time.sleep(0.002)
+
+    thread = threading.Thread(target=sample)
+    thread.start()
+
+    def done() -> None:
+        stop.set()
+        thread.join()
+
+    return peak, done
+
+
 def test_peak_memory_stays_far_below_the_weights(pipes, tmp_path):
     """Streaming a 120 MB VAE (as is, then converted to fp16) adds little to RSS: no full copy."""
     psutil = pytest.importorskip("psutil")
@@ -208,20 +227,12 @@ def test_peak_memory_stays_far_below_the_weights(pipes, tmp_path):
     process = psutil.Process()
     try:
         for dtype in (None, torch.float16):
-            baseline, peak, done = process.memory_info().rss, [0], threading.Event()
-
-            def sample() -> None:
-                while not done.is_set():
-                    peak[0] = max(peak[0], process.memory_info().rss)
-                    time.sleep(0.002)
-
-            sampler = threading.Thread(target=sample)
-            sampler.start()
+            baseline = process.memory_info().rss
+            peak, done = _sample_peak_rss(process)
             try:
                 save_dduf(pipe, tmp_path / "big.dduf", dtype=dtype, quiet=True)
             finally:
-                done.set()
-                sampler.join()
+                done()
             largest = max(t.nbytes for t in vae.state_dict().values())
             assert peak[0] - baseline < 0.25 * weights + 2 * largest, (dtype, peak[0] - baseline, weights)
     finally:

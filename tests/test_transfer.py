@@ -181,7 +181,7 @@ def test_prefetch_archive_ranges(packed):
     with DDUFArchive(packed["tiny-sd"]) as archive:
         ranges = component_ranges(archive, "unet")
         assert len(ranges) == 2  # the fixture's unet is sharded
-        for (offset, length), name in zip(ranges, archive.weight_files("unet")):
+        for (offset, length), name in zip(ranges, archive.weight_files("unet"), strict=True):
             header = archive.headers[name]
             assert offset % 4096 == 0  # page-aligned tensor data
             assert length == sum(t.nbytes for t in header.tensors.values())

@@ -12,6 +12,7 @@ from ..errors import DDUFError, DDUFLoadError, DDUFReferenceError
 from ..format.archive import DDUFArchive
 from ..format.source import is_url
 from ..format.weights import variants
+from ..format.zst import cached_decompress, is_zst
 from .bridge import install_bridge
 from .components import build_component, resolve_class
 from .dtypes import AUTO, requested_for, resolve_request
@@ -53,7 +54,7 @@ def load_dduf(
     through the precision bridge (``dduf_plus.loading.bridge``).
 
     Args:
-        path: a local ``.dduf`` file.
+        path: a local ``.dduf`` file, or a ``.dduf.zst`` (decompressed once into a cache, then mapped).
         torch_dtype: ``"auto"`` (each component in the dtype it was saved in: see docs/loading.md), a torch
             dtype, a name (``"bfloat16"``) or {component: dtype, "default": dtype}. ``dtype=`` is an alias.
         device, device_map: ``"cpu"`` (default), ``"cuda"``, ``"cuda:1"``, or {component: device, "default": ...}.
@@ -82,7 +83,10 @@ def load_dduf(
                             "(huggingface_hub.hf_hub_download)")
     request = resolve_request(torch_dtype, dtype)
     device_for = _device_resolver(device, device_map)
-    archive = DDUFArchive(path_str)
+    local = path_str
+    if is_zst(path_str):  # a transport-compressed archive: decompressed once into a content-keyed cache
+        local = str(cached_decompress(path_str))
+    archive = DDUFArchive(local)
     prefetcher = Prefetcher(archive.mmap) if prefetch and use_mmap else None
     try:
         pipe = _load(archive, path_str, request, device_for, variant, prefetcher, kwargs,
