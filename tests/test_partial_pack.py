@@ -282,6 +282,11 @@ def test_base_hub_uses_file_metadata(tmp_path: Path, hf_env: Path, monkeypatch: 
         assert {r["revision"] for r in archive.references.values()} == {commit}
 
 
+def test_base_hub_offline_and_not_cached_is_a_clear_error(tmp_path: Path, hf_env: Path) -> None:
+    with pytest.raises(DDUFPackError, match=r"cannot read the file list of org/absent: .*not in the Hugging Face cache"):
+        pack_partial(TINY_FT, tmp_path / "x.dduf", base="org/absent", quiet=True)
+
+
 def test_base_with_variant(tmp_path: Path, hf_env: Path) -> None:
     out = tmp_path / "ft16.dduf"
     pack_partial(TINY_FT, out, base=str(TINY_SD), variant="fp16", quiet=True)

@@ -68,6 +68,10 @@ def canonical_model_index_bytes(model_index: Mapping[str, Any]) -> bytes:
     return (json.dumps(model_index, indent=2, sort_keys=True) + "\n").encode("utf-8")
 
 
+def _files(n: int) -> str:
+    return f"{n} file{'s' if n != 1 else ''}"
+
+
 def _human(n: float) -> str:
     for unit in ("B", "kB", "MB", "GB"):
         if abs(n) < 1000 or unit == "GB":
@@ -112,7 +116,7 @@ class _Source:
         self.hub_from: str = ""
         self.model_index: dict[str, Any] | None = None
 
-    def _hub_files(self) -> dict[str, dict[str, Any]]:
+    def hub_files(self) -> dict[str, dict[str, Any]]:
         """{repo path: record} from the Hub's file metadata, or from the local HF cache when offline."""
         if self._hub is not None:
             return self._hub
@@ -134,7 +138,7 @@ class _Source:
                     elif s.blob_id:
                         rec["git_sha1"] = s.blob_id
                     files[s.rfilename] = rec
-                self._hub, self.revision, self.hub_from = files, info.sha or rev, "Hub file metadata"
+                self._hub, self.revision, self.hub_from = files, info.sha or rev, "the Hub's file metadata"
                 return files
             except Exception as e:  # network, auth, not found: say so; the cache may still know it
                 problems.append(f"Hub metadata unavailable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
@@ -153,7 +157,8 @@ class _Source:
                 elif len(name) == 40:
                     rec["git_sha1"] = name
                 files[path.relative_to(snap).as_posix()] = rec
-            self._hub, self.revision, self.hub_from = files, snap.name, f"Hugging Face cache ({snap})"
+            why = f"; {problems[0]}" if problems else ""
+            self._hub, self.revision, self.hub_from = files, snap.name, f"the Hugging Face cache ({snap}{why})"
             return files
         problems.append(f"{repo}" + (f"@{rev}" if rev else "") + " is not in the Hugging Face cache")
         raise DDUFPackError(f"cannot read the file list of {self.spec}: " + "; ".join(problems))
@@ -186,7 +191,7 @@ class _Source:
                         view.release()
                     records[n] = rec
                 return records, {}
-        files = self._hub_files()
+        files = self.hub_files()
         prefix = sub.rstrip("/") + "/"
         records = {p[len(prefix):]: r for p, r in files.items() if p.startswith(prefix) and "/" not in p[len(prefix):]}
         if not records:
@@ -355,11 +360,14 @@ def make_references(
             files, origin = {}, "no local copy: nothing to verify"
         references[name] = reference(name, src, files, revision)
         where = str(src) if src is not None else "no source (must be passed to load_dduf as an argument)"
-        report.append(f"referenced {name} -> {where} ({len(files)} files, {_human(local_bytes.get(name, 0))}; {origin})")
+        report.append(f"referenced {name} -> {where} ({_files(len(files))}, {_human(local_bytes.get(name, 0))}; {origin})")
 
     # --- components identical to BASE ---------------------------------------------------------------
     if base_spec is not None:
         source = source_for(base_spec)
+        if base_spec.kind == "hub":
+            source.hub_files()  # fetched once; the report says where it came from
+            report.append(f"BASE {base_spec}: file list from {source.hub_from} at {source.revision}")
         for name in sorted(real - set(references)):
             paths = local_copy(name)
             if paths is None:
@@ -384,7 +392,7 @@ def make_references(
                 continue
             local_bytes[name] = sum(r["size"] for r in files.values())
             references[name] = reference(name, base_spec, files, source.revision)
-            report.append(f"referenced {name} -> {base_spec} (identical: {len(files)} files, "
+            report.append(f"referenced {name} -> {base_spec} (identical: {_files(len(files))}, "
                           f"{_human(local_bytes[name])})")
 
     # --- references the source model_index already carried (a re-pack of a partial) ----------------
