@@ -38,7 +38,7 @@ def pack(
         from .format.partial import make_references
 
         partial = make_references(plan, exclude=exclude, refs=refs, base=base, token=token,
-                                  local_files_only=local_files_only)
+                                  local_files_only=local_files_only, variant=variant)
         model_index, model_index_bytes = partial.model_index, partial.model_index_bytes
         sources, references = partial.sources, partial.references
     extra: dict[str, Any] | None = _quanto_records(sources)
@@ -49,7 +49,8 @@ def pack(
         extra = dict(extra or {})
         for name, record in converted.items():
             extra[name] = {**extra.get(name, {}), **record}
-    result = write_archive(output, model_index, model_index_bytes, sources, skipped=plan.skipped,
+    skipped = partial.skipped if partial is not None else plan.skipped
+    result = write_archive(output, model_index, model_index_bytes, sources, skipped=skipped,
                            references=references, extra_components=extra, quiet=quiet)
     return result, partial
 

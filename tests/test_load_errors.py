@@ -149,7 +149,7 @@ def test_missing_optional_library_says_pip_install(tmp_path, monkeypatch):
         return real(name, *args)
 
     monkeypatch.setattr(components.importlib, "import_module", no_transformers)
-    with pytest.raises(DDUFLoadError, match=r"'text_encoder' needs transformers: pip install transformers"):
+    with pytest.raises(DDUFLoadError, match=r"'(text_encoder|tokenizer)' needs transformers: pip install transformers"):
         load_dduf(pack_folder(PIPELINES / "tiny-sd", tmp_path / "plain.dduf", quiet=True).path)
 
 

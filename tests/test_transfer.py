@@ -21,7 +21,6 @@ from dduf_plus.loading.transfer import (
     component_ranges,
     materialize,
     prefetch,
-    prefetch_in_background,
 )
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -154,11 +153,45 @@ def test_stream_path_handles_non_contiguous_sources():
     assert torch.equal(out["t"], t.half())
 
 
+class _DescribedSources(_LazySources):
+    """A lazy mapping that can describe its tensors without reading them (like the loader's pread one)."""
+
+    def __init__(self, n: int, dtype: torch.dtype):
+        super().__init__(n)
+        self.dtype = dtype
+        self.max_alive = 0
+
+    def tensor_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {n: ((256, 256), self.dtype) for n in self.names}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        gc.collect()
+        self.max_alive = max(self.max_alive, sum(r() is not None for r in self.created))
+        return super().__getitem__(name).to(self.dtype)
+
+
+@pytest.mark.parametrize("target", [None, torch.float16])
+def test_stream_path_reads_described_sources_lazily(target):
+    sources = _DescribedSources(8, torch.float32)
+    seen: list[str] = []
+
+    def rule(name: str, t: torch.Tensor) -> torch.dtype | None:
+        seen.append(t.device.type)
+        return target
+
+    out = _stream(sources, torch.device("cpu"), rule, 64 << 10, 3, _SyncCopier())
+    assert set(seen) == {"meta"}  # planning read nothing
+    assert sources.log == [f"get {n}" for n in sources.names]  # each read once, in order
+    assert sources.max_alive <= 1  # 256 KiB tensors, 64 KiB windows: one source at a time
+    for i, n in enumerate(sources.names):
+        assert out[n].dtype == (target or torch.float32) and torch.equal(out[n], torch.full((256, 256), float(i)).to(out[n].dtype))
+
+
 def test_windows_cover_every_byte_once():
     sizes = [10, 300, 0, 1024, 7, 5000, 256]
     jobs, offset = [], 0
     for i, n in enumerate(sizes):
-        jobs.append(_Job(f"t{i}", torch.zeros(n, dtype=torch.uint8), torch.uint8, torch.uint8, offset, offset))
+        jobs.append(_Job(f"t{i}", torch.Size([n]), n, torch.uint8, torch.uint8, offset, offset))
         offset = (offset + n + VIEW_ALIGNMENT - 1) // VIEW_ALIGNMENT * VIEW_ALIGNMENT
     covered = {j.name: 0 for j in jobs}
     for start, length, pieces in _windows(jobs, 512):
@@ -188,7 +221,6 @@ def test_prefetch_archive_ranges(packed):
         assert prefetch(archive, ranges) >= sum(n for _, n in ranges)
         assert prefetch(archive.mmap, populate=True) == len(archive.mmap)
         assert prefetch(archive, [(len(archive.mmap) + 10, 5)]) == 0  # out of range: nothing, no error
-        prefetch_in_background(archive, ranges).join(timeout=10)
 
 
 def test_prefetch_plain_mmap(tmp_path):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import mmap
-import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -49,8 +48,12 @@ def materialize(
         ...     weights = materialize(archive.tensors("unet"), device="cuda",
         ...                           dtype_for=lambda name, t: torch.float16)
 
-    On CUDA all returned tensors of the call share one device allocation; freeing one of them frees
-    nothing until all are gone. The host side never holds more than ``num_buffers * chunk_bytes``.
+    On CUDA all returned tensors of the call share one device allocation (freeing one of them frees
+    nothing until all are gone); they are ready for work queued on the caller's current stream (no host
+    sync: call ``torch.cuda.synchronize()`` to time it). Pinned host memory: ``num_buffers *
+    chunk_bytes``. A mapping with a ``tensor_specs()`` method ({name: (shape, dtype)}) is read lazily,
+    tensor by tensor, in copy order; any other mapping is read once up front (right for mmap views).
+    ``dtype_for`` then sees meta tensors.
     """
     device = torch.device(device)
     dtype_for = dtype_for or _keep_dtype
@@ -88,15 +91,12 @@ def _to_cpu(tensors: Mapping[str, torch.Tensor], dtype_for: DtypeFor) -> dict[st
 # --- streaming ---------------------------------------------------------------------------------------
 class _Job(NamedTuple):
     name: str
-    source: torch.Tensor  # 1-D uint8 view of the contiguous CPU source bytes
+    shape: torch.Size
+    nbytes: int  # source bytes
     src_dtype: torch.dtype
     dst_dtype: torch.dtype
     dst_offset: int  # in the component's flat device buffer
     stream_offset: int  # in the byte stream being copied (== dst_offset for direct jobs)
-
-    @property
-    def nbytes(self) -> int:
-        return self.source.numel()
 
 
 class _Piece(NamedTuple):
@@ -118,41 +118,87 @@ def _byte_view(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).view(torch.uint8)
 
 
-def _plan(tensors: Mapping[str, torch.Tensor], dtype_for: DtypeFor) -> tuple[list[_Job], list[_Job], int, dict]:
+class _Sources:
+    """Source bytes by tensor name. A mapping that can describe its tensors without reading them
+    (``tensor_specs()``, e.g. the loader's pread-backed one) is read lazily, in stream order, each tensor
+    dropped after its last byte is copied: host memory holds a few tensors, never the component. Any
+    other mapping is read once while planning (archive views cost nothing to keep)."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], lazy: bool):
+        self._tensors = tensors
+        self._lazy = lazy
+        self._kept: dict[str, torch.Tensor] = {}  # read while planning
+        self._views: dict[str, torch.Tensor] = {}  # 1-D uint8 views of tensors being copied
+
+    def keep(self, name: str, tensor: torch.Tensor) -> None:
+        if not self._lazy:
+            self._kept[name] = tensor
+
+    def get(self, name: str) -> torch.Tensor:
+        view = self._views.get(name)
+        if view is None:
+            tensor = self._kept.pop(name) if name in self._kept else self._tensors[name]
+            view = self._views[name] = _byte_view(tensor)
+        return view
+
+    def done(self, name: str) -> None:
+        self._views.pop(name, None)
+        self._kept.pop(name, None)
+
+
+def _specs(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.Size, torch.dtype]] | None:
+    specs = getattr(tensors, "tensor_specs", None)
+    if not callable(specs):
+        return None
+    return {name: (torch.Size(shape), dtype) for name, (shape, dtype) in specs().items()}
+
+
+def _plan(tensors: Mapping[str, torch.Tensor], dtype_for: DtypeFor
+          ) -> tuple[list[_Job], list[_Job], int, dict[str, torch.Size], dict[str, torch.dtype], _Sources]:
     """Lay the component out in one flat buffer: tensors kept in their dtype first (their bytes go
     straight to their final place), then converted ones (staged in their source dtype)."""
-    direct: list[tuple[str, torch.Tensor, torch.dtype]] = []
-    convert: list[tuple[str, torch.Tensor, torch.dtype]] = []
-    empty: dict[str, tuple[torch.Size, torch.dtype]] = {}
+    specs = _specs(tensors)
+    sources = _Sources(tensors, lazy=specs is not None)
     shapes: dict[str, torch.Size] = {}
-    for name in tensors:
-        t = tensors[name]
-        target = dtype_for(name, t) or t.dtype
-        shapes[name] = t.shape
-        if t.numel() == 0:
-            empty[name] = (t.shape, target)
-        elif target == t.dtype:
-            direct.append((name, t, target))
+    targets: dict[str, torch.dtype] = {}
+    direct: list[tuple[str, torch.dtype]] = []
+    convert: list[tuple[str, torch.dtype]] = []
+    src_dtypes: dict[str, torch.dtype] = {}
+    for name in (specs if specs is not None else tensors):
+        if specs is not None:  # described, not read: dtype_for sees a meta tensor of that shape/dtype
+            shape, src_dtype = specs[name]
+            t = torch.empty(shape, dtype=src_dtype, device="meta")
         else:
-            convert.append((name, t, target))
+            t = tensors[name]
+            sources.keep(name, t)
+        shapes[name], src_dtypes[name] = t.shape, t.dtype
+        targets[name] = dtype_for(name, t) or t.dtype
+        if t.numel() == 0:
+            continue
+        (direct if targets[name] == t.dtype else convert).append((name, targets[name]))
     direct_jobs, convert_jobs = [], []
     offset = 0
-    for name, t, target in direct:
-        source = _byte_view(t)
-        direct_jobs.append(_Job(name, source, t.dtype, target, offset, offset))
-        offset = _align(offset + source.numel())
+    for name, target in direct:
+        nbytes = shapes[name].numel() * _itemsize(target)
+        direct_jobs.append(_Job(name, shapes[name], nbytes, target, target, offset, offset))
+        offset = _align(offset + nbytes)
     stream_offset = 0
-    for name, t, target in convert:
-        source = _byte_view(t)
-        dst_bytes = t.numel() * _itemsize(target)
-        convert_jobs.append(_Job(name, source, t.dtype, target, offset, stream_offset))
-        offset = _align(offset + dst_bytes)
-        stream_offset = _align(stream_offset + source.numel())
-    return direct_jobs, convert_jobs, offset, {"empty": empty, "shapes": shapes}
+    for name, target in convert:
+        nbytes = shapes[name].numel() * _itemsize(src_dtypes[name])
+        convert_jobs.append(_Job(name, shapes[name], nbytes, src_dtypes[name], target, offset, stream_offset))
+        offset = _align(offset + shapes[name].numel() * _itemsize(target))
+        stream_offset = _align(stream_offset + nbytes)
+    return direct_jobs, convert_jobs, offset, shapes, targets, sources
+
+
+_ITEMSIZE: dict[torch.dtype, int] = {}
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    size = _ITEMSIZE.get(dtype)
+    if size is None:
+        size = _ITEMSIZE[dtype] = torch.empty((), dtype=dtype).element_size()
+    return size
 
 
 def _span(jobs: list[_Job]) -> int:
@@ -195,6 +241,9 @@ class _SyncCopier:
     def __init__(self, device: torch.device | None = None):
         self.device = device or torch.device("cpu")
 
+    def begin(self) -> None:
+        pass
+
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
 
@@ -221,6 +270,11 @@ class _CudaCopier(_SyncCopier):
         super().__init__(device)
         self.side = torch.cuda.Stream(device=device)
         self.events: list[torch.cuda.Event | None] = [None] * num_buffers
+
+    def begin(self) -> None:
+        # The flat buffer was allocated on the caller's stream: its memory may have been freed there by
+        # tensors whose kernels are still queued. Our writes must come after them.
+        self.side.wait_stream(torch.cuda.current_stream(self.device))
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         # torch's caching host allocator keeps freed pinned blocks, so later components reuse them.
@@ -259,9 +313,10 @@ def _stream(
     if num_buffers < 1:
         raise ValueError("num_buffers must be at least 1")
     window_bytes = max(VIEW_ALIGNMENT, chunk_bytes // VIEW_ALIGNMENT * VIEW_ALIGNMENT)
-    direct, convert, total, info = _plan(tensors, dtype_for)
+    direct, convert, total, shapes, targets, sources = _plan(tensors, dtype_for)
     out: dict[str, torch.Tensor] = {}
     flat = torch.empty(total, dtype=torch.uint8, device=device) if total else None
+    copier.begin()
     direct_span, convert_span = _span(direct), _span(convert)
     host_bytes = min(window_bytes, max(direct_span, convert_span))
     host = [copier.host_buffer(host_bytes) for _ in range(min(num_buffers, _count(direct_span, convert_span,
@@ -276,7 +331,10 @@ def _stream(
         copier.wait_free(slot)
         buffer = host[slot][:length]
         for p in pieces:
-            buffer[p.window_offset : p.window_offset + p.end - p.begin].copy_(p.job.source[p.begin : p.end])
+            source = sources.get(p.job.name)
+            buffer[p.window_offset : p.window_offset + p.end - p.begin].copy_(source[p.begin : p.end])
+            if p.end == p.job.nbytes:
+                sources.done(p.job.name)  # its bytes are in the pinned buffer: the source may go
         return buffer
 
     # Tensors that keep their dtype: the stream IS the flat buffer's layout, so each window is one copy
@@ -308,14 +366,13 @@ def _stream(
         turn += 1
     copier.finish()
 
-    shapes = info["shapes"]
     for job in direct + convert:
-        nbytes = shapes[job.name].numel() * _itemsize(job.dst_dtype)
+        nbytes = job.shape.numel() * _itemsize(job.dst_dtype)
         assert flat is not None
-        out[job.name] = flat[job.dst_offset : job.dst_offset + nbytes].view(job.dst_dtype).view(shapes[job.name])
-    for name, (shape, dtype) in info["empty"].items():
-        out[name] = torch.empty(shape, dtype=dtype, device=device)
-    return {name: out[name] for name in shapes}  # the caller's order
+        out[job.name] = flat[job.dst_offset : job.dst_offset + nbytes].view(job.dst_dtype).view(job.shape)
+    # the caller's order; empty tensors need no bytes and get no place in the flat buffer
+    return {name: out[name] if name in out else torch.empty(shape, dtype=targets[name], device=device)
+            for name, shape in shapes.items()}
 
 
 # --- read-ahead --------------------------------------------------------------------------------------
@@ -335,9 +392,11 @@ def prefetch(
     populate: bool = False,
 ) -> int:
     """Ask the kernel to read ``ranges`` of the mapping ahead (``MADV_WILLNEED``); returns the bytes
-    advised. ``populate=True`` also maps the pages (``MADV_POPULATE_READ``, Linux >= 5.14; blocks until
-    read), which spares the page faults of a later memcpy. Without ``ranges``: the whole file.
-    Never raises for lack of kernel support: read-ahead is a hint.
+    advised. ``MADV_WILLNEED`` only queues the reads and returns. ``populate=True`` also maps the pages
+    (``MADV_POPULATE_READ``, Linux >= 5.14), sparing a later memcpy its page faults, but blocks until
+    they are read, holding the GIL (``mmap.madvise`` does not release it): for read-ahead on a thread
+    use ``dduf_plus.loading.prefetch.Prefetcher``. Without ``ranges``: the whole file. Never raises for
+    lack of kernel support: read-ahead is a hint.
 
     Example:
         >>> prefetch(archive, component_ranges(archive, "unet"))
@@ -360,15 +419,3 @@ def prefetch(
                 pass  # old kernel / unsupported: the hint is lost, correctness is not
         advised += stop - start
     return advised
-
-
-def prefetch_in_background(
-    source: DDUFArchive | mmap.mmap, ranges: Iterable[tuple[int, int]] | None = None, *, populate: bool = True
-) -> threading.Thread:
-    """Run :func:`prefetch` on a daemon thread (``madvise`` releases the GIL), so reading the archive
-    overlaps building modules. Join the thread, or just let it finish."""
-    ranges = None if ranges is None else list(ranges)
-    thread = threading.Thread(target=prefetch, args=(source, ranges), kwargs={"populate": populate},
-                              name="dduf-prefetch", daemon=True)
-    thread.start()
-    return thread
