@@ -254,3 +254,20 @@ def test_refusals(pipes, tmp_path):
     finally:
         pipe.unet = old
     assert not (tmp_path / "x.dduf").exists()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_model_streams_the_same_bytes(pipes, tmp_path):
+    """A pipeline on the GPU, its weights in materialize's one-buffer-per-component layout, saves the
+    same archive entries as on the CPU (one tensor at a time crosses to the host)."""
+    import copy
+
+    from dduf_plus.loading.transfer import materialize
+
+    pipe = copy.deepcopy(pipes["tiny-sd"])
+    save_dduf(pipe, tmp_path / "cpu.dduf", quiet=True)
+    pipe.to("cuda")
+    te = pipe.text_encoder
+    te.load_state_dict(materialize(te.state_dict(), device="cuda"), assign=True)
+    save_dduf(pipe, tmp_path / "cuda.dduf", quiet=True)
+    assert _archive_files(tmp_path / "cuda.dduf") == _archive_files(tmp_path / "cpu.dduf")
