@@ -17,6 +17,8 @@ _LAZY = {
     "load_dduf": "dduf_plus.loading.pipeline",
     "save_dduf": "dduf_plus.loading.save",
     "inspect_dtypes": "dduf_plus.inspect",
+    "validate": "dduf_plus.format.validate",
+    "ValidationReport": "dduf_plus.format.validate",
     "DDUFError": "dduf_plus.errors",
     "DDUFFormatError": "dduf_plus.errors",
     "DDUFValidationError": "dduf_plus.errors",

@@ -417,3 +417,9 @@ def test_cli_subprocess(tmp_path):
     out = subprocess.run([sys.executable, "-m", "dduf_plus.cli", "validate", str(HOSTILE / "pickle-entry.dduf")],
                          capture_output=True, text=True, cwd=ROOT, env=env)
     assert out.returncode == 1 and "D003" in out.stdout
+
+
+def test_every_rule_is_documented():
+    doc = (ROOT / "docs" / "validation.md").read_text()
+    rows = {line.split("|")[1].strip() for line in doc.splitlines() if line.startswith("| ") and line.count("|") > 6}
+    assert set(RULES) <= rows, set(RULES) - rows
