@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from ..errors import DDUFError, DDUFFormatError, DDUFIntegrityError
+from .writer import _fsync_dir
 
 logger = logging.getLogger("dduf_plus")
 
@@ -123,19 +124,6 @@ def _pwrite_all(fd: int, data: Any, offset: int) -> None:
     while view:
         n = os.pwrite(fd, view, offset)
         view, offset = view[n:], offset + n
-
-
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 @contextmanager
