@@ -23,8 +23,10 @@ def pack(
     token: str | bool | None = None,
     local_files_only: bool = False,
     quiet: bool = False,
+    fsync: bool = True,
 ) -> tuple[PackResult, Any]:
     """Pack ``folder`` into ``output``. Returns the result and, for partial packs, the reference plan.
+    ``fsync=False`` skips the flush to disk before the atomic rename.
 
     Raises:
         DDUFPackError: the folder holds something DDUF cannot, or a reference cannot be made.
@@ -51,7 +53,7 @@ def pack(
             extra[name] = {**extra.get(name, {}), **record}
     skipped = partial.skipped if partial is not None else plan.skipped
     result = write_archive(output, model_index, model_index_bytes, sources, skipped=skipped,
-                           references=references, extra_components=extra, quiet=quiet)
+                           references=references, extra_components=extra, quiet=quiet, fsync=fsync)
     return result, partial
 
 

@@ -33,6 +33,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", action="append", metavar="[NAME=]DTYPE",
                    help="convert floating weights while packing (e.g. bfloat16, unet=float8_e4m3fn)")
     p.add_argument("--token", help="Hugging Face token for --ref/--base on the Hub")
+    p.add_argument("--no-fsync", dest="fsync", action="store_false",
+                   help="skip flushing to disk before the atomic rename (faster; like cp, not power-cut safe)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
@@ -46,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
     dtype = dtypes.pop("*", None)
     dtype_arg = ({**({"default": dtype} if dtype else {}), **dtypes} if dtypes else dtype)
     result, partial = pack(args.source, args.output, variant=args.variant, exclude=args.exclude, refs=refs,
-                           base=args.base, dtype=dtype_arg, token=args.token, quiet=args.quiet)
+                           base=args.base, dtype=dtype_arg, token=args.token, quiet=args.quiet,
+                           fsync=args.fsync)
     if args.json:
         print_json({
             "path": str(result.path), "bytes": result.bytes_written, "entries": result.entries,

@@ -202,15 +202,18 @@ def write_archive(
     references: Mapping[str, Any] | None = None,
     extra_components: Mapping[str, Mapping[str, Any]] | None = None,
     quiet: bool = False,
+    fsync: bool = True,
 ) -> PackResult:
-    """Write model_index.json, then ``sources`` in a stable order, then the dduf_plus index."""
+    """Write model_index.json, then ``sources`` in a stable order, then the dduf_plus index.
+    ``fsync=False`` skips flushing to disk before the atomic rename (see :class:`DDUFWriter`)."""
     started = time.perf_counter()
     ordered = sorted(sources, key=lambda s: s.name)
     total = len(model_index_bytes) + sum(s.nbytes for s in ordered)
     bar = progress_bar(total, Path(output).name, quiet)
     headers: dict[str, SafetensorsHeader] = {}
     try:
-        with DDUFWriter(output, progress=bar.update) as writer:
+        with DDUFWriter(output, progress=bar.update, fsync=fsync) as writer:
+            writer.hash_ahead([(s.name, s.path) for s in ordered if s.path is not None])
             writer.add_bytes(spec.MODEL_INDEX, model_index_bytes)
             bar.update(len(model_index_bytes))
             for source in ordered:
@@ -242,6 +245,7 @@ def pack_folder(
     *,
     variant: str | None = None,
     quiet: bool = False,
+    fsync: bool = True,
 ) -> PackResult:
     """Pack a diffusers pipeline folder into ``output`` (entries byte-identical to the source files).
 
@@ -253,4 +257,5 @@ def pack_folder(
         DDUFPackError: the folder holds something DDUF cannot (see :func:`plan_folder`).
     """
     plan = plan_folder(folder, variant=variant)
-    return write_archive(output, plan.model_index, plan.model_index_bytes, plan.sources, skipped=plan.skipped, quiet=quiet)
+    return write_archive(output, plan.model_index, plan.model_index_bytes, plan.sources, skipped=plan.skipped, quiet=quiet,
+                         fsync=fsync)

@@ -1,4 +1,5 @@
-"""Read-ahead of the archive's tensor data on a background thread while modules are being built.
+"""Read-ahead of the archive's tensor data: ``Prefetcher`` on a background thread while modules are being
+built, ``prefetch`` for a synchronous hint, ``component_ranges`` for what to read.
 
 ``madvise(MADV_POPULATE_READ)`` (Linux 5.14+) reads the pages in *and* maps them, so the later first touch
 of each parameter takes no page fault; older kernels get ``MADV_WILLNEED`` (asynchronous read-ahead into the
@@ -16,6 +17,10 @@ import queue
 import sys
 import threading
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..format.archive import DDUFArchive
 
 logger = logging.getLogger("dduf_plus")
 
@@ -109,3 +114,60 @@ class Prefetcher:
         self.finish()
         if self._thread is not None:
             self._thread.join(timeout)
+
+
+def component_ranges(archive: DDUFArchive, component: str, variant: str | None = None) -> list[tuple[int, int]]:
+    """(offset, length) of the tensor data of ``component``'s weight files in the archive."""
+    ranges = []
+    for name in archive.weight_files(component, variant):
+        entry, header = archive.entry(name), archive.headers[name]
+        ranges.append((entry.offset + header.data_start, entry.length - header.data_start))
+    return ranges
+
+
+def prefetch(
+    source: DDUFArchive | mmap.mmap,
+    ranges: Iterable[tuple[int, int]] | None = None,
+    *,
+    populate: bool = False,
+) -> int:
+    """Ask the kernel to read ``ranges`` of the mapping ahead; returns the bytes advised.
+
+    ``MADV_WILLNEED`` queues the reads and returns at once. ``populate=True`` also maps the pages
+    (``MADV_POPULATE_READ``, Linux >= 5.14), sparing later touches their page faults, and blocks until
+    they are read (the GIL is released meanwhile); to overlap that with other work use
+    :class:`Prefetcher`. Without ``ranges``: the whole file. Never raises for lack of kernel support:
+    read-ahead is a hint.
+
+    Example:
+        >>> prefetch(archive, component_ranges(archive, "unet"))
+    """
+    mm = source if isinstance(source, mmap.mmap) else source.mmap
+    size = len(mm)
+    ranges = [(0, size)] if ranges is None else list(ranges)
+    libc = _libc()
+    anchor = None
+    if libc is not None and size:
+        try:
+            anchor = ctypes.c_char.from_buffer(mm)  # an export keeps it mapped; madvise via libc frees the GIL
+        except TypeError:
+            pass  # a read-only map (ACCESS_READ) cannot be exported: fall back to mmap.madvise
+    advised = 0
+    try:
+        for offset, length in ranges:
+            stop = min(size, offset + length)
+            if length <= 0 or stop <= max(0, offset):
+                continue  # empty or past the end
+            start = max(0, offset) // PAGE * PAGE  # madvise wants a page-aligned start
+            for advice in (MADV_WILLNEED, MADV_POPULATE_READ) if populate else (MADV_WILLNEED,):
+                if anchor is not None:
+                    libc.madvise(ctypes.addressof(anchor) + start, stop - start, advice)  # errors: hint lost
+                elif hasattr(mm, "madvise"):
+                    try:
+                        mm.madvise(advice, start, stop - start)
+                    except (OSError, ValueError):
+                        pass
+            advised += stop - start
+    finally:
+        del anchor
+    return advised

@@ -6,21 +6,20 @@
   component (carved into aligned views); the host memcpy into buffer k+1 overlaps the async
   host-to-device copy of buffer k on a side stream, and dtype conversion happens on the device.
 
-``prefetch`` asks the kernel to read an archive's pages ahead (``madvise(MADV_WILLNEED)``), so a cold
-cache load can overlap disk reads with module construction."""
+Read-ahead (``prefetch``, ``component_ranges``) lives in ``dduf_plus.loading.prefetch``; the names are
+re-exported here for existing callers."""
 
 from __future__ import annotations
 
 import logging
 import mmap
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import nullcontext
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
-if TYPE_CHECKING:  # pragma: no cover
-    from ..format.archive import DDUFArchive
+from .prefetch import component_ranges, prefetch  # noqa: F401 - re-exported
 
 logger = logging.getLogger("dduf_plus")
 
@@ -30,7 +29,6 @@ DEFAULT_CHUNK_BYTES = 32 << 20  # large enough to reach PCIe bandwidth, small en
 DEFAULT_BUFFERS = 3  # one being filled by the CPU, one in flight, one spare to absorb jitter
 VIEW_ALIGNMENT = 256  # every view starts on a 256-byte boundary: fits any dtype, coalesced access
 PAGE = mmap.PAGESIZE
-MADV_POPULATE_READ = 22  # Linux >= 5.14; not exported by Python 3.11's mmap module
 
 
 def materialize(
@@ -373,49 +371,3 @@ def _stream(
     # the caller's order; empty tensors need no bytes and get no place in the flat buffer
     return {name: out[name] if name in out else torch.empty(shape, dtype=targets[name], device=device)
             for name, shape in shapes.items()}
-
-
-# --- read-ahead --------------------------------------------------------------------------------------
-def component_ranges(archive: DDUFArchive, component: str, variant: str | None = None) -> list[tuple[int, int]]:
-    """(offset, length) of the tensor data of ``component``'s weight files in the archive."""
-    ranges = []
-    for name in archive.weight_files(component, variant):
-        entry, header = archive.entry(name), archive.headers[name]
-        ranges.append((entry.offset + header.data_start, entry.length - header.data_start))
-    return ranges
-
-
-def prefetch(
-    source: DDUFArchive | mmap.mmap,
-    ranges: Iterable[tuple[int, int]] | None = None,
-    *,
-    populate: bool = False,
-) -> int:
-    """Ask the kernel to read ``ranges`` of the mapping ahead (``MADV_WILLNEED``); returns the bytes
-    advised. ``MADV_WILLNEED`` only queues the reads and returns. ``populate=True`` also maps the pages
-    (``MADV_POPULATE_READ``, Linux >= 5.14), sparing a later memcpy its page faults, but blocks until
-    they are read, holding the GIL (``mmap.madvise`` does not release it): for read-ahead on a thread
-    use ``dduf_plus.loading.prefetch.Prefetcher``. Without ``ranges``: the whole file. Never raises for
-    lack of kernel support: read-ahead is a hint.
-
-    Example:
-        >>> prefetch(archive, component_ranges(archive, "unet"))
-    """
-    mm = source if isinstance(source, mmap.mmap) else source.mmap
-    size = len(mm)
-    ranges = [(0, size)] if ranges is None else list(ranges)
-    advised = 0
-    for offset, length in ranges:
-        stop = min(size, offset + length)
-        if length <= 0 or stop <= max(0, offset):
-            continue  # empty or past the end
-        start = max(0, offset) // PAGE * PAGE  # madvise wants a page-aligned start
-        for option, wanted in ((getattr(mmap, "MADV_WILLNEED", None), True), (MADV_POPULATE_READ, populate)):
-            if option is None or not wanted or not hasattr(mm, "madvise"):
-                continue
-            try:
-                mm.madvise(option, start, stop - start)
-            except (OSError, ValueError):
-                pass  # old kernel / unsupported: the hint is lost, correctness is not
-        advised += stop - start
-    return advised
