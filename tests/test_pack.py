@@ -229,3 +229,80 @@ def test_large_entry_streams_through_copy(tmp_path):
         assert zf.testzip() is None
         assert zf.read("unet/big.safetensors") == st.read_bytes()
     assert (rec.data_offset + 8 + len(header)) % 4096 == 0
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").exists(), reason="needs /proc")
+def test_hash_ahead_gives_identical_bytes_and_closes_every_descriptor(src, tmp_path):
+    """Hashing largest-first on descriptors opened up front changes nothing in the output, leaks nothing."""
+    plan = plan_folder(src)
+    files = [(s.name, s.path) for s in sorted(plan.sources, key=lambda s: s.name) if s.path is not None]
+    outputs = []
+    for ahead in (False, True):
+        before = _open_fds()
+        with DDUFWriter(tmp_path / f"w{ahead}.dduf") as w:
+            if ahead:
+                w.hash_ahead(files)
+                assert _open_fds() > before  # the sources are held open from here on
+            for name, path in files:
+                w.add_file(name, path)
+            records = w.records
+        assert _open_fds() == before
+        outputs.append((tmp_path / f"w{ahead}.dduf").read_bytes())
+        assert [r.sha256 for r in records] == [sha256(path) for _, path in files]
+    assert outputs[0] == outputs[1]
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").exists(), reason="needs /proc")
+def test_abort_after_hash_ahead_closes_descriptors_and_leaves_nothing(src, tmp_path):
+    plan = plan_folder(src)
+    files = [(s.name, s.path) for s in plan.sources if s.path is not None]
+    before = _open_fds()
+    with pytest.raises(RuntimeError):
+        with DDUFWriter(tmp_path / "out" / "w.dduf") as w:
+            w.hash_ahead(files)
+            w.add_file(*files[0])
+            raise RuntimeError("interrupted")
+    assert _open_fds() == before
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_hash_ahead_names_an_unreadable_source(tmp_path):
+    with DDUFWriter(tmp_path / "w.dduf") as w:
+        with pytest.raises(DDUFPackError, match="unet/missing.safetensors.*cannot read"):
+            w.hash_ahead([("unet/missing.safetensors", tmp_path / "nope.safetensors")])
+        w.add_bytes("model_index.json", b"{}")
+
+
+def test_source_shrinking_while_hashed_is_refused_and_leaves_nothing(tmp_path):
+    """A file truncated between hash_ahead and the end: a DDUFPackError, no archive, no temp file."""
+    st = tmp_path / "src" / "w.safetensors"
+    st.parent.mkdir()
+    header = b'{"x":{"dtype":"U8","shape":[8192],"data_offsets":[0,8192]}}'
+    header += b" " * (-len(header) % 8)
+    st.write_bytes(struct.pack("<Q", len(header)) + header + os.urandom(8192))
+    out = tmp_path / "out"
+    with pytest.raises(DDUFPackError, match="shrank"):
+        with DDUFWriter(out / "w.dduf") as w:
+            w.add_bytes("model_index.json", b"{}")
+            w.hash_ahead([("unet/w.safetensors", st)])
+            w._ahead["unet/w.safetensors"][2].result()  # let the hash finish, then shrink the file
+            os.truncate(st, 100)
+            w.add_file("unet/w.safetensors", st)
+    assert list(out.iterdir()) == []
+
+
+@pytest.mark.parametrize("fsync", [True, False])
+def test_fsync_is_optional_and_the_output_identical(src, tmp_path, monkeypatch, fsync):
+    calls = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (calls.append(fd), real(fd)))
+    reference = pack_folder(src, tmp_path / "ref.dduf", quiet=True)  # default: fsync
+    assert calls, "the default pack must fsync before its rename"
+    calls.clear()
+    result = pack_folder(src, tmp_path / "x.dduf", quiet=True, fsync=fsync)
+    assert bool(calls) is fsync
+    assert result.path.read_bytes() == reference.path.read_bytes()
