@@ -52,12 +52,11 @@ class _FileObjectSource:
 class DDUFEntryFile(io.BufferedIOBase):
     """A read-only, seekable binary file over one archive entry."""
 
-    def __init__(self, name: str, size: int, *, view: memoryview | None = None, read_at: Any = None, base: int = 0):
+    def __init__(self, name: str, size: int, *, view: memoryview | None = None, read_range: Any = None):
         self.name = name
         self.size = size
         self._view = view
-        self._read_at = read_at
-        self._base = base
+        self._read_range = read_range  # (offset in the entry, length) -> bytes
         self._pos = 0
 
     def readable(self) -> bool:
@@ -97,7 +96,7 @@ class DDUFEntryFile(io.BufferedIOBase):
             return b""
         if self._view is not None:
             return bytes(self._view[start:end])
-        return self._read_at(self._base + start, end - start)
+        return self._read_range(start, end - start)
 
     read1 = read
 
@@ -108,7 +107,7 @@ class DDUFEntryFile(io.BufferedIOBase):
         if self._view is not None:
             target[: end - start] = self._view[start:end]
         else:
-            target[: end - start] = self._read_at(self._base + start, end - start)
+            target[: end - start] = self._read_range(start, end - start)
         self._pos = end
         return end - start
 
@@ -222,7 +221,8 @@ class DDUFFileSystem(AbstractFileSystem):
         if self._mapped:
             return DDUFEntryFile(path, info["size"], view=self.archive.view(path))
         entry = self.archive.entry(path)
-        return DDUFEntryFile(path, entry.length, read_at=self.archive._source.read_at, base=entry.offset)
+        read_range = lambda offset, length: self.archive.read_bytes(path, offset, length)  # noqa: E731
+        return DDUFEntryFile(path, entry.length, read_range=read_range)
 
     def cat_file(self, path: str, start: int | None = None, end: int | None = None, **kwargs: Any) -> bytes:
         path = self._strip_protocol(path)

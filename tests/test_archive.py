@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from conftest import PIPELINES
 from dduf_plus import read_dduf_file
-from dduf_plus.errors import DDUFEntryNotFoundError, DDUFError, DDUFValidationError
+from dduf_plus.errors import DDUFEntryNotFoundError, DDUFError, DDUFFormatError, DDUFValidationError
 from dduf_plus.format.archive import DDUFArchive
 
 
@@ -131,3 +131,14 @@ def test_truncated_archive_is_a_dduf_error(packed, tmp_path):
 def test_missing_file(tmp_path):
     with pytest.raises(DDUFError, match="cannot open"):
         DDUFArchive(tmp_path / "missing.dduf")
+
+
+def test_read_bytes_ranges_stay_inside_the_entry(packed):
+    with DDUFArchive(packed["tiny-sd"]) as archive:
+        whole = archive.read_bytes("unet/config.json")
+        assert archive.read_bytes("unet/config.json", 4, 13) == whole[4:17]
+        assert archive.read_bytes("unet/config.json", 5) == whole[5:]
+        assert archive.read_bytes("unet/config.json", len(whole), 0) == b""
+        for offset, length in ((-1, 2), (0, len(whole) + 1), (len(whole), 1)):
+            with pytest.raises(DDUFFormatError, match="outside entry 'unet/config.json'"):
+                archive.read_bytes("unet/config.json", offset, length)

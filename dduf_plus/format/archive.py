@@ -183,9 +183,16 @@ class DDUFArchive:
         except KeyError:
             raise DDUFEntryNotFoundError(f"{self.path} has no entry {name!r}") from None
 
-    def read_bytes(self, name: str) -> bytes:
+    def read_bytes(self, name: str, offset: int = 0, length: int | None = None) -> bytes:
+        """An entry's bytes, or ``length`` of them from ``offset`` within the entry (a range read: pread
+        locally, one HTTP range request remotely)."""
         e = self.entry(name)
-        return self._source.read_at(e.offset, e.length)
+        if length is None:
+            length = e.length - offset
+        if offset < 0 or length < 0 or offset + length > e.length:
+            raise DDUFFormatError(f"{self.path}: bytes {offset}..{offset + length} are outside entry {name!r} "
+                                  f"({e.length} bytes)")
+        return self._source.read_at(e.offset + offset, length)
 
     def read_text(self, name: str, encoding: str = "utf-8") -> str:
         try:
