@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -28,3 +30,48 @@ def packed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
     out = tmp_path_factory.mktemp("packed")
     return {name: pack_folder(PIPELINES / name, out / f"{name}.dduf", quiet=True).path for name in FIXTURE_NAMES}
+
+
+# --- shared by the partial-model, reference and interop tests -------------------------------------------
+@pytest.fixture
+def hf_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty fake Hugging Face cache and a private dduf_plus cache; offline."""
+    cache = tmp_path / "hf-cache"
+    cache.mkdir()
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("DDUF_PLUS_CACHE", str(tmp_path / "dduf-cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return cache
+
+
+def npm_checker_dir() -> Path | None:
+    """Where ``@huggingface/dduf`` is installed (``.ci/run`` puts it in .ci/node), or None."""
+    for candidate in (os.environ.get("DDUF_NPM_CHECKER_DIR"), ROOT / ".ci" / "node", Path("/tmp/npmdduf")):
+        if candidate and (Path(candidate) / "node_modules" / "@huggingface" / "dduf").is_dir():
+            return Path(candidate)
+    return None
+
+
+_NODE_CHECK = """
+const {checkDDUF} = require("@huggingface/dduf");
+const fs = require("fs");
+(async () => {
+  const blob = new Blob([fs.readFileSync(process.argv[1])]);
+  const names = [];
+  for await (const e of checkDDUF(blob)) names.push(e.name);
+  console.log(JSON.stringify(names));
+})().catch(e => { console.error(String((e && e.message) || e)); process.exit(1); });
+"""
+
+
+def npm_available() -> bool:
+    return shutil.which("node") is not None and npm_checker_dir() is not None
+
+
+def npm_check(archive: Path) -> subprocess.CompletedProcess | None:
+    """Run the npm ``@huggingface/dduf`` checker on ``archive`` (stdout: the JSON list of entry names), or
+    None when node or the package is absent."""
+    if not npm_available():
+        return None
+    return subprocess.run(["node", "-e", _NODE_CHECK, str(archive)], capture_output=True, text=True,
+                          cwd=npm_checker_dir(), timeout=120)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import zipfile
 from pathlib import Path
 
 import pytest
 
+from conftest import npm_check
 from dduf_plus.cli import main as cli_main
 from dduf_plus.errors import DDUFReferenceError
 from dduf_plus.format import spec
@@ -23,26 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PIPELINES = ROOT / "fixtures" / "pipelines"
 TINY_SD = PIPELINES / "tiny-sd"
 TINY_FT = PIPELINES / "tiny-sd-finetune"
-NPM_DDUF = Path("/tmp/npmdduf/node_modules/@huggingface/dduf")
-NODE_CHECK = """
-const { checkDDUF } = require(process.argv[2]);
-const fs = require('fs');
-(async () => {
-  const names = [];
-  for await (const e of checkDDUF(new Blob([fs.readFileSync(process.argv[3])]))) names.push(e.name);
-  console.log(JSON.stringify(names));
-})().catch((e) => { console.error(String((e && e.message) || e)); process.exit(1); });
-"""
 
-
-@pytest.fixture
-def hf_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    cache = tmp_path / "hf-cache"
-    cache.mkdir()
-    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
-    monkeypatch.setenv("DDUF_PLUS_CACHE", str(tmp_path / "dduf-cache"))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    return cache
 
 
 def entries(path: Path) -> dict[str, bytes]:
@@ -132,11 +113,8 @@ def test_completed_archive_is_valid_everywhere(tmp_path: Path, hf_env: Path) -> 
     assert "text_encoder/model.safetensors" in hub_entries
     with zipfile.ZipFile(full) as zf:
         assert zf.testzip() is None
-    if shutil.which("node") and (NPM_DDUF / "package.json").is_file():
-        script = tmp_path / "check.js"
-        script.write_text(NODE_CHECK)
-        done = subprocess.run(["node", str(script), str(NPM_DDUF), str(full)], capture_output=True, text=True,
-                              timeout=60)
+    done = npm_check(full)
+    if done is not None:
         assert done.returncode == 0, done.stderr
         assert sorted(json.loads(done.stdout)) == sorted(hub_entries)
 

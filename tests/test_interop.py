@@ -4,10 +4,8 @@ and diffusers loads what `unpack` recreates with the same outputs as the source 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,7 +13,7 @@ import safetensors.torch
 import torch
 from huggingface_hub import read_dduf_file as hub_read_dduf_file
 
-from conftest import FIXTURE_NAMES, PIPELINES, ROOT
+from conftest import FIXTURE_NAMES, PIPELINES, npm_available, npm_check
 from dduf_plus.format.unpack import unpack
 
 
@@ -39,32 +37,12 @@ def test_unzip_t_passes(packed, name):
     assert "No errors detected" in result.stdout
 
 
-def npm_checker_dir() -> Path | None:
-    for candidate in (os.environ.get("DDUF_NPM_CHECKER_DIR"), ROOT / ".ci" / "node", Path("/tmp/npmdduf")):
-        if candidate and (Path(candidate) / "node_modules" / "@huggingface" / "dduf").is_dir():
-            return Path(candidate)
-    return None
-
-
-NODE_SCRIPT = """
-const {checkDDUF} = require("@huggingface/dduf");
-const fs = require("fs");
-(async () => {
-  const blob = new Blob([fs.readFileSync(process.argv[1])]);
-  const names = [];
-  for await (const e of checkDDUF(blob)) names.push(e.name);
-  console.log(JSON.stringify(names));
-})().catch(e => { console.error(e.message); process.exit(1); });
-"""
-
-
-@pytest.mark.skipif(shutil.which("node") is None or npm_checker_dir() is None,
+@pytest.mark.skipif(not npm_available(),
                     reason="node or @huggingface/dduf not installed (.ci/run installs it when npm exists)")
 @pytest.mark.parametrize("name", ["tiny-sd", "tiny-sd-finetune"])
 def test_npm_checker_accepts_it(packed, name):
     # tiny-dit ships spiece.model: the npm checker (0.0.2) rejects .model entries (see rule D009)
-    result = subprocess.run(["node", "-e", NODE_SCRIPT, str(packed[name])], capture_output=True, text=True,
-                            cwd=npm_checker_dir())
+    result = npm_check(packed[name])
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)[0] == "model_index.json"
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import subprocess
 import zipfile
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+from conftest import npm_check
 from dduf_plus.errors import DDUFPackError, DDUFReferenceError
 from dduf_plus.format import spec
 from dduf_plus.format.archive import DDUFArchive
@@ -30,43 +30,20 @@ ROOT = Path(__file__).resolve().parent.parent
 PIPELINES = ROOT / "fixtures" / "pipelines"
 TINY_SD = PIPELINES / "tiny-sd"
 TINY_FT = PIPELINES / "tiny-sd-finetune"
-NPM_DDUF = Path("/tmp/npmdduf/node_modules/@huggingface/dduf")
 NOT_UNET = {"scheduler", "text_encoder", "tokenizer", "vae"}
 
-NODE_CHECK = """
-const { checkDDUF } = require(process.argv[2]);
-const fs = require('fs');
-(async () => {
-  const blob = new Blob([fs.readFileSync(process.argv[3])]);
-  const names = [];
-  for await (const e of checkDDUF(blob)) names.push(e.name);
-  console.log(JSON.stringify(names));
-})().catch((e) => { console.error(String((e && e.message) || e)); process.exit(1); });
-"""
 
-
-@pytest.fixture
-def hf_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """An empty fake Hugging Face cache and a private dduf_plus cache; offline."""
-    cache = tmp_path / "hf-cache"
-    cache.mkdir()
-    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
-    monkeypatch.setenv("DDUF_PLUS_CACHE", str(tmp_path / "dduf-cache"))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    return cache
 
 
 def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def npm_check(archive: Path, tmp_path: Path) -> list[str] | None:
+def npm_names(archive: Path) -> list[str] | None:
     """Entry names the npm @huggingface/dduf checker lists, or None when node or the package is absent."""
-    if shutil.which("node") is None or not (NPM_DDUF / "package.json").is_file():
+    done = npm_check(archive)
+    if done is None:
         return None
-    script = tmp_path / "check.js"
-    script.write_text(NODE_CHECK)
-    done = subprocess.run(["node", str(script), str(NPM_DDUF), str(archive)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 
@@ -79,7 +56,7 @@ def assert_plain_dduf(path: Path, tmp_path: Path) -> None:
     assert "model_index.json" in entries
     with zipfile.ZipFile(path) as zf:
         assert zf.testzip() is None
-    names = npm_check(path, tmp_path)
+    names = npm_names(path)
     if names is not None:
         assert sorted(names) == sorted(entries)
 

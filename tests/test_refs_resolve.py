@@ -25,15 +25,6 @@ TINY_SD = ROOT / "fixtures" / "pipelines" / "tiny-sd"
 EXTERNAL = ["scheduler", "text_encoder", "tokenizer", "vae"]
 
 
-@pytest.fixture
-def hf_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    cache = tmp_path / "hf-cache"
-    cache.mkdir()
-    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
-    monkeypatch.setenv("DDUF_PLUS_CACHE", str(tmp_path / "dduf-cache"))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    return cache
-
 
 @pytest.fixture
 def partial(tmp_path: Path, hf_env: Path) -> Path:
