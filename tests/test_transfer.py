@@ -254,3 +254,31 @@ def test_cuda_archive_component(packed):
         torch.cuda.synchronize()
         for k, v in tensors.items():
             assert torch.equal(out[k].cpu(), v.float())
+
+
+# --- the loader's pread-backed mappings describe themselves (no full host copy on the way to a device) ---
+@pytest.mark.parametrize("where", ["archive", "folder"])
+def test_pread_tensors_are_described_and_streamed_lazily(packed, monkeypatch, where):
+    from conftest import PIPELINES
+    from dduf_plus.loading import files as files_mod
+    from dduf_plus.loading.files import ArchiveComponentFiles, FolderComponentFiles
+
+    if where == "archive":
+        archive = DDUFArchive(packed["tiny-sd"])
+        component = ArchiveComponentFiles(archive, "unet", use_mmap=False)
+    else:
+        component = FolderComponentFiles(PIPELINES / "tiny-sd" / "unet", use_mmap=False)
+    lazy = component.tensors(component.weight_files())
+    reads: list[int] = []
+    real = files_mod.pread_tensor
+    monkeypatch.setattr(files_mod, "pread_tensor", lambda *a: (reads.append(1), real(*a))[1])
+    specs = lazy.tensor_specs()
+    assert reads == []  # described from the headers alone
+    assert list(specs) == list(lazy)
+    reference = FolderComponentFiles(PIPELINES / "tiny-sd" / "unet").tensors(component.weight_files())
+    for name, (shape, dtype) in specs.items():
+        assert shape == tuple(reference[name].shape) and dtype == reference[name].dtype, name
+    out = _stream(lazy, torch.device("cpu"), lambda n, t: torch.float32, 64 << 10, 3, _SyncCopier())
+    assert len(reads) == len(specs)  # each tensor read once, while streaming
+    for name, t in out.items():
+        assert torch.equal(t, reference[name].float()), name

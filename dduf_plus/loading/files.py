@@ -122,6 +122,11 @@ class LazyTensors(Mapping):
     def __len__(self) -> int:
         return len(self._records)
 
+    def tensor_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """{name: (shape, dtype)} from the headers, reading no data: lets ``materialize`` plan one device
+        allocation and then read tensor by tensor (never the whole component in host memory)."""
+        return _specs((name, info) for name, (_offset, info) in self._records.items())
+
 
 def pread_tensor(fd: int, offset: int, info: TensorInfo, where: str) -> torch.Tensor:
     import torch
@@ -370,6 +375,22 @@ class _FolderLazyTensors(Mapping):
 
     def __len__(self) -> int:
         return len(self._records)
+
+    def tensor_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """As :meth:`LazyTensors.tensor_specs`."""
+        return _specs((name, info) for name, (_filename, _offset, info) in self._records.items())
+
+
+def _specs(infos: Iterable[tuple[str, TensorInfo]]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    import torch
+
+    out = {}
+    for name, info in infos:
+        dtype = getattr(torch, spec.DTYPE_BY_TORCH[info.dtype].torch, None)
+        if dtype is None:
+            raise DDUFFormatError(f"tensor {info.name}: dtype {info.dtype} is not supported by this torch")
+        out[name] = (tuple(info.shape), dtype)
+    return out
 
 
 def tensor_metadata(files: ComponentFiles, filenames: Sequence[str]) -> dict[str, tuple[str, tuple[int, ...], int]]:
