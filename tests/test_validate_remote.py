@@ -183,6 +183,22 @@ def test_missing_and_unreachable_urls_are_io_errors(site, capsys):
     assert "x.dduf" in out.err
 
 
+def test_a_server_that_stops_answering_times_out(monkeypatch):
+    """Accepts the connection, never answers: a DDUFError after HF_HUB_DOWNLOAD_TIMEOUT, not a hang."""
+    import socket
+    import time
+
+    monkeypatch.setenv("HF_HUB_DOWNLOAD_TIMEOUT", "1")
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}/x.dduf"
+        started = time.monotonic()
+        with pytest.raises(DDUFError, match="x.dduf"):
+            validate(url)
+        assert time.monotonic() - started < 20
+
+
 def test_server_without_ranges_is_refused_not_downloaded(tmp_path):
     mh.write_valid(tmp_path / "a.dduf")
     server = RangeServer(tmp_path, ranges=False)

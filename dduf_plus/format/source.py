@@ -85,6 +85,8 @@ class FsspecSource:
 
         self.name = url
         self._lock = threading.Lock()  # seek + read is one operation on a shared file object
+        if url.split("://", 1)[0] in ("http", "https") and "client_kwargs" not in storage_options:
+            storage_options = {**storage_options, "client_kwargs": {"timeout": _http_timeout()}}
         try:
             fs, path = fsspec.core.url_to_fs(url, **storage_options)
             self._file = fs.open(path, "rb", block_size=self.RANGE_BLOCK_SIZE, cache_type="none")
@@ -119,6 +121,18 @@ class FsspecSource:
             self._file.close()
         except Exception:
             pass
+
+
+def _http_timeout() -> object:
+    """A server that stops answering must not hang a validation: huggingface_hub's download timeout
+    (``HF_HUB_DOWNLOAD_TIMEOUT``, 10 s by default) for connecting and for each read."""
+    import aiohttp  # fsspec's HTTP backend
+
+    try:
+        seconds = float(os.environ.get("HF_HUB_DOWNLOAD_TIMEOUT", "10"))
+    except ValueError:
+        seconds = 10.0
+    return aiohttp.ClientTimeout(total=None, sock_connect=seconds, sock_read=seconds)
 
 
 def is_url(source: str | os.PathLike) -> bool:
