@@ -1,7 +1,8 @@
 """``dduf validate FILE_OR_URL...``: check archives against every DDUF and dduf_plus rule.
 
 Exit status: 0 every file is valid, 1 at least one is not, 2 usage or I/O errors (a file that is missing
-or a URL that cannot be reached; those win over 1). Imports only the format layer (no torch)."""
+or a URL that cannot be reached; those win over 1). Imports only the format layer (no torch; zstandard
+only for ``.zst`` files)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ Validate DDUF archives: ZIP integrity (end records, ZIP64, central directory vs 
 polyglots, names), DDUF structure, every safetensors header, configs, references and the dduf_plus index.
 Structural checks read only records and headers (kilobytes, also for URLs); --verify also hashes every
 entry (CRC-32 and sha256). FILE_OR_URL may be a local path or any fsspec URL (https://, hf://, s3://...).
+A local X.dduf.zst is decompressed into the zst cache (checksums verified) and the archive inside validated;
+a stream that cannot be decompressed is reported as Z021.
 Exit status: 0 all valid, 1 any invalid, 2 usage or I/O errors."""
 
 
@@ -24,7 +27,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "validate", help="validate archives (local paths or fsspec URLs) against every DDUF rule",
         description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("files", nargs="+", metavar="FILE_OR_URL", help="archives to check")
+    parser.add_argument("files", nargs="+", metavar="FILE_OR_URL", help="archives to check (.dduf, or a local .dduf.zst)")
     parser.add_argument("--json", action="store_true", help='print {"files": [{path, valid, errors, warnings}]}')
     parser.add_argument("--verify", action="store_true", help="also check CRC-32 and sha256 of every entry (reads all data)")
     parser.add_argument("--strict", action="store_true", help="treat warnings (e.g. not mmap-aligned) as errors")

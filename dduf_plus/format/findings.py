@@ -36,6 +36,7 @@ _RULES = (
     Rule("Z018", "warning", "entry has no ZIP64 extra field", "DDUF asks for ZIP64 on every entry; re-pack with `dduf pack`."),
     Rule("Z019", "error", "compressed and uncompressed sizes differ", "STORED entries have equal sizes; re-create the archive."),
     Rule("Z020", "error", "non-ASCII entry name without the UTF-8 flag (zipfile reads it as CP437)", "Re-pack with a writer that sets the UTF-8 flag (`dduf pack`)."),
+    Rule("Z021", "error", "a .zst archive cannot be decompressed (truncated, corrupted or not zstd)", "Re-download or re-create it with `dduf compress` (needs `pip install zstandard`)."),
     # DDUF structure
     Rule("D001", "error", "model_index.json missing", "Put the pipeline's model_index.json at the archive root."),
     Rule("D002", "error", "model_index.json is not a JSON object", "Fix the JSON in model_index.json."),

@@ -9,7 +9,11 @@ streamed over one read-only mmap by a thread per core (hashlib and zlib release 
 
 Structural validation reads only records and headers: kilobytes, also over fsspec URLs (range requests).
 Bad input never raises: it becomes findings. :class:`~dduf_plus.errors.DDUFError` means the source could
-not be read at all (missing file, unreachable URL)."""
+not be read at all (missing file, unreachable URL).
+
+A local ``X.dduf.zst`` is decompressed (every frame's checksum and size verified) into the content-keyed
+cache of :mod:`dduf_plus.format.zst` and the plain archive validated, reported under the ``.zst`` path; a
+stream that cannot be decompressed is a ``Z021`` finding. zstandard is imported only for ``.zst`` files."""
 
 from __future__ import annotations
 
@@ -17,14 +21,15 @@ import os
 import re
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
-from ..errors import DDUFError
+from ..errors import DDUFError, DDUFFormatError
 from . import spec
 from .archive import DDUFArchive, Entry
 from .findings import Finding, finding
-from .source import ByteSource, open_source
+from .source import ByteSource, is_url, open_source
 from .structure import component_specs, parse_json
 
 # Structural validation parses every config and every JSON entry up to this size (tokenizer configs,
@@ -119,11 +124,17 @@ def validate(source: str | os.PathLike | ByteSource, verify: bool = False, stric
     Raises:
         DDUFError: the source cannot be opened or read (missing file, unreachable URL, I/O error).
 
+    A local path ending in ``.zst`` (``X.dduf.zst``) is decompressed into the zst cache first (see
+    :func:`dduf_plus.format.zst.open_for_validation`); its report carries the ``.zst`` path, and a stream
+    that cannot be decompressed (truncated, corrupted, not zstd, zstandard missing) is a ``Z021`` error.
+
     Example:
         >>> report = validate("model.dduf", verify=True)
         >>> report.valid, [f.code for f in report.errors]
         (True, [])
     """
+    if isinstance(source, (str, os.PathLike)) and os.fspath(source).endswith(".zst"):
+        return _validate_zst(source, verify, strict, storage_options)
     started = time.perf_counter()
     owned = not hasattr(source, "read_at")
     inner: ByteSource = open_source(source, **storage_options) if owned else source  # type: ignore[assignment]
@@ -144,6 +155,41 @@ def validate(source: str | os.PathLike | ByteSource, verify: bool = False, stric
         if owned:
             inner.close()
     return _report(inner.name, findings, strict, bytes_read, time.perf_counter() - started)
+
+
+def _validate_zst(source: str | os.PathLike, verify: bool, strict: bool,
+                  storage_options: dict[str, Any]) -> ValidationReport:
+    """Decompress a ``.dduf.zst`` into the cache, validate the plain archive, report under ``source``."""
+    started = time.perf_counter()
+    name = os.fspath(source)
+    if is_url(name):
+        raise DDUFError(f"{name}: .zst archives are validated from a local file; download it first")
+    local = open_source(name)  # the same checks and messages as for a plain archive (missing, not a file)
+    size = local.size
+    local.close()
+    from . import zst  # lazy: plain archives never import it (nor zstandard)
+
+    def failed(message: str) -> ValidationReport:
+        return _report(name, [finding("Z021", None, message)], strict, size, time.perf_counter() - started)
+
+    try:
+        zst._zstd()
+    except DDUFError as e:  # zstandard missing or broken: the message says `pip install zstandard`
+        return failed(str(e))
+    resolved = str(Path(name).resolve())
+    try:
+        archive = zst.open_for_validation(name)
+    except DDUFFormatError as e:  # truncated, corrupted (DDUFIntegrityError), not zstd, bad seek table
+        return failed(str(e).replace(resolved, name))
+    except OSError as e:  # the cache cannot be written (disk full, read-only): an I/O error, exit 2
+        raise DDUFError(f"{name}: cannot decompress into the cache ({zst.cache_root()}): {e}") from None
+    except DDUFError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a decoder bug on hostile input: an incomplete verdict, never a crash
+        return _report(name, [finding("X000", None, f"internal error in zst: {type(e).__name__}: {e}"[:500])],
+                       strict, size, time.perf_counter() - started)
+    inner = validate(archive, verify=verify, strict=strict, **storage_options)
+    return replace(inner, path=name, bytes_read=inner.bytes_read + size, seconds=time.perf_counter() - started)
 
 
 def _guard(findings: list[Finding], label: str, rule: Callable[..., Any], *args: Any) -> Any:

@@ -8,7 +8,13 @@ tokenizer and scheduler files) come from each component's own save logic, throug
 
 The bytes equal what ``pipeline.save_pretrained`` writes (same tensor names after transformers'
 checkpoint conversion, same header layout as ``safetensors.torch.save_file``), except that each model
-is one unsharded file: DDUF entries are ZIP64, so no size limit calls for shards."""
+is one unsharded file: DDUF entries are ZIP64, so no size limit calls for shards.
+
+Models quantized with optimum-quanto (``quantize`` + ``freeze``) are stored as
+:func:`~dduf_plus.loading.quant.save_quanto_component` + ``dduf pack`` store them: quanto's flattened
+state dict (``L.weight._data``, ``L.weight._scale``...) streamed in
+:func:`~dduf_plus.loading.quant.aligned_order`, ``quanto_qmap.json`` beside it, and the same
+``quantization`` record in the index, so both routes give the same archive."""
 
 from __future__ import annotations
 
@@ -60,13 +66,22 @@ def save_dduf(
     per component with a ``"default"`` entry. Modules a model keeps in fp32 (``_keep_in_fp32_modules``)
     are not downcast.
 
+    Components quantized with optimum-quanto (``quantize`` + ``freeze``; qint8, qfloat8, qint4...) are
+    stored quantized: the quantized tensors, ``quanto_qmap.json`` and an index ``quantization`` record,
+    exactly as ``save_quanto_component`` + ``dduf pack`` store them; ``load_dduf`` reloads them quantized.
+    ``dtype`` never touches their quantized values (``*._data``): a float16/bfloat16/float32 target
+    converts only their scales, biases and unquantized layers (as ``dduf pack --dtype`` does); any other
+    target (float8...) is an error when the dict names the component, and leaves it unchanged when it
+    comes from a default.
+
     Example:
         >>> pipe = StableDiffusionPipeline.from_pretrained("stable-diffusion-v1-5", dtype=torch.float16)
         >>> save_dduf(pipe, "sd15.dduf").bytes_written
 
     Raises:
-        DDUFPackError: a component cannot be written as DDUF (unsupported kind, quantized or offloaded
-            weights, files DDUF forbids, no config).
+        DDUFPackError: a component cannot be written as DDUF (unsupported kind, weights quantized by a
+            ``quantization_config`` backend (bitsandbytes, torchao...), quanto layers not frozen, an fp8
+            ``dtype`` named for a quanto component, offloaded weights, files DDUF forbids, no config).
     """
     if variant is not None and not _VARIANT.match(variant):
         raise DDUFPackError(f"variant {variant!r}: use letters, digits and underscores only")
@@ -74,14 +89,20 @@ def save_dduf(
     model_index = json.loads(model_index_bytes)
     sources: list[EntrySource] = []
     skipped: list[Skipped] = []
+    records: dict[str, dict[str, Any]] = {}
     for name, component in _saveable_components(pipeline, model_index).items():
         target = _component_dtype(dtype, name)
-        comp_sources, comp_skipped = _component_sources(name, component, variant, target)
+        explicit = isinstance(dtype, Mapping) and dtype.get(name) is not None
+        comp_sources, comp_skipped, record = _component_sources(name, component, variant, target,
+                                                                explicit=explicit)
         sources.extend(comp_sources)
         skipped.extend(comp_skipped)
+        if record:
+            records[name] = record
     for item in skipped:
         logger.warning("save_dduf: not stored: %s (%s)", item.path, item.reason)
-    return write_archive(path, model_index, model_index_bytes, sources, skipped=skipped, quiet=quiet)
+    return write_archive(path, model_index, model_index_bytes, sources, skipped=skipped,
+                         extra_components=records or None, quiet=quiet)
 
 
 # --- which components, and how -----------------------------------------------------------------------
@@ -121,30 +142,40 @@ def _component_dtype(dtype: Any, name: str) -> torch.dtype | None:
 
 
 def _component_sources(
-    name: str, component: Any, variant: str | None, dtype: torch.dtype | None
-) -> tuple[list[EntrySource], list[Skipped]]:
+    name: str, component: Any, variant: str | None, dtype: torch.dtype | None, *, explicit: bool = False
+) -> tuple[list[EntrySource], list[Skipped], dict[str, Any] | None]:
+    """The entries of one component, its skipped files and its extra index record (quanto), if any.
+    ``explicit``: ``dtype`` was asked for this component by name (errors instead of skipping)."""
     from diffusers import ModelMixin
 
     transformers_model = _transformers_model_class()
+    record: dict[str, Any] | None = None
     with tempfile.TemporaryDirectory(prefix="dduf-save-") as tmp:
         folder = Path(tmp) / name
         folder.mkdir()
         weights: EntrySource | None = None
         if isinstance(component, ModelMixin):
             _refuse_quantized(name, component)
+            quanto = _quanto_state(component)
+            entry = f"{name}/{_weights_name('diffusion_pytorch_model.safetensors', variant)}"
             component.save_config(folder)  # exactly ModelMixin.save_pretrained's config step
-            state = component.state_dict()
             keep = _keep_in_fp32(component)
-            weights = weight_source(f"{name}/{_weights_name('diffusion_pytorch_model.safetensors', variant)}",
-                                    state, dtype_for=_dtype_rule(dtype, keep), what=name)
+            if quanto is not None:
+                weights, record, _converted = _quanto_sources(name, entry, quanto, folder, dtype, keep, explicit)
+            else:
+                weights = weight_source(entry, component.state_dict(), dtype_for=_dtype_rule(dtype, keep), what=name)
         elif transformers_model is not None and isinstance(component, transformers_model):
             _refuse_quantized(name, component)
-            state = transformers_checkpoint(component)
+            quanto = _quanto_state(component)
+            entry = f"{name}/{_weights_name('model.safetensors', variant)}"
             keep = _keep_in_fp32(component)
-            rule = _dtype_rule(dtype, keep)
-            _save_transformers_configs(component, folder, dtype or component.dtype)
-            weights = weight_source(f"{name}/{_weights_name('model.safetensors', variant)}", state,
-                                    dtype_for=rule, what=name)
+            if quanto is not None:  # the state dict quanto_state gives is the one load_quanto_component takes
+                weights, record, converted = _quanto_sources(name, entry, quanto, folder, dtype, keep, explicit)
+                _save_transformers_configs(component, folder, (dtype if converted else None) or component.dtype)
+            else:
+                state = transformers_checkpoint(component)
+                _save_transformers_configs(component, folder, dtype or component.dtype)
+                weights = weight_source(entry, state, dtype_for=_dtype_rule(dtype, keep), what=name)
         elif isinstance(component, torch.nn.Module) and any(True for _ in component.parameters()):
             raise DDUFPackError(f"component {name!r} ({type(component).__name__}) is a torch module that is "
                                 "neither a diffusers nor a transformers model: save_dduf cannot stream its weights")
@@ -157,7 +188,7 @@ def _component_sources(
     if not names & set(spec.CONFIG_FILES):
         raise DDUFPackError(f"component {name!r} ({type(component).__name__}) saved no config file "
                             f"(one of {', '.join(spec.CONFIG_FILES)}); DDUF needs one per component folder")
-    return sources, skipped
+    return sources, skipped, record
 
 
 def _transformers_model_class() -> type | None:
@@ -176,9 +207,59 @@ def _weights_name(name: str, variant: str | None) -> str:
 
 
 def _refuse_quantized(name: str, model: Any) -> None:
+    """Weights quantized by a ``quantization_config`` backend (bitsandbytes, torchao, diffusers'
+    QuantoConfig...) have backend-specific layouts: refused. Plain optimum-quanto models are not refused."""
     if getattr(model, "hf_quantizer", None) is not None or getattr(model, "is_quantized", False):
         raise DDUFPackError(f"component {name!r} is quantized; save_dduf streams plain weights only "
                             "(save it with its quantizer's save_pretrained and pack the folder)")
+
+
+# --- optimum-quanto components ---------------------------------------------------------------------------
+QUANTO_CONVERTIBLE = (torch.float16, torch.bfloat16, torch.float32)  # targets that keep quanto's layout meaningful
+
+
+def _quanto_state(model: Any) -> tuple[dict[str, torch.Tensor], bytes] | None:
+    """``quant.quanto_state(model)``, or None without importing optimum-quanto when nobody did: a model
+    cannot hold quanto layers unless optimum.quanto was imported."""
+    if "optimum.quanto" not in sys.modules:
+        return None
+    from .quant import quanto_state
+
+    return quanto_state(model)
+
+
+def _quanto_sources(
+    name: str, entry: str, quanto: tuple[dict[str, torch.Tensor], bytes], folder: Path,
+    dtype: torch.dtype | None, keep_fp32: tuple[str, ...], explicit: bool,
+) -> tuple[EntrySource, dict[str, Any], bool]:
+    """The weights entry of a quanto component (tensors in ``aligned_order``, as
+    ``save_quanto_component`` writes them), its ``quanto_qmap.json`` (written into ``folder``), its
+    index record and whether any tensor gets converted. ``dtype`` converts floating tensors other than
+    the quantized values (``._data``)."""
+    from .quant import QMAP_NAME, quanto_index_record
+
+    tensors, qmap = quanto
+    if dtype is not None and dtype not in QUANTO_CONVERTIBLE:
+        if explicit:
+            raise DDUFPackError(f"component {name!r} is quantized with optimum-quanto: dtype "
+                                f"{str(dtype).removeprefix('torch.')} cannot apply to it (float16, bfloat16 or "
+                                "float32 convert its scales and unquantized layers; its quantized values never change)")
+        logger.info("%s is quantized with optimum-quanto: dtype %s does not apply, stored unchanged", name, dtype)
+        dtype = None
+    base_rule = _dtype_rule(dtype, keep_fp32)
+    converted = False
+
+    def rule(tname: str, tensor: torch.Tensor) -> torch.dtype | None:
+        nonlocal converted
+        if "._data" in tname:  # quanto's quantized values (int8, fp8, packed uint8): never converted
+            return None
+        target = base_rule(tname, tensor)
+        converted = converted or target is not None
+        return target
+
+    weights = weight_source(entry, tensors, dtype_for=rule, what=name, aligned=True)
+    (folder / QMAP_NAME).write_bytes(qmap)
+    return weights, quanto_index_record(json.loads(qmap)), converted
 
 
 def _keep_in_fp32(model: Any) -> tuple[str, ...]:
@@ -307,9 +388,14 @@ def weight_source(
     dtype_for=None,
     metadata: Mapping[str, str] | None = None,
     what: str = "",
+    aligned: bool = False,
 ) -> EntrySource:
     """An :class:`EntrySource` whose chunks are a safetensors file of ``state``, byte-identical to
-    ``safetensors.torch.save(state, metadata)``, produced tensor by tensor without a full copy."""
+    ``safetensors.torch.save(state, metadata)``, produced tensor by tensor without a full copy.
+
+    ``aligned=True`` lays the tensors out in :func:`~dduf_plus.loading.quant.aligned_order` (of their
+    stored sizes) instead of safetensors' order, as ``save_quanto_component`` does, so that quantized
+    int8 weights start 64-byte aligned and need no copy at load."""
     dtype_for = dtype_for or (lambda name, tensor: None)
     metadata = {"format": "pt"} if metadata is None else dict(metadata)
     plan: list[tuple[str, torch.Tensor, torch.dtype]] = []
@@ -317,7 +403,18 @@ def weight_source(
         if not isinstance(tensor, torch.Tensor):
             raise DDUFPackError(f"{what}: state dict entry {name!r} is not a tensor")
         plan.append((name, tensor, dtype_for(name, tensor) or tensor.dtype))
-    plan.sort(key=lambda p: (-_DTYPE_RANK[_st_dtype(p[2], what)], p[0]))
+    if aligned:
+        from .quant import aligned_order
+
+        sizes = {}
+        for name, tensor, target in plan:
+            _st_dtype(target, what)
+            size = torch.empty((), dtype=target).element_size()
+            sizes[name] = (tensor.numel() * size, size)
+        rank = {name: i for i, name in enumerate(aligned_order(sizes))}
+        plan.sort(key=lambda p: rank[p[0]])
+    else:
+        plan.sort(key=lambda p: (-_DTYPE_RANK[_st_dtype(p[2], what)], p[0]))
     raw, data_size = _header_json(plan, metadata)
     size = 8 + len(raw) + data_size
     header, problems = parse_header(raw, len(raw), size, entry)
