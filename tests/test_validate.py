@@ -140,12 +140,31 @@ GOOD_REF = {"pretrained_model_name_or_path": "org/base", "subfolder": "vae", "re
     (GOOD_REF | {"files": {"sub/config.json": {"size": 2, "sha256": "a" * 64}}}, False),
     (GOOD_REF | {"files": {"..": {"size": 2, "sha256": "a" * 64}}}, False),
     (GOOD_REF | {"files": {"config.json": {"size": 2, "sha256": "a" * 64, "git_sha1": "xyz"}}}, False),
+    # small non-LFS Hub files are known by their git blob id only (what `pack --ref org/repo` records)
+    (GOOD_REF | {"files": {"config.json": {"size": 2, "git_sha1": "c" * 40}}}, True),
+    (GOOD_REF | {"files": {"config.json": {"size": 2, "git_sha1": None}}}, False),
+    # no source (`pack --exclude` without --ref): valid, with the R003 warning (tested below)
+    (GOOD_REF | {"pretrained_model_name_or_path": None}, True),
+    (GOOD_REF | {"pretrained_model_name_or_path": None, "files": {}}, True),
+    (GOOD_REF | {"pretrained_model_name_or_path": ""}, False),
 ])
 def test_R001_reference_shape(tmp_path, ref, ok):
     mi = dict(mh.MODEL_INDEX, vae=["diffusers", "AutoencoderKL"], **{spec.REFERENCES_KEY: {"vae": ref}})
     report = validate(build(tmp_path, model_index=mi))
     assert report.valid is ok, report
     assert ("R001" in codes(report)) is not ok
+    assert ("R003" in codes(report)) is (ok and isinstance(ref, dict) and ref["pretrained_model_name_or_path"] is None)
+
+
+def test_our_own_partial_packs_validate(tmp_path, hf_env):
+    """What `dduf pack --exclude` writes is valid: without --ref it warns R003 (no source), nothing else."""
+    from conftest import PIPELINES
+    from dduf_plus.packing import pack
+
+    out, _ = pack(PIPELINES / "tiny-sd", tmp_path / "p.dduf", exclude=["text_encoder"], quiet=True)
+    report = validate(out.path, verify=True)
+    assert report.valid, report
+    assert codes(report) == {"R003"}
 
 
 def test_R001_reference_to_unknown_component_and_non_object(tmp_path):

@@ -67,6 +67,7 @@ _RULES = (
     # references
     Rule("R001", "error", "external reference malformed", "Re-pack with `dduf pack --ref`."),
     Rule("R002", "error", "referenced component also stored in the archive", "A component is either stored or referenced, not both."),
+    Rule("R003", "warning", "external reference names no source (the loader cannot resolve it by itself)", "Pass the component to `load_dduf` (`refs=` or the component itself), or re-pack with `--ref NAME=SPEC`."),
     # data (only with verify)
     Rule("H001", "error", "CRC-32 mismatch", "The entry's bytes are damaged; re-download the file."),
     Rule("H002", "error", "sha256 mismatch with the dduf_plus index", "The entry's bytes are damaged or were replaced; re-download it."),

@@ -256,7 +256,9 @@ def _check_shard_index(name: str, value: Any, entries: dict[str, Entry]) -> list
 
 
 def _check_references(archive: DDUFArchive, source: _GuardedSource, verify: bool) -> list[Finding]:
-    """R001: every ``_dduf_plus_references`` value names a repository and the size and sha256 of each file."""
+    """R001: every ``_dduf_plus_references`` value is well formed (a source, and per file its size and a
+    content id: sha256 and/or git blob id). R003: a reference with no source (``dduf pack --exclude``
+    without ``--ref``): loadable only when the caller supplies the component."""
     refs = archive.model_index.get(spec.REFERENCES_KEY)
     if not isinstance(refs, dict):
         return []  # absent, or not an object (structure.check_structure reports that)
@@ -268,32 +270,39 @@ def _check_references(archive: DDUFArchive, source: _GuardedSource, verify: bool
             why = "model_index.json names no such component"
         if why:
             out.append(finding("R001", component, why))
+        elif ref.get("pretrained_model_name_or_path") is None:
+            out.append(finding("R003", component, "no source recorded; pass it to load_dduf (refs= or the "
+                                                   "component itself)"))
     return out
 
 
 def _reference_problem(ref: Any) -> str | None:
     if not isinstance(ref, dict):
         return f"reference is a JSON {type(ref).__name__}, not an object"
-    repo = ref.get("pretrained_model_name_or_path")
-    if not isinstance(repo, str) or not repo.strip():
-        return "'pretrained_model_name_or_path' must be a non-empty string"
+    if "pretrained_model_name_or_path" not in ref:
+        return "'pretrained_model_name_or_path' is missing (a repository, a path, or null for no source)"
+    repo = ref["pretrained_model_name_or_path"]
+    if repo is not None and (not isinstance(repo, str) or not repo.strip()):
+        return "'pretrained_model_name_or_path' must be a non-empty string (or null: no source)"
     for key in _REFERENCE_OPTIONAL:
         if ref.get(key) is not None and not isinstance(ref[key], str):
             return f"{key!r} must be a string or null"
     files = ref.get("files")
-    if not isinstance(files, dict) or not files:
-        return "'files' must be a non-empty object of file name -> {size, sha256}"
+    if not isinstance(files, dict) or (not files and repo is not None):
+        return "'files' must be a non-empty object of file name -> {size, sha256 and/or git_sha1}"
     for filename, rec in files.items():
         if (not filename or filename in (".", "..") or "/" in filename or "\\" in filename
                 or any(ord(c) < 0x20 for c in filename)):
             return f"file name {filename!r} is not a plain name inside the component folder"
         if not isinstance(rec, dict):
-            return f"files[{filename!r}] must be an object with 'size' and 'sha256'"
+            return f"files[{filename!r}] must be an object with 'size' and 'sha256' (or 'git_sha1')"
         if type(rec.get("size")) is not int or rec["size"] < 0:
             return f"files[{filename!r}].size must be a non-negative integer"
-        if not isinstance(rec.get("sha256"), str) or not _SHA256.fullmatch(rec["sha256"]):
+        sha256, git_sha1 = rec.get("sha256"), rec.get("git_sha1")
+        if sha256 is None and git_sha1 is None:
+            return f"files[{filename!r}] has no content id: give 'sha256' (or, for small non-LFS files, 'git_sha1')"
+        if sha256 is not None and not (isinstance(sha256, str) and _SHA256.fullmatch(sha256)):
             return f"files[{filename!r}].sha256 must be 64 lowercase hex digits"
-        git_sha1 = rec.get("git_sha1")
         if git_sha1 is not None and not (isinstance(git_sha1, str) and _GIT_SHA1.fullmatch(git_sha1)):
             return f"files[{filename!r}].git_sha1 must be 40 lowercase hex digits"
     return None
