@@ -234,3 +234,42 @@ def test_index_record_is_torch_free():
                                         "b": {"weights": "qint4", "activations": "none"}})
     assert record == {"quantization": {"method": "optimum-quanto", "map": "quanto_qmap.json", "modules": 2,
                                        "weights": ["qint4", "qint8"], "activations": []}}
+
+
+def test_load_dduf_of_a_quanto_config_component(tmp_path):
+    """A pipeline whose transformer was saved by diffusers with QuantoConfig loads through load_dduf
+    (the quantizer path), quantized, with outputs equal to the model that was saved."""
+    from diffusers import PixArtTransformer2DModel, QuantoConfig
+    from optimum.quanto import QLinear
+
+    from dduf_plus.loading.pipeline import load_dduf
+
+    model = PixArtTransformer2DModel.from_pretrained(PIPELINES / "tiny-dit", subfolder="transformer",
+                                                     quantization_config=QuantoConfig(weights_dtype="int8"),
+                                                     torch_dtype=torch.bfloat16)
+    folder = tmp_path / "pipe"
+    shutil.copytree(PIPELINES / "tiny-dit", folder, ignore=shutil.ignore_patterns("transformer"))
+    model.save_pretrained(folder / "transformer")
+    archive = pack_folder(folder, tmp_path / "pipe.dduf", quiet=True).path
+    pipe = load_dduf(archive)
+    reloaded = pipe.transformer
+    assert any(isinstance(m, QLinear) for m in reloaded.modules())
+    assert reloaded.dtype == torch.bfloat16
+    inputs = _transformer_inputs(torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(model(**inputs).sample, reloaded(**inputs).sample)
+
+
+def test_a_quantizer_that_cannot_run_here_is_a_clear_error(tmp_path):
+    """bitsandbytes on a CPU-only machine: a DDUFError naming the component and the backend, no traceback."""
+    from dduf_plus.errors import DDUFError
+    from dduf_plus.loading.pipeline import load_dduf
+
+    folder = tmp_path / "pipe"
+    shutil.copytree(PIPELINES / "tiny-sd", folder)
+    config = json.loads((folder / "vae" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_8bit": True}
+    (folder / "vae" / "config.json").write_text(json.dumps(config))
+    archive = pack_folder(folder, tmp_path / "pipe.dduf", quiet=True).path
+    with pytest.raises(DDUFError, match=r"vae.*bitsandbytes"):
+        load_dduf(archive)

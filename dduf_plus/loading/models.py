@@ -89,10 +89,9 @@ def build_diffusers_model(cls: type, files: ComponentFiles, request: ModelReques
     config = files.read_json(getattr(cls, "config_name", None) or "config.json")
     if not isinstance(config, dict):
         raise DDUFLoadError(f"{files.description}: config.json is not a JSON object")
-    if config.get("quantization_config") is not None:
-        raise DDUFLoadError(f"{files.description}: pre-quantized diffusers models (quantization_config) are not "
-                            "supported by load_dduf; load the folder with diffusers")
     cls = diffusers_class_for(cls, config)
+    if config.get("quantization_config") is not None:
+        return build_with_quantizer(cls, config, files, request)
     if QUANTO_QMAP in files.listdir():
         return build_quanto(cls, config, files, request, "diffusers", "diffusion_pytorch_model")
     weight_files = pick_weight_files(files, request.variant, "diffusion_pytorch_model")
@@ -188,6 +187,8 @@ def build_transformers_model(cls: type, files: ComponentFiles, request: ModelReq
         raise DDUFLoadError(f"{files.description}: config.json is not a JSON object")
     if QUANTO_QMAP in files.listdir():
         return build_quanto(cls, config_dict, files, request, "transformers", "model")
+    if config_dict.get("quantization_config") is not None:
+        return build_with_quantizer(cls, config_dict, files, request)
     config = transformers_config(cls, config_dict, files.description)
     weight_files = pick_weight_files(files, request.variant, "model")
     plan = plan_dtypes(request.dtype, tensor_metadata(files, weight_files), model_cls=cls, library="transformers",
@@ -219,6 +220,22 @@ def build_transformers_model(cls: type, files: ComponentFiles, request: ModelReq
 
 
 # --- quantized -----------------------------------------------------------------------------------------------
+def build_with_quantizer(cls: type, config: dict, files: ComponentFiles, request: ModelRequest) -> torch.nn.Module:
+    """Components whose config.json holds a ``quantization_config`` (diffusers' / transformers' quantizers):
+    ``quanto`` is rebuilt zero-copy; other backends go through the quantizer's own ``from_pretrained``."""
+    import torch
+
+    from . import quant
+
+    dtype = request.dtype if isinstance(request.dtype, torch.dtype) else None
+    model = quant.load_with_diffusers_quantizer(cls, config, files, device=request.device, dtype=dtype,
+                                                variant=request.variant)
+    if hasattr(model, "register_to_config"):
+        model.register_to_config(_name_or_path=request.name_or_path)
+    model.eval()
+    return model
+
+
 def build_quanto(cls: type, config: dict, files: ComponentFiles, request: ModelRequest, library: str,
                  stem: str) -> torch.nn.Module:
     """Components saved with optimum-quanto (``quanto_qmap.json`` beside the weights)."""

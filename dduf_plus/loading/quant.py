@@ -432,9 +432,10 @@ def load_with_diffusers_quantizer(
 ) -> torch.nn.Module:
     """Load a component whose config.json holds a ``quantization_config``.
 
-    ``quant_method == "quanto"`` is rebuilt zero-copy by :func:`load_quanto_component`; every other method
-    is passed to ``model_cls.from_pretrained`` on ``files.local_dir(...)`` so that diffusers' (or
-    transformers') quantizer for it runs. See :data:`CPU_BACKENDS` for what works without a GPU.
+    ``quant_method == "quanto"`` is rebuilt zero-copy by :func:`load_quanto_component`. Every other method
+    needs its quantizer to read the files from disk: for a folder component (a reference resolved to a
+    folder) it is passed to ``model_cls.from_pretrained`` on that folder; inside an archive it is refused
+    with a message saying what to do (weights are never extracted). See :data:`CPU_BACKENDS` for what works without a GPU.
 
     Raises:
         DDUFLoadError: the quantizer's library is missing or refuses this machine (the message says which).
@@ -450,8 +451,17 @@ def load_with_diffusers_quantizer(
         del skeleton
         return load_quanto_component(model_cls, config, files, device=device, dtype=dtype, variant=variant,
                                      qmap=qmap)
+    from .files import FolderComponentFiles
+
+    hint = CPU_BACKENDS.get(method, "untested backend")
+    if not isinstance(files, FolderComponentFiles):
+        # Its quantizer reads the weights from disk itself, and dduf_plus never extracts weights from an archive.
+        raise DDUFLoadError(
+            f"{where}: quantized with {method} (quantization_config), which load_dduf can only rebuild for "
+            f"quanto; its own quantizer needs the files on disk (CPU support: {hint}). Unpack the archive "
+            "(`dduf unpack`) and load that folder with diffusers, or reference the component from a folder")
     target_dtype = _torch_dtype(dtype)
-    folder = files.local_dir(files.listdir())
+    folder = files.local_dir(files.listdir())  # a folder component: its own path, nothing is copied
     kwargs: dict[str, Any] = {}
     if target_dtype is not None:
         kwargs["torch_dtype" if _is_diffusers_class(model_cls) else "dtype"] = target_dtype
@@ -462,5 +472,4 @@ def load_with_diffusers_quantizer(
     try:
         return model_cls.from_pretrained(folder, **kwargs)
     except (ImportError, RuntimeError, ValueError) as e:
-        hint = CPU_BACKENDS.get(method, "untested backend")
         raise DDUFLoadError(f"{where}: diffusers' {method} quantizer failed ({e}); CPU support: {hint}") from e
