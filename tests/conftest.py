@@ -15,6 +15,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 ROOT = Path(__file__).resolve().parent.parent
 PIPELINES = ROOT / "fixtures" / "pipelines"
+HOSTILE = ROOT / "fixtures" / "hostile"
 FIXTURE_NAMES = ("tiny-sd", "tiny-sd-finetune", "tiny-dit")
 
 
@@ -75,3 +76,17 @@ def npm_check(archive: Path) -> subprocess.CompletedProcess | None:
         return None
     return subprocess.run(["node", "-e", _NODE_CHECK, str(archive)], capture_output=True, text=True,
                           cwd=npm_checker_dir(), timeout=120)
+
+
+def load_make_hostile():
+    """fixtures/hostile/make_hostile.py as a module (its archive builders are the tests' too); loaded once."""
+    import importlib.util
+    import sys
+
+    module = sys.modules.get("make_hostile")
+    if module is None:
+        module_spec = importlib.util.spec_from_file_location("make_hostile", HOSTILE / "make_hostile.py")
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules["make_hostile"] = module
+        module_spec.loader.exec_module(module)
+    return module

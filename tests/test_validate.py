@@ -3,7 +3,6 @@ I/O errors, and the `dduf validate` command (exit codes, JSON shape, human outpu
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import struct
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import HOSTILE, load_make_hostile
 from dduf_plus.cli import main as cli_main
 from dduf_plus.errors import DDUFError
 from dduf_plus.format import spec
@@ -24,17 +24,9 @@ from dduf_plus.format.source import LocalSource
 from dduf_plus.format.validate import ValidationReport, validate
 
 ROOT = Path(__file__).resolve().parent.parent
-HOSTILE = ROOT / "fixtures" / "hostile"
 
 
-def _load_make_hostile():
-    module_spec = importlib.util.spec_from_file_location("make_hostile", HOSTILE / "make_hostile.py")
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module
-
-
-mh = _load_make_hostile()
+mh = load_make_hostile()
 
 
 def build(tmp_path: Path, name: str = "a.dduf", entries: dict | None = None, **kwargs) -> Path:
@@ -442,3 +434,18 @@ def test_every_rule_is_documented():
     doc = (ROOT / "docs" / "validation.md").read_text()
     rows = {line.split("|")[1].strip() for line in doc.splitlines() if line.startswith("| ") and line.count("|") > 6}
     assert set(RULES) <= rows, set(RULES) - rows
+
+
+def test_bytes_in_memory_validate_and_open():
+    """An upload still in memory: BytesSource is a ByteSource over bytes."""
+    from dduf_plus.format.archive import DDUFArchive
+    from dduf_plus.format.source import BytesSource
+
+    data = (HOSTILE / "valid.dduf").read_bytes()
+    report = validate(BytesSource(data, "upload.dduf"))
+    assert report.valid and report.path == "upload.dduf" and 0 < report.bytes_read < len(data)
+    with DDUFArchive(BytesSource(data)) as archive:
+        assert "model_index.json" in archive
+    assert not validate(BytesSource(data[:-30], "cut.dduf")).valid
+    with pytest.raises(DDUFError, match="outside the data"):
+        BytesSource(b"abc").read_at(2, 5)

@@ -4,31 +4,21 @@ bug), and DDUFArchive either opens or raises DDUFError."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import struct
 import tempfile
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import HOSTILE, load_make_hostile
 from dduf_plus.errors import DDUFError
 from dduf_plus.format.archive import DDUFArchive
+from dduf_plus.format.source import BytesSource
 from dduf_plus.format.validate import ValidationReport, validate
 
-HOSTILE = Path(__file__).resolve().parent.parent / "fixtures" / "hostile"
-
-
-def _load_make_hostile():
-    module_spec = importlib.util.spec_from_file_location("make_hostile", HOSTILE / "make_hostile.py")
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module
-
-
-mh = _load_make_hostile()
+mh = load_make_hostile()
 BASE = (HOSTILE / "valid.dduf").read_bytes()
 LAYOUT = mh.Layout(BASE)
 SCRATCH = mh.raw_zip(mh.plain_entries())  # no alignment padding: records are denser
@@ -43,20 +33,6 @@ EXAMPLES = int(os.environ.get("DDUF_PROPERTY_EXAMPLES", "120"))  # raise it for 
 SETTINGS = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-class BytesSource:
-    """An in-memory ByteSource, so examples need no files."""
-
-    def __init__(self, data: bytes):
-        self.data, self.name, self.size, self.bytes_read = data, "<mutant>", len(data), 0
-
-    def read_at(self, offset: int, length: int) -> bytes:
-        if offset < 0 or length < 0 or offset + length > self.size:
-            raise DDUFError(f"read of {length} bytes at {offset} is outside the data")
-        self.bytes_read += length
-        return self.data[offset : offset + length]
-
-    def close(self) -> None:
-        pass
 
 
 def check(data: bytes, *, verify: bool = False, on_disk: bool = False) -> None:
@@ -68,12 +44,12 @@ def check(data: bytes, *, verify: bool = False, on_disk: bool = False) -> None:
         finally:
             os.unlink(f.name)
     else:
-        report = validate(BytesSource(data), verify=verify)
+        report = validate(BytesSource(data, "<mutant>"), verify=verify)
     assert isinstance(report, ValidationReport)
     assert "X000" not in report.codes, report
     assert report.valid == (not report.errors)
     try:
-        DDUFArchive(BytesSource(data)).close()
+        DDUFArchive(BytesSource(data, "<mutant>")).close()
     except DDUFError:
         pass
 

@@ -4,7 +4,6 @@ validation of a multi-MB archive transfers kilobytes, in exact range requests.""
 from __future__ import annotations
 
 import http.server
-import importlib.util
 import json
 import os
 import re
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import HOSTILE, load_make_hostile
 from dduf_plus.cli import main as cli_main
 from dduf_plus.errors import DDUFError
 from dduf_plus.format.source import FsspecSource, open_source
@@ -21,17 +21,9 @@ from dduf_plus.format.validate import validate
 pytest.importorskip("aiohttp")
 pytest.importorskip("fsspec")
 
-HOSTILE = Path(__file__).resolve().parent.parent / "fixtures" / "hostile"
 
 
-def _load_make_hostile():
-    module_spec = importlib.util.spec_from_file_location("make_hostile", HOSTILE / "make_hostile.py")
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module
-
-
-mh = _load_make_hostile()
+mh = load_make_hostile()
 
 
 class RangeServer(http.server.ThreadingHTTPServer):

@@ -123,6 +123,23 @@ class FsspecSource:
             pass
 
 
+class BytesSource:
+    """Bytes already in memory as a ``ByteSource`` (e.g. an upload being checked before it is stored):
+    ``validate(BytesSource(data))``, ``DDUFArchive(BytesSource(data))``."""
+
+    def __init__(self, data: bytes | bytearray | memoryview, name: str = "<bytes>"):
+        self.data, self.name, self.size, self.bytes_read = bytes(data), name, len(data), 0
+
+    def read_at(self, offset: int, length: int) -> bytes:
+        if offset < 0 or length < 0 or offset + length > self.size:
+            raise DDUFError(f"{self.name}: read of {length} bytes at {offset} is outside the data")
+        self.bytes_read += length
+        return self.data[offset : offset + length]
+
+    def close(self) -> None:
+        pass
+
+
 def _http_timeout() -> object:
     """A server that stops answering must not hang a validation: huggingface_hub's download timeout
     (``HF_HUB_DOWNLOAD_TIMEOUT``, 10 s by default) for connecting and for each read."""

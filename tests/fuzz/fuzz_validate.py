@@ -23,21 +23,10 @@ sys.path.insert(0, str(ROOT))
 with atheris.instrument_imports(include=["dduf_plus"]):
     from dduf_plus.errors import DDUFError
     from dduf_plus.format.archive import DDUFArchive
+    from dduf_plus.format.source import BytesSource
     from dduf_plus.format.validate import validate
 
 
-class BytesSource:
-    def __init__(self, data: bytes):
-        self.data, self.name, self.size, self.bytes_read = data, "<fuzz>", len(data), 0
-
-    def read_at(self, offset: int, length: int) -> bytes:
-        if offset < 0 or length < 0 or offset + length > self.size:
-            raise DDUFError(f"read of {length} bytes at {offset} is outside the data")
-        self.bytes_read += length
-        return self.data[offset : offset + length]
-
-    def close(self) -> None:
-        pass
 
 
 _runs = 0
@@ -48,7 +37,7 @@ _scratch.close()
 def test_one_input(data: bytes) -> None:
     global _runs
     _runs += 1
-    report = validate(BytesSource(data), verify=True)
+    report = validate(BytesSource(data, "<fuzz>"), verify=True)
     if "X000" in report.codes or report.valid != (not report.errors):
         raise RuntimeError(f"validator bug: {report}")
     if _runs % 16 == 0:  # now and then through a real file: LocalSource + the mmap hashing path
@@ -58,7 +47,7 @@ def test_one_input(data: bytes) -> None:
         if "X000" in report.codes:
             raise RuntimeError(f"validator bug (file): {report}")
     try:
-        DDUFArchive(BytesSource(data)).close()
+        DDUFArchive(BytesSource(data, "<fuzz>")).close()
     except DDUFError:
         pass
 
