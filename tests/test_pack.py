@@ -306,3 +306,19 @@ def test_fsync_is_optional_and_the_output_identical(src, tmp_path, monkeypatch, 
     result = pack_folder(src, tmp_path / "x.dduf", quiet=True, fsync=fsync)
     assert bool(calls) is fsync
     assert result.path.read_bytes() == reference.path.read_bytes()
+
+
+def test_many_files_keep_the_descriptor_count_bounded(tmp_path, monkeypatch):
+    """Only the largest files are opened ahead: a folder with many files never holds all of them open."""
+    import dduf_plus.format.pack as pack_mod
+
+    src = tmp_path / "src"
+    shutil.copytree(PIPELINES / "tiny-sd", src)
+    monkeypatch.setattr(pack_mod, "HASH_AHEAD_FILES", 2)
+    seen: list[int] = []
+    real = DDUFWriter.hash_ahead
+    monkeypatch.setattr(DDUFWriter, "hash_ahead", lambda self, files: (seen.append(len(files)), real(self, files))[1])
+    reference = pack_folder(PIPELINES / "tiny-sd", tmp_path / "ref.dduf", quiet=True)
+    out = pack_folder(src, tmp_path / "x.dduf", quiet=True)
+    assert seen == [2, 2]
+    assert out.path.read_bytes() == reference.path.read_bytes()

@@ -203,6 +203,9 @@ def progress_bar(total: int, desc: str, quiet: bool) -> Any:
                 disable=quiet or not sys.stderr.isatty())
 
 
+HASH_AHEAD_FILES = 64  # the largest files are hashed ahead; the rest (small) as they are copied
+
+
 def write_archive(
     output: str | os.PathLike,
     model_index: Mapping[str, Any],
@@ -224,7 +227,8 @@ def write_archive(
     headers: dict[str, SafetensorsHeader] = {}
     try:
         with DDUFWriter(output, progress=bar.update, fsync=fsync) as writer:
-            writer.hash_ahead([(s.name, s.path) for s in ordered if s.path is not None])
+            files = sorted((s for s in ordered if s.path is not None), key=lambda s: -s.nbytes)
+            writer.hash_ahead([(s.name, s.path) for s in files[:HASH_AHEAD_FILES]])  # bounded: open descriptors
             writer.add_bytes(spec.MODEL_INDEX, model_index_bytes)
             bar.update(len(model_index_bytes))
             for source in ordered:
