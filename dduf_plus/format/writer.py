@@ -119,7 +119,7 @@ class DDUFWriter:
         self._end(name, len(data), start, _done((crc32(data), hashlib.sha256(data).hexdigest())), source_sha256)
 
     def hash_ahead(self, files: Iterable[tuple[str, str | os.PathLike]]) -> None:
-        """Open ``(entry name, source path)`` pairs now and start their sha256, largest first; a later
+        """Open ``(entry name, source path)`` pairs now and start their CRC-32 + sha256, largest first; a later
         ``add_file`` of the same name copies from the very file that was hashed."""
         opened = []
         try:
@@ -185,7 +185,7 @@ class DDUFWriter:
         self._end(name, size, start, _done((crc, sha.hexdigest())), source_sha256)
 
     def _chunk_pool(self) -> ThreadPoolExecutor:
-        # apart from the file-hashing worker, so a queue of ``hash_ahead`` jobs never stalls a stream
+        # apart from the file-hashing workers, so a queue of ``hash_ahead`` jobs never stalls a stream
         if self._chunks is None:
             self._chunks = ThreadPoolExecutor(1, thread_name_prefix="dduf-sha256-stream")
         return self._chunks
