@@ -257,7 +257,7 @@ def test_internal_error_in_a_rule_becomes_X000(tmp_path, monkeypatch):
     def boom(*args):
         raise KeyError("bug")
 
-    monkeypatch.setattr(validate_module, "_check_references", boom)
+    monkeypatch.setattr(validate_module, "_check_index", boom)
     report = validate(build(tmp_path))
     assert [f.code for f in report.errors] == ["X000"] and "KeyError" in report.errors[0].message
 

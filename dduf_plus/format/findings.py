@@ -37,6 +37,7 @@ _RULES = (
     Rule("Z019", "error", "compressed and uncompressed sizes differ", "STORED entries have equal sizes; re-create the archive."),
     Rule("Z020", "error", "non-ASCII entry name without the UTF-8 flag (zipfile reads it as CP437)", "Re-pack with a writer that sets the UTF-8 flag (`dduf pack`)."),
     Rule("Z021", "error", "a .zst archive cannot be decompressed (truncated, corrupted or not zstd)", "Re-download or re-create it with `dduf compress` (needs `pip install zstandard`)."),
+    Rule("Z022", "error", "a .zst archive would decompress past the size/ratio budget or the free disk space", "Raise the budget (`--max-decompressed`, DDUF_PLUS_MAX_DECOMPRESSED) if the archive is genuine, or free disk space."),
     # DDUF structure
     Rule("D001", "error", "model_index.json missing", "Put the pipeline's model_index.json at the archive root."),
     Rule("D002", "error", "model_index.json is not a JSON object", "Fix the JSON in model_index.json."),
@@ -49,6 +50,8 @@ _RULES = (
     Rule("D009", "warning", "entry type not accepted by the npm @huggingface/dduf checker (.model)", "Prefer tokenizer.json; the Hub's JS checker rejects .model entries."),
     Rule("D010", "error", "model_index.json is not the first entry", "Re-pack with `dduf pack` (it writes model_index.json first)."),
     Rule("D011", "error", "sharded-weights index names a file that is not in the component folder", "Add the missing shards or fix the index's weight_map."),
+    Rule("D012", "error", "component, reference or subfolder name is not a plain name (path separator, '..', control character, not an identifier)", "Use plain names: components are Python identifiers, subfolders one path component."),
+    Rule("D013", "error", "a JSON entry is larger or deeper than the cap (model_index.json, configs, the index)", "Keep configs small; see docs/security.md for the caps."),
     # safetensors
     Rule("S001", "error", "safetensors header length runs past the entry or over 100 MB", "The file is truncated or forged."),
     Rule("S002", "error", "safetensors header is not valid JSON object", "Re-save the weights with safetensors."),
@@ -60,6 +63,7 @@ _RULES = (
     Rule("S008", "warning", "tensor data section not page-aligned in the archive (no zero-copy mmap)", "Re-pack with `dduf pack` to align tensor data to 4096 bytes."),
     Rule("S009", "warning", "tensor not aligned to its element size (loader must copy it)", "Re-pack with `dduf pack`."),
     Rule("S010", "error", "safetensors header repeats a key (readers disagree on which one counts)", "Re-save the weights with safetensors."),
+    Rule("S011", "error", "more tensors than the cap (per file or per archive)", "Split the weights; see docs/security.md for the caps."),
     # dduf_plus index
     Rule("I001", "error", "dduf_plus index does not parse or has an unknown format", "Re-pack with `dduf pack`."),
     Rule("I002", "error", "dduf_plus index disagrees with the archive entries", "The archive was altered after packing; re-pack it."),

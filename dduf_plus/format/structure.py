@@ -6,7 +6,9 @@ import json
 from collections.abc import Sequence
 
 from . import spec
+from .confined import component_name_problem
 from .findings import Finding, finding
+from .references import reference_findings
 
 
 def parse_json(raw: bytes, entry: str, *, code: str = "D007") -> tuple[object, list[Finding]]:
@@ -53,6 +55,11 @@ def check_structure(names: Sequence[str], model_index: object, *, first_entry: s
         return findings
     if not isinstance(model_index, dict):
         return findings + [finding("D002", spec.MODEL_INDEX, f"is a JSON {type(model_index).__name__}, not an object")]
+    components = component_specs(model_index)
+    for name in components:
+        why = component_name_problem(name)
+        if why is not None:
+            findings.append(finding("D012", spec.MODEL_INDEX, f"component name {name!r} {why}"))
     for folder, files in sorted(folders.items()):
         if folder not in model_index:
             findings.append(finding("D005", folder + "/", "folder is not named in model_index.json"))
@@ -62,7 +69,8 @@ def check_structure(names: Sequence[str], model_index: object, *, first_entry: s
     if not isinstance(references, dict):
         findings.append(finding("R001", spec.MODEL_INDEX, f"{spec.REFERENCES_KEY} must be an object"))
         references = {}
-    for component, (library, _cls) in component_specs(model_index).items():
+    findings.extend(reference_findings(model_index, components))
+    for component, (library, _cls) in components.items():
         if library is None:
             continue
         stored, referenced = component in folders, component in references

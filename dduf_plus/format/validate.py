@@ -29,6 +29,7 @@ from ..errors import DDUFError, DDUFFormatError
 from . import spec
 from .archive import DDUFArchive, Entry
 from .findings import Finding, finding
+from .references import SHA256
 from .source import ByteSource, is_url, open_source
 from .structure import component_specs, parse_json
 
@@ -38,10 +39,7 @@ STRUCTURAL_JSON_LIMIT = 256 << 10
 MAX_JSON_ENTRY = 64 << 20
 HASH_CHUNK = 8 << 20
 REMOTE_CHUNK = 16 << 20
-_SHA256 = re.compile(r"[0-9a-f]{64}")
 _CRC32 = re.compile(r"[0-9a-f]{8}")
-_GIT_SHA1 = re.compile(r"[0-9a-f]{40}")
-_REFERENCE_OPTIONAL = ("subfolder", "revision", "variant")
 
 
 @dataclass(frozen=True)
@@ -145,7 +143,7 @@ def validate(source: str | os.PathLike | ByteSource, verify: bool = False, stric
         archive = _guard(findings, "archive", lambda: DDUFArchive(guarded, check=False))  # type: ignore[arg-type]
         if archive is not None:
             findings.extend(archive.findings)
-            for rule in (_check_json_entries, _check_references, _check_index):
+            for rule in (_check_json_entries, _check_index):
                 findings.extend(_guard(findings, rule.__name__.strip("_"), rule, archive, guarded, verify) or ())
             if verify:
                 problems, hashed = _guard(findings, "verify", _verify_entries, archive, guarded) or ((), 0)
@@ -255,59 +253,6 @@ def _check_shard_index(name: str, value: Any, entries: dict[str, Entry]) -> list
     return []
 
 
-def _check_references(archive: DDUFArchive, source: _GuardedSource, verify: bool) -> list[Finding]:
-    """R001: every ``_dduf_plus_references`` value is well formed (a source, and per file its size and a
-    content id: sha256 and/or git blob id). R003: a reference with no source (``dduf pack --exclude``
-    without ``--ref``): loadable only when the caller supplies the component."""
-    refs = archive.model_index.get(spec.REFERENCES_KEY)
-    if not isinstance(refs, dict):
-        return []  # absent, or not an object (structure.check_structure reports that)
-    components = component_specs(archive.model_index)
-    out: list[Finding] = []
-    for component, ref in refs.items():
-        why = _reference_problem(ref)
-        if why is None and component not in components:
-            why = "model_index.json names no such component"
-        if why:
-            out.append(finding("R001", component, why))
-        elif ref.get("pretrained_model_name_or_path") is None:
-            out.append(finding("R003", component, "no source recorded; pass it to load_dduf (refs= or the "
-                                                   "component itself)"))
-    return out
-
-
-def _reference_problem(ref: Any) -> str | None:
-    if not isinstance(ref, dict):
-        return f"reference is a JSON {type(ref).__name__}, not an object"
-    if "pretrained_model_name_or_path" not in ref:
-        return "'pretrained_model_name_or_path' is missing (a repository, a path, or null for no source)"
-    repo = ref["pretrained_model_name_or_path"]
-    if repo is not None and (not isinstance(repo, str) or not repo.strip()):
-        return "'pretrained_model_name_or_path' must be a non-empty string (or null: no source)"
-    for key in _REFERENCE_OPTIONAL:
-        if ref.get(key) is not None and not isinstance(ref[key], str):
-            return f"{key!r} must be a string or null"
-    files = ref.get("files")
-    if not isinstance(files, dict) or (not files and repo is not None):
-        return "'files' must be a non-empty object of file name -> {size, sha256 and/or git_sha1}"
-    for filename, rec in files.items():
-        if (not filename or filename in (".", "..") or "/" in filename or "\\" in filename
-                or any(ord(c) < 0x20 for c in filename)):
-            return f"file name {filename!r} is not a plain name inside the component folder"
-        if not isinstance(rec, dict):
-            return f"files[{filename!r}] must be an object with 'size' and 'sha256' (or 'git_sha1')"
-        if type(rec.get("size")) is not int or rec["size"] < 0:
-            return f"files[{filename!r}].size must be a non-negative integer"
-        sha256, git_sha1 = rec.get("sha256"), rec.get("git_sha1")
-        if sha256 is None and git_sha1 is None:
-            return f"files[{filename!r}] has no content id: give 'sha256' (or, for small non-LFS files, 'git_sha1')"
-        if sha256 is not None and not (isinstance(sha256, str) and _SHA256.fullmatch(sha256)):
-            return f"files[{filename!r}].sha256 must be 64 lowercase hex digits"
-        if git_sha1 is not None and not (isinstance(git_sha1, str) and _GIT_SHA1.fullmatch(git_sha1)):
-            return f"files[{filename!r}].git_sha1 must be 40 lowercase hex digits"
-    return None
-
-
 def _check_index(archive: DDUFArchive, source: _GuardedSource, verify: bool) -> list[Finding]:
     """What the reader's index check leaves out: digests well-formed, CRC-32 and tensor data offsets equal
     to the archive's, components equal to model_index.json's (stored files, references)."""
@@ -324,7 +269,7 @@ def _check_index(archive: DDUFArchive, source: _GuardedSource, verify: bool) -> 
         if e is None or not isinstance(rec, dict):
             continue  # reported by the reader (I002)
         sha, crc = rec.get("sha256"), rec.get("crc32")
-        if sha is not None and not (isinstance(sha, str) and _SHA256.fullmatch(sha)):
+        if sha is not None and not (isinstance(sha, str) and SHA256.fullmatch(sha)):
             out.append(finding("I001", name, f"sha256 {sha!r} is not 64 lowercase hex digits"))
         if crc is not None and not (isinstance(crc, str) and _CRC32.fullmatch(crc)):
             out.append(finding("I001", name, f"crc32 {crc!r} is not 8 lowercase hex digits"))

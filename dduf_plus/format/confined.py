@@ -1,0 +1,188 @@
+"""Every file-system write or removal dduf_plus makes goes through here.
+
+Archives are untrusted: a name read from one (a component, a reference's subfolder or file name, an
+entry) must never choose where something is written or what is removed. So:
+
+* :func:`plain_name` refuses anything but a plain name (no separator, no ``.``/``..``, no control
+  character, not empty) before it is joined into a path;
+* a :class:`Confined` root resolves every target (symlinks included) and refuses one outside the root,
+  for writes, renames, links and removals alike;
+* temporary files and folders are created exclusively (``O_EXCL``/``O_NOFOLLOW``: a planted symlink is
+  never followed), and only what this process created is removed on failure.
+
+Standard library only."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import unicodedata
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from ..errors import DDUFError, DDUFFormatError
+
+MAX_PLAIN_NAME = 255  # one path component on every common file system
+
+
+def name_problem(name: object) -> str | None:
+    """Why ``name`` is not a plain name (one path component, printable, not ``.``/``..``); None if it is."""
+    if not isinstance(name, str):
+        return f"is a {type(name).__name__}, not a string"
+    if not name or not name.strip():
+        return "is empty"
+    if name in (".", ".."):
+        return "is a relative path ('.' or '..')"
+    if "/" in name or "\\" in name:
+        return "contains a path separator"
+    if any(unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp") for c in name):
+        return "contains control or format characters"
+    if ":" in name:
+        return "contains ':' (a drive or stream name on Windows)"
+    if len(name.encode("utf-8", "surrogatepass")) > MAX_PLAIN_NAME:
+        return f"is longer than {MAX_PLAIN_NAME} bytes"
+    return None
+
+
+def is_plain_name(name: object) -> bool:
+    return name_problem(name) is None
+
+
+def component_name_problem(name: object) -> str | None:
+    """A pipeline component name must also be what diffusers accepts as an attribute name."""
+    why = name_problem(name)
+    if why is None and not (isinstance(name, str) and name.isidentifier()):
+        why = "is not a Python identifier (diffusers sets components as attributes)"
+    return why
+
+
+def plain_name(name: object, what: str = "name") -> str:
+    """``name`` if it is a plain name, else :class:`DDUFFormatError` naming ``what`` and the rule."""
+    why = name_problem(name)
+    if why is not None:
+        raise DDUFFormatError(f"{what} {name!r} {why}: refusing to use it as a file name")
+    return name  # type: ignore[return-value]
+
+
+class DDUFPathError(DDUFError):
+    """A write, rename, link or removal would reach outside the folder it belongs to."""
+
+
+class Confined:
+    """A folder that writes and removals are confined to (an output folder, one of dduf_plus' caches).
+
+    Example:
+        >>> cache = Confined(Path("~/.cache/huggingface/dduf_plus/refs").expanduser())
+        >>> view = cache.path("views", digest, component)   # each part must be a plain name
+        >>> cache.remove_tree(view)                          # refused unless inside the root
+    """
+
+    def __init__(self, root: str | os.PathLike, *, create: bool = True):
+        root = Path(root).expanduser()
+        if create:
+            root.mkdir(parents=True, exist_ok=True)
+        self.root = root.resolve()
+
+    def __repr__(self) -> str:
+        return f"Confined({str(self.root)!r})"
+
+    def path(self, *parts: str) -> Path:
+        """``root / parts...`` after checking each part is a plain name and the result stays inside."""
+        for part in parts:
+            plain_name(part, "path component")
+        return self.check(self.root.joinpath(*parts))
+
+    def check(self, path: str | os.PathLike) -> Path:
+        """``path`` (absolute or relative to the root) if it resolves inside the root, else DDUFPathError.
+        The root itself is not a valid target."""
+        path = Path(path)
+        if not path.is_absolute():
+            path = self.root / path
+        resolved = path.resolve()
+        if resolved == self.root or not resolved.is_relative_to(self.root):
+            raise DDUFPathError(f"refusing to write {path}: it resolves to {resolved}, outside {self.root}")
+        return path
+
+    def mkdir(self, path: str | os.PathLike) -> Path:
+        path = self.check(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self.check(path)  # a symlinked parent planted meanwhile is caught here
+        return path
+
+    @contextmanager
+    def temp_file(self, folder: str | os.PathLike | None = None, *, prefix: str = ".tmp-",
+                  suffix: str = ".partial") -> Iterator[tuple[int, Path]]:
+        """An exclusively created temporary file (fd, path) in ``folder`` (default: the root); removed
+        when the block raises, left for the caller to rename when it succeeds."""
+        folder = self.mkdir(folder) if folder is not None else self.root
+        fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=suffix, dir=folder)  # O_EXCL | O_NOFOLLOW
+        try:
+            yield fd, Path(tmp)
+        except BaseException:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    @contextmanager
+    def temp_dir(self, folder: str | os.PathLike | None = None, *, prefix: str = ".tmp-") -> Iterator[Path]:
+        """An exclusively created temporary folder; removed (with what is left in it) when the block ends."""
+        folder = self.mkdir(folder) if folder is not None else self.root
+        tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=folder))
+        try:
+            yield tmp
+        finally:
+            if tmp.is_dir() and not tmp.is_symlink():
+                shutil.rmtree(tmp, ignore_errors=True)
+
+    def write_bytes(self, path: str | os.PathLike, data: bytes, *, fsync: bool = False) -> Path:
+        """Write ``data`` to ``path`` atomically (exclusive temp file in the same folder, then rename)."""
+        path = self.check(path)
+        with self.temp_file(path.parent, prefix=f".{path.name}.") as (fd, tmp):
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                if fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
+            self.replace(tmp, path)
+        return path
+
+    def replace(self, src: str | os.PathLike, dst: str | os.PathLike) -> None:
+        """Rename ``src`` over ``dst``; both must be inside the root. ``dst`` itself is not followed."""
+        src, dst = self.check(src), self._check_link(dst)
+        os.replace(src, dst)
+
+    def symlink(self, target: str | os.PathLike, link: str | os.PathLike) -> None:
+        """Create ``link`` (inside the root) pointing at ``target`` (anywhere: a link only lets us read)."""
+        link = self._check_link(link)
+        try:
+            os.symlink(target, link)
+        except OSError:  # no symlinks (some Windows setups): a hard link needs the same file system
+            os.link(target, link)
+
+    def remove_tree(self, path: str | os.PathLike) -> None:
+        """Remove a folder (or file) inside the root. A symlink is removed itself, never followed."""
+        path = self._check_link(path)
+        if path.is_symlink() or path.is_file():
+            path.unlink(missing_ok=True)
+        elif path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+
+    def unlink(self, path: str | os.PathLike) -> None:
+        self._check_link(path).unlink(missing_ok=True)
+
+    def _check_link(self, path: str | os.PathLike) -> Path:
+        """For targets that are replaced or removed rather than followed: the *parent* must resolve
+        inside the root and the last component must be a plain name (the entry itself may be a link)."""
+        path = Path(path)
+        if not path.is_absolute():
+            path = self.root / path
+        plain_name(path.name, "path component")
+        parent = path.parent.resolve()
+        if not (parent == self.root or parent.is_relative_to(self.root)):
+            raise DDUFPathError(f"refusing to touch {path}: its folder resolves to {parent}, outside {self.root}")
+        return parent / path.name
