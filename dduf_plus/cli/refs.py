@@ -27,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
     with DDUFArchive(args.archive) as archive:
         references = archive.references
     rows = check_references(references, refs=parse_ref_args(args.ref), cache_dir=args.cache_dir, verify=args.verify)
-    bad = [r for r in rows if r["status"] == "unresolved"]
+    bad = [r for r in rows if r["status"] in ("unresolved", "differs")]
     if args.json:
         print_json({"archive": str(args.archive), "references": rows})
         return 1 if bad else 0
@@ -45,7 +45,8 @@ def run(args: argparse.Namespace) -> int:
             print("      -> not on this machine: will be downloaded from the Hub when loaded")
         else:
             lines = r["reason"].splitlines()
-            print("      -> UNRESOLVED:")
+            print("      -> DIFFERS: a copy is here but its content is not the referenced one:"
+                  if r["status"] == "differs" else "      -> UNRESOLVED:")
             for line in lines[1:]:  # the first line repeats the component and its source
                 print(f"         {line.strip()}")
     return 1 if bad else 0

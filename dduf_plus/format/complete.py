@@ -20,6 +20,7 @@ from ..errors import DDUFReferenceError
 from ..refs.resolve import Located, SpecLike, locate_component
 from . import spec
 from .archive import DDUFArchive
+from .confined import Confined
 from .pack import EntrySource, PackResult, _read_header, write_archive
 from .partial import ORIGINAL_MODEL_INDEX_KEY, canonical_model_index_bytes
 
@@ -127,7 +128,7 @@ def complete_archive(
         for fname, rec in references[name]["files"].items():
             got = written.get(f"{name}/{fname}", {}).get("sha256")
             if rec.get("sha256") and got != rec["sha256"]:
-                Path(output).unlink(missing_ok=True)
+                Confined(Path(output).parent).unlink(output)  # the archive this call just wrote
                 raise DDUFReferenceError(f"component {name!r}: {fname} from {located[name].source} changed while it was "
                                          f"copied (sha256 {got}, recorded {rec['sha256']}); nothing was written")
     return result._replace(seconds=time.perf_counter() - started)

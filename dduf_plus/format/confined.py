@@ -106,6 +106,9 @@ class Confined:
         return path
 
     def mkdir(self, path: str | os.PathLike) -> Path:
+        """Create ``path`` (and its parents) inside the root; the root itself is returned as is."""
+        if Path(path).resolve() == self.root:
+            return self.root
         path = self.check(path)
         path.mkdir(parents=True, exist_ok=True)
         self.check(path)  # a symlinked parent planted meanwhile is caught here
@@ -116,7 +119,7 @@ class Confined:
                   suffix: str = ".partial") -> Iterator[tuple[int, Path]]:
         """An exclusively created temporary file (fd, path) in ``folder`` (default: the root); removed
         when the block raises, left for the caller to rename when it succeeds."""
-        folder = self.mkdir(folder) if folder is not None else self.root
+        folder = self.mkdir(folder if folder is not None else self.root)
         fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=suffix, dir=folder)  # O_EXCL | O_NOFOLLOW
         try:
             yield fd, Path(tmp)
@@ -131,7 +134,7 @@ class Confined:
     @contextmanager
     def temp_dir(self, folder: str | os.PathLike | None = None, *, prefix: str = ".tmp-") -> Iterator[Path]:
         """An exclusively created temporary folder; removed (with what is left in it) when the block ends."""
-        folder = self.mkdir(folder) if folder is not None else self.root
+        folder = self.mkdir(folder if folder is not None else self.root)
         tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=folder))
         try:
             yield tmp

@@ -8,6 +8,7 @@ from pathlib import Path
 from ..errors import DDUFError, DDUFFormatError
 from . import spec
 from .archive import DDUFArchive
+from .confined import Confined
 
 
 def safe_target(root: Path, name: str) -> Path:
@@ -35,16 +36,18 @@ def unpack(archive_path: str | os.PathLike, output: str | os.PathLike, *, force:
         names = [n for n in archive.entries if keep_index or n != spec.INDEX_NAME]
         targets = {n: safe_target(root, n) for n in names}  # vet every name before writing anything
         if not force:
-            clash = [str(t) for t in targets.values() if t.exists()]
+            clash = [str(t) for t in targets.values() if t.exists() or t.is_symlink()]
             if clash:
                 raise DDUFError(f"{clash[0]} exists (use --force to overwrite)")
+        out_root = Confined(root)
         for name, target in targets.items():
             entry = archive.entry(name)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            tmp = target.with_name(f".{target.name}.partial")
-            with open(tmp, "wb") as out:
-                _copy_range(archive, entry.offset, entry.length, out.fileno())
-            os.replace(tmp, target)
+            folder = out_root.mkdir(target.parent)
+            # exclusive temp file (a planted ".x.partial" symlink is never followed), renamed over the target
+            with out_root.temp_file(folder, prefix=f".{target.name}.") as (fd, tmp):
+                with os.fdopen(fd, "wb") as out:
+                    _copy_range(archive, entry.offset, entry.length, out.fileno())
+                out_root.replace(tmp, target)
             written.append(target)
     return written
 

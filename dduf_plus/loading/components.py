@@ -72,8 +72,10 @@ def _library(component: str, library: str) -> Any:
 
 
 def kind_of(cls: type) -> str:
-    """``diffusers_model``, ``transformers_model``, ``config`` (diffusers ConfigMixin: schedulers, guiders),
-    ``files`` (transformers tokenizers / processors / feature extractors)."""
+    """``diffusers_model``, ``transformers_model``, ``config`` (a known weightless diffusers kind: schedulers,
+    guiders, image processors), ``files`` (transformers tokenizers / processors / feature extractors),
+    ``pipeline``, or ``unknown``. Only the model kinds get weights; an archive can make nothing else
+    allocate parameters (diffusers ``AutoModel`` and modular pipelines/blocks are ``unknown``: refused)."""
     import diffusers
 
     if issubclass(cls, diffusers.ModelMixin):
@@ -81,17 +83,25 @@ def kind_of(cls: type) -> str:
     if issubclass(cls, diffusers.DiffusionPipeline):
         return "pipeline"
     if issubclass(cls, diffusers.ConfigMixin):
-        return "config"
+        return "config" if issubclass(cls, _weightless_diffusers_kinds()) else "unknown"
     if "transformers" in sys.modules or cls.__module__.startswith("transformers"):
         import transformers
 
         if issubclass(cls, transformers.PreTrainedModel):
             return "transformers_model"
-        bases = [getattr(transformers, n, None) for n in ("PreTrainedTokenizerBase", "FeatureExtractionMixin",
-                                                           "ImageProcessingMixin", "ProcessorMixin")]
-        if any(b is not None and issubclass(cls, b) for b in bases):
+        bases = tuple(b for n in ("PreTrainedTokenizerBase", "FeatureExtractionMixin", "ImageProcessingMixin",
+                                  "ProcessorMixin") if isinstance(b := getattr(transformers, n, None), type))
+        if bases and issubclass(cls, bases):
             return "files"
     return "unknown"
+
+
+def _weightless_diffusers_kinds() -> tuple[type, ...]:
+    """Config-only diffusers classes that hold no weights: built with ``from_config`` from the archive."""
+    import diffusers
+
+    names = ("SchedulerMixin", "BaseGuidance", "VaeImageProcessor")
+    return tuple(c for n in names if isinstance(c := getattr(diffusers, n, None), type))
 
 
 def build_component(cls: type, files: ComponentFiles, request: ModelRequest) -> Any:
@@ -109,13 +119,15 @@ def build_component(cls: type, files: ComponentFiles, request: ModelRequest) -> 
             return cls.from_config(files.read_json(config_name))
         if kind == "files":
             # transformers tokenizers/processors read their files by path: only these small files
-            # are materialised, once per content (see files.local_dir).
-            return cls.from_pretrained(files.local_dir())
+            # are materialised, once per content (see files.local_dir). The archive never decides to run
+            # code (``auto_map``) or to fetch anything: no remote code, local files only.
+            return cls.from_pretrained(files.local_dir(), trust_remote_code=False, local_files_only=True)
         if kind == "pipeline":
             raise DDUFLoadError(f"{files.description}: nested pipelines ({cls.__name__}) are not supported")
-        raise DDUFLoadError(f"{files.description}: don't know how to build {cls.__module__}.{cls.__name__} "
-                            f"(not a diffusers model/scheduler nor a transformers model/tokenizer/processor); "
-                            f"pass it yourself: load_dduf(..., {files.name}=...)")
+        raise DDUFLoadError(f"component {files.name!r}: refusing to build {cls.__module__}.{cls.__name__} from "
+                            f"{files.description}: it is neither a model (weights come from the archive) nor a "
+                            "known weightless kind (scheduler, guider, image processor, tokenizer, feature "
+                            f"extractor, processor); pass it yourself: load_dduf(..., {files.name}=...)")
     except DDUFError:
         raise
     except ImportError as e:

@@ -33,13 +33,14 @@ class ModelRequest:
     """What the pipeline asks of one model component."""
 
     def __init__(self, *, variant: str | None, dtype: Any, device: torch.device, declared: Mapping[str, Any] | None,
-                 name_or_path: str, materialize: Materialize):
+                 name_or_path: str, materialize: Materialize, allow_missing_weights: bool = False):
         self.variant = variant
         self.dtype = dtype  # "auto" or a torch.dtype
         self.device = device
         self.declared = declared or {}
         self.name_or_path = name_or_path
         self.materialize = materialize
+        self.allow_missing_weights = allow_missing_weights  # else parameters the weights lack are an error
 
 
 def pick_weight_files(files: ComponentFiles, variant: str | None, preferred_stem: str) -> list[str]:
@@ -211,9 +212,15 @@ def build_transformers_model(cls: type, files: ComponentFiles, request: ModelReq
         shown = ", ".join(str(k[0] if isinstance(k, tuple) else k) for k in list(info["mismatched_keys"])[:8])
         raise DDUFLoadError(f"{files.description}: weight shapes do not fit {cls.__name__}'s config: {shown}")
     if info.get("missing_keys"):
-        # transformers initialises them (its own loader does the same, with the same warning)
-        logger.warning("%s: weights missing for %s, initialised: %s", files.description, cls.__name__,
-                       ", ".join(sorted(info["missing_keys"])[:10]))
+        # transformers initialises them randomly: a model the archive's weights do not cover is refused
+        # unless the caller asked for it (never silent).
+        missing = sorted(info["missing_keys"])
+        shown = ", ".join(missing[:10]) + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
+        if not request.allow_missing_weights:
+            raise DDUFLoadError(f"{files.description}: the stored weights do not cover {cls.__name__}: missing "
+                                f"{shown} (they would be randomly initialised; pass allow_missing_weights=True "
+                                "to load anyway)")
+        logger.warning("%s: weights missing for %s, randomly initialised: %s", files.description, cls.__name__, shown)
     model.config.name_or_path = request.name_or_path
     model.eval()
     return model

@@ -45,6 +45,7 @@ def load_dduf(
     verify: bool = True,
     use_mmap: bool = True,
     prefetch: bool = True,
+    allow_missing_weights: bool = False,
     **kwargs: Any,
 ) -> DiffusionPipeline:
     """Load the pipeline a ``.dduf`` archive holds, ready to call.
@@ -64,6 +65,8 @@ def load_dduf(
             archive's small entries.
         use_mmap: False reads each tensor into its own buffer with ``os.preadv`` (network file systems).
         prefetch: read the weights in on a background thread while the modules are being built.
+        allow_missing_weights: load a transformers model whose stored weights do not cover all of its
+            parameters (the rest randomly initialised, with a warning); by default that is an error.
         **kwargs: components to use instead of the archive's (``vae=my_vae``, ``safety_checker=None``) and
             pipeline ``__init__`` options, as with ``DiffusionPipeline.from_pretrained``.
 
@@ -92,7 +95,7 @@ def load_dduf(
         pipe = _load(archive, path_str, request, device_for, variant, prefetcher, kwargs,
                      resolve_options={"refs": refs, "local_files_only": local_files_only, "token": token,
                                       "revision": revision, "cache_dir": cache_dir, "verify": verify},
-                     use_mmap=use_mmap, verify=verify)
+                     use_mmap=use_mmap, verify=verify, allow_missing_weights=allow_missing_weights)
         if prefetcher is not None:
             # Not waiting for it: the read-ahead goes on while the caller starts using the pipeline. (Waiting
             # until everything is resident measured slower here: proactive reclaim (DAMON pageout) drops
@@ -110,7 +113,8 @@ def load_dduf(
 
 def _load(archive: DDUFArchive, path: str, request: Any, device_for: Callable[[str], torch.device],
           variant: str | None, prefetcher: Prefetcher | None, kwargs: dict[str, Any], *,
-          resolve_options: dict[str, Any], use_mmap: bool, verify: bool) -> DiffusionPipeline:
+          resolve_options: dict[str, Any], use_mmap: bool, verify: bool,
+          allow_missing_weights: bool = False) -> DiffusionPipeline:
     from diffusers import DiffusionPipeline
 
     model_index = dict(archive.model_index)
@@ -160,6 +164,7 @@ def _load(archive: DDUFArchive, path: str, request: Any, device_for: Callable[[s
             declared=index_components.get(name) if isinstance(index_components.get(name), dict) else None,
             name_or_path=os.path.join(path, name),
             materialize=_materializer(),
+            allow_missing_weights=allow_missing_weights,
         )
         init_kwargs[name] = build_component(cls, sources[name], model_request)
         logger.debug("built %s (%s) in %.3f s", name, class_name, time.perf_counter() - t0)

@@ -462,7 +462,10 @@ def load_with_diffusers_quantizer(
             "(`dduf unpack`) and load that folder with diffusers, or reference the component from a folder")
     target_dtype = _torch_dtype(dtype)
     folder = files.local_dir(files.listdir())  # a folder component: its own path, nothing is copied
-    kwargs: dict[str, Any] = {}
+    # A verified local folder: nothing is fetched and no code from the files runs.
+    kwargs: dict[str, Any] = {"local_files_only": True}
+    if not _is_diffusers_class(model_cls):
+        kwargs["trust_remote_code"] = False
     if target_dtype is not None:
         kwargs["torch_dtype" if _is_diffusers_class(model_cls) else "dtype"] = target_dtype
     if device is not None:

@@ -20,13 +20,13 @@ import json
 import logging
 import os
 import re
-import shutil
-import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..errors import DDUFError, DDUFReferenceError
+from ..format.confined import Confined, component_name_problem, plain_name
+from ..format.references import reference_problem
 from . import cache as _cache
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -410,31 +410,26 @@ def _visible_files(folder: Path) -> set[str]:
 
 def view_folder(component: str, files: Mapping[str, Path]) -> Path:
     """A folder named ``component`` holding exactly ``files`` (symlinks), under dduf_plus' cache: the
-    loader then sees the recorded files and nothing else (no unverified variant or extra file)."""
+    loader then sees the recorded files and nothing else (no unverified variant or extra file). Every
+    name is checked to be plain and every write stays inside the cache (:mod:`dduf_plus.format.confined`)."""
     targets = {f: os.path.realpath(p) for f, p in sorted(files.items())}
     digest = hashlib.sha256(json.dumps(targets, sort_keys=True).encode()).hexdigest()[:24]
-    final = _cache.dduf_cache_dir() / "views" / digest / component
-    if final.is_dir() and all(os.path.realpath(final / f) == t for f, t in targets.items()) \
-            and _visible_files(final) == set(targets):
+    cache = Confined(_cache.dduf_cache_dir())
+    views = cache.mkdir(cache.path("views"))
+    final = cache.path("views", digest, component)
+    if final.is_dir() and not final.is_symlink() and _visible_files(final) == set(targets) \
+            and all(os.path.realpath(final / plain_name(f, "file name")) == t for f, t in targets.items()):
         return final
-    final.parent.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".view.", dir=final.parent.parent))
-    try:
-        (tmp / component).mkdir()
+    with cache.temp_dir(views, prefix=".view.") as tmp:
+        cache.mkdir(tmp / component)
         for f, t in targets.items():
-            try:
-                os.symlink(t, tmp / component / f)
-            except OSError:  # no symlinks (some Windows setups): hard links need the same file system
-                os.link(t, tmp / component / f)
-        if final.parent.exists():
-            shutil.rmtree(final.parent, ignore_errors=True)
+            cache.symlink(t, cache.path("views", tmp.name, component, f))
+        cache.remove_tree(final.parent)  # a stale or partial view we made earlier (inside the cache only)
         try:
-            os.replace(tmp, final.parent)
+            cache.replace(tmp, final.parent)
         except OSError:  # another process made it meanwhile
             if not final.is_dir():
                 raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return final
 
 
@@ -476,8 +471,13 @@ def locate_component(
         DDUFReferenceError: no candidate has the recorded files; the message names the component, every
             source tried and why it was refused, and what to do.
     """
-    if not isinstance(reference, Mapping):
-        raise DDUFReferenceError(f"component {name!r}: reference must be a JSON object, got {type(reference).__name__}")
+    # The same rules as `dduf validate` (R001, D012): a malformed record never reaches a file system.
+    why = component_name_problem(name)
+    if why is not None:
+        raise DDUFReferenceError(f"reference name {name!r} {why} (D012)")
+    why = reference_problem(dict(reference) if isinstance(reference, Mapping) else reference)
+    if why is not None:
+        raise DDUFReferenceError(f"component {name!r}: malformed reference (R001): {why}")
     recorded = _recorded_files(reference)
     override = None
     if refs:
@@ -502,7 +502,9 @@ def locate_component(
                 if a.mismatch:
                     logger.warning("component %r: refused %s (%s); using %s", name, a.what, a.problem, located.source)
             return located
-    raise DDUFReferenceError(_failure_message(name, reference, attempts))
+    error = DDUFReferenceError(_failure_message(name, reference, attempts))
+    error.mismatch = any(a.mismatch for a in attempts)  # a copy was found, with other content
+    raise error
 
 
 def _try(name: str, cand: _Candidate, kind: str, value: Any, recorded: Mapping[str, Mapping[str, Any]],
@@ -611,8 +613,8 @@ def check_references(
         except DDUFReferenceError as e:
             spec = reference_spec(reference) if isinstance(reference, Mapping) else None
             online = spec is not None and spec.kind == "hub" and not (local_files_only or _cache.is_offline())
-            row.update(status="download" if online else "unresolved", resolves_to=None, how=None,
-                       verified=False, reason=str(e))
+            status = "differs" if getattr(e, "mismatch", False) else "download" if online else "unresolved"
+            row.update(status=status, resolves_to=None, how=None, verified=False, reason=str(e))
         else:
             where = loc.archive if loc.archive is not None else loc.folder
             row.update(status="ok", how=loc.how, resolves_to=str(where), verified=loc.verified,
