@@ -214,32 +214,70 @@ def test_finetune_shares_everything_but_unet():
         assert torch.isfinite(fine_sd[k]).all()
 
 
-def _committed_versions() -> tuple[str, str]:
+def _committed_versions() -> dict[str, str]:
     diffusers_v = json.loads((TINY_SD / "model_index.json").read_text())["_diffusers_version"]
-    transformers_v = json.loads((TINY_SD / "text_encoder" / "config.json").read_text())[
-        "transformers_version"
-    ]
-    return diffusers_v, transformers_v
+    transformers_v = json.loads((TINY_SD / "text_encoder" / "config.json").read_text())["transformers_version"]
+    return {"diffusers": diffusers_v, "transformers": transformers_v}
 
 
-def test_rebuild_is_byte_identical(tmp_path):
-    import diffusers
-    import transformers
+def test_fixture_versions_table_matches_committed_files():
+    """make_fixtures.FIXTURE_VERSIONS (what the version check below trusts) agrees with the versions embedded
+    in the committed files, so regenerating without updating the table is caught."""
+    assert {k: mf.FIXTURE_VERSIONS[k] for k in ("diffusers", "transformers")} == _committed_versions()
+    for path in PIPELINES.rglob("*.json"):
+        data = json.loads(path.read_text())
+        for key, lib in (("_diffusers_version", "diffusers"), ("transformers_version", "transformers")):
+            if isinstance(data, dict) and key in data:
+                assert data[key] == mf.FIXTURE_VERSIONS[lib], path
 
-    rebuilt = mf.build_all_tiny(tmp_path)
-    if _committed_versions() != (diffusers.__version__, transformers.__version__):
-        # The configs embed the library versions, so bytes can only match under the versions that wrote them;
-        # still check the builder is deterministic.
-        again = mf.build_all_tiny(tmp_path / "again")
-        for name in mf.TINY_NAMES:
-            assert mf.tree_hashes(rebuilt[name]) == mf.tree_hashes(again[name]), name
-        pytest.skip(f"fixtures written by diffusers/transformers {_committed_versions()}; regenerate them")
+
+@pytest.fixture(scope="module")
+def rebuilt(tmp_path_factory) -> dict[str, Path]:
+    missing = mf.missing_requirements()
+    if missing:  # declared dependencies: a broken install, not a reason to skip
+        pytest.fail(f"make_fixtures needs {', '.join(missing)}, which is not installed: pip install -e .")
+    return mf.build_all_tiny(tmp_path_factory.mktemp("rebuilt"))
+
+
+def test_rebuild_is_byte_identical(request):
+    # Checked before building: other library versions write other bytes (or may not build at all).
+    mismatches = mf.version_mismatches()
+    if mismatches:
+        pytest.skip(
+            f"fixtures were written with {mf.describe_mismatches(mismatches)}; byte identity holds only under "
+            "those versions (regenerate with `python fixtures/make_fixtures.py` and update FIXTURE_VERSIONS)"
+        )
+    rebuilt = request.getfixturevalue("rebuilt")
     for name in mf.TINY_NAMES:
         committed = mf.tree_hashes(PIPELINES / name)
         fresh = mf.tree_hashes(rebuilt[name])
         assert fresh.keys() == committed.keys(), name
         differing = sorted(k for k in committed if committed[k] != fresh[k])
         assert not differing, f"{name}: {differing} differ; run `python fixtures/make_fixtures.py`"
+
+
+def test_builder_is_deterministic(rebuilt, tmp_path):
+    """Two builds in one process give the same bytes, whatever the library versions."""
+    again = mf.build_all_tiny(tmp_path)
+    for name in mf.TINY_NAMES:
+        assert mf.tree_hashes(rebuilt[name]) == mf.tree_hashes(again[name]), name
+
+
+def test_version_check_reports_what_differs(monkeypatch):
+    assert mf.version_mismatches({"torch": mf.installed_version("torch")}) == {}
+    found = mf.version_mismatches({"torch": "0.0.1", "no-such-distribution-xyz": "1.0"})
+    assert found == {"torch": ("0.0.1", mf.installed_version("torch")), "no-such-distribution-xyz": ("1.0", None)}
+    assert "no-such-distribution-xyz 1.0 (installed: none)" in mf.describe_mismatches(found)
+    assert "+" not in mf.installed_version("torch")  # 2.13.0+cpu compares as 2.13.0
+    monkeypatch.setitem(mf.BUILD_REQUIREMENTS, "no_such_module_xyz.sub", "no-such-dist")
+    assert mf.missing_requirements() == ["no-such-dist"]
+
+
+def test_make_fixtures_refuses_to_start_without_requirements(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(mf.BUILD_REQUIREMENTS, "no_such_module_xyz", "no-such-dist")
+    assert mf.main(["--out", str(tmp_path / "out")]) == 2
+    assert "not installed: no-such-dist" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
 def test_streamed_writer_matches_save_pretrained_layout(tmp_path):
