@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import errno
+import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -55,3 +57,25 @@ class DDUFReferenceError(DDUFError):
 
 class DDUFIntegrityError(DDUFFormatError):
     """Entry bytes do not match their recorded CRC-32 or sha256."""
+
+
+class DDUFUsageError(DDUFError):
+    """The command line or call itself is wrong: a bad argument value, an output that exists without
+    ``--force``, a URL scheme that is not allowed. The CLI exits 2."""
+
+
+class DDUFIOError(DDUFError):
+    """A file or URL cannot be opened or read: missing, unreachable, refused, an HTTP error status, no range
+    support, or over its time or byte budget. The CLI exits 2."""
+
+
+class DDUFNotFoundError(DDUFIOError, FileNotFoundError):
+    """A path or URL that does not exist. Both a :class:`DDUFError` and a :class:`FileNotFoundError`, so
+    ``except FileNotFoundError`` catches ``load_dduf("missing.dduf")`` as it would ``open("missing.dduf")``."""
+
+    def __init__(self, message: str, filename: str | None = None):
+        super().__init__(message)
+        self.errno, self.strerror, self.filename = errno.ENOENT, os.strerror(errno.ENOENT), filename
+
+    def __str__(self) -> str:  # OSError would print "[Errno 2] ..." once errno is set
+        return str(self.args[0]) if self.args else ""

@@ -15,10 +15,9 @@ import pytest
 from conftest import HOSTILE, load_make_hostile
 from dduf_plus.cli import main as cli_main
 from dduf_plus.errors import DDUFError
-from dduf_plus.format.source import FsspecSource, open_source
+from dduf_plus.format.source import HTTPSource, open_source
 from dduf_plus.format.validate import validate
 
-pytest.importorskip("aiohttp")
 pytest.importorskip("fsspec")
 
 
@@ -147,7 +146,7 @@ def test_source_reads_exact_ranges(site):
     data = (site.root / "big.dduf").read_bytes()
     source = open_source(site.url("big.dduf"))
     try:
-        assert isinstance(source, FsspecSource) and source.size == len(data)
+        assert isinstance(source, HTTPSource) and source.size == len(data)
         site.reset()
         for offset, length in ((0, 30), (len(data) - 22, 22), (1 << 20, 5), (12345, 0)):
             assert source.read_at(offset, length) == data[offset : offset + length]

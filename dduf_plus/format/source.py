@@ -1,16 +1,45 @@
-"""Random-access byte sources: a local file (pread) or any fsspec URL (range requests).
+"""Random-access byte sources: a local file (pread), an ``http(s)://`` URL (range requests, our own client)
+or another allowed fsspec URL (``hf://``, ``s3://``, ``gs://``...).
 
 Structural parsing only ever asks a source for the few byte ranges it needs, so validating a remote
-archive transfers kilobytes, not gigabytes."""
+archive transfers kilobytes, not gigabytes.
+
+A remote source is untrusted like the archive it serves, so every remote source has budgets:
+
+- an overall **deadline** from opening to the last read (``deadline=`` seconds, else ``DDUF_REMOTE_DEADLINE``,
+  default :data:`DEFAULT_DEADLINE_S`); a server that trickles a byte every few seconds is cut off there;
+- a **byte budget**: at most ``max_bytes`` fetched in all (else ``DDUF_REMOTE_MAX_BYTES``, default twice the
+  file's size plus :data:`BUDGET_SLACK_BYTES`: every byte once for ``--verify``, again for headers);
+- each connect and each socket read waits at most ``HF_HUB_DOWNLOAD_TIMEOUT`` seconds (default 10);
+- http(s) redirects are followed only within the same origin (scheme, host, port), at most
+  :data:`MAX_REDIRECTS`; a server that ignores ``Range`` is refused before its body is read;
+- only the URL schemes in :data:`ALLOWED_URL_SCHEMES`; no fsspec chains (``simplecache::...``), no
+  ``local://`` or ``memory://``. ``file://PATH`` is the local path PATH. Refusals happen before any I/O.
+"""
 
 from __future__ import annotations
 
+import http.client
 import os
+import socket
+import ssl
 import stat
 import threading
-from typing import Protocol
+import time
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
+from urllib.parse import urljoin, urlsplit
 
-from ..errors import DDUFError
+from ..errors import DDUFError, DDUFIOError, DDUFNotFoundError, DDUFUsageError
+
+ALLOWED_URL_SCHEMES = ("https", "http", "hf", "s3", "gs", "gcs", "az", "abfs", "abfss")
+DEFAULT_DEADLINE_S = 300.0
+BUDGET_SLACK_BYTES = 16 << 20
+MAX_REDIRECTS = 5
+DEFAULT_READ_TIMEOUT_S = 10.0
+_HTTP_BODY_CHUNK = 1 << 20
+
+T = TypeVar("T")
 
 
 class ByteSource(Protocol):
@@ -33,12 +62,16 @@ class LocalSource:
             # O_NONBLOCK: opening a FIFO must not wait for a writer (it is refused just below).
             self.fd = os.open(self.name, os.O_RDONLY | getattr(os, "O_BINARY", 0) | getattr(os, "O_NONBLOCK", 0))
             info = os.fstat(self.fd)
+        except FileNotFoundError as e:
+            self.close()
+            raise DDUFNotFoundError(f"cannot open {self.name}: {e.strerror}", self.name) from None
         except OSError as e:
             self.close()
-            raise DDUFError(f"cannot open {self.name}: {e.strerror}") from None
+            raise DDUFIOError(f"cannot open {self.name}: {e.strerror}") from None
         if not stat.S_ISREG(info.st_mode):
             self.close()
-            raise DDUFError(f"cannot open {self.name}: not a regular file")
+            kind = " (a folder)" if stat.S_ISDIR(info.st_mode) else ""
+            raise DDUFIOError(f"cannot open {self.name}: not a regular file{kind}")
         self.size = info.st_size
         self.bytes_read = 0
 
@@ -50,9 +83,9 @@ class LocalSource:
             try:
                 chunk = os.pread(self.fd, length, offset)
             except OSError as e:
-                raise DDUFError(f"{self.name}: read failed at {offset}: {e.strerror}") from None
+                raise DDUFIOError(f"{self.name}: read failed at {offset}: {e.strerror}") from None
             if not chunk:
-                raise DDUFError(f"{self.name}: file shrank while reading")
+                raise DDUFIOError(f"{self.name}: file shrank while reading")
             parts.append(chunk)
             offset += len(chunk)
             length -= len(chunk)
@@ -71,56 +104,440 @@ class LocalSource:
         self.close()
 
 
+# --- budgets shared by the remote sources ----------------------------------------------------------------
+
+
+def _env_number(name: str, default: float | None) -> float | None:
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        raise DDUFUsageError(f"{name}={text!r} is not a number") from None
+    if value <= 0:
+        raise DDUFUsageError(f"{name}={text!r} must be positive")
+    return value
+
+
+def _read_timeout() -> float:
+    """huggingface_hub's download timeout (``HF_HUB_DOWNLOAD_TIMEOUT``) for connecting and for each read."""
+    try:
+        value = float(os.environ.get("HF_HUB_DOWNLOAD_TIMEOUT", DEFAULT_READ_TIMEOUT_S))
+    except ValueError:
+        return DEFAULT_READ_TIMEOUT_S
+    return value if value > 0 else DEFAULT_READ_TIMEOUT_S
+
+
+class _Budget:
+    """The deadline and byte budget of one remote source; every request asks it first."""
+
+    def __init__(self, name: str, deadline: float | None, max_bytes: int | None):
+        self.name = name
+        self.deadline_s = float(deadline) if deadline is not None else _env_number("DDUF_REMOTE_DEADLINE",
+                                                                                   DEFAULT_DEADLINE_S)
+        env_bytes = _env_number("DDUF_REMOTE_MAX_BYTES", None)
+        self.fixed_max_bytes = int(max_bytes) if max_bytes is not None else (int(env_bytes) if env_bytes else None)
+        if self.deadline_s is None or self.deadline_s <= 0:
+            raise DDUFUsageError(f"{name}: the deadline must be a positive number of seconds")
+        if self.fixed_max_bytes is not None and self.fixed_max_bytes <= 0:
+            raise DDUFUsageError(f"{name}: the byte budget must be positive")
+        self.ends_at = time.monotonic() + self.deadline_s
+        self.max_bytes = self.fixed_max_bytes  # None until the size is known
+        self.fetched = 0
+
+    def sized(self, size: int) -> None:
+        if self.fixed_max_bytes is None:
+            self.max_bytes = 2 * size + BUDGET_SLACK_BYTES
+
+    def remaining(self) -> float:
+        left = self.ends_at - time.monotonic()
+        if left <= 0:
+            raise self.expired()
+        return left
+
+    def expired(self) -> DDUFIOError:
+        return DDUFIOError(f"{self.name}: took longer than its deadline of {self.deadline_s:g} s "
+                           "(deadline=, DDUF_REMOTE_DEADLINE)")
+
+    def spend(self, length: int) -> None:
+        """Refuse, before it is requested, a read that would go over the byte budget."""
+        if self.max_bytes is not None and self.fetched + length > self.max_bytes:
+            raise DDUFIOError(f"{self.name}: reading {length} more bytes would exceed the byte budget of "
+                              f"{self.max_bytes} bytes ({self.fetched} fetched; max_bytes=, DDUF_REMOTE_MAX_BYTES)")
+        self.fetched += length
+
+
+# --- http(s): our own range client, so deadlines, redirects and range support are ours to decide -------------
+
+
+class _HTTPFailure(Exception):
+    """One request failed; ``why`` says how (the caller adds which URL and which read)."""
+
+    def __init__(self, why: str, not_found: bool = False):
+        super().__init__(why)
+        self.why, self.not_found = why, not_found
+
+
+def _origin(parts: Any) -> tuple[str, str, int]:
+    scheme = parts.scheme.lower()
+    return scheme, (parts.hostname or "").lower(), parts.port or (443 if scheme == "https" else 80)
+
+
+class HTTPSource:
+    """An ``http://`` or ``https://`` URL read by range requests over one kept-alive connection.
+
+    Opening sends one ``Range: bytes=0-0`` request: the ``206`` answer gives the size and proves range
+    support; a ``200`` (the server ignores ``Range``) is refused without reading its body. Each later
+    ``read_at`` is exactly one range request. Redirects are followed within the same origin only."""
+
+    def __init__(self, url: str, *, deadline: float | None = None, max_bytes: int | None = None,
+                 headers: dict[str, str] | None = None, timeout: float | None = None):
+        self.name = url
+        parts = urlsplit(url)
+        if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
+            raise DDUFUsageError(f"{url}: not an http(s) URL with a host")
+        if parts.username or parts.password:
+            raise DDUFUsageError(f"{url}: credentials in the URL are not supported; pass headers= instead")
+        self._origin = _origin(parts)
+        self._url = url
+        self._headers = {"User-Agent": "dduf_plus", "Accept-Encoding": "identity", **(headers or {})}
+        self._timeout = float(timeout) if timeout else _read_timeout()
+        self._budget = _Budget(url, deadline, max_bytes)
+        self._lock = threading.Lock()  # one connection: one request at a time
+        self._conn: http.client.HTTPConnection | None = None
+        self._expired = False
+        self.bytes_read = 0
+        self.size = 0
+        try:
+            self.size = self._probe()
+        except _HTTPFailure as e:
+            self.close()
+            error = DDUFNotFoundError if e.not_found else DDUFIOError
+            raise error(f"cannot open {url}: {e.why}", url if e.not_found else None) from None
+        except DDUFError:
+            self.close()
+            raise
+        self._budget.sized(self.size)
+
+    # -- public ----------------------------------------------------------------------------------------------
+    def read_at(self, offset: int, length: int) -> bytes:
+        if offset < 0 or length < 0 or offset + length > self.size:
+            raise DDUFError(f"{self.name}: read of {length} bytes at {offset} is outside the file")
+        if length == 0:
+            return b""
+        with self._lock:
+            self._budget.spend(length)
+            try:
+                _, _, body = self._request(offset, offset + length - 1, expect=length)
+            except _HTTPFailure as e:
+                raise DDUFIOError(f"{self.name}: read of {length} bytes at {offset} failed: {e.why}") from None
+        self.bytes_read += len(body)
+        return body
+
+    def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+
+    # -- requests --------------------------------------------------------------------------------------------
+    def _probe(self) -> int:
+        self._budget.spend(1)
+        status, total, body = self._request(0, 0, expect=None)
+        if status == 416:  # "bytes */0": an empty file has no byte 0
+            if total == 0:
+                return 0
+            raise _HTTPFailure("HTTP 416 Range Not Satisfiable for the first byte of the file")
+        if total is None:
+            raise _HTTPFailure("the server does not report the file size (no total in Content-Range)")
+        self.bytes_read += len(body)
+        return total
+
+    def _connection(self) -> tuple[http.client.HTTPConnection, bool]:
+        if self._conn is not None and self._conn.sock is not None:
+            return self._conn, True
+        self.close()
+        scheme, host, port = self._origin
+        timeout = min(self._timeout, self._budget.remaining())
+        if scheme == "https":
+            conn: http.client.HTTPConnection = http.client.HTTPSConnection(
+                host, port, timeout=timeout, context=ssl.create_default_context())
+        else:
+            conn = http.client.HTTPConnection(host, port, timeout=timeout)
+        try:
+            conn.connect()
+        except socket.gaierror as e:
+            raise _HTTPFailure(f"cannot resolve host {host!r} (DNS: {e.strerror})") from None
+        except ConnectionRefusedError:
+            raise _HTTPFailure(f"connection refused by {host}:{port} (nothing listens there)") from None
+        except TimeoutError:
+            raise _HTTPFailure(f"no connection to {host}:{port} within {timeout:.3g} s") from None
+        except ssl.SSLError as e:
+            raise _HTTPFailure(f"TLS handshake with {host}:{port} failed: {e.reason or e}") from None
+        except OSError as e:
+            raise _HTTPFailure(f"cannot connect to {host}:{port}: {e.strerror or e}") from None
+        if conn.sock is not None:
+            conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small range requests, no Nagle delay
+        self._conn = conn
+        return conn, False
+
+    def _request(self, start: int, end: int, expect: int | None) -> tuple[int, int | None, bytes]:
+        """GET bytes ``start..end`` (inclusive): (status, total size from Content-Range, body)."""
+        for _attempt in range(2):  # one retry when a kept-alive connection was closed by the server
+            reused = False
+            try:
+                url = self._url
+                for _hop in range(MAX_REDIRECTS + 1):
+                    conn, reused = self._connection()
+                    result = self._exchange(conn, url, start, end, expect)
+                    if isinstance(result, str):  # a same-origin redirect
+                        url = result
+                        continue
+                    self._url = url  # later reads go straight to where the redirects led
+                    return result
+                raise _HTTPFailure(f"more than {MAX_REDIRECTS} redirects")
+            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError) as e:
+                self.close()
+                if self._expired:
+                    raise self._budget.expired() from None
+                if not reused:
+                    raise _HTTPFailure(f"the server closed the connection ({type(e).__name__})") from None
+        raise _HTTPFailure("the server closed the connection twice")
+
+    def _exchange(self, conn: http.client.HTTPConnection, url: str, start: int, end: int,
+                  expect: int | None) -> tuple[int, int | None, bytes] | str:
+        parts = urlsplit(url)
+        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        remaining = self._budget.remaining()
+        if conn.sock is not None:
+            conn.sock.settimeout(min(self._timeout, remaining))
+        # The overall deadline: when it passes, the socket is shut down under whatever read is blocked.
+        watchdog = threading.Timer(remaining, self._expire, args=(conn,))
+        watchdog.daemon = True
+        watchdog.start()
+        try:
+            conn.request("GET", target, headers={**self._headers, "Range": f"bytes={start}-{end}"})
+            response = conn.getresponse()
+            return self._answer(response, url, start, end, expect)
+        except TimeoutError:
+            self.close()
+            if self._expired:
+                raise self._budget.expired() from None
+            raise _HTTPFailure(f"the server sent nothing for {self._timeout:g} s (HF_HUB_DOWNLOAD_TIMEOUT)") from None
+        except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
+            raise
+        except (http.client.HTTPException, OSError) as e:
+            self.close()
+            if self._expired:
+                raise self._budget.expired() from None
+            raise _HTTPFailure(f"the connection failed ({type(e).__name__}: {e})") from None
+        finally:
+            watchdog.cancel()
+
+    def _answer(self, response: http.client.HTTPResponse, url: str, start: int, end: int,
+                expect: int | None) -> tuple[int, int | None, bytes] | str:
+        status = response.status
+        if status in (301, 302, 303, 307, 308):
+            location = response.getheader("Location")
+            self.close()  # the redirect's body is not read
+            if not location:
+                raise _HTTPFailure(f"HTTP {status} redirect without a Location")
+            target = urljoin(url, location.strip())
+            if _origin(urlsplit(target)) != self._origin:
+                raise _HTTPFailure(f"HTTP {status} redirects to another origin ({_short(target)}); only "
+                                   "same-origin redirects are followed")
+            return target
+        if status == 200:
+            self.close()
+            raise _HTTPFailure("the server does not support range requests (it answered a Range request with "
+                               "HTTP 200 and the whole file); refusing to download it")
+        if status == 416:
+            total = _content_range_total(response.getheader("Content-Range"))
+            self.close()
+            if expect is None:
+                return status, total, b""
+            raise _HTTPFailure("HTTP 416 Range Not Satisfiable (the file changed size?)")
+        if status != 206:
+            self.close()
+            raise _HTTPFailure(f"HTTP {status} {_short(response.reason)}".rstrip(), not_found=status in (404, 410))
+        encoding = (response.getheader("Content-Encoding") or "identity").strip().lower()
+        if encoding != "identity":
+            self.close()
+            raise _HTTPFailure(f"the server sent a {_short(encoding)}-encoded range")
+        span = _content_range(response.getheader("Content-Range"))
+        if span is None or span[0] != start or span[1] != end:
+            self.close()
+            raise _HTTPFailure(f"the server answered with another range ({_short(response.getheader('Content-Range'))}"
+                               f" for bytes={start}-{end})")
+        length = end - start + 1
+        declared = response.getheader("Content-Length")
+        if declared is not None and declared.strip() != str(length):
+            self.close()
+            raise _HTTPFailure(f"Content-Length {_short(declared)} for a range of {length} bytes")
+        body = self._read_body(response, length)
+        return status, span[2], body
+
+    def _read_body(self, response: http.client.HTTPResponse, length: int) -> bytes:
+        parts, got = [], 0
+        while got < length:
+            self._budget.remaining()
+            chunk = response.read1(min(_HTTP_BODY_CHUNK, length - got))
+            if not chunk:
+                self.close()
+                if self._expired:
+                    raise self._budget.expired()
+                raise _HTTPFailure(f"the connection closed after {got} of {length} bytes")
+            parts.append(chunk)
+            got += len(chunk)
+        response.read()  # nothing is left: this marks the response done, so the connection can be reused
+        return b"".join(parts)
+
+    def _expire(self, conn: http.client.HTTPConnection) -> None:
+        self._expired = True
+        sock = conn.sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+def _short(text: object, limit: int = 120) -> str:
+    text = str(text or "")
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _content_range(value: str | None) -> tuple[int, int, int | None] | None:
+    """``bytes a-b/total`` (total may be ``*``) -> (a, b, total)."""
+    if not value:
+        return None
+    unit, _, rest = value.strip().partition(" ")
+    span, _, total = rest.partition("/")
+    first, _, last = span.partition("-")
+    try:
+        if unit.lower() != "bytes":
+            return None
+        return int(first), int(last), (None if total.strip() == "*" else int(total))
+    except ValueError:
+        return None
+
+
+def _content_range_total(value: str | None) -> int | None:
+    """The size in ``bytes */size`` (a 416 answer)."""
+    if not value or "/" not in value:
+        return None
+    try:
+        return int(value.rsplit("/", 1)[1])
+    except ValueError:
+        return None
+
+
+# --- other allowed schemes: fsspec, each call bounded by the deadline ---------------------------------------
+
+
 class FsspecSource:
-    """Any fsspec URL (``https://``, ``hf://``, ``s3://``...). No read-ahead cache: each ``read_at`` is
-    one range request, so the bytes transferred are exactly the bytes asked for.
+    """An allowed fsspec URL other than http(s) (``hf://``, ``s3://``...). No read-ahead cache: each
+    ``read_at`` is one range request, so the bytes transferred are exactly the bytes asked for.
 
     ``cache_type="none"`` makes a buffered fsspec file fetch exactly ``[offset, offset + length)`` per read.
-    The block size must not be 0: for HTTP and hf:// that selects a *streaming* file that cannot seek."""
+    The block size must not be 0: for hf:// that selects a *streaming* file that cannot seek. Each call
+    runs in a helper thread and is waited for until the source's deadline only; a call still blocked then
+    is abandoned to the backend's own socket timeouts and the source refuses every later read."""
 
     RANGE_BLOCK_SIZE = 1 << 20  # nominal: with cache_type "none" it never widens a request
 
-    def __init__(self, url: str, **storage_options: object):
+    def __init__(self, url: str, *, deadline: float | None = None, max_bytes: int | None = None,
+                 **storage_options: object):
         import fsspec  # only remote validation pays for this import
 
         self.name = url
         self._lock = threading.Lock()  # seek + read is one operation on a shared file object
-        if url.split("://", 1)[0] in ("http", "https") and "client_kwargs" not in storage_options:
-            storage_options = {**storage_options, "client_kwargs": {"timeout": _http_timeout()}}
-        try:
+        self._budget = _Budget(url, deadline, max_bytes)
+        self._broken = False
+        self._file: Any = None
+
+        def opening() -> Any:
             fs, path = fsspec.core.url_to_fs(url, **storage_options)
-            self._file = fs.open(path, "rb", block_size=self.RANGE_BLOCK_SIZE, cache_type="none")
+            return fs.open(path, "rb", block_size=self.RANGE_BLOCK_SIZE, cache_type="none")
+
+        try:
+            self._file = self._bounded(opening)
             size = getattr(self._file, "size", None)
             if size is None:
-                raise DDUFError("the server does not report the file size")
+                raise DDUFIOError(f"cannot open {url}: the server does not report the file size")
             self.size = int(size)
+        except DDUFError:
+            self.close()
+            raise
+        except FileNotFoundError as e:
+            self.close()
+            raise DDUFNotFoundError(f"cannot open {url}: not found ({_short(e) or 'no such file'})", url) from None
+        except PermissionError as e:
+            self.close()
+            raise DDUFIOError(f"cannot open {url}: access denied ({_short(e)})") from None
         except Exception as e:  # network/protocol errors of every backend
-            raise DDUFError(f"cannot open {url}: {e}") from None
+            self.close()
+            raise DDUFIOError(f"cannot open {url}: {type(e).__name__}: {_short(e, 300)}") from None
         if not (hasattr(self._file, "seek") and self._file.seekable()):
-            raise DDUFError(f"cannot open {url}: the file system offers no random access (range requests)")
+            self.close()
+            raise DDUFIOError(f"cannot open {url}: the file system offers no random access (range requests)")
+        self._budget.sized(self.size)
         self.bytes_read = 0
+
+    def _bounded(self, call: Callable[[], T]) -> T:
+        """``call()`` in a daemon thread, waited for until the deadline."""
+        if self._broken:
+            raise DDUFIOError(f"{self.name}: an earlier request overran the deadline; the source is closed")
+        remaining = self._budget.remaining()
+        done = threading.Event()
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                box["value"] = call()
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+                box["error"] = e
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name="dduf-remote", daemon=True).start()
+        if not done.wait(remaining):
+            self._broken = True
+            raise self._budget.expired()
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
 
     def read_at(self, offset: int, length: int) -> bytes:
         if offset < 0 or length < 0 or offset + length > self.size:
             raise DDUFError(f"{self.name}: read of {length} bytes at {offset} is outside the file")
         if length == 0:
             return b""
-        try:
-            with self._lock:
-                self._file.seek(offset)
-                data = self._file.read(length)
-        except Exception as e:
-            raise DDUFError(f"{self.name}: read failed at {offset}: {e}") from None
+
+        def reading() -> bytes:
+            self._file.seek(offset)
+            return self._file.read(length)
+
+        with self._lock:
+            self._budget.spend(length)
+            try:
+                data = self._bounded(reading)
+            except DDUFError:
+                raise
+            except Exception as e:
+                raise DDUFIOError(f"{self.name}: read failed at {offset}: {type(e).__name__}: {_short(e, 300)}") from None
         if len(data) != length:
-            raise DDUFError(f"{self.name}: short read at {offset}")
+            raise DDUFIOError(f"{self.name}: short read at {offset}")
         self.bytes_read += len(data)
         return data
 
     def close(self) -> None:
-        try:
-            self._file.close()
-        except Exception:
-            pass
+        file, self._file = self._file, None
+        if file is not None and not self._broken:
+            try:
+                file.close()
+            except Exception:
+                pass
 
 
 class BytesSource:
@@ -140,25 +557,50 @@ class BytesSource:
         pass
 
 
-def _http_timeout() -> object:
-    """A server that stops answering must not hang a validation: huggingface_hub's download timeout
-    (``HF_HUB_DOWNLOAD_TIMEOUT``, 10 s by default) for connecting and for each read."""
-    import aiohttp  # fsspec's HTTP backend
-
-    try:
-        seconds = float(os.environ.get("HF_HUB_DOWNLOAD_TIMEOUT", "10"))
-    except ValueError:
-        seconds = 10.0
-    return aiohttp.ClientTimeout(total=None, sock_connect=seconds, sock_read=seconds)
+# --- choosing a source ------------------------------------------------------------------------------------
 
 
 def is_url(source: str | os.PathLike) -> bool:
+    """Whether ``source`` is a URL (``file://`` is a local path). Allowed or not: see :func:`check_url`."""
     return isinstance(source, str) and "://" in source and not source.startswith("file://")
 
 
-def open_source(source: str | os.PathLike, **storage_options: object) -> ByteSource:
+def check_url(url: str) -> str:
+    """The scheme of ``url``, lower-cased, or :class:`DDUFUsageError` when it is not allowed (before any I/O).
+
+    Refused: fsspec chains (``::``, e.g. ``simplecache::https://...``, which downloads whole files), and
+    every scheme outside :data:`ALLOWED_URL_SCHEMES` (``local://`` and ``memory://`` among them)."""
+    if "::" in url:
+        raise DDUFUsageError(f"{url}: chained fsspec URLs ('::') are not allowed; give the URL itself")
+    scheme = url.split("://", 1)[0].lower()
+    if scheme not in ALLOWED_URL_SCHEMES:
+        raise DDUFUsageError(f"{url}: URL scheme {scheme!r} is not allowed (allowed: {', '.join(ALLOWED_URL_SCHEMES)}; "
+                             "a local file is a plain path or file://PATH)")
+    return scheme
+
+
+def open_source(source: str | os.PathLike, *, deadline: float | None = None, max_bytes: int | None = None,
+                **storage_options: Any) -> ByteSource:
+    """A ByteSource for a local path, ``file://PATH``, or an allowed URL.
+
+    ``deadline`` (seconds) and ``max_bytes`` bound a remote source (see the module docstring); local files
+    ignore them. ``storage_options`` go to fsspec; an http(s) URL takes only ``headers`` and ``timeout``.
+
+    Raises:
+        DDUFUsageError: a URL scheme that is not allowed, or an fsspec chain.
+        DDUFNotFoundError: the file does not exist (HTTP 404/410 for a URL).
+        DDUFIOError: it cannot be opened (unreachable, refused, no range support, over a budget...).
+    """
     if is_url(source):
-        return FsspecSource(str(source), **storage_options)
+        url = str(source)
+        scheme = check_url(url)
+        if scheme in ("http", "https"):
+            unknown = sorted(set(storage_options) - {"headers", "timeout"})
+            if unknown:
+                raise DDUFUsageError(f"{url}: options {', '.join(unknown)} do not apply to http(s) URLs "
+                                     "(only headers=, timeout=, deadline=, max_bytes=)")
+            return HTTPSource(url, deadline=deadline, max_bytes=max_bytes, **storage_options)
+        return FsspecSource(url, deadline=deadline, max_bytes=max_bytes, **storage_options)
     if isinstance(source, str) and source.startswith("file://"):
         source = source[len("file://") :]
     return LocalSource(source)
