@@ -16,7 +16,7 @@ import zstandard
 
 from dduf_plus.cli import main as cli_main
 from dduf_plus.errors import DDUFError, DDUFFormatError, DDUFIntegrityError
-from dduf_plus.format import zst
+from dduf_plus.format import zst, zst_cache
 from dduf_plus.format.archive import DDUFArchive
 
 MiB = 1 << 20
@@ -176,7 +176,7 @@ def test_cached_decompress_reuses_by_content(packed, tmp_path, cache, monkeypatc
     def no_decompress(*args, **kwargs):
         raise AssertionError("decompressed again")
 
-    monkeypatch.setattr(zst, "decompress", no_decompress)
+    monkeypatch.setattr(zst_cache, "decompress_into", no_decompress)
     assert zst.cached_decompress(src) == first  # same path, unchanged: a stat and the memo
     twin = tmp_path / "copy" / "b.dduf.zst"
     twin.parent.mkdir()
@@ -187,8 +187,10 @@ def test_cached_decompress_reuses_by_content(packed, tmp_path, cache, monkeypatc
     other = zst.compress(packed["tiny-sd"], tmp_path / "a.dduf.zst", quiet=True).path  # replaced in place
     second = zst.cached_decompress(other)
     assert second != first and second.read_bytes() == packed["tiny-sd"].read_bytes()
-    assert zst.open_for_validation(other) == second
-    assert zst.open_for_validation(packed["tiny-sd"]) == packed["tiny-sd"]
+    with zst.validation_archive(other) as archive:  # a verified entry is validated in place
+        assert archive == second
+    with zst.validation_archive(packed["tiny-sd"]) as archive:  # a plain archive is itself
+        assert archive == packed["tiny-sd"]
 
 
 def test_cache_root_follows_hf_home(monkeypatch, tmp_path):

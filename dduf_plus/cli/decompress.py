@@ -12,13 +12,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "decompress", help="decompress a .dduf.zst archive",
         description="Decompress a zstd stream (frames in parallel when it has a seek table), verifying every "
-                    "frame's checksum and size; the output appears only when complete.")
+                    "frame's checksum and size, within a size/ratio budget and the free disk space; the "
+                    "output appears only when complete.")
     p.add_argument("archive", help="the .dduf.zst to decompress")
     p.add_argument("-o", "--output", help="where to write (default: ARCHIVE without .zst); written atomically")
     p.add_argument("--threads", type=int, default=-1, help="decompression threads (default: one per CPU)")
     p.add_argument("-f", "--force", action="store_true", help="overwrite OUTPUT if it exists")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no summary")
+    p.add_argument("--max-decompressed", type=_budget, default=None, metavar="SIZE",
+                   help="how far the stream may expand: SIZE (64G), RATIOx (32x), both (64G,32x) or 'unlimited' "
+                        "(default: $DDUF_PLUS_MAX_DECOMPRESSED, else 256G and 16x above 256M)")
     p.set_defaults(func=run)
+
+
+def _budget(text: str) -> str:
+    from ..format.zst import DecompressionBudget
+
+    try:
+        DecompressionBudget.parse(text)
+    except DDUFError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def run(args: argparse.Namespace) -> int:
@@ -33,7 +47,8 @@ def run(args: argparse.Namespace) -> int:
         raise DDUFError(f"{args.archive} does not end in .zst: say where to write with -o")
     if output.exists() and not args.force:
         raise DDUFError(f"{output} exists (use --force to overwrite)")
-    result = decompress(args.archive, output, threads=args.threads, quiet=args.quiet)
+    result = decompress(args.archive, output, threads=args.threads, quiet=args.quiet,
+                        max_decompressed=args.max_decompressed)
     if not args.quiet:
         speed = result.output_bytes / result.seconds / 1e9 if result.seconds else 0.0
         print(f"wrote {result.path}: {human_bytes(result.output_bytes)} ({result.frames} frames) "

@@ -18,8 +18,9 @@ Validate DDUF archives: ZIP integrity (end records, ZIP64, central directory vs 
 polyglots, names), DDUF structure, every safetensors header, configs, references and the dduf_plus index.
 Structural checks read only records and headers (kilobytes, also for URLs); --verify also hashes every
 entry (CRC-32 and sha256). FILE_OR_URL may be a local path or any fsspec URL (https://, hf://, s3://...).
-A local X.dduf.zst is decompressed into the zst cache (checksums verified) and the archive inside validated;
-a stream that cannot be decompressed is reported as Z021.
+A local X.dduf.zst is decompressed into a private temporary file (checksums verified, within
+--max-decompressed; removed after the verdict) and the archive inside validated; a stream that cannot be
+decompressed is reported as Z021, one over the budget or the free disk space as Z022.
 Exit status: 0 all valid, 1 any invalid, 2 usage or I/O errors."""
 
 
@@ -33,8 +34,22 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--strict", action="store_true", help="treat warnings (e.g. not mmap-aligned) as errors")
     parser.add_argument("-j", "--jobs", type=_jobs, default=1, metavar="N", help="validate N files in parallel processes")
     parser.add_argument("-q", "--quiet", action="store_true", help="print only invalid files and their errors")
+    parser.add_argument("--max-decompressed", type=_budget, default=None, metavar="SIZE",
+                        help="how far a .zst may expand: SIZE (64G), RATIOx (32x), both (64G,32x) or 'unlimited' "
+                             "(default: $DDUF_PLUS_MAX_DECOMPRESSED, else 256G and 16x above 256M); over it: Z022")
     parser.set_defaults(func=run)
     return parser
+
+
+def _budget(text: str) -> str:
+    from ..errors import DDUFError
+    from ..format.zst import DecompressionBudget
+
+    try:
+        DecompressionBudget.parse(text)
+    except DDUFError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def _jobs(text: str) -> int:
@@ -47,13 +62,14 @@ def _jobs(text: str) -> int:
     return value
 
 
-def check_one(path: str, verify: bool, strict: bool) -> tuple[str, dict[str, Any] | None, str | None]:
+def check_one(path: str, verify: bool, strict: bool,
+              max_decompressed: str | None = None) -> tuple[str, dict[str, Any] | None, str | None]:
     """(path, report as a dict, None) or (path, None, why it could not be read). Runs in worker processes."""
     from ..errors import DDUFError
     from ..format.validate import validate
 
     try:
-        return path, validate(path, verify=verify, strict=strict).as_dict(), None
+        return path, validate(path, verify=verify, strict=strict, max_decompressed=max_decompressed).as_dict(), None
     except DDUFError as e:
         return path, None, str(e)
     except Exception as e:  # noqa: BLE001 - validate() catches its own bugs; this is a last line
@@ -64,13 +80,13 @@ def _results(args: argparse.Namespace):
     jobs = min(args.jobs, len(args.files))
     if jobs <= 1:
         for path in args.files:
-            yield check_one(path, args.verify, args.strict)
+            yield check_one(path, args.verify, args.strict, args.max_decompressed)
         return
     from concurrent.futures import ProcessPoolExecutor
 
     with ProcessPoolExecutor(max_workers=jobs) as pool:
         n = len(args.files)
-        yield from pool.map(check_one, args.files, [args.verify] * n, [args.strict] * n)
+        yield from pool.map(check_one, args.files, [args.verify] * n, [args.strict] * n, [args.max_decompressed] * n)
 
 
 def run(args: argparse.Namespace) -> int:

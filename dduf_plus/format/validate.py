@@ -11,21 +11,24 @@ Structural validation reads only records and headers: kilobytes, also over fsspe
 Bad input never raises: it becomes findings. :class:`~dduf_plus.errors.DDUFError` means the source could
 not be read at all (missing file, unreachable URL).
 
-A local ``X.dduf.zst`` is decompressed (every frame's checksum and size verified) into the content-keyed
-cache of :mod:`dduf_plus.format.zst` and the plain archive validated, reported under the ``.zst`` path; a
-stream that cannot be decompressed is a ``Z021`` finding. zstandard is imported only for ``.zst`` files."""
+A local ``X.dduf.zst`` is decompressed (every frame's checksum and size verified, within the
+decompression budget) into a private temporary file and the plain archive validated, reported under the
+``.zst`` path; a stream that cannot be decompressed is a ``Z021`` finding, one over the budget ``Z022``.
+zstandard is imported only for ``.zst`` files."""
 
 from __future__ import annotations
 
 import os
 import re
+import tempfile
 import time
 from collections.abc import Callable, Iterable
+from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ..errors import DDUFError, DDUFFormatError
+from ..errors import DDUFError, DDUFFormatError, DDUFIOError
 from . import spec
 from .archive import DDUFArchive, Entry
 from .findings import Finding, finding
@@ -73,7 +76,7 @@ class ValidationReport:
         return "\n".join([head, *lines])
 
 
-class _SourceFailure(DDUFError):
+class _SourceFailure(DDUFIOError):
     """The source failed to deliver bytes it has (I/O, network): no verdict on the archive is possible."""
 
 
@@ -106,14 +109,17 @@ class _GuardedSource:
         pass
 
 
-def validate(source: str | os.PathLike | ByteSource, verify: bool = False, strict: bool = False,
-             **storage_options: Any) -> ValidationReport:
+def validate(source: str | os.PathLike | ByteSource, verify: bool = False, strict: bool = False, *,
+             max_decompressed: Any = None, **storage_options: Any) -> ValidationReport:
     """Check an archive against every DDUF and dduf_plus rule.
 
     Args:
         source: a local path, any fsspec URL (``https://``, ``hf://``, ``s3://``...) or a ByteSource.
         verify: also hash every entry: CRC-32 vs the ZIP records (H001), sha256 vs the index (H002).
         strict: count warnings (e.g. "not mmap-aligned") as errors.
+        max_decompressed: the decompression budget for a ``.zst`` (see
+            :func:`dduf_plus.format.zst.decompression_budget`; default ``$DDUF_PLUS_MAX_DECOMPRESSED``,
+            else 256 GiB and 16x the compressed size above 256 MiB); over it is a ``Z022`` error.
         storage_options: passed to fsspec for URLs.
 
     Returns:
@@ -122,9 +128,11 @@ def validate(source: str | os.PathLike | ByteSource, verify: bool = False, stric
     Raises:
         DDUFError: the source cannot be opened or read (missing file, unreachable URL, I/O error).
 
-    A local path ending in ``.zst`` (``X.dduf.zst``) is decompressed into the zst cache first (see
-    :func:`dduf_plus.format.zst.open_for_validation`); its report carries the ``.zst`` path, and a stream
-    that cannot be decompressed (truncated, corrupted, not zstd, zstandard missing) is a ``Z021`` error.
+    A local path ending in ``.zst`` (``X.dduf.zst``) is decompressed into a private temporary file first,
+    removed after the verdict (see :func:`dduf_plus.format.zst_cache.validation_archive`; the persistent
+    cache is never written); its report carries the ``.zst`` path, a stream that cannot be decompressed
+    (truncated, corrupted, not zstd, zstandard missing) is a ``Z021`` error, one over the budget or the
+    free disk space a ``Z022`` error.
 
     Example:
         >>> report = validate("model.dduf", verify=True)
@@ -132,7 +140,7 @@ def validate(source: str | os.PathLike | ByteSource, verify: bool = False, stric
         (True, [])
     """
     if isinstance(source, (str, os.PathLike)) and os.fspath(source).endswith(".zst"):
-        return _validate_zst(source, verify, strict, storage_options)
+        return _validate_zst(source, verify, strict, max_decompressed, storage_options)
     started = time.perf_counter()
     owned = not hasattr(source, "read_at")
     inner: ByteSource = open_source(source, **storage_options) if owned else source  # type: ignore[assignment]
@@ -155,9 +163,10 @@ def validate(source: str | os.PathLike | ByteSource, verify: bool = False, stric
     return _report(inner.name, findings, strict, bytes_read, time.perf_counter() - started)
 
 
-def _validate_zst(source: str | os.PathLike, verify: bool, strict: bool,
+def _validate_zst(source: str | os.PathLike, verify: bool, strict: bool, max_decompressed: Any,
                   storage_options: dict[str, Any]) -> ValidationReport:
-    """Decompress a ``.dduf.zst`` into the cache, validate the plain archive, report under ``source``."""
+    """Decompress a ``.dduf.zst`` into a private temporary file (never the persistent cache), validate the
+    plain archive, report under ``source``; the file is removed after the verdict, whatever happens."""
     started = time.perf_counter()
     name = os.fspath(source)
     if is_url(name):
@@ -166,27 +175,32 @@ def _validate_zst(source: str | os.PathLike, verify: bool, strict: bool,
     size = local.size
     local.close()
     from . import zst  # lazy: plain archives never import it (nor zstandard)
+    from .zst_cache import validation_archive
 
-    def failed(message: str) -> ValidationReport:
-        return _report(name, [finding("Z021", None, message)], strict, size, time.perf_counter() - started)
+    def failed(code: str, message: str) -> ValidationReport:
+        return _report(name, [finding(code, None, message)], strict, size, time.perf_counter() - started)
 
     try:
         zst._zstd()
     except DDUFError as e:  # zstandard missing or broken: the message says `pip install zstandard`
-        return failed(str(e))
+        return failed("Z021", str(e))
     resolved = str(Path(name).resolve())
-    try:
-        archive = zst.open_for_validation(name)
-    except DDUFFormatError as e:  # truncated, corrupted (DDUFIntegrityError), not zstd, bad seek table
-        return failed(str(e).replace(resolved, name))
-    except OSError as e:  # the cache cannot be written (disk full, read-only): an I/O error, exit 2
-        raise DDUFError(f"{name}: cannot decompress into the cache ({zst.cache_root()}): {e}") from None
-    except DDUFError:
-        raise
-    except Exception as e:  # noqa: BLE001 - a decoder bug on hostile input: an incomplete verdict, never a crash
-        return _report(name, [finding("X000", None, f"internal error in zst: {type(e).__name__}: {e}"[:500])],
-                       strict, size, time.perf_counter() - started)
-    inner = validate(archive, verify=verify, strict=strict, **storage_options)
+    with ExitStack() as stack:
+        try:
+            archive = stack.enter_context(validation_archive(name, max_decompressed=max_decompressed))
+        except zst.DecompressionBudgetError as e:  # a bomb, or no room for a genuine archive: Z022
+            return failed("Z022", str(e).replace(resolved, name))
+        except DDUFFormatError as e:  # truncated, corrupted (DDUFIntegrityError), not zstd, bad seek table
+            return failed("Z021", str(e).replace(resolved, name))
+        except OSError as e:  # the temporary folder cannot be written (disk full, read-only): exit 2
+            raise DDUFError(f"{name}: cannot decompress into a temporary folder ({tempfile.gettempdir()}, "
+                            f"$TMPDIR): {e}") from None
+        except DDUFError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a decoder bug on hostile input: an incomplete verdict, never a crash
+            return _report(name, [finding("X000", None, f"internal error in zst: {type(e).__name__}: {e}"[:500])],
+                           strict, size, time.perf_counter() - started)
+        inner = validate(archive, verify=verify, strict=strict, **storage_options)
     return replace(inner, path=name, bytes_read=inner.bytes_read + size, seconds=time.perf_counter() - started)
 
 

@@ -15,30 +15,35 @@ a thread pool that ``pwrite``s them into a preallocated file. Memory is constant
 the zstd window per thread, whatever the archive size. Streams without the table (written by the ``zstd``
 CLI, say) are decompressed sequentially.
 
-:func:`cached_decompress` decompresses once into a cache keyed by the sha256 of the ``.zst`` file (the
-same value as its Hub LFS oid) and returns the plain archive, which loaders then mmap as usual.
+A ``.zst`` is untrusted like the archive inside: decompression has a budget (:class:`DecompressionBudget`:
+an absolute cap, a ratio cap above a floor, and the free disk space), checked before writing when the
+stream announces its size and enforced while decoding when it does not.
+
+:func:`cached_decompress` (in :mod:`dduf_plus.format.zst_cache`, importable from here) decompresses once
+into a cache keyed by the sha256 of the ``.zst`` file and returns the plain archive, which loaders then
+mmap as usual; every hit is verified against content.
 
 Only ``zstandard`` and the standard library are imported here (no torch)."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import mmap
+import math
 import os
 import re
+import shutil
 import struct
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from ..errors import DDUFError, DDUFFormatError, DDUFIntegrityError
+from .confined import Confined
 from .writer import _fsync_dir
 
 logger = logging.getLogger("dduf_plus")
@@ -61,7 +66,6 @@ HEADER_FRAME_SIZE = 8 + HEADER_PAYLOAD.size
 MAX_FRAMES = 1 << 20  # bound what we trust from a seek table before allocating for it
 
 CACHE_ENV = "DDUF_PLUS_CACHE"
-_SHA256_BLOB = re.compile(r"^[0-9a-f]{64}$")
 
 
 class Frame(NamedTuple):
@@ -128,25 +132,18 @@ def _pwrite_all(fd: int, data: Any, offset: int) -> None:
 
 @contextmanager
 def _atomic_output(dst: Path) -> Iterator[int]:
-    """A temporary file beside ``dst``, renamed over it after fsync when the block succeeds, removed
-    otherwise: readers never see a half-written archive."""
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".partial", dir=dst.parent)
-    try:
+    """An exclusively created temporary file beside ``dst``, renamed over it after fsync when the block
+    succeeds, removed otherwise (also on Ctrl-C): readers never see a half-written archive."""
+    box = Confined(dst.parent)
+    with box.temp_file(prefix=f".{dst.name}.", suffix=".partial") as (fd, tmp):
         yield fd
         os.fsync(fd)
         os.close(fd)
-        fd = -1
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o644 & ~umask)
-        os.replace(tmp, dst)
-        _fsync_dir(dst.parent)
-    except BaseException:
-        if fd >= 0:
-            os.close(fd)
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        box.replace(tmp, dst)
+    _fsync_dir(dst.parent)
 
 
 def _same_file(a: Path, b: Path) -> bool:
@@ -318,6 +315,162 @@ def _read_seek_table(fd: int, size: int, name: str) -> list[Frame] | None:
     return frames
 
 
+# --- budget ------------------------------------------------------------------------------------------
+# A .zst is as untrusted as the archive inside: 65 KB of zstd can announce (and really hold) 2 GiB of
+# zeros. Real DDUF weights compress 1.05-1.3x (bf16/fp16 mantissas are close to random); tokenizers and
+# configs compress more but are small. So above a floor (small archives never trip it, and writing the
+# floor costs well under a second), the output may be at most MAX_RATIO times the compressed size, and
+# never more than MAX_BYTES (beyond the largest public pipelines, ~100 GB in fp32), whatever the ratio.
+MAX_DECOMPRESSED_ENV = "DDUF_PLUS_MAX_DECOMPRESSED"
+DEFAULT_MAX_BYTES = 256 << 30  # 256 GiB
+DEFAULT_MAX_RATIO = 16.0  # an order of magnitude over real pipelines' 1.1x
+RATIO_FLOOR = 256 * MiB  # any ratio is fine below this
+DISK_RESERVE = 256 * MiB  # decompression never fills a disk to its last bytes
+RAISE_HINT = f"max_decompressed= in Python, --max-decompressed on the command line, or ${MAX_DECOMPRESSED_ENV}"
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
+_RATIO = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*x\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+class DecompressionBudgetError(DDUFError):
+    """Decompressing would pass the size/ratio budget or the free disk space (``dduf validate``: Z022)."""
+
+
+@dataclass(frozen=True)
+class DecompressionBudget:
+    """How much a ``.zst`` may expand to: at most ``max_bytes`` (None: no absolute cap) and at most
+    ``max_ratio`` times its compressed size once past :data:`RATIO_FLOOR` (None: no ratio cap). Free
+    disk space is checked whatever the budget.
+
+    Example:
+        >>> DecompressionBudget.parse("64G")      # 64 GiB, any ratio (you vouch for the archive)
+        >>> DecompressionBudget.parse("32x")      # 32x the compressed size, within the default cap
+        >>> DecompressionBudget.parse("64G,32x")  # both; "unlimited": only the disk space check
+    """
+
+    max_bytes: int | None = DEFAULT_MAX_BYTES
+    max_ratio: float | None = DEFAULT_MAX_RATIO
+    origin: str = "the default budget"
+
+    def limit(self, compressed_size: int) -> int | None:
+        """The most bytes a stream of ``compressed_size`` bytes may decompress to (None: unbounded)."""
+        limits = [] if self.max_bytes is None else [self.max_bytes]
+        if self.max_ratio is not None:
+            limits.append(max(RATIO_FLOOR, int(self.max_ratio * compressed_size)))
+        return min(limits) if limits else None
+
+    def __str__(self) -> str:
+        parts = [] if self.max_bytes is None else [f"at most {human_size(self.max_bytes)}"]
+        if self.max_ratio is not None:
+            parts.append(f"at most {self.max_ratio:g}x the compressed size above {human_size(RATIO_FLOOR)}")
+        return f"{self.origin} ({', '.join(parts) or 'unlimited'})"
+
+    @classmethod
+    def parse(cls, text: str, origin: str = "--max-decompressed") -> DecompressionBudget:
+        """``SIZE`` (``500M``, ``64G``, ``1T``, bytes), ``RATIOx``, both comma-separated, or ``unlimited``.
+
+        Raises:
+            DDUFError: the text is none of these (the message names ``origin``).
+        """
+        if text.strip().lower() in ("unlimited", "none", "inf"):
+            return cls(None, None, f"{origin}=unlimited")
+        max_bytes: int | None = None
+        max_ratio: float | None = None
+        for part in text.split(","):
+            if (m := _SIZE.match(part)) and max_bytes is None:
+                max_bytes = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+            elif (m := _RATIO.match(part)) and max_ratio is None and float(m.group(1)) > 0:
+                max_ratio = float(m.group(1))
+            else:
+                raise DDUFError(f"{origin}={text!r}: expected a size (500M, 64G, 1T), a ratio (32x), both "
+                                "(64G,32x) or 'unlimited'")
+        if max_bytes is not None and max_ratio is None:
+            return cls(max_bytes, None, f"{origin}={text.strip()}")  # an explicit size: the user vouches
+        return cls(DEFAULT_MAX_BYTES if max_bytes is None else max_bytes, max_ratio, f"{origin}={text.strip()}")
+
+
+BudgetLike = DecompressionBudget | int | str | None
+
+
+def decompression_budget(value: BudgetLike = None) -> DecompressionBudget:
+    """The budget to apply: ``value`` (a budget, a byte count or a string for :meth:`DecompressionBudget.parse`),
+    else ``$DDUF_PLUS_MAX_DECOMPRESSED``, else the default (256 GiB, 16x above 256 MiB)."""
+    if isinstance(value, DecompressionBudget):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return DecompressionBudget(value, None, f"max_decompressed={value}")
+    if isinstance(value, str):
+        return DecompressionBudget.parse(value, "max_decompressed")
+    env = os.environ.get(MAX_DECOMPRESSED_ENV)
+    if env:
+        return DecompressionBudget.parse(env, f"${MAX_DECOMPRESSED_ENV}")
+    return DecompressionBudget()
+
+
+def human_size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def _free_bytes(folder: Path) -> int:
+    try:
+        return shutil.disk_usage(folder).free - DISK_RESERVE
+    except OSError:  # a file system that does not say: let the writes themselves fail
+        return 1 << 62
+
+
+class _Allowance(NamedTuple):
+    """What one decompression may write: ``cutoff`` bytes (None: unbounded) and why it stops there."""
+
+    cutoff: int | None
+    over_budget: bool  # the cutoff is the budget's (else the free disk space's)
+
+
+def _allowance(name: str, compressed: int, announced: int | None, budget: DecompressionBudget,
+               out_dir: Path) -> _Allowance:
+    """Check an announced size against the budget and the free space *before* writing; for a stream
+    that announces nothing, the point where decoding must stop."""
+    limit = budget.limit(compressed)
+    if announced is not None and limit is not None and announced > limit:
+        raise _over_budget(name, compressed, announced, limit, budget, announced=True)
+    free = _free_bytes(out_dir)
+    if announced is not None:
+        if announced > free:
+            raise _no_space(name, announced, free, out_dir)
+        return _Allowance(announced, False)
+    if free <= 0:
+        raise _no_space(name, None, free, out_dir)
+    if limit is not None and limit <= free:
+        return _Allowance(limit, True)
+    return _Allowance(free, False)
+
+
+def _over_budget(name: str, compressed: int, size: int, limit: int, budget: DecompressionBudget, *,
+                 announced: bool) -> DecompressionBudgetError:
+    ratio = size / compressed if compressed else float("inf")
+    what = (f"announces {human_size(size)} of output" if announced
+            else f"decompressed past {human_size(size)} without announcing its size (stopped there)")
+    return DecompressionBudgetError(
+        f"{name}: the stream {what} from {human_size(compressed)} ({ratio:,.0f}x), over the decompression "
+        f"budget: {human_size(limit)} for this file under {budget}. If you trust the archive, raise the "
+        f"budget ({RAISE_HINT}: e.g. {_suggest(size if announced else 2 * size)} or 'unlimited')")
+
+
+def _suggest(size: int) -> str:
+    """A round budget that admits ``size`` bytes, written as the option takes it (``3G``)."""
+    return f"{max(1, math.ceil(size / (1 << 30)))}G"
+
+
+def _no_space(name: str, size: int | None, free: int, out_dir: Path) -> DecompressionBudgetError:
+    need = f"needs {human_size(size)}" if size is not None else "cannot be decompressed"
+    return DecompressionBudgetError(
+        f"{name}: decompressing {need}, but {out_dir} has {human_size(max(free, 0))} free (keeping "
+        f"{human_size(DISK_RESERVE)} spare): free disk space or decompress elsewhere (-o, $DDUF_PLUS_CACHE, $TMPDIR)")
+
+
 # --- decompress --------------------------------------------------------------------------------------
 
 
@@ -340,13 +493,20 @@ class _RangeReader:
         return data
 
 
+class _Stopped(Exception):
+    """Another thread failed: this one stops decoding (the first failure is what is raised)."""
+
+
 def _decode_into(reader: Any, fd_out: int, out_offset: int, limit: int | None, buffer: bytearray,
-                 progress: Callable[[int], Any]) -> int:
+                 progress: Callable[[int], Any], stop: threading.Event | None = None) -> int:
     """Copy decompressed bytes from ``reader`` to ``fd_out`` at ``out_offset``; returns the count. Reads
-    at most ``limit + 1`` bytes so an overlong frame is noticed without decoding it all."""
+    at most ``limit + 1`` bytes so an overlong frame (or a stream past its budget) is noticed without
+    decoding it all."""
     view = memoryview(buffer)
     written = 0
     while True:
+        if stop is not None and stop.is_set():
+            raise _Stopped
         want = len(view) if limit is None else min(len(view), limit + 1 - written)
         if want <= 0:
             return written
@@ -364,29 +524,59 @@ def decompress(
     *,
     threads: int = -1,
     quiet: bool = False,
+    max_decompressed: BudgetLike = None,
 ) -> ZstResult:
-    """Decompress ``src`` (a ``.dduf.zst``) into ``dst``, atomically, byte-exact.
+    """Decompress ``src`` (a ``.dduf.zst``) into ``dst``, atomically, byte-exact, within a budget.
 
     Frames listed in the seek table are decoded by ``threads`` threads in parallel (-1: one per CPU), each
     writing at its frame's offset; every frame's content checksum is verified by zstd and its size checked
     against the table, so a truncated or corrupted stream raises instead of leaving a short archive.
 
+    The output may be at most ``max_decompressed`` (see :func:`decompression_budget`: default 256 GiB and
+    16x the compressed size above 256 MiB; ``$DDUF_PLUS_MAX_DECOMPRESSED``) and must fit the free disk
+    space. A size the stream announces (header frame, seek table, frame headers) is checked before
+    anything is written; a stream that announces none is cut off where the budget ends. Nothing is left
+    at ``dst`` on failure.
+
     Example:
         >>> decompress("sd15.dduf.zst", "sd15.dduf")
+        >>> decompress("zeros.dduf.zst", "zeros.dduf", max_decompressed="64G")  # a ratio over 16x, trusted
 
     Raises:
         DDUFFormatError: not a zstd stream, truncated, or inconsistent frames.
         DDUFIntegrityError: a frame's content checksum does not match (corrupted data).
+        DecompressionBudgetError: over the budget or the free disk space.
     """
-    zstd = _zstd()
+    _zstd()
     src, dst = Path(src), Path(dst)
     if _same_file(src, dst):
         raise DDUFError(f"{dst}: output would overwrite the input")
+    budget = decompression_budget(max_decompressed)
     started = time.perf_counter()
+    with _atomic_output(dst) as fd_out:
+        size, total, frames = decompress_into(src, fd_out, dst.parent, budget=budget, threads=threads,
+                                              quiet=quiet, desc=dst.name)
+    return ZstResult(dst, size, total, frames, time.perf_counter() - started)
+
+
+def decompress_into(src: Path, fd_out: int, out_dir: Path, *, budget: DecompressionBudget, threads: int = -1,
+                    quiet: bool = True, desc: str = "", name: str | None = None) -> tuple[int, int, int]:
+    """Decompress ``src`` into the open, empty file ``fd_out`` (on the file system of ``out_dir``, whose
+    free space is checked). Returns (compressed bytes, decompressed bytes, frames). The caller owns the
+    output file and removes it when this raises (see :func:`decompress`)."""
+    zstd = _zstd()
+    name = name or str(src)
     fd_in, size = _open_input(src)
     try:
-        layout = read_layout(fd_in, size, str(src))
-        bar = _progress(layout.total_size or size, dst.name, quiet)
+        layout = read_layout(fd_in, size, name)
+        if layout.frames is None:
+            walked = _walk_frames(zstd, fd_in, size, name)
+            sizes = [content for _offset, _length, content in walked]
+            announced = None if None in sizes else sum(s or 0 for s in sizes)
+        else:
+            announced = layout.total_size or 0
+        allowance = _allowance(name, size, announced, budget, out_dir)
+        bar = _progress(announced or size, desc or name, quiet)
         lock = threading.Lock()
 
         def progress(n: int) -> None:
@@ -394,19 +584,24 @@ def decompress(
                 bar.update(n)
 
         try:
-            with _atomic_output(dst) as fd_out:
-                if layout.frames is None:
-                    total = _decompress_sequential(zstd, fd_in, size, fd_out, progress, str(src))
-                else:
-                    total = layout.total_size or 0
-                    os.ftruncate(fd_out, total)  # frames then fill their slices in any order
-                    _decompress_frames(zstd, fd_in, fd_out, layout.frames, _threads(threads), progress, str(src))
+            if layout.frames is None:
+                total = _decompress_sequential(zstd, fd_in, size, fd_out, progress, name, allowance.cutoff)
+                if announced is not None and total != announced:
+                    raise DDUFFormatError(f"{name}: decoded {total} bytes, its frames announce {announced}")
+                if allowance.cutoff is not None and total > allowance.cutoff:
+                    if allowance.over_budget:
+                        raise _over_budget(name, size, total, allowance.cutoff, budget, announced=False)
+                    raise _no_space(name, total, allowance.cutoff, out_dir)
+            else:
+                total = announced
+                os.ftruncate(fd_out, total)  # frames then fill their slices in any order
+                _decompress_frames(zstd, fd_in, fd_out, layout.frames, _threads(threads), progress, name)
         finally:
             bar.close()
         frames = len([f for f in layout.frames or [] if f.size]) or 1
     finally:
         os.close(fd_in)
-    return ZstResult(dst, size, total, frames, time.perf_counter() - started)
+    return size, total, frames
 
 
 def _zstd_failure(name: str, where: str, error: Exception) -> DDUFError:
@@ -418,6 +613,8 @@ def _zstd_failure(name: str, where: str, error: Exception) -> DDUFError:
 
 def _decompress_frames(zstd: Any, fd_in: int, fd_out: int, frames: list[Frame], threads: int,
                        progress: Callable[[int], Any], name: str) -> None:
+    stop = threading.Event()  # set on the first failure (or Ctrl-C): the other threads stop within a chunk
+
     def one(index: int, frame: Frame) -> None:
         if frame.size == 0:  # the header frame (skippable), or an empty input
             return
@@ -432,7 +629,8 @@ def _decompress_frames(zstd: Any, fd_in: int, fd_out: int, frames: list[Frame], 
         reader = zstd.ZstdDecompressor().stream_reader(
             _RangeReader(fd_in, frame.offset, frame.compressed_size), read_size=IO_CHUNK, read_across_frames=False)
         try:
-            written = _decode_into(reader, fd_out, frame.output_offset, frame.size, bytearray(IO_CHUNK), progress)
+            written = _decode_into(reader, fd_out, frame.output_offset, frame.size, bytearray(IO_CHUNK), progress,
+                                   stop)
         except zstd.ZstdError as e:
             raise _zstd_failure(name, f"frame {index}", e) from None
         if written != frame.size:
@@ -450,20 +648,20 @@ def _decompress_frames(zstd: Any, fd_in: int, fd_out: int, frames: list[Frame], 
             for future in futures:
                 future.result()
         except BaseException:
+            stop.set()
             for future in futures:
                 future.cancel()
             raise
 
 
 def _decompress_sequential(zstd: Any, fd_in: int, size: int, fd_out: int, progress: Callable[[int], Any],
-                           name: str) -> int:
-    """Streams without a seek table (e.g. from the zstd CLI): one pass over every frame, after checking
-    that the frames tile the file (zstd itself reports a stream cut inside a frame only as an early end)."""
-    _walk_frames(zstd, fd_in, size, name)
+                           name: str, cutoff: int | None) -> int:
+    """Streams without a seek table (e.g. from the zstd CLI): one pass over every frame (whose tiling of
+    the file :func:`decompress_into` checked first). Decodes at most ``cutoff + 1`` bytes."""
     reader = zstd.ZstdDecompressor().stream_reader(_RangeReader(fd_in, 0, size), read_size=IO_CHUNK,
                                                    read_across_frames=True)
     try:
-        return _decode_into(reader, fd_out, 0, None, bytearray(IO_CHUNK), progress)
+        return _decode_into(reader, fd_out, 0, cutoff, bytearray(IO_CHUNK), progress)
     except zstd.ZstdError as e:
         raise _zstd_failure(name, "stream", e) from None
 
@@ -472,27 +670,33 @@ def _is_skippable(magic: int) -> bool:
     return magic & 0xFFFFFFF0 == 0x184D2A50
 
 
-def _walk_frames(zstd: Any, fd: int, size: int, name: str) -> list[tuple[int, int]]:
-    """(offset, compressed size) of every frame, found from frame and block headers alone (3 bytes read
-    per block of up to 128 KiB): proves the stream is not truncated without decoding it.
+def _walk_frames(zstd: Any, fd: int, size: int, name: str) -> list[tuple[int, int, int | None]]:
+    """(offset, compressed size, content size or None) of every frame, found from frame and block headers
+    alone (3 bytes read per block of up to 128 KiB): proves the stream is not truncated, and sums what it
+    will decode to, without decoding it.
 
     Raises:
         DDUFFormatError: a frame or block runs past the end of the file, or a header is malformed.
     """
-    frames, offset = [], 0
+    frames: list[tuple[int, int, int | None]] = []
+    offset = 0
     while offset < size:
+        if len(frames) >= MAX_FRAMES:
+            raise DDUFFormatError(f"{name}: more than {MAX_FRAMES} zstd frames")
         head = os.pread(fd, 18, offset)  # 18: the largest zstd frame header
         if len(head) < 8:
             raise DDUFFormatError(f"{name}: truncated zstd stream (partial frame header at {offset})")
         magic = int.from_bytes(head[:4], "little")
+        content: int | None = 0
         if _is_skippable(magic):
             length = 8 + int.from_bytes(head[4:8], "little")
         elif magic == zstd.MAGIC_NUMBER:
             try:
                 length = zstd.frame_header_size(head)
-                has_checksum = zstd.get_frame_parameters(head).has_checksum
+                params = zstd.get_frame_parameters(head)
             except zstd.ZstdError as e:
                 raise DDUFFormatError(f"{name}: malformed zstd frame header at {offset} ({e})") from None
+            content = None if params.content_size == zstd.CONTENTSIZE_UNKNOWN else params.content_size
             while True:
                 block = os.pread(fd, 3, offset + length)
                 if len(block) < 3:
@@ -504,128 +708,23 @@ def _walk_frames(zstd: Any, fd: int, size: int, name: str) -> list[tuple[int, in
                 length += 3 + (1 if kind == 1 else block_size)  # RLE blocks hold one byte
                 if last:
                     break
-            length += 4 if has_checksum else 0
+            length += 4 if params.has_checksum else 0
         else:
             raise DDUFFormatError(f"{name}: bytes at {offset} are not a zstd frame")
         if offset + length > size:
             raise DDUFFormatError(f"{name}: truncated zstd stream (frame at {offset} runs past the end)")
-        frames.append((offset, length))
+        frames.append((offset, length, content))
         offset += length
     return frames
 
 
-# --- cache -------------------------------------------------------------------------------------------
+# --- the cache (dduf_plus.format.zst_cache; names kept here, imported on first use) ------------------
+_CACHE_NAMES = ("cache_root", "content_key", "cached_decompress", "validation_archive")
 
 
-def cache_root() -> Path:
-    """``$DDUF_PLUS_CACHE``, else huggingface_hub's cache home (``$HF_HOME``, default
-    ``~/.cache/huggingface``) + ``/dduf_plus``; computed like huggingface_hub without importing it."""
-    explicit = os.environ.get(CACHE_ENV)
-    if explicit:
-        return Path(explicit).expanduser()
-    hf_home = os.environ.get("HF_HOME") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "huggingface")
-    return Path(hf_home).expanduser() / "dduf_plus"
+def __getattr__(name: str) -> Any:
+    if name in _CACHE_NAMES:
+        from . import zst_cache
 
-
-def content_key(path: str | os.PathLike) -> str:
-    """The cache key of a ``.zst`` file: the sha256 of its bytes (= its Hub LFS oid). A file inside the
-    Hugging Face cache is named by that digest already (``blobs/<sha256>``) and is not re-hashed."""
-    resolved = Path(path).resolve()
-    if _SHA256_BLOB.match(resolved.name) and resolved.parent.name == "blobs":
-        return resolved.name
-    fd, size = _open_input(resolved)
-    try:
-        digest = hashlib.sha256()
-        if size:
-            with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as mm:
-                view = memoryview(mm)
-                try:
-                    for at in range(0, size, 64 * MiB):
-                        digest.update(view[at : at + 64 * MiB])  # hashlib releases the GIL on big updates
-                finally:
-                    view.release()
-        return digest.hexdigest()
-    finally:
-        os.close(fd)
-
-
-def _stat_key(path: Path) -> dict[str, Any]:
-    st = path.stat()
-    return {"path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "ino": st.st_ino, "dev": st.st_dev}
-
-
-def cached_decompress(
-    path: str | os.PathLike,
-    *,
-    cache_dir: str | os.PathLike | None = None,
-    threads: int = -1,
-    quiet: bool = True,
-) -> Path:
-    """Decompress a ``.dduf.zst`` once and return the plain archive's path in the cache.
-
-    The cache entry is ``<cache>/zst/<sha256 of the .zst file>.dduf`` (see :func:`content_key`), so two
-    copies of the same file share one entry and a changed file gets a new one. To avoid re-hashing on every
-    load, the key of each path is remembered with the file's (size, mtime_ns, inode, device); a file whose
-    stat changed is hashed again. ``cache_dir`` defaults to :func:`cache_root`. Delete the folder to reclaim
-    space; entries are written atomically, so concurrent processes at worst decompress twice.
-
-    Example:
-        >>> archive_path = cached_decompress("sd15.dduf.zst")   # first call: decompresses
-        >>> archive_path = cached_decompress("sd15.dduf.zst")   # later calls: a stat and a small JSON read
-
-    Raises:
-        DDUFFormatError / DDUFIntegrityError: as :func:`decompress`.
-    """
-    src = Path(path).resolve()
-    if not src.is_file():
-        raise DDUFError(f"{path}: no such file")
-    root = Path(cache_dir) if cache_dir is not None else cache_root()
-    folder = root / "zst"
-    seen = folder / "seen" / f"{hashlib.sha256(str(src).encode('utf-8', 'surrogateescape')).hexdigest()}.json"
-    stat = _stat_key(src)
-    key = None
-    try:
-        memo = json.loads(seen.read_text())
-        if isinstance(memo, dict) and {k: memo.get(k) for k in stat} == stat and isinstance(memo.get("key"), str):
-            key = memo["key"]
-    except (OSError, ValueError):
-        pass
-    if key is None or not _SHA256_BLOB.match(key):
-        key = content_key(src)
-    target = folder / f"{key}.dduf"
-    if not _cache_entry_ok(target, src):
-        logger.info("decompressing %s into the cache (%s)", src, target)
-        decompress(src, target, threads=threads, quiet=quiet)
-    try:
-        seen.parent.mkdir(parents=True, exist_ok=True)
-        tmp = seen.with_name(f".{seen.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({**stat, "key": key}))
-        os.replace(tmp, seen)
-    except OSError as e:  # a read-only cache still serves entries
-        logger.debug("cannot record %s: %s", seen, e)
-    return target
-
-
-def _cache_entry_ok(target: Path, src: Path) -> bool:
-    """The entry exists and has the size the stream announces (entries are renamed into place whole, so
-    a size match means a complete write; content was verified by zstd when it was written)."""
-    if not target.is_file():
-        return False
-    fd, size = _open_input(src)
-    try:
-        layout = read_layout(fd, size, str(src))
-    finally:
-        os.close(fd)
-    return layout.total_size is None or target.stat().st_size == layout.total_size
-
-
-def open_for_validation(path: str | os.PathLike) -> Path:
-    """The plain archive behind ``path`` for ``dduf validate``: a ``.zst`` is decompressed (verifying every
-    frame's checksum and size) into the cache via :func:`cached_decompress`; any other path is returned as is.
-
-    Raises:
-        DDUFFormatError: truncated stream, bad magic, inconsistent frames (validate reports it as an error).
-        DDUFIntegrityError: a frame's content checksum does not match.
-    """
-    return cached_decompress(path) if is_zst(path) else Path(path)
+        return getattr(zst_cache, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -13,7 +13,7 @@ import json
 import logging
 import mmap
 import os
-import shutil
+import stat
 import tempfile
 import uuid
 import weakref
@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from ..errors import DDUFError, DDUFFormatError, DDUFIntegrityError, DDUFLoadError
 from ..format import spec
 from ..format.archive import DDUFArchive, tensor_view
+from ..format.confined import Confined, DDUFPathError, plain_name
 from ..format.safetensors_header import SafetensorsHeader, TensorInfo, read_safetensors_header
 from ..format.weights import classify, select_weights, tensor_files
 
@@ -162,38 +163,87 @@ def cache_root() -> Path:
 def materialize_files(contents: Mapping[str, bytes]) -> str:
     """A directory holding exactly ``contents`` ({file name: bytes}), shared by every load of the same
     bytes: keyed by the files' sha256 (computed here, never taken from the archive's claims), created
-    once, atomically (written in a temporary folder, then renamed)."""
+    once, atomically (written in a temporary folder, then renamed).
+
+    An existing folder is used only if it holds exactly these files with exactly these bytes (each one
+    re-hashed: they are small, and a file planted or edited there would otherwise reach the tokenizer);
+    anything else is replaced, atomically. Every write and removal goes through ``Confined`` (the root)."""
+    digests = {name: hashlib.sha256(data).hexdigest() for name, data in contents.items()}
     digest = hashlib.sha256()
     for name in sorted(contents):
-        digest.update(name.encode() + b"\0" + hashlib.sha256(contents[name]).digest())
+        digest.update(name.encode() + b"\0" + bytes.fromhex(digests[name]))
     key = digest.hexdigest()[:32]
-    for root in (cache_root(), Path(tempfile.gettempdir()) / "dduf_plus-files"):
-        final = root / key
-        if _complete(final, contents):
-            return str(final)
+    for where in (cache_root, _private_temp_root):  # the fallback is made only when the cache fails
+        root = where()
+        if root is None:
+            continue
         try:
-            root.mkdir(parents=True, exist_ok=True)
-            tmp = root / f".tmp-{key}-{uuid.uuid4().hex[:8]}"
-            tmp.mkdir()
-            for name, data in contents.items():
-                (tmp / name).write_bytes(data)
-            try:
-                os.rename(tmp, final)
-            except OSError:  # another process won the race (or a stale, incomplete copy is in the way)
-                if not _complete(final, contents):
-                    shutil.rmtree(final, ignore_errors=True)
-                    os.rename(tmp, final)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
-            return str(final)
-        except OSError as e:
-            logger.debug("cannot write the file cache under %s (%s); trying the next location", root, e)
+            box = Confined(root)
+            final = box.root / key  # not resolved: a link planted there is replaced below, never followed
+            if _complete(final, digests):
+                return str(final)
+            with box.temp_dir(prefix=f".tmp-{key}-") as tmp:
+                for name, data in contents.items():
+                    box.write_bytes(box.path(tmp.name, plain_name(name, "tokenizer/processor file")), data)
+                try:
+                    box.replace(tmp, final)  # a folder only replaces a missing or empty one
+                except OSError:  # another process won the race, or a stale or tampered copy is in the way
+                    if not _complete(final, digests):
+                        stale = box.path(f".stale-{key}-{uuid.uuid4().hex[:8]}")
+                        try:
+                            box.replace(final, stale)
+                        except OSError:
+                            pass  # gone meanwhile
+                        box.remove_tree(stale)
+                        box.replace(tmp, final)
+            if _complete(final, digests):
+                return str(final)
+        except (OSError, DDUFPathError) as e:
+            logger.debug("cannot use the file cache under %s (%s); trying the next location", root, e)
     raise DDUFLoadError(f"cannot write tokenizer/processor files to {cache_root()} (set ${CACHE_ENV})")
 
 
-def _complete(folder: Path, contents: Mapping[str, bytes]) -> bool:
+def _private_temp_root() -> Path | None:
+    """The fallback under the temporary folder, per user; None when someone else owns it or can write
+    into it (on a shared /tmp another user could otherwise plant files there)."""
+    uid = os.getuid() if hasattr(os, "getuid") else None
+    root = Path(tempfile.gettempdir()) / (f"dduf_plus-files-{uid}" if uid is not None else "dduf_plus-files")
     try:
-        return all((folder / n).stat().st_size == len(d) for n, d in contents.items())
+        root.mkdir(mode=0o700, exist_ok=True)
+        st = os.lstat(root)
+    except OSError:
+        return None
+    if uid is not None and (not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or st.st_mode & 0o022):
+        logger.debug("not using %s: not a private folder of this user", root)
+        return None
+    return root
+
+
+def _complete(folder: Path, digests: Mapping[str, str]) -> bool:
+    """``folder`` is a real folder holding exactly the files of ``digests``, each a regular file whose
+    sha256 is the recorded one (an extra file, a link, a FIFO or edited bytes make it incomplete)."""
+    try:
+        if not stat.S_ISDIR(os.lstat(folder).st_mode):
+            return False
+        with os.scandir(folder) as listing:
+            names = {e.name for e in listing}
+        if names != set(digests):
+            return False
+        for name, want in digests.items():
+            # O_NONBLOCK: a FIFO planted there must not block the open; O_NOFOLLOW: nor a link redirect it
+            flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
+            fd = os.open(folder / name, flags)
+            try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    return False
+                h = hashlib.sha256()
+                while block := os.read(fd, 1 << 20):
+                    h.update(block)
+                if h.hexdigest() != want:
+                    return False
+            finally:
+                os.close(fd)
+        return True
     except OSError:
         return False
 

@@ -1,0 +1,348 @@
+"""The content-keyed cache of decompressed ``.dduf.zst`` archives, and the private copy ``dduf validate``
+decompresses into.
+
+Layout under ``<cache>/zst/`` (``<cache>``: :func:`cache_root`)::
+
+    <K>.dduf        the plain archive decompressed from a .zst whose sha256 is K (= its Hub LFS oid)
+    <K>.json        its record: K, the archive's size and sha256, its stat key when written
+    seen/<P>.json   the .zst at real path P (hashed): its stat key and K, so an unchanged file is hashed once
+    .secret         32 random bytes (mode 0600, created here): every record is HMAC-signed with it
+
+Nothing here trusts a name or a size. K is always the sha256 of the ``.zst``'s bytes, computed here or
+read from a signed memo whose stat key (size, mtime_ns, inode, device) is the file's now. An entry is
+served only with a signed record for K whose stat key is the entry's (or, when the stat changed, whose
+sha256 the entry still hashes to). Anything else (no record, a record or memo planted by someone without
+the secret, a modified entry) means: decompress again, atomically over it. Every write and removal goes
+through :class:`~dduf_plus.format.confined.Confined`.
+
+Validation never writes here: :func:`validation_archive` decompresses into a private temporary folder
+that is removed after the verdict (also on errors and Ctrl-C), unless a verified entry already exists."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import mmap
+import os
+import stat
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from ..errors import DDUFError
+from .confined import Confined, DDUFPathError
+from .writer import _fsync_dir
+from .zst import (
+    CACHE_ENV,
+    BudgetLike,
+    DecompressionBudget,
+    MiB,
+    _open_input,
+    _zstd,
+    decompress_into,
+    decompression_budget,
+    is_zst,
+)
+
+logger = logging.getLogger("dduf_plus")
+
+RECORD_VERSION = 2  # version 1 (unsigned memos, no entry records) is ignored: entries are rewritten once
+SECRET_NAME = ".secret"
+SECRET_SIZE = 32
+MAX_RECORD = 64 << 10
+HASH_CHUNK = 64 * MiB
+
+
+def cache_root() -> Path:
+    """``$DDUF_PLUS_CACHE``, else huggingface_hub's cache home (``$HF_HOME``, default
+    ``~/.cache/huggingface``) + ``/dduf_plus``; computed like huggingface_hub without importing it."""
+    explicit = os.environ.get(CACHE_ENV)
+    if explicit:
+        return Path(explicit).expanduser()
+    hf_home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "huggingface")
+    return Path(hf_home).expanduser() / "dduf_plus"
+
+
+def content_key(path: str | os.PathLike) -> str:
+    """The cache key of a ``.zst`` file: the sha256 of its bytes (= its Hub LFS oid), always computed
+    from the bytes: a file's name (``blobs/<sha256>``) is never taken for its digest."""
+    fd, size = _open_input(Path(path))
+    try:
+        return _sha256_fd(fd, size)
+    finally:
+        os.close(fd)
+
+
+def _sha256_fd(fd: int, size: int) -> str:
+    digest = hashlib.sha256()
+    if size:
+        with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as mm:
+            view = memoryview(mm)
+            try:
+                for at in range(0, size, HASH_CHUNK):
+                    digest.update(view[at : at + HASH_CHUNK])  # hashlib releases the GIL on big updates
+            finally:
+                view.release()
+    return digest.hexdigest()
+
+
+def _stat_key(st: os.stat_result) -> dict[str, int]:
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ino": st.st_ino, "dev": st.st_dev}
+
+
+def _is_key(value: object) -> bool:
+    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+
+
+class _Cache:
+    """One ``<cache>/zst`` folder: signed records, verified entries. ``writable=False`` (validation)
+    creates nothing, not even the secret: without one there are no hits."""
+
+    def __init__(self, root: Path, *, writable: bool):
+        self.box = Confined(root, create=writable)
+        self.writable = writable
+        self.folder = self.box.root / "zst"
+        self.secret = self._secret()
+
+    # --- signing -------------------------------------------------------------------------------------
+    def _secret(self) -> bytes | None:
+        path = self.folder / SECRET_NAME
+        secret = _read_secret(path)
+        if secret is None and self.writable:
+            self.box.mkdir(self.folder)
+            self.box.write_bytes(path, os.urandom(SECRET_SIZE))  # mkstemp: mode 0600 from the start
+            secret = _read_secret(path)  # another process may have won the race: use what is there
+        return secret
+
+    def _mac(self, record: dict[str, Any]) -> str:
+        assert self.secret is not None
+        body = json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
+        return hmac.new(self.secret, body, hashlib.sha256).hexdigest()
+
+    def _read(self, path: Path) -> dict[str, Any] | None:
+        """A record this cache signed, or None (missing, unreadable, unsigned, forged, old version)."""
+        if self.secret is None:
+            return None
+        try:
+            self.box.check(path)
+            with open(path, "rb") as f:
+                raw = f.read(MAX_RECORD + 1)
+            record = json.loads(raw) if len(raw) <= MAX_RECORD else None
+        except (OSError, ValueError, DDUFPathError):
+            return None
+        if not isinstance(record, dict):
+            return None
+        mac = record.pop("mac", None)
+        if not isinstance(mac, str) or not hmac.compare_digest(mac, self._mac(record)):
+            return None
+        return record if record.get("v") == RECORD_VERSION else None
+
+    def _write(self, path: Path, record: dict[str, Any]) -> None:
+        if not self.writable or self.secret is None:
+            return
+        record = {**record, "v": RECORD_VERSION}
+        data = json.dumps({**record, "mac": self._mac(record)}).encode()
+        try:
+            self.box.mkdir(path.parent)
+            self.box.write_bytes(path, data)
+        except OSError as e:  # a read-only cache still serves verified entries: we just hash again next time
+            logger.debug("cannot record %s: %s", path, e)
+
+    # --- the .zst -> key memo ------------------------------------------------------------------------
+    def _memo_path(self, src: Path) -> Path:
+        name = hashlib.sha256(str(src).encode("utf-8", "surrogateescape")).hexdigest()
+        return self.folder / "seen" / f"{name}.json"
+
+    def remembered_key(self, src: Path, st: os.stat_result) -> str | None:
+        memo = self._read(self._memo_path(src))
+        if memo is None or memo.get("path") != str(src) or not _is_key(memo.get("key")):
+            return None
+        return memo["key"] if all(memo.get(k) == v for k, v in _stat_key(st).items()) else None
+
+    def remember_key(self, src: Path, st: os.stat_result, key: str) -> None:
+        self._write(self._memo_path(src), {"path": str(src), **_stat_key(st), "key": key})
+
+    # --- entries -------------------------------------------------------------------------------------
+    def entry(self, key: str) -> Path:
+        return self.folder / f"{key}.dduf"
+
+    def _record_path(self, key: str) -> Path:
+        return self.folder / f"{key}.json"
+
+    def verified_entry(self, key: str) -> Path | None:
+        """The entry for ``key`` if its signed record vouches for its content: same stat key, or (stat
+        changed: a copied or touched cache) rehashed to the recorded sha256, which is then re-recorded."""
+        record = self._read(self._record_path(key))
+        if record is None or record.get("zst_sha256") != key or not _is_key(record.get("sha256")):
+            return None
+        path = self.entry(key)
+        try:
+            self.box.check(path)
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0))
+        except (OSError, DDUFPathError):
+            return None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size != record.get("size"):
+                return None
+            now = _stat_key(st)
+            if all(record.get(k) == v for k, v in now.items()):
+                return path
+            logger.info("the zst cache entry %s changed on disk since it was written: checking its sha256", path)
+            if _sha256_fd(fd, st.st_size) != record["sha256"]:
+                logger.warning("the zst cache entry %s does not hold what was decompressed there: replacing it", path)
+                return None
+        finally:
+            os.close(fd)
+        self._write(self._record_path(key), {**record, **now})
+        return path
+
+    def store(self, src: Path, key: str, *, budget: DecompressionBudget, threads: int, quiet: bool) -> Path:
+        """Decompress ``src`` into a temporary file here, record its sha256, rename it over the entry."""
+        final = self.entry(key)
+        with self.box.temp_file(self.folder, prefix=f".{key}.", suffix=".partial") as (fd, tmp):
+            decompress_into(src, fd, self.folder, budget=budget, threads=threads, quiet=quiet, desc=final.name)
+            os.fsync(fd)
+            umask = os.umask(0)
+            os.umask(umask)
+            os.fchmod(fd, 0o644 & ~umask)
+            st = os.fstat(fd)  # rename keeps inode, device and mtime: this is the entry's stat key
+            digest = _sha256_fd(fd, st.st_size)  # hot in the page cache
+            os.close(fd)
+            self._write(self._record_path(key), {"zst_sha256": key, "sha256": digest, **_stat_key(st)})
+            self.box.replace(tmp, final)
+        _fsync_dir(self.folder)
+        return final
+
+
+def _read_secret(path: Path) -> bytes | None:
+    """The cache's secret, only if it is a regular file of the right size that only its owner (us) can
+    read: a file someone else planted (another owner, group- or world-readable, a link) is not one."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0))
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != SECRET_SIZE:
+            return None
+        if os.name == "posix" and (st.st_uid != os.getuid() or st.st_mode & 0o077):
+            return None
+        data = os.read(fd, SECRET_SIZE + 1)
+        return data if len(data) == SECRET_SIZE else None
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _source(path: str | os.PathLike) -> tuple[Path, os.stat_result]:
+    src = Path(path).resolve()
+    try:
+        st = os.stat(src)
+    except OSError as e:
+        raise DDUFError(f"cannot open {path}: {e.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise DDUFError(f"{path}: not a regular file")
+    return src, st
+
+
+def _key_of(cache: _Cache, src: Path, st: os.stat_result) -> str:
+    """The sha256 of the .zst: from the signed memo while its stat key holds, else hashed (and
+    remembered, unless the file changed while it was read)."""
+    known = cache.remembered_key(src, st)
+    if known is not None:
+        return known
+    key = content_key(src)
+    try:
+        unchanged = _stat_key(os.stat(src)) == _stat_key(st)
+    except OSError:
+        unchanged = False
+    if unchanged:
+        cache.remember_key(src, st, key)
+    return key
+
+
+def cached_decompress(
+    path: str | os.PathLike,
+    *,
+    cache_dir: str | os.PathLike | None = None,
+    threads: int = -1,
+    quiet: bool = True,
+    max_decompressed: BudgetLike = None,
+) -> Path:
+    """Decompress a ``.dduf.zst`` once and return the plain archive's path in the cache.
+
+    The entry is ``<cache>/zst/<sha256 of the .zst>.dduf``: two copies of the same file share one entry
+    and a changed file gets a new one. The key of each path is remembered (signed) with the file's stat
+    key, so an unchanged file is hashed once; a hit is served only when the entry's signed record vouches
+    for its content (see the module docstring). ``cache_dir`` defaults to :func:`cache_root`; decompression
+    is bounded like :func:`~dduf_plus.format.zst.decompress` (``max_decompressed``). Delete the folder to
+    reclaim space; concurrent processes at worst decompress twice.
+
+    Example:
+        >>> archive_path = cached_decompress("sd15.dduf.zst")   # first call: hashes and decompresses
+        >>> archive_path = cached_decompress("sd15.dduf.zst")   # later calls: two stats, two small JSON reads
+
+    Raises:
+        DDUFFormatError / DDUFIntegrityError / DecompressionBudgetError: as :func:`~dduf_plus.format.zst.decompress`.
+        DDUFError: the file is missing, or the cache cannot be written.
+    """
+    _zstd()
+    src, st = _source(path)
+    budget = decompression_budget(max_decompressed)
+    root = Path(cache_dir) if cache_dir is not None else cache_root()
+    try:
+        cache = _Cache(root, writable=True)
+        key = _key_of(cache, src, st)
+        hit = cache.verified_entry(key)
+        if hit is not None:
+            return hit
+        logger.info("decompressing %s into the cache (%s)", src, cache.entry(key))
+        return cache.store(src, key, budget=budget, threads=threads, quiet=quiet)
+    except OSError as e:
+        raise DDUFError(f"{path}: cannot decompress into the zst cache under {root} ({e.strerror or e}); "
+                        f"set ${CACHE_ENV} to a writable folder") from None
+
+
+@contextmanager
+def validation_archive(path: str | os.PathLike, *, max_decompressed: BudgetLike = None) -> Iterator[Path]:
+    """The plain archive behind ``path`` for ``dduf validate``, for the duration of the block.
+
+    A ``.zst`` is decompressed (every frame's checksum and size verified, within the budget) into a
+    private temporary folder (``$TMPDIR``) that is removed when the block ends, whatever happens: an
+    upload that is invalid, over budget or interrupted leaves nothing behind, and the persistent cache
+    is never written. Only an entry the cache already holds *and verifies* for this unchanged file is
+    used in place. Any other path is yielded as is.
+
+    Raises:
+        DDUFFormatError: truncated stream, bad magic, inconsistent frames (validate: Z021).
+        DDUFIntegrityError: a frame's content checksum does not match (validate: Z021).
+        DecompressionBudgetError: over the budget or the free disk space (validate: Z022).
+    """
+    if not is_zst(path):
+        yield Path(path)
+        return
+    _zstd()
+    src, st = _source(path)
+    budget = decompression_budget(max_decompressed)
+    try:
+        cache = _Cache(cache_root(), writable=False)
+        key = cache.remembered_key(src, st)
+        hit = cache.verified_entry(key) if key is not None else None
+    except (OSError, DDUFError):
+        hit = None
+    if hit is not None:
+        yield hit
+        return
+    box = Confined(tempfile.gettempdir())
+    with box.temp_dir(prefix="dduf-validate-") as folder:
+        with box.temp_file(folder, prefix="archive-", suffix=".dduf") as (fd, out):
+            decompress_into(src, fd, folder, budget=budget, name=os.fspath(path))
+            os.close(fd)
+        yield out
