@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from ..errors import DDUFError, DDUFFormatError
+from ..errors import DDUFFormatError, DDUFPathError
 
 MAX_PLAIN_NAME = 255  # one path component on every common file system
 
@@ -64,10 +64,6 @@ def plain_name(name: object, what: str = "name") -> str:
     if why is not None:
         raise DDUFFormatError(f"{what} {name!r} {why}: refusing to use it as a file name")
     return name  # type: ignore[return-value]
-
-
-class DDUFPathError(DDUFError):
-    """A write, rename, link or removal would reach outside the folder it belongs to."""
 
 
 class Confined:
@@ -165,7 +161,26 @@ class Confined:
         try:
             os.symlink(target, link)
         except OSError:  # no symlinks (some Windows setups): a hard link needs the same file system
-            os.link(target, link)
+            os.link(os.path.join(link.parent, target), link)  # a relative target is relative to the link
+
+    def copy_file(self, src: str | os.PathLike, dst: str | os.PathLike, *, hardlink: bool = False) -> Path:
+        """Put a copy of ``src`` (anywhere: it is only read) at ``dst`` (inside the root), atomically;
+        with ``hardlink`` a hard link when the file system allows, else a copy."""
+        dst = self._check_link(dst)
+        with self.temp_dir(dst.parent, prefix=f".{dst.name}.") as folder:  # exclusive, private to us
+            tmp = folder / "file"
+            linked = False
+            if hardlink:
+                try:
+                    os.link(src, tmp)
+                    linked = True
+                except OSError:  # another file system, or no hard links here
+                    pass
+            if not linked:
+                with open(src, "rb") as source, open(tmp, "xb") as out:
+                    shutil.copyfileobj(source, out, 8 << 20)
+            self.replace(tmp, dst)
+        return dst
 
     def remove_tree(self, path: str | os.PathLike) -> None:
         """Remove a folder (or file) inside the root. A symlink is removed itself, never followed."""

@@ -21,6 +21,7 @@ from typing import Any
 
 from ..errors import DDUFPackError
 from . import spec
+from .confined import Confined
 from .index import FileRecord
 from .safetensors_header import read_header_length
 from .zipfmt import central_header, check_name, end_records, local_header, local_header_padding
@@ -61,8 +62,10 @@ class DDUFWriter:
     def __init__(self, path: str | os.PathLike, *, progress: ProgressFn | None = None, fsync: bool = True):
         self.path = Path(path)
         self._fsync = fsync
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".partial", dir=self.path.parent)
+        # The caller chose the output; the temp file beside it is created exclusively and only it is removed
+        # on failure (a planted link at any name is never followed).
+        self._folder = Confined(self.path.parent)
+        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".partial", dir=self._folder.root)
         self._fd, self._tmp = fd, Path(tmp)
         self._position = 0
         self._central: list[bytes] = []
@@ -246,7 +249,7 @@ class DDUFWriter:
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(self._tmp, 0o644 & ~umask)
-        os.replace(self._tmp, self.path)
+        self._folder.replace(self._tmp, self.path)
         if self._fsync:
             _fsync_dir(self.path.parent)
         self._closed = True
@@ -265,7 +268,7 @@ class DDUFWriter:
                 os.close(self._fd)
             except OSError:
                 pass
-        self._tmp.unlink(missing_ok=True)
+        self._folder.unlink(self._tmp)
 
     def _drop_ahead(self) -> None:
         for fd, _size, sha in self._ahead.values():
