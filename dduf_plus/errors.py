@@ -79,3 +79,8 @@ class DDUFNotFoundError(DDUFIOError, FileNotFoundError):
 
     def __str__(self) -> str:  # OSError would print "[Errno 2] ..." once errno is set
         return str(self.args[0]) if self.args else ""
+
+
+class DDUFPathError(DDUFError):
+    """A write, rename, link or removal would reach outside the folder it belongs to (an output folder, one
+    of dduf_plus' caches): refused whatever the archive says (see :mod:`dduf_plus.format.confined`)."""
