@@ -45,12 +45,22 @@ import logging
 import mmap
 import os
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 
+from .dtype_names import (  # noqa: F401 - re-exported: the dtype names and grammar live in a torch-free module
+    ALIASES,
+    COMPUTE_DTYPES,
+    DEFAULT_KEY,
+    FP8,
+    STORAGE_DTYPES,
+    Target,
+    parse_dtype_args,
+)
+from .dtype_names import parse_target as _parse_target_name
 from .errors import DDUFPackError
 from .format import spec
 from .format.index import summarize
@@ -62,58 +72,24 @@ from .format.weights import classify
 logger = logging.getLogger("dduf_plus")
 
 SLICE_BYTES = 64 << 20  # source bytes converted at a time: bounds peak memory for huge tensors
-FP8 = ("float8_e4m3fn", "float8_e5m2")
-STORAGE_DTYPES = ("float16", "bfloat16", "float32") + FP8
-COMPUTE_DTYPES = ("float16", "bfloat16", "float32")
 # Source dtypes torch converts elementwise. float8_e8m0fnu (a scale format) and the packed 4/6-bit
 # types are left as they are: converting them would change their meaning, not their precision.
 CONVERTIBLE = frozenset({"float16", "bfloat16", "float32", "float64", "float8_e4m3fn", "float8_e5m2"})
-ALIASES = {
-    "bf16": "bfloat16", "fp16": "float16", "half": "float16", "f16": "float16", "fp32": "float32",
-    "float": "float32", "f32": "float32", "fp8": "float8_e4m3fn", "float8": "float8_e4m3fn",
-    "fp8_e4m3": "float8_e4m3fn", "float8_e4m3": "float8_e4m3fn", "e4m3": "float8_e4m3fn",
-    "fp8_e5m2": "float8_e5m2", "e5m2": "float8_e5m2",
-}
-DEFAULT_KEY = "default"
 QUANTO_QMAP = "quanto_qmap.json"
 # diffusers.hooks.layerwise_casting.DEFAULT_SKIP_MODULES_PATTERN, in case a diffusers without it is installed
 _FALLBACK_SKIP_PATTERNS = ("pos_embed", "patch_embed", "norm", "^proj_in$", "^proj_out$")
 
 
-class Target(NamedTuple):
-    """Where a component's floating tensors go: ``storage`` dtype, and for fp8 the ``compute`` dtype
-    (None: the component's dominant source dtype)."""
-
-    storage: str
-    compute: str | None = None
-
-
 # --- the --dtype argument ----------------------------------------------------------------------------
 
 
-def _dtype_name(value: Any, what: str) -> str:
+def parse_target(value: str | torch.dtype, what: str | None = None) -> Target:
+    """``"bfloat16"`` / ``"bf16"`` / ``torch.bfloat16`` / ``"float8_e4m3fn:float16"`` -> :class:`Target`."""
     if isinstance(value, torch.dtype):
         value = str(value).removeprefix("torch.")
     if not isinstance(value, str):
-        raise DDUFPackError(f"{what}: {value!r} is not a dtype name")
-    name = value.strip().lower().removeprefix("torch.")
-    return ALIASES.get(name, name)
-
-
-def parse_target(value: str | torch.dtype, what: str = "--dtype") -> Target:
-    """``"bfloat16"`` / ``"bf16"`` / ``torch.bfloat16`` / ``"float8_e4m3fn:float16"`` -> :class:`Target`."""
-    text = value if isinstance(value, str) else _dtype_name(value, what)
-    storage_text, _, compute_text = text.partition(":")
-    storage = _dtype_name(storage_text, what)
-    if storage not in STORAGE_DTYPES:
-        raise DDUFPackError(f"{what} {value!r}: storage dtype must be one of {', '.join(STORAGE_DTYPES)}")
-    compute = _dtype_name(compute_text, what) if compute_text else None
-    if compute is not None:
-        if storage not in FP8:
-            raise DDUFPackError(f"{what} {value!r}: a ':compute' dtype only applies to float8 storage")
-        if compute not in COMPUTE_DTYPES:
-            raise DDUFPackError(f"{what} {value!r}: compute dtype must be one of {', '.join(COMPUTE_DTYPES)}")
-    return Target(storage, compute)
+        raise DDUFPackError(f"{what or 'dtype'}: {value!r} is not a dtype name")
+    return _parse_target_name(value, what or f"--dtype {value}")
 
 
 def parse_dtype_spec(dtype: str | torch.dtype | Mapping[str, Any]) -> dict[str, Target]:
@@ -128,26 +104,9 @@ def parse_dtype_spec(dtype: str | torch.dtype | Mapping[str, Any]) -> dict[str, 
         out = {}
         for key, value in dtype.items():
             key = DEFAULT_KEY if key == "*" else key
-            out[key] = parse_target(value, f"--dtype {key}=")
+            out[key] = parse_target(value, f"--dtype {key}={value}" if isinstance(value, str) else f"--dtype {key}")
         return out
     return {DEFAULT_KEY: parse_target(dtype)}
-
-
-def parse_dtype_args(values: Iterable[str]) -> dict[str, str]:
-    """CLI spelling -> mapping: ``["bfloat16", "unet=float8_e4m3fn:float16"]`` ->
-    ``{"default": "bfloat16", "unet": "float8_e4m3fn:float16"}``. A later value for a key wins."""
-    out: dict[str, str] = {}
-    for value in values:
-        name, sep, rest = value.partition("=")
-        if sep:
-            if not name or not rest:
-                raise DDUFPackError(f"--dtype {value!r}: expected COMPONENT=DTYPE")
-            out[name] = rest
-        else:
-            out[DEFAULT_KEY] = value
-    for key, text in out.items():
-        parse_target(text, f"--dtype {key}")
-    return out
 
 
 # --- what a model class keeps in fp32 / what layerwise casting touches --------------------------------

@@ -1,5 +1,14 @@
 """The ``dduf`` command. Each sub-command lives in its own module with ``register(subparsers)``; only the
-module of the command being run is imported, so ``dduf validate`` / ``dduf info`` never import torch."""
+module of the command being run is imported, so ``dduf validate`` / ``dduf info`` never import torch.
+
+Exit status, the same for every command (docs/cli.md):
+    0   success (validate: every file valid; refs: every reference resolves here or can be downloaded)
+    1   the input was read and is refused, or the work failed on it: an invalid archive, a folder that
+        cannot be packed, an unresolved reference, a component that cannot be converted
+    2   usage or I/O: bad arguments, a path or URL that does not exist or cannot be opened, read or
+        reached (or is over its time/byte budget), an output that exists without --force or cannot be
+        written
+    130 interrupted (Ctrl-C)"""
 
 from __future__ import annotations
 
@@ -8,7 +17,8 @@ import importlib
 import logging
 import sys
 
-from ..errors import DDUFError
+from ..errors import DDUFError, DDUFIOError, DDUFUsageError
+from ._common import SafeFormatter, echo_error
 
 # name -> (module, one-line help)
 COMMANDS = {
@@ -22,7 +32,15 @@ COMMANDS = {
     "decompress": ("decompress", "decompress a .dduf.zst archive"),
 }
 
-EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_IO = EXIT_USAGE  # usage and I/O errors share 2: "the command could not do its work on this input"
+
+
+def exit_code(error: BaseException) -> int:
+    """The exit status for an error that ended a command (see the module docstring)."""
+    if isinstance(error, (DDUFUsageError, DDUFIOError, OSError)):
+        return EXIT_USAGE
+    return EXIT_INVALID
 
 
 def build_parser(command: str | None) -> argparse.ArgumentParser:
@@ -59,19 +77,28 @@ def main(argv: list[str] | None = None) -> int:
     level = logging.WARNING - 10 * min(args.verbose, 2)
     if not getattr(args, "quiet", False):
         level = min(level, logging.INFO)
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    handler = logging.StreamHandler()
+    handler.setFormatter(SafeFormatter("%(message)s"))  # log messages quote archive content
+    logging.basicConfig(level=logging.WARNING, handlers=[handler])
     logging.getLogger("dduf_plus").setLevel(level)
+    for stream in (sys.stdout, sys.stderr):  # a name the terminal's encoding lacks is escaped, not a crash
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     try:
         return int(args.func(args) or 0)
-    except DDUFError as e:
-        print(f"dduf {args.command}: error: {e}", file=sys.stderr)
-        return EXIT_INVALID
     except BrokenPipeError:  # `dduf info --json | head`
         sys.stderr.close()
         return 0
+    except DDUFError as e:
+        echo_error(args.command, e)
+        return exit_code(e)
+    except OSError as e:  # writing an output: disk full, permission denied, a path component that is a file
+        where = f": {e.filename}" if e.filename else ""
+        echo_error(args.command, f"{e.strerror or e}{where}")
+        return exit_code(e)
     except KeyboardInterrupt:
         print(f"dduf {args.command}: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -1,10 +1,70 @@
-"""Small helpers shared by CLI commands."""
+"""Small helpers shared by CLI commands: terminal-safe output, output and path checks, sizes.
+
+Everything a command prints for humans goes through :func:`echo` (or :func:`printable`): class names,
+entry names, reference sources and finding messages come from the archive, and an archive must not be
+able to retitle, clear or rewrite the user's terminal. JSON output goes through :func:`print_json`
+(``ensure_ascii``: every non-ASCII character is a ``\\u`` escape, so it is inert on a terminal too)."""
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 import sys
-from typing import Any
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from ..errors import DDUFError, DDUFNotFoundError, DDUFUsageError
+
+T = TypeVar("T")
+
+_SHORT_ESCAPES = {"\t": "\\t", "\n": "\\n", "\r": "\\r"}
+
+
+def _escape(ch: str) -> str:
+    if ch in _SHORT_ESCAPES:
+        return _SHORT_ESCAPES[ch]
+    code = ord(ch)
+    return f"\\x{code:02x}" if code <= 0xFF else f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"
+
+
+def printable(value: object, *, newlines: bool = False) -> str:
+    """``value`` as text that is inert on a terminal: every character that is not printable (C0 and C1
+    controls such as ESC, BEL, CR, DEL and the one-character CSI U+009B, bidi overrides such as U+202E and
+    other format characters, line/paragraph separators, lone surrogates) becomes a Python-style escape
+    (``\\x1b``, ``\\u202e``). With ``newlines`` a ``\\n`` stays a line break (multi-line messages).
+
+    Example:
+        >>> printable("Evil\\x1b]0;pwned\\x07Pipe")
+        'Evil\\\\x1b]0;pwned\\\\x07Pipe'
+    """
+    text = value if isinstance(value, str) else str(value)
+    if text.isprintable():  # the common case, one C-level pass
+        return text
+    return "".join(ch if ch.isprintable() or (newlines and ch == "\n") else _escape(ch) for ch in text)
+
+
+def echo(text: object = "", *, file: Any = None) -> None:
+    """Print one line of human-readable output, escaped by :func:`printable` (an embedded newline too)."""
+    print(printable(text), file=file if file is not None else sys.stdout)
+
+
+def echo_error(command: str, message: object) -> None:
+    """``dduf COMMAND: error: MESSAGE`` on stderr; the message keeps its line breaks, nothing else raw."""
+    print(printable(f"dduf {command}: error: {message}", newlines=True), file=sys.stderr)
+
+
+class SafeFormatter(logging.Formatter):
+    """Log records, escaped like :func:`printable` (line breaks kept): messages quote archive content."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return printable(super().format(record), newlines=True)
+
+
+def print_json(value: Any) -> None:
+    json.dump(value, sys.stdout, indent=2, sort_keys=False, ensure_ascii=True)
+    sys.stdout.write("\n")
 
 
 def human_bytes(n: float) -> str:
@@ -22,6 +82,64 @@ def human_count(n: int) -> str:
     return str(n)
 
 
-def print_json(value: Any) -> None:
-    json.dump(value, sys.stdout, indent=2, sort_keys=False)
-    sys.stdout.write("\n")
+# --- arguments ------------------------------------------------------------------------------------------
+
+
+def as_usage(call: Callable[[], T]) -> T:
+    """Run an argument parser; its DDUFError is a usage error (exit 2), whatever its class."""
+    try:
+        return call()
+    except DDUFUsageError:
+        raise
+    except DDUFError as e:
+        raise DDUFUsageError(str(e)) from None
+
+
+def output_file(path: str | os.PathLike, force: bool) -> Path:
+    """The one rule for commands that write a file: an existing file is replaced only with ``--force``;
+    a folder is never a file's output."""
+    out = Path(path)
+    if out.is_dir():
+        raise DDUFUsageError(f"{out} is a folder; give the file to write (e.g. {out / 'NAME.dduf'})")
+    if (out.exists() or out.is_symlink()) and not force:
+        raise DDUFUsageError(f"{out} exists (use --force to overwrite)")
+    return out
+
+
+def output_folder(path: str | os.PathLike) -> Path:
+    """Commands that write a folder (unpack): the target may exist, but only as a folder."""
+    out = Path(path)
+    if (out.exists() or out.is_symlink()) and not out.is_dir():
+        raise DDUFUsageError(f"{out} exists and is not a folder; give a folder to unpack into")
+    return out
+
+
+def input_folder(path: str | os.PathLike, what: str = "SRC") -> Path:
+    folder = Path(path)
+    if not folder.exists():
+        raise DDUFNotFoundError(f"{what} {folder} does not exist", str(folder))
+    if not folder.is_dir():
+        raise DDUFUsageError(f"{what} {folder} is not a folder (a diffusers pipeline folder with model_index.json)")
+    return folder
+
+
+def path_like_missing(spec: str, what: str) -> None:
+    """A source argument (``--base``, ``--ref``) that looks like a path but does not exist: say so, instead
+    of taking it for a Hub repo id. Path-looking: starts with ``/``, ``.`` or ``~``, ends with ``.dduf``, or
+    its first folder exists here. ``:SUBFOLDER`` and ``@REVISION`` suffixes are not part of the path."""
+    from ..refs.resolve import parse_spec  # torch-free
+
+    text = spec.strip()
+    try:
+        parsed = parse_spec(text)
+    except DDUFError:
+        parsed = None
+    if parsed is not None and parsed.kind in ("folder", "dduf"):
+        if not os.path.exists(parsed.location):
+            raise DDUFNotFoundError(f"{what} {text}: {parsed.location} does not exist", parsed.location)
+        return
+    head = text.split("@", 1)[0].split(":", 1)[0]
+    first = head.split("/", 1)[0]
+    if "/" in head and first and os.path.isdir(first) and not os.path.exists(head):
+        hint = f" (to mean the Hub repo {head}, run from a folder without ./{first})" if head.count("/") == 1 else ""
+        raise DDUFNotFoundError(f"{what} {text}: {os.path.abspath(head)} does not exist{hint}", head)

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from ._common import human_bytes
+from ._common import as_usage, echo, human_bytes, output_file, path_like_missing
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("complete", help="pull referenced components into a self-contained archive")
     p.add_argument("partial", help="a partial .dduf archive (with references)")
     p.add_argument("-o", "--output", required=True, help="self-contained archive to write (atomically)")
+    p.add_argument("-f", "--force", action="store_true", help="overwrite OUTPUT if it exists")
     p.add_argument("--ref", action="append", metavar="[NAME=]SPEC",
                    help="take a referenced component from this source (Hub repo id[@revision], folder or .dduf)")
     p.add_argument("--cache-dir", help="Hugging Face cache to search first (and download into)")
@@ -24,10 +25,13 @@ def run(args: argparse.Namespace) -> int:
     from ..format.complete import complete_archive
     from ..refs.resolve import parse_ref_args
 
-    result = complete_archive(args.partial, args.output, refs=parse_ref_args(args.ref),
-                              local_files_only=args.local_files_only, token=args.token, cache_dir=args.cache_dir,
-                              quiet=args.quiet)
+    refs = as_usage(lambda: parse_ref_args(args.ref))
+    for spec in refs.values():
+        path_like_missing(spec, "--ref")
+    output = output_file(args.output, args.force)
+    result = complete_archive(args.partial, output, refs=refs, local_files_only=args.local_files_only,
+                              token=args.token, cache_dir=args.cache_dir, quiet=args.quiet)
     if not args.quiet:
-        print(f"wrote {result.path}: {result.entries} entries, {human_bytes(result.bytes_written)} "
-              f"in {result.seconds:.2f} s")
+        echo(f"wrote {result.path}: {result.entries} entries, {human_bytes(result.bytes_written)} "
+             f"in {result.seconds:.2f} s")
     return 0

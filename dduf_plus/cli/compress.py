@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..errors import DDUFError
-
 
 def _size(text: str) -> int:
     """``256M``, ``1G``, ``1048576`` -> bytes."""
@@ -38,16 +36,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..format.zst import compress
-    from ._common import human_bytes
+    from ._common import echo, human_bytes, output_file
 
     output = Path(args.output) if args.output else Path(args.archive + ".zst")
-    if output.exists() and not args.force:
-        raise DDUFError(f"{output} exists (use --force to overwrite)")
+    output = output_file(output, args.force)
     result = compress(args.archive, output, level=args.level, threads=args.threads, frame_size=args.frame_size,
                       long=args.long, quiet=args.quiet)
     if not args.quiet:
         ratio = result.input_bytes / result.output_bytes if result.output_bytes else 0.0
         speed = result.input_bytes / result.seconds / 1e9 if result.seconds else 0.0
-        print(f"wrote {result.path}: {human_bytes(result.output_bytes)} from {human_bytes(result.input_bytes)} "
-              f"(ratio {ratio:.3f}, {result.frames} frames) in {result.seconds:.2f} s, {speed:.2f} GB/s")
+        echo(f"wrote {result.path}: {human_bytes(result.output_bytes)} from {human_bytes(result.input_bytes)} "
+             f"(ratio {ratio:.3f}, {result.frames} frames) in {result.seconds:.2f} s, {speed:.2f} GB/s")
     return 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..errors import DDUFError
+from ..errors import DDUFError, DDUFUsageError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -37,20 +37,19 @@ def _budget(text: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from ..format.zst import decompress
-    from ._common import human_bytes
+    from ._common import echo, human_bytes, output_file
 
     if args.output:
         output = Path(args.output)
     elif args.archive.endswith(".zst"):
         output = Path(args.archive[: -len(".zst")])
     else:
-        raise DDUFError(f"{args.archive} does not end in .zst: say where to write with -o")
-    if output.exists() and not args.force:
-        raise DDUFError(f"{output} exists (use --force to overwrite)")
+        raise DDUFUsageError(f"{args.archive} does not end in .zst: say where to write with -o")
+    output = output_file(output, args.force)
     result = decompress(args.archive, output, threads=args.threads, quiet=args.quiet,
                         max_decompressed=args.max_decompressed)
     if not args.quiet:
         speed = result.output_bytes / result.seconds / 1e9 if result.seconds else 0.0
-        print(f"wrote {result.path}: {human_bytes(result.output_bytes)} ({result.frames} frames) "
-              f"in {result.seconds:.2f} s, {speed:.2f} GB/s")
+        echo(f"wrote {result.path}: {human_bytes(result.output_bytes)} ({result.frames} frames) "
+             f"in {result.seconds:.2f} s, {speed:.2f} GB/s")
     return 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ._common import human_bytes, human_count, print_json
+from ._common import echo, human_bytes, human_count, print_json
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -22,22 +22,22 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json(info)
         return 0
-    print(f"{info['path']}: {info.get('pipeline')} ({info['kind']}"
-          + (f", {human_bytes(info['size'])}" if "size" in info else "") + ")")
+    echo(f"{info['path']}: {info.get('pipeline')} ({info['kind']}"
+         + (f", {human_bytes(info['size'])}" if "size" in info else "") + ")")
     for name, c in info["components"].items():
         if c["external"]:
             ref = c["external"]
             where = ref.get("pretrained_model_name_or_path") or "(must be passed as an argument)"
             sub = f"/{ref['subfolder']}" if ref.get("subfolder") else ""
-            print(f"  {name:<20} {c['class']:<32} external: {where}{sub}")
+            echo(f"  {name:<20} {c['class']!s:<32} external: {where}{sub}")
             continue
         dtypes = ", ".join(f"{k} {human_bytes(v)}" for k, v in c["dtypes"].items()) or "no weights"
         params = f"{human_count(c['parameters'])} params" if c["parameters"] else ""
         aligned = "" if c.get("aligned", True) else "  [not page-aligned]"
         extra = f"  [stored {c['storage_dtype']}, computes {c['compute_dtype']}]" if c.get("storage_dtype") else ""
-        print(f"  {name:<20} {c['class']:<32} {c['dtype'] or '-':<10} {params:<14} {dtypes}{aligned}{extra}")
+        echo(f"  {name:<20} {c['class']!s:<32} {c['dtype'] or '-':<10} {params:<14} {dtypes}{aligned}{extra}")
     if info["null_components"]:
-        print(f"  null: {', '.join(info['null_components'])}")
+        echo(f"  null: {', '.join(info['null_components'])}")
     for s in info.get("skipped", []):
-        print(f"  would skip {s['path']}: {s['reason']}")
+        echo(f"  would skip {s['path']}: {s['reason']}")
     return 0

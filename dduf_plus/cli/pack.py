@@ -4,26 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from ..errors import DDUFPackError
-from ._common import human_bytes, print_json
-
-
-def _split_assignments(values: list[str] | None, what: str) -> dict[str, str]:
-    """``["X", "unet=Y"]`` -> ``{"*": "X", "unet": "Y"}``; a bare value applies to every component."""
-    out: dict[str, str] = {}
-    for value in values or []:
-        name, sep, rest = value.partition("=")
-        key, val = (name, rest) if sep and "/" not in name and name else ("*", value)
-        if not val:
-            raise DDUFPackError(f"{what} {value!r}: missing value after '='")
-        out[key] = val
-    return out
+from ._common import as_usage, echo, human_bytes, input_folder, output_file, path_like_missing, print_json
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("pack", help="pack a diffusers pipeline folder into a .dduf archive")
     p.add_argument("source", help="diffusers pipeline folder (with model_index.json)")
     p.add_argument("-o", "--output", required=True, help="archive to write (atomically)")
+    p.add_argument("-f", "--force", action="store_true", help="overwrite OUTPUT if it exists")
     p.add_argument("--variant", help="pack this weight variant (e.g. fp16), like from_pretrained(variant=...)")
     p.add_argument("--exclude", action="append", default=[], metavar="COMPONENT",
                    help="store a reference instead of this component (repeatable)")
@@ -41,13 +29,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Every argument is checked before any work (and before torch is imported for --dtype).
+    from ..dtype_names import DEFAULT_KEY, parse_dtype_args
+    from ..refs.resolve import parse_ref_args
+
+    refs = as_usage(lambda: parse_ref_args(args.ref))
+    dtypes = as_usage(lambda: parse_dtype_args(args.dtype or []))
+    input_folder(args.source)
+    for spec in refs.values():
+        path_like_missing(spec, "--ref")
+    if args.base:
+        path_like_missing(args.base, "--base")
+    output = output_file(args.output, args.force)
+    dtype = dtypes.pop(DEFAULT_KEY, None)
+    dtype_arg = ({**({DEFAULT_KEY: dtype} if dtype else {}), **dtypes} if dtypes else dtype)
+
     from ..packing import pack
 
-    refs = _split_assignments(args.ref, "--ref")
-    dtypes = _split_assignments(args.dtype, "--dtype")
-    dtype = dtypes.pop("*", None)
-    dtype_arg = ({**({"default": dtype} if dtype else {}), **dtypes} if dtypes else dtype)
-    result, partial = pack(args.source, args.output, variant=args.variant, exclude=args.exclude, refs=refs,
+    result, partial = pack(args.source, output, variant=args.variant, exclude=args.exclude, refs=refs,
                            base=args.base, dtype=dtype_arg, token=args.token, quiet=args.quiet,
                            fsync=args.fsync)
     if args.json:
@@ -61,9 +60,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if not args.quiet:
         for s in result.skipped:
-            print(f"skipped {s.path}: {s.reason}")
+            echo(f"skipped {s.path}: {s.reason}")
         for line in getattr(partial, "report", None) or []:
-            print(line)
-        print(f"wrote {result.path}: {result.entries} entries, {human_bytes(result.bytes_written)} "
-              f"in {result.seconds:.2f} s")
+            echo(line)
+        echo(f"wrote {result.path}: {result.entries} entries, {human_bytes(result.bytes_written)} "
+             f"in {result.seconds:.2f} s")
     return 0

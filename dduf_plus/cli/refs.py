@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ._common import human_bytes, print_json
+from ._common import as_usage, echo, human_bytes, path_like_missing, print_json
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -24,29 +24,32 @@ def run(args: argparse.Namespace) -> int:
     from ..format.archive import DDUFArchive
     from ..refs.resolve import check_references, parse_ref_args
 
+    refs = as_usage(lambda: parse_ref_args(args.ref))
+    for spec in refs.values():
+        path_like_missing(spec, "--ref")
     with DDUFArchive(args.archive) as archive:
         references = archive.references
-    rows = check_references(references, refs=parse_ref_args(args.ref), cache_dir=args.cache_dir, verify=args.verify)
+    rows = check_references(references, refs=refs, cache_dir=args.cache_dir, verify=args.verify)
     bad = [r for r in rows if r["status"] in ("unresolved", "differs")]
     if args.json:
         print_json({"archive": str(args.archive), "references": rows})
         return 1 if bad else 0
     if not rows:
-        print(f"{args.archive}: no references (self-contained)")
+        echo(f"{args.archive}: no references (self-contained)")
         return 0
-    print(f"{args.archive}: {len(rows)} reference{'s' if len(rows) != 1 else ''}")
+    echo(f"{args.archive}: {len(rows)} reference{'s' if len(rows) != 1 else ''}")
     for r in rows:
-        print(f"  {r['component']:<16} {r['source']}  ({r['files']} files, {human_bytes(r['bytes'])})")
+        echo(f"  {r['component']:<16} {r['source']}  ({r['files']} files, {human_bytes(r['bytes'])})")
         if r["status"] == "ok":
             state = "verified" if r["verified"] else "sizes match, not hashed yet (--verify)"
             member = f" component {r['member']}" if r.get("member") and r["member"] != r["component"] else ""
-            print(f"      -> {r['how']}: {r['resolves_to']}{member}  [{state}]")
+            echo(f"      -> {r['how']}: {r['resolves_to']}{member}  [{state}]")
         elif r["status"] == "download":
-            print("      -> not on this machine: will be downloaded from the Hub when loaded")
+            echo("      -> not on this machine: will be downloaded from the Hub when loaded")
         else:
             lines = r["reason"].splitlines()
-            print("      -> DIFFERS: a copy is here but its content is not the referenced one:"
-                  if r["status"] == "differs" else "      -> UNRESOLVED:")
+            echo("      -> DIFFERS: a copy is here but its content is not the referenced one:"
+                 if r["status"] == "differs" else "      -> UNRESOLVED:")
             for line in lines[1:]:  # the first line repeats the component and its source
-                print(f"         {line.strip()}")
+                echo(f"         {line.strip()}")
     return 1 if bad else 0

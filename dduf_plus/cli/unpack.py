@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 
+from ._common import echo, output_folder
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("unpack", help="unpack an archive into a diffusers folder")
     p.add_argument("archive")
-    p.add_argument("-o", "--output", required=True, help="target folder (created)")
-    p.add_argument("--force", action="store_true", help="overwrite files that already exist")
+    p.add_argument("-o", "--output", required=True, help="target folder (created; may exist)")
+    p.add_argument("-f", "--force", action="store_true", help="overwrite files that already exist in it")
     p.add_argument("--keep-index", action="store_true", help="also write dduf_plus.index.json")
     p.add_argument("--no-check", action="store_true", help="skip structural validation (paths are still confined)")
     p.add_argument("-q", "--quiet", action="store_true")
@@ -19,8 +21,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..format.unpack import unpack
 
-    written = unpack(args.archive, args.output, force=args.force, keep_index=args.keep_index,
+    output = output_folder(args.output)
+    written = unpack(args.archive, output, force=args.force, keep_index=args.keep_index,
                      check=not args.no_check)
     if not args.quiet:
-        print(f"unpacked {len(written)} files into {args.output}")
+        echo(f"unpacked {len(written)} files into {args.output}")
     return 0

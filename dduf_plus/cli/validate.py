@@ -11,7 +11,9 @@ import json
 import sys
 from typing import Any
 
-EXIT_OK, EXIT_INVALID, EXIT_IO = 0, 1, 2
+from ._common import echo, echo_error
+
+EXIT_OK, EXIT_INVALID, EXIT_IO = 0, 1, 2  # the table of every command: docs/cli.md
 
 DESCRIPTION = """\
 Validate DDUF archives: ZIP integrity (end records, ZIP64, central directory vs local headers, overlaps,
@@ -96,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     for path, report, io_error in _results(args):
         if io_error is not None:
             status = EXIT_IO
-            print(f"dduf validate: error: {io_error}", file=sys.stderr)
+            echo_error("validate", io_error)
             collected.append({"path": path, "valid": False, "errors": [], "warnings": [], "io_error": io_error})
             continue
         assert report is not None
@@ -107,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             _print_human(report, args.quiet, out)
     if args.json:
-        json.dump({"files": collected}, out, indent=2, ensure_ascii=False)
+        json.dump({"files": collected}, out, indent=2, ensure_ascii=True)  # \u escapes: inert on a terminal
         out.write("\n")
     out.flush()
     return status
@@ -119,13 +121,13 @@ def _print_human(report: dict[str, Any], quiet: bool, out: Any) -> None:
         if quiet:
             return
         tail = f" ({len(warnings)} warning{'s' * (len(warnings) != 1)})" if warnings else ""
-        print(f"OK       {report['path']}{tail}", file=out)
+        echo(f"OK       {report['path']}{tail}", file=out)
     else:
         tail = f"{len(errors)} error{'s' * (len(errors) != 1)}"
         if warnings and not quiet:
             tail += f", {len(warnings)} warning{'s' * (len(warnings) != 1)}"
-        print(f"INVALID  {report['path']} ({tail})", file=out)
+        echo(f"INVALID  {report['path']} ({tail})", file=out)
     rows = [("error", f) for f in errors] + ([] if quiet else [("warning", f) for f in warnings])
     for severity, f in rows:
         where = f" {f['entry']}:" if f["entry"] else ""
-        print(f"  {severity:<7} {f['code']}{where} {f['message']}", file=out)
+        echo(f"  {severity:<7} {f['code']}{where} {f['message']}", file=out)

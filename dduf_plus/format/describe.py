@@ -3,6 +3,7 @@ references. Headers only, no torch: this backs ``dduf info``."""
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,18 @@ from . import spec
 from .archive import DDUFArchive
 from .index import summarize
 from .pack import plan_folder
-from .weights import select_weights, tensor_files
+from .weights import classify, select_weights, tensor_files
+
+logger = logging.getLogger("dduf_plus")
+
+
+def _variant_used(component: str, weights: list[str], variant: str | None) -> str | None:
+    """The variant of the weights chosen for ``variant``; says so once when a component that has weights
+    lacks it (a component without weights, a scheduler or tokenizer, has nothing to say)."""
+    used = {w.variant for f in weights if (w := classify(f.rsplit("/", 1)[-1]))}
+    if variant and weights and variant not in used:
+        logger.info("%s: no %s variant, using the default weights", component, variant)
+    return next(iter(used)) if len(used) == 1 else None
 
 
 def _component_record(library: str | None, cls: str | None, summary: dict[str, Any], files: dict[str, int],
@@ -44,7 +56,8 @@ def describe_archive(archive: DDUFArchive, variant: str | None = None) -> dict[s
             for w in weights if w in archive.headers
         )
         record = _component_record(comp.library, comp.class_name, summary, {f: e.length for f, e in entries.items()},
-                                   comp.external, aligned=aligned, weight_files=weights)
+                                   comp.external, aligned=aligned, weight_files=weights,
+                                   variant=_variant_used(name, weights, variant))
         if archive.stored_index is not None:
             indexed = archive.stored_index.get("components", {}).get(name, {})
             for key in ("storage_dtype", "compute_dtype", "quantization"):
@@ -79,8 +92,11 @@ def describe_folder(folder: str | os.PathLike, variant: str | None = None) -> di
         files = [s.name.split("/", 1)[1] for s in sources]
         weights = {f"{name}/{f}" for f in tensor_files(select_weights(files, variant))}
         summary = summarize(s.header for s in sources if s.name in weights and s.header is not None)
+        # plan_folder has already logged which components with weights lack the variant
+        used = {w.variant for f in weights if (w := classify(f.rsplit("/", 1)[-1]))}
         components[name] = _component_record(library, cls, summary, {s.name: s.nbytes for s in sources}, False,
-                                             weight_files=sorted(weights))
+                                             weight_files=sorted(weights),
+                                             variant=next(iter(used)) if len(used) == 1 else None)
     return {
         "path": str(Path(folder)),
         "kind": "folder",

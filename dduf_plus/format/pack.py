@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from .. import __version__
-from ..errors import DDUFPackError
+from ..errors import DDUFNotFoundError, DDUFPackError
 from . import spec
 from .index import build_index
 from .safetensors_header import SafetensorsHeader, read_safetensors_header
@@ -71,11 +71,16 @@ def plan_folder(folder: str | os.PathLike, *, variant: str | None = None, exclud
     """Decide which files of a diffusers folder go into the archive, and why the others don't.
 
     Raises:
+        DDUFNotFoundError: ``folder`` does not exist (also a FileNotFoundError).
         DDUFPackError: something DDUF cannot hold (sub-folder in a component, pickle-only weights,
             a non-UTF-8 name, a component without its folder or config, a broken safetensors file).
     """
     root = Path(folder)
     mi_path = root / spec.MODEL_INDEX
+    if not root.exists():
+        raise DDUFNotFoundError(f"{root} does not exist", str(root))
+    if not root.is_dir():
+        raise DDUFPackError(f"{root} is not a folder (a diffusers pipeline folder holds model_index.json)")
     if not mi_path.is_file():
         raise DDUFPackError(f"{root}: no model_index.json (is this a diffusers pipeline folder?)")
     raw = mi_path.read_bytes()
@@ -151,8 +156,10 @@ def _plan_component(root: Path, component: str, variant: str | None) -> tuple[li
         else:
             candidates.append(name)
     weights = set(select_weights(candidates, variant))
-    if variant and not any(classify(w).variant == variant for w in weights if classify(w)):
-        logger.info("%s: no %s variant, packing the default weights", component, variant)
+    classified = [w for w in map(classify, weights) if w]
+    if variant and classified and not any(w.variant == variant for w in classified):
+        # only components that have weights: a scheduler or tokenizer never has a variant
+        logger.info("%s: no %s variant, using the default weights", component, variant)
     chosen = []
     for name in candidates:
         if classify(name) is not None and name not in weights:
@@ -249,8 +256,8 @@ def write_archive(
     finally:
         bar.close()
     size = Path(output).stat().st_size
-    for item in skipped:
-        logger.info("skipped %s: %s", item.path, item.reason)
+    for item in skipped:  # debug: callers report result.skipped themselves (`dduf pack` prints it once)
+        logger.debug("skipped %s: %s", item.path, item.reason)
     return PackResult(Path(output), size, entries, time.perf_counter() - started, list(skipped), index)
 
 
