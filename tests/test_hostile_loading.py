@@ -141,6 +141,8 @@ def run_commands(archive: Path, out: Path) -> dict[str, int]:
         "refs": main(["refs", str(archive)]),
         "complete": main(["complete", str(archive), "-o", str(out / "complete.dduf")]),
         "unpack": main(["unpack", str(archive), "-o", str(out / "unpacked")]),
+        # no structural check: names are still confined to the output folder (raw-byte traversal names)
+        "unpack --no-check": main(["unpack", "--no-check", str(archive), "-o", str(out / "unchecked")]),
     }
 
 
@@ -240,6 +242,20 @@ def test_offline_a_hub_reference_reaches_no_network(sandbox: dict, guarded: dict
 def test_validation_case_in_every_command(file: str, guarded: dict) -> None:
     codes = run_commands(HOSTILE / file, guarded["out"])
     assert set(codes.values()) <= {0, 1, 2}, codes
+    unchecked = guarded["out"] / "unchecked"
+    if unchecked.exists():  # whatever --no-check wrote stays inside the output folder
+        resolved = unchecked.resolve()
+        assert all(p.resolve().is_relative_to(resolved) for p in unchecked.rglob("*"))
     pipe, error = try_load(HOSTILE / file)
     assert pipe is None and error is not None  # none of them is a loadable pipeline
     assert guarded["seen"] == []
+
+
+@pytest.mark.parametrize("file", ["path-traversal.dduf", "absolute-name.dduf", "backslash-name.dduf"])
+def test_unpack_without_checks_still_confines_raw_traversal_names(file: str, guarded: dict) -> None:
+    out = guarded["out"] / "unchecked"
+    main(["unpack", "--no-check", str(HOSTILE / file), "-o", str(out)])  # the escaping entry is dropped or refused
+    written = [p for p in out.rglob("*") if p.is_file()] if out.exists() else []
+    assert all(p.resolve().is_relative_to(out.resolve()) for p in written)
+    assert not any(p.name.startswith("evil") or "\\" in p.name for p in written), written
+    assert not list(guarded["out"].parent.rglob("evil*"))
