@@ -115,6 +115,9 @@ class _Source:
         self._hub: dict[str, dict[str, Any]] | None = None
         self.hub_from: str = ""
         self.model_index: dict[str, Any] | None = None
+        # Files of a Hugging Face cache written without symlinks (real files in snapshots/): no blob name
+        # gives their hash, so they are hashed, once, when compared (remembered by stat key).
+        self.cache_paths: dict[str, Path] = {}
 
     def hub_files(self) -> dict[str, dict[str, Any]]:
         """{repo path: record} from the Hub's file metadata, or from the local HF cache when offline."""
@@ -150,13 +153,16 @@ class _Source:
             for path in sorted(snap.rglob("*")):
                 if not path.is_file():
                     continue
-                name = _cache.blob_name_of(path) or ""
+                rel = path.relative_to(snap).as_posix()
+                name = _cache.blob_name_of(path, snap.parent.parent) or ""  # only a link into its own blobs/
                 rec = {"size": path.stat().st_size}
                 if len(name) == 64:
                     rec["sha256"] = name
                 elif len(name) == 40:
                     rec["git_sha1"] = name
-                files[path.relative_to(snap).as_posix()] = rec
+                else:
+                    self.cache_paths[rel] = path
+                files[rel] = rec
             why = f"; {problems[0]}" if problems else ""
             self._hub, self.revision, self.hub_from = files, snap.name, f"the Hugging Face cache ({snap}{why})"
             return files
@@ -197,7 +203,8 @@ class _Source:
         if not records:
             return None
         names = _pack_selection(list(records), self.variant)
-        return {n: records[n] for n in names}, {}
+        paths = {n: self.cache_paths[prefix + n] for n in names if prefix + n in self.cache_paths}
+        return {n: records[n] for n in names}, paths
 
     def type_hint(self, component: str) -> tuple[str | None, str | None] | None:
         """(library, class) the source's model_index.json gives ``component``, when it is at hand."""
@@ -351,7 +358,7 @@ def make_references(
             found = source.component_files(src.subfolder or name)
             if found is None:
                 raise DDUFPackError(f"{name}: no local copy in {root} and {src} has no {src.subfolder or name}/ folder")
-            files = found[0] if not found[1] else hash_local_files(found[1])
+            files = {**found[0], **hash_local_files(found[1])}  # files on disk are hashed here (once)
             revision = source.revision
             origin = f"hashes from {source.hub_from or src}"
             if any("sha256" not in r for r in files.values()):

@@ -10,12 +10,13 @@ import hashlib
 import json
 import logging
 import os
-import shutil
-import tempfile
+import re
 import threading
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
+
+from ..format.confined import Confined
 
 logger = logging.getLogger("dduf_plus")
 
@@ -25,7 +26,7 @@ LFS_EXTENSIONS = (".safetensors", ".model", ".bin", ".pt", ".pth", ".ckpt", ".gg
 LFS_SIZE = 10 * 1000 * 1000
 CHUNK = 8 << 20
 VERIFIED_FILE = "verified.json"
-VERIFIED_VERSION = 1
+VERIFIED_VERSION = 2  # 2: the stat key holds the device too (version 1 files are ignored: hashed again once)
 MAX_VERIFIED = 50_000  # oldest entries are dropped past this: the memory must stay a small file
 
 
@@ -112,19 +113,21 @@ class StatKey(NamedTuple):
     size: int
     mtime_ns: int
     inode: int
+    device: int
 
 
 def stat_key(path: str | os.PathLike) -> StatKey:
     st = os.stat(path)
-    return StatKey(st.st_size, st.st_mtime_ns, st.st_ino)
+    return StatKey(st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
 
 
 class VerifiedHashes:
     """sha256 of files already hashed here, keyed by real path and remembered while (size, mtime_ns,
-    inode) stay the same: a second load of a partial archive hashes nothing.
+    inode, device) stay the same: a second load of a partial archive hashes nothing.
 
     Entries are also keyed ``<archive>#<entry>`` for members of other .dduf archives. The JSON file is
-    rewritten atomically and merged with what other processes wrote meanwhile."""
+    rewritten atomically (through :class:`~dduf_plus.format.confined.Confined`, rooted at its folder)
+    and merged with what other processes wrote meanwhile."""
 
     def __init__(self, path: Path | None = None):
         self.path = path or dduf_cache_dir() / VERIFIED_FILE
@@ -160,8 +163,8 @@ class VerifiedHashes:
             return None
         with self._lock:
             rec = self.entries.get(self._key(path, member))
-        if rec and len(rec) == 4 and StatKey(*rec[:3]) == key:
-            return str(rec[3])
+        if isinstance(rec, list) and len(rec) == 5 and StatKey(*rec[:4]) == key and isinstance(rec[4], str):
+            return rec[4]
         return None
 
     def remember(self, path: str | os.PathLike, sha256: str, member: str | None = None,
@@ -170,7 +173,7 @@ class VerifiedHashes:
             key = key or stat_key(path)
         except OSError:
             return
-        rec = [key.size, key.mtime_ns, key.inode, sha256]
+        rec = [key.size, key.mtime_ns, key.inode, key.device, sha256]
         with self._lock:
             self.entries[self._key(path, member)] = rec
             self._dirty[self._key(path, member)] = rec
@@ -195,12 +198,9 @@ class VerifiedHashes:
             merged.update(self._dirty)
             if len(merged) > MAX_VERIFIED:
                 merged = dict(list(merged.items())[-MAX_VERIFIED:])
+            data = json.dumps({"version": VERIFIED_VERSION, "entries": merged}, separators=(",", ":"))
             try:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                fd, tmp = tempfile.mkstemp(prefix=".verified.", dir=self.path.parent)
-                with os.fdopen(fd, "w") as f:
-                    json.dump({"version": VERIFIED_VERSION, "entries": merged}, f, separators=(",", ":"))
-                os.replace(tmp, self.path)
+                Confined(self.path.parent).write_bytes(self.path, data.encode())
             except OSError as e:  # a read-only home must not break loading: we just hash again next time
                 logger.debug("cannot save verified hashes to %s: %s", self.path, e)
                 return
@@ -260,13 +260,27 @@ def blob_index(caches: Iterable[Path]) -> dict[str, Path]:
     return out
 
 
-def blob_name_of(path: Path) -> str | None:
-    """For a snapshot file (a symlink into ``blobs/``), the blob's name; None for anything else."""
+_SHA1_OR_SHA256 = re.compile(r"^(?:[0-9a-f]{40}|[0-9a-f]{64})$")
+
+
+def blob_name_of(path: Path, repo: Path | None = None) -> str | None:
+    """For a snapshot file that is a symlink into ``<repo>/blobs/`` (``repo``: the ``models--*`` folder;
+    without it any folder named ``blobs``), the blob's name: the Hub's sha256 or git sha1. None for
+    anything else: a real file (a cache written without symlinks), a link elsewhere, a name that is not a
+    hash. A name is trusted only there, in the repo's own blob store."""
     try:
         target = Path(os.path.realpath(path))
+        blobs = Path(os.path.realpath(repo / "blobs")) if repo is not None else None
     except OSError:
         return None
-    return target.name if target.parent.name == "blobs" else None
+    if blobs is not None and target.parent != blobs:
+        return None
+    if target.parent.name != "blobs" or not _SHA1_OR_SHA256.match(target.name):
+        return None
+    return target.name
+
+
+LINK_MODES = ("copy", "hardlink", "none")
 
 
 def add_to_hf_cache(
@@ -283,33 +297,36 @@ def add_to_hf_cache(
     test, a benchmark): blobs named like the Hub names them, snapshot symlinks, ``refs/<ref>``.
 
     ``files`` maps repo paths to local files (default: every file under ``folder``); ``link`` is
-    ``"copy"`` or ``"hardlink"`` (falls back to a copy across file systems). Returns the snapshot folder."""
-    cache = Path(cache_dir) if cache_dir else hf_hub_cache()
-    root = repo_cache(cache, repo_id)
+    ``"copy"`` or ``"hardlink"`` (how blobs are made; a hard link falls back to a copy across file
+    systems), or ``"none"``: real files in ``snapshots/`` and no blobs, what huggingface_hub writes on a
+    machine without symlinks (Windows without developer mode, some containers). Every write goes through
+    :class:`~dduf_plus.format.confined.Confined` rooted at the cache. Returns the snapshot folder.
+
+    Example:
+        >>> add_to_hf_cache("sd15-local", "stable-diffusion-v1-5/stable-diffusion-v1-5", link="hardlink")
+    """
+    if link not in LINK_MODES:
+        raise ValueError(f"link={link!r}: expected one of {', '.join(LINK_MODES)}")
+    box = Confined(Path(cache_dir) if cache_dir else hf_hub_cache())
+    repo = repo_folder_name(repo_id)
     if files is None:
         base = Path(folder)
         files = {p.relative_to(base).as_posix(): p for p in sorted(base.rglob("*")) if p.is_file()}
     commit = commit or hashlib.sha1(repr(sorted((k, os.fspath(v)) for k, v in files.items())).encode()).hexdigest()
-    snap = root / "snapshots" / commit
-    (root / "blobs").mkdir(parents=True, exist_ok=True)
-    (root / "refs").mkdir(parents=True, exist_ok=True)
+    snap = box.mkdir(box.path(repo, "snapshots", commit))
     for rel, src in files.items():
         src = Path(src)
+        target = box.path(repo, "snapshots", commit, *rel.split("/"))
+        box.mkdir(target.parent)
+        box.unlink(target)  # a link or file from an earlier call (never followed)
+        if link == "none":
+            box.copy_file(src, target)
+            continue
         size = src.stat().st_size
         name = sha256_file(src) if is_lfs_by_default(rel, size) else git_blob_sha1_file(src)
-        blob = root / "blobs" / name
+        blob = box.path(repo, "blobs", name)
         if not blob.exists():
-            if link == "hardlink":
-                try:
-                    os.link(src, blob)
-                except OSError:
-                    shutil.copyfile(src, blob)
-            else:
-                shutil.copyfile(src, blob)
-        target = snap / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if target.is_symlink() or target.exists():
-            target.unlink()
-        target.symlink_to(os.path.relpath(blob, target.parent))
-    (root / "refs" / ref).write_text(commit)
+            box.copy_file(src, blob, hardlink=link == "hardlink")
+        box.symlink(os.path.relpath(blob, target.parent), target)
+    box.write_bytes(box.path(repo, "refs", *ref.split("/")), commit.encode())
     return snap
