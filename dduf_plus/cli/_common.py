@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ..errors import DDUFError, DDUFNotFoundError, DDUFUsageError
+from ..errors import DDUFError, DDUFIOError, DDUFNotFoundError, DDUFUsageError
 
 T = TypeVar("T")
 
@@ -112,6 +112,16 @@ def output_folder(path: str | os.PathLike) -> Path:
     if (out.exists() or out.is_symlink()) and not out.is_dir():
         raise DDUFUsageError(f"{out} exists and is not a folder; give a folder to unpack into")
     return out
+
+
+def input_file(path: str | os.PathLike) -> Path:
+    """A local input file that must exist (compress, decompress): missing or a folder is an I/O error."""
+    source = Path(path)
+    if not source.exists():
+        raise DDUFNotFoundError(f"cannot open {source}: No such file or directory", str(source))
+    if source.is_dir():
+        raise DDUFIOError(f"cannot open {source}: not a regular file (a folder)")
+    return source
 
 
 def input_folder(path: str | os.PathLike, what: str = "SRC") -> Path:

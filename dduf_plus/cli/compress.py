@@ -36,8 +36,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..format.zst import compress
-    from ._common import echo, human_bytes, output_file
+    from ._common import echo, human_bytes, input_file, output_file
 
+    input_file(args.archive)
     output = Path(args.output) if args.output else Path(args.archive + ".zst")
     output = output_file(output, args.force)
     result = compress(args.archive, output, level=args.level, threads=args.threads, frame_size=args.frame_size,

@@ -37,8 +37,9 @@ def _budget(text: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from ..format.zst import decompress
-    from ._common import echo, human_bytes, output_file
+    from ._common import echo, human_bytes, input_file, output_file
 
+    input_file(args.archive)
     if args.output:
         output = Path(args.output)
     elif args.archive.endswith(".zst"):
