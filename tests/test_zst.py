@@ -204,7 +204,7 @@ def test_cli_compress_decompress(packed, tmp_path, capsys):
     shutil.copy(packed["tiny-sd"], archive)
     assert cli_main(["compress", str(archive), "--level", "1", "--frame-size", "1M"]) == 0
     assert "ratio" in capsys.readouterr().out
-    assert cli_main(["compress", str(archive), "-q"]) == 1  # exists: refuses without --force
+    assert cli_main(["compress", str(archive), "-q"]) == 2  # exists: refuses without --force (usage, docs/cli.md)
     assert "exists" in capsys.readouterr().err
     assert cli_main(["decompress", str(archive) + ".zst", "-o", str(tmp_path / "y.dduf"), "-q"]) == 0
     assert (tmp_path / "y.dduf").read_bytes() == archive.read_bytes()
