@@ -25,7 +25,7 @@ COMMANDS = {
     "pack": ("pack", "pack a diffusers pipeline folder into a .dduf archive"),
     "unpack": ("unpack", "unpack an archive into a diffusers folder"),
     "info": ("info", "show components, dtypes, sizes and references of an archive or folder"),
-    "validate": ("validate", "validate archives (local paths or fsspec URLs) against every DDUF rule"),
+    "validate": ("validate", "validate archives (local paths or URLs) against every DDUF rule"),
     "refs": ("refs", "list an archive's external references and where each resolves"),
     "complete": ("complete", "pull referenced components into a self-contained archive"),
     "compress": ("compress", "zstd-compress an archive for transport"),

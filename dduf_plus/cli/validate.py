@@ -19,16 +19,18 @@ DESCRIPTION = """\
 Validate DDUF archives: ZIP integrity (end records, ZIP64, central directory vs local headers, overlaps,
 polyglots, names), DDUF structure, every safetensors header, configs, references and the dduf_plus index.
 Structural checks read only records and headers (kilobytes, also for URLs); --verify also hashes every
-entry (CRC-32 and sha256). FILE_OR_URL may be a local path or any fsspec URL (https://, hf://, s3://...).
+entry (CRC-32 and sha256). FILE_OR_URL may be a local path or a URL (https, http, hf, s3, gs, gcs, az, abfs,
+abfss; no fsspec chains, no local:// or memory://). A URL has a deadline (DDUF_REMOTE_DEADLINE, 300 s) and a byte
+budget (DDUF_REMOTE_MAX_BYTES, default twice its size + 16 MiB); redirects stay on the same origin.
 A local X.dduf.zst is decompressed into a private temporary file (checksums verified, within
 --max-decompressed; removed after the verdict) and the archive inside validated; a stream that cannot be
 decompressed is reported as Z021, one over the budget or the free disk space as Z022.
-Exit status: 0 all valid, 1 any invalid, 2 usage or I/O errors."""
+Exit status: 0 all valid, 1 any invalid, 2 usage or I/O errors (docs/cli.md)."""
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
-        "validate", help="validate archives (local paths or fsspec URLs) against every DDUF rule",
+        "validate", help="validate archives (local paths or URLs) against every DDUF rule",
         description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("files", nargs="+", metavar="FILE_OR_URL", help="archives to check (.dduf, or a local .dduf.zst)")
     parser.add_argument("--json", action="store_true", help='print {"files": [{path, valid, errors, warnings}]}')
