@@ -343,3 +343,29 @@ def test_http_takes_only_its_own_options(site):
     source = open_source(site.url("/a.dduf"), headers={"X-Test": "1"}, timeout=5)
     assert isinstance(source, HTTPSource)
     source.close()
+
+
+def test_tls_certificates_are_verified(site, tmp_path):
+    """https:// goes through the same client with the system's CA store: a self-signed server is refused, and
+    the error says it was the TLS handshake."""
+    import shutil
+    import ssl
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is needed to make a self-signed certificate")
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=127.0.0.1"], check=True, capture_output=True)
+    server = Site(site.data)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    serve(server)
+    try:
+        with pytest.raises(DDUFIOError, match=r"TLS handshake with 127\.0\.0\.1:\d+ failed: CERTIFICATE_VERIFY_FAILED"):
+            validate(f"https://127.0.0.1:{server.server_port}/a.dduf")
+        assert server.requests == []
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -261,7 +261,7 @@ class HTTPSource:
         timeout = min(self._timeout, self._budget.remaining())
         if scheme == "https":
             conn: http.client.HTTPConnection = http.client.HTTPSConnection(
-                host, port, timeout=timeout, context=ssl.create_default_context())
+                host, port, timeout=timeout, context=_tls_context())
         else:
             conn = http.client.HTTPConnection(host, port, timeout=timeout)
         try:
@@ -400,6 +400,16 @@ class HTTPSource:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+
+
+_TLS: list[ssl.SSLContext] = []
+
+
+def _tls_context() -> ssl.SSLContext:
+    """The system's CA store (as aiohttp and browsers use it), built once; certificates are always verified."""
+    if not _TLS:
+        _TLS.append(ssl.create_default_context())
+    return _TLS[0]
 
 
 def _short(text: object, limit: int = 120) -> str:
