@@ -139,8 +139,9 @@ class Confined:
                 shutil.rmtree(tmp, ignore_errors=True)
 
     def write_bytes(self, path: str | os.PathLike, data: bytes, *, fsync: bool = False) -> Path:
-        """Write ``data`` to ``path`` atomically (exclusive temp file in the same folder, then rename)."""
-        path = self.check(path)
+        """Write ``data`` to ``path`` atomically (exclusive temp file in the same folder, then rename). A
+        link planted at ``path`` is replaced, never followed (as :meth:`replace`): it cannot block the write."""
+        path = self._check_link(path)
         with self.temp_file(path.parent, prefix=f".{path.name}.") as (fd, tmp):
             with os.fdopen(fd, "wb") as f:
                 f.write(data)

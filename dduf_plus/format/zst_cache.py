@@ -33,8 +33,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from ..errors import DDUFError
-from .confined import Confined, DDUFPathError
+from ..errors import DDUFError, DDUFPathError
+from .confined import Confined
 from .writer import _fsync_dir
 from .zst import (
     CACHE_ENV,

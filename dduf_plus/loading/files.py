@@ -22,10 +22,10 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from ..errors import DDUFError, DDUFFormatError, DDUFIntegrityError, DDUFLoadError
+from ..errors import DDUFError, DDUFFormatError, DDUFIntegrityError, DDUFLoadError, DDUFPathError
 from ..format import spec
 from ..format.archive import DDUFArchive, tensor_view
-from ..format.confined import Confined, DDUFPathError, plain_name
+from ..format.confined import Confined, plain_name
 from ..format.safetensors_header import SafetensorsHeader, TensorInfo, read_safetensors_header
 from ..format.weights import classify, select_weights, tensor_files
 
@@ -189,12 +189,15 @@ def materialize_files(contents: Mapping[str, bytes]) -> str:
                     box.replace(tmp, final)  # a folder only replaces a missing or empty one
                 except OSError:  # another process won the race, or a stale or tampered copy is in the way
                     if not _complete(final, digests):
-                        stale = box.path(f".stale-{key}-{uuid.uuid4().hex[:8]}")
-                        try:
-                            box.replace(final, stale)
-                        except OSError:
-                            pass  # gone meanwhile
-                        box.remove_tree(stale)
+                        if final.is_symlink() or not final.is_dir():
+                            box.remove_tree(final)  # a link is removed itself, never followed
+                        else:  # moved aside first: a reader sees the old folder or the new one, never half
+                            stale = box.path(f".stale-{key}-{uuid.uuid4().hex[:8]}")
+                            try:
+                                box.replace(final, stale)
+                            except OSError:
+                                pass  # gone meanwhile
+                            box.remove_tree(stale)
                         box.replace(tmp, final)
             if _complete(final, digests):
                 return str(final)

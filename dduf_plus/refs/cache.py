@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from ..errors import DDUFError
 from ..format.confined import Confined
 
 logger = logging.getLogger("dduf_plus")
@@ -201,7 +202,7 @@ class VerifiedHashes:
             data = json.dumps({"version": VERIFIED_VERSION, "entries": merged}, separators=(",", ":"))
             try:
                 Confined(self.path.parent).write_bytes(self.path, data.encode())
-            except OSError as e:  # a read-only home must not break loading: we just hash again next time
+            except (OSError, DDUFError) as e:  # DDUFPathError: its folder is a link out of the cache  # a read-only home must not break loading: we just hash again next time
                 logger.debug("cannot save verified hashes to %s: %s", self.path, e)
                 return
             self._entries = merged
