@@ -1,0 +1,782 @@
+"""Structured mutations of small valid DDUF archives, and the commands they are run through: the engine
+behind tests/test_fuzz_loader.py and bench/fuzz_loader.py.
+
+Byte-level fuzzing (tests/test_validate_property.py, tests/fuzz/fuzz_validate.py) mostly stops at the
+ZIP parser: a flipped byte breaks a CRC or a record and the archive is refused before anything is built.
+These mutations edit *values* instead: JSON values in ``model_index.json``, component configs, tokenizer
+files, ``_dduf_plus_references`` and the dduf_plus index; dtypes, shapes and offsets in safetensors
+headers (kept parseable); which entries exist. The archive is then written again with ``DDUFWriter``
+(``make_hostile.write_valid``: a consistent index, CRCs, alignment), so it passes the structural checks and
+the loader really runs on it. A few raw byte edits on top keep the ZIP level in the mix.
+
+Every input is a pure function of ``(seed, number)``: a finding is reproduced by its two numbers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import struct
+import threading
+import time
+import traceback
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from conftest import PIPELINES, load_make_hostile
+from dduf_plus.errors import DDUFError, DDUFPackError, DDUFValidationError
+from dduf_plus.format import spec
+from dduf_plus.format.archive import DDUFArchive
+
+FIXTURE = "tiny-dit"  # the smallest fixture pipeline (480 KB): five components of four kinds
+REFERENCED = "vae"  # in the partial base, stored as a reference to a local folder
+
+# --- value pools ------------------------------------------------------------------------------------------
+PIPELINE_CLASSES = ["PixArtAlphaPipeline", "PixArtSigmaPipeline", "StableDiffusionPipeline", "DiffusionPipeline",
+                    "StableDiffusionXLPipeline", "DDPMPipeline", "FluxPipeline", "AutoPipelineForText2Image",
+                    "ModularPipeline", "FlaxStableDiffusionPipeline", "Bogus", "", "__class__"]
+LIBRARIES = ["diffusers", "transformers", "pixart_alpha", "stable_diffusion", "torch", "os", "builtins",
+             "dduf_plus", "diffusers.models", "onnxruntime.training", "", None, 0]
+CLASSES = ["AutoencoderKL", "PixArtTransformer2DModel", "UNet2DConditionModel", "Transformer2DModel",
+           "AutoModel", "T5EncoderModel", "CLIPTextModel", "T5Tokenizer", "T5TokenizerFast", "CLIPTokenizer",
+           "AutoTokenizer", "CLIPImageProcessor", "DPMSolverMultistepScheduler", "DDPMScheduler",
+           "FlowMatchEulerDiscreteScheduler", "ClassifierFreeGuidance", "VaeImageProcessor", "ModularPipeline",
+           "StableDiffusionSafetyChecker", "PreTrainedModel", "ModelMixin", "ConfigMixin", "SchedulerMixin",
+           "DiffusionPipeline", "Module", "system", "__import__", "Bogus", "", None]
+DTYPE_NAMES = ["float32", "float16", "bfloat16", "float64", "float8_e4m3fn", "float8_e5m2", "int8", "uint8",
+               "bool", "complex64", "float4_e2m1fn_x2", "auto", "fp16", "torch.float16", "bogus", ""]
+STRINGS = ["", "x", "float16", "bfloat16", "auto", "none", "null", "gelu", "silu", "t5", "clip", "default",
+           "..", "../..", "/", "/etc/passwd", "\x00", "\x1b]0;pwned\x07\x1b[2J", "a" * 300, "pt", "np", "flax",
+           "org/repo", "https://127.0.0.1:9/x", "C:\\Windows", "model.safetensors", "__init__", "\u202e"]
+KEYS = ["_class_name", "_diffusers_version", "auto_map", "quantization_config", "torch_dtype", "dtype",
+        "_name_or_path", "model_type", "architectures", "_use_default_values", "subfolder", "variant",
+        "tokenizer_class", "processor_class", "_dduf_plus_references", "num_layers", "vocab_size",
+        "sample_size", "_ignore_files", "trust_remote_code", "_commit_hash", "use_safetensors", "device_map",
+        "_auto_class", "custom_pipeline", "_from_pipe", "__metadata__", "tokenizer_file", "vocab_file"]
+SPECIAL_VALUES: dict[str, list[Any]] = {  # values that mean something to diffusers/transformers for a key
+    "auto_map": [{"AutoModel": "org/repo--modeling.Evil"}, {"AutoTokenizer": ["org/repo--tok.Evil", None]},
+                 {"AutoConfig": "../evil.Config"}, "x", []],
+    "quantization_config": [{"quant_method": "bitsandbytes", "load_in_4bit": True},
+                            {"quant_method": "bitsandbytes", "load_in_8bit": True}, {"quant_method": "gguf"},
+                            {"quant_method": "quanto", "weights_dtype": "int8"}, {"quant_method": "torchao"},
+                            {"quant_method": "bogus"}, {"quant_method": None}, {}, "x", 1],
+    "torch_dtype": DTYPE_NAMES, "dtype": DTYPE_NAMES,
+    "custom_pipeline": ["org/repo", "../evil", "/tmp/evil.py"],
+    "trust_remote_code": [True, "true", 1],
+    "tokenizer_class": ["T5Tokenizer", "LlamaTokenizer", "AutoTokenizer", "PreTrainedTokenizerFast", "Bogus", None],
+}
+INTEGERS = [0, 1, -1, 2, 3, 7, 1 << 31, (1 << 31) - 1, 1 << 32, 1 << 53, 1 << 63, 1 << 64, -(1 << 63), 10**30]
+HUGE_DIMENSION = 1 << 20  # a "dimension" a config may ask for: tests whether building stays cheap (meta device)
+
+#: How often each kind of mutation is picked (relative weights).
+WEIGHTS = {"model_index": 3, "component_class": 3, "pipeline_class": 1, "config": 6, "tokenizer_json": 2,
+           "tokenizer_bytes": 1, "references": 3, "index": 2, "safetensors": 5, "entries": 2, "raw": 1}
+
+
+# --- the archive, taken apart ---------------------------------------------------------------------------------
+@dataclass
+class Draft:
+    """An archive taken apart: what mutations edit before :func:`write_draft` writes it again."""
+
+    base: str
+    model_index: Any
+    entries: dict[str, bytes]
+    index_edits: list[Callable[[dict], Any]] = field(default_factory=list)  # applied to the rebuilt index
+    raw_edits: list[Callable[[bytes], bytes]] = field(default_factory=list)  # applied to the written bytes
+
+
+class Base(NamedTuple):
+    name: str
+    model_index: dict[str, Any]
+    entries: dict[str, bytes]  # every entry but model_index.json and the dduf_plus index
+
+    def draft(self) -> Draft:
+        return Draft(self.name, json.loads(json.dumps(self.model_index)), dict(self.entries))
+
+
+@dataclass
+class Context:
+    """What the mutations may point at: the work folder's paths (reference sources), nothing outside."""
+
+    work: Path
+    source: Path  # the fixture pipeline folder the partial base references
+    archive_paths: list[Path]
+    # Integers far out of range (2**31, 2**63, HUGE_DIMENSION) in configs. They make the model builder run
+    # for minutes (num_layers=2**31 builds layers until stopped): the bench keeps them, CI does not.
+    huge: bool = True
+
+    def paths(self) -> list[str]:
+        return [str(self.source), str(self.source / REFERENCED), str(self.work), str(self.work / "missing"),
+                *map(str, self.archive_paths), str(self.source) + "/", "org/tiny-dit", "./" + REFERENCED]
+
+
+def take_apart(path: Path, name: str) -> Base:
+    with DDUFArchive(path) as archive:
+        entries = {n: archive.read_bytes(n) for n in archive.entries if n not in (spec.MODEL_INDEX, spec.INDEX_NAME)}
+        return Base(name, dict(archive.model_index), entries)
+
+
+def make_bases(work: Path, *, huge: bool = True) -> tuple[list[Base], Context]:
+    """Pack the fixture twice under ``work``: self-contained, and with ``vae`` as a reference to a copy of the
+    fixture folder (so that reference mutations reach the resolver)."""
+    from dduf_plus.format.pack import pack_folder
+    from dduf_plus.format.partial import pack_partial
+
+    work.mkdir(parents=True, exist_ok=True)
+    source = work / "source" / FIXTURE
+    if not source.is_dir():
+        shutil.copytree(PIPELINES / FIXTURE, source)
+    full = pack_folder(source, work / "full.dduf", quiet=True).path
+    partial = pack_partial(source, work / "partial.dduf", exclude=[REFERENCED], refs={"*": str(source)}, quiet=True).path
+    bases = [take_apart(Path(full), "full"), take_apart(Path(partial), "partial")]
+    return bases, Context(work, source, [Path(full), Path(partial)], huge)
+
+
+# --- JSON values --------------------------------------------------------------------------------------------
+DEEP = "\x00deep\x00"  # placeholder replaced by deeply nested JSON text after serialisation
+
+
+def _paths(value: Any, prefix: tuple = ()) -> Iterator[tuple]:
+    yield prefix
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _paths(v, (*prefix, k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _paths(v, (*prefix, i))
+
+
+def _get(value: Any, path: tuple) -> Any:
+    for p in path:
+        value = value[p]
+    return value
+
+
+def interesting(rng: random.Random, old: Any, ctx: Context, key: Any = None) -> Any:
+    """A replacement for ``old``: near it, of its type but extreme, or of another type."""
+    if key in SPECIAL_VALUES and rng.random() < 0.5:
+        return rng.choice(SPECIAL_VALUES[key])
+    roll = rng.random()
+    if roll < 0.15:  # another type altogether
+        return rng.choice([None, True, False, 0, 1.5, "", [], {}, [None], {"": None}, "x", -1])
+    if roll < 0.2:
+        return DEEP
+    if isinstance(old, bool):
+        return rng.choice([not old, 0, 1, "true", None])
+    if isinstance(old, int):
+        near = [old + 1, old - 1, old * 2, old // 2, -old, old * 3 + 1]
+        if ctx.huge and rng.random() < 0.05:
+            return HUGE_DIMENSION
+        far = INTEGERS if ctx.huge else [i for i in INTEGERS if abs(i) <= 4096]
+        return rng.choice(near + far + [float(old), str(old)])
+    if isinstance(old, float):
+        return rng.choice([0.0, -0.0, -old, old * 1e6, 1e308, -1e308, 5e-324, float("nan"), float("inf"), int(old)])
+    if isinstance(old, str):
+        pool = STRINGS + CLASSES[:-1] + DTYPE_NAMES + ctx.paths()
+        return rng.choice([old + "x", old.upper(), old[:-1], old * 2, old + "/..", rng.choice(pool), rng.choice(pool)])
+    if isinstance(old, list):
+        return rng.choice([[], old[:1], old * 2, old[::-1], [*old, None], [old], old[1:]])
+    if isinstance(old, dict):
+        return rng.choice([{}, dict(list(old.items())[: len(old) // 2]), {**old, rng.choice(KEYS): None}, [old]])
+    return rng.choice([0, "", [], {}, "x", True])  # old is None
+
+
+def mutate_json(rng: random.Random, obj: Any, ctx: Context, *, under: tuple = ()) -> tuple[Any, str]:
+    """One edit somewhere in ``obj`` (at or below ``under``): replace a value, drop or add a key, or grow a
+    list. Returns the new object and what was done."""
+    root = _get(obj, under)
+    paths = list(_paths(root, under))
+    path = rng.choice(paths)
+    parent_path, key = path[:-1], (path[-1] if path else None)
+    op = rng.random()
+    if not path:  # the root itself
+        if isinstance(obj, dict) and op < 0.5:
+            new_key = rng.choice(KEYS)
+            obj[new_key] = interesting(rng, None, ctx, new_key)
+            return obj, f"add {new_key!r}={obj[new_key]!r:.80}"
+        return interesting(rng, obj, ctx), "replace the whole document"
+    parent = _get(obj, parent_path)
+    if isinstance(parent, dict) and op < 0.15:
+        del parent[key]
+        return obj, f"delete {'/'.join(map(str, path))}"
+    if isinstance(parent, dict) and op < 0.3:
+        new_key = rng.choice(KEYS)
+        parent[new_key] = interesting(rng, None, ctx, new_key)
+        return obj, f"add {'/'.join(map(str, parent_path + (new_key,)))}={parent[new_key]!r:.80}"
+    if isinstance(parent, dict) and op < 0.35:
+        new_name = interesting(rng, str(key), ctx)
+        if isinstance(new_name, str):
+            parent[new_name] = parent.pop(key)
+            return obj, f"rename key {'/'.join(map(str, path))} -> {new_name!r:.80}"
+    old = parent[key]
+    parent[key] = interesting(rng, old, ctx, key if isinstance(key, str) else None)
+    return obj, f"set {'/'.join(map(str, path))}: {old!r:.40} -> {parent[key]!r:.80}"
+
+
+def dumps(obj: Any, rng: random.Random) -> bytes:
+    """Serialise, expanding :data:`DEEP` into nested JSON (deep enough to trouble a recursive reader)."""
+    text = json.dumps(obj, indent=2)
+    placeholder = json.dumps(DEEP)
+    while placeholder in text:
+        depth = rng.choice([64, 1000, 20_000, 200_000])
+        text = text.replace(placeholder, "[" * depth + "]" * depth, 1)
+    return text.encode()
+
+
+# --- mutations: each edits a draft and says what it did (or None: does not apply) ------------------------
+Mutation = Callable[[random.Random, Draft, Context], "str | None"]
+
+
+def _json_entries(draft: Draft, predicate: Callable[[str], bool]) -> list[str]:
+    return sorted(n for n in draft.entries if n.endswith(".json") and predicate(n))
+
+
+def _mutate_json_entry(rng: random.Random, draft: Draft, ctx: Context, names: list[str]) -> str | None:
+    if not names:
+        return None
+    name = rng.choice(names)
+    try:
+        obj = json.loads(draft.entries[name])
+    except ValueError:
+        return None  # already made unreadable by an earlier mutation
+    obj, what = mutate_json(rng, obj, ctx)
+    draft.entries[name] = dumps(obj, rng)
+    return f"{name}: {what}"
+
+
+def m_config(rng, draft, ctx):
+    """A value in a component's config (model, scheduler)."""
+    return _mutate_json_entry(rng, draft, ctx, _json_entries(draft, lambda n: n.endswith("config.json")
+                                                             and not n.startswith("tokenizer/")))
+
+
+def m_tokenizer_json(rng, draft, ctx):
+    return _mutate_json_entry(rng, draft, ctx, _json_entries(draft, lambda n: n.startswith("tokenizer/")))
+
+
+def m_tokenizer_bytes(rng, draft, ctx):
+    """The SentencePiece model: a serialised protobuf read by C++."""
+    name = "tokenizer/spiece.model"
+    if name not in draft.entries:
+        return None
+    data = bytearray(draft.entries[name])
+    if rng.random() < 0.3:
+        keep = rng.randrange(len(data) + 1)
+        draft.entries[name] = bytes(data[:keep])
+        return f"{name}: truncated to {keep} bytes"
+    flips = [(rng.randrange(len(data)), rng.randrange(8)) for _ in range(rng.randint(1, 6))]
+    for at, bit in flips:
+        data[at] ^= 1 << bit
+    draft.entries[name] = bytes(data)
+    return f"{name}: bit flips {flips}"
+
+
+def _model_index(draft: Draft) -> dict | None:
+    return draft.model_index if isinstance(draft.model_index, dict) else None
+
+
+def m_model_index(rng, draft, ctx):
+    """Any value of model_index.json except the references (m_references)."""
+    mi = _model_index(draft)
+    if mi is None:
+        return None
+    refs = mi.pop(spec.REFERENCES_KEY, None)
+    obj, what = mutate_json(rng, mi, ctx)
+    if isinstance(obj, dict) and refs is not None:
+        obj[spec.REFERENCES_KEY] = refs
+    draft.model_index = obj
+    return f"model_index.json: {what}"
+
+
+def _components(draft: Draft) -> list[str]:
+    mi = _model_index(draft) or {}
+    return sorted(k for k, v in mi.items() if not k.startswith("_") and isinstance(v, list))
+
+
+def m_component_class(rng, draft, ctx):
+    """[library, class] of a component, or the component renamed (with its folder)."""
+    names = _components(draft)
+    if not names:
+        return None
+    name = rng.choice(names)
+    mi = draft.model_index
+    if rng.random() < 0.15:  # rename the component and its folder consistently
+        new = rng.choice(["safety_checker", "feature_extractor", "text_encoder_2", "unet", "image_encoder",
+                          "vae2", "guider", "requires_safety_checker", "config", "_private"])
+        if new in mi:
+            return None
+        mi[new] = mi.pop(name)
+        draft.entries = {(f"{new}/{n.split('/', 1)[1]}" if n.startswith(name + "/") else n): d
+                         for n, d in draft.entries.items()}
+        refs = mi.get(spec.REFERENCES_KEY)
+        if isinstance(refs, dict) and name in refs:
+            refs[new] = refs.pop(name)
+        return f"rename component {name} -> {new}"
+    old = mi[name]
+    if rng.random() < 0.2:
+        mi[name] = rng.choice([[None, None], [], [old[0]], [*old, "x"], ["diffusers"], "AutoencoderKL", None])
+    else:
+        mi[name] = [rng.choice([old[0] if old else "diffusers"] * 3 + LIBRARIES), rng.choice(CLASSES)]
+    return f"model_index.json: {name} {old} -> {mi[name]}"
+
+
+def m_pipeline_class(rng, draft, ctx):
+    mi = _model_index(draft)
+    if mi is None:
+        return None
+    old, mi["_class_name"] = mi.get("_class_name"), rng.choice(PIPELINE_CLASSES)
+    return f"model_index.json: _class_name {old} -> {mi['_class_name']}"
+
+
+def m_references(rng, draft, ctx):
+    """A value inside ``_dduf_plus_references`` (sizes, hashes, source, subfolder, type_hint, ...)."""
+    mi = _model_index(draft)
+    refs = mi.get(spec.REFERENCES_KEY) if mi else None
+    if not isinstance(refs, dict) or not refs:
+        return None
+    if rng.random() < 0.1:  # a reference to a component the archive also stores, or to one it lacks
+        target = rng.choice([n for n in _components(draft) if n not in refs] or ["missing"])
+        refs[target] = json.loads(json.dumps(next(iter(refs.values()))))
+        return f"references: copy a record to {target!r}"
+    obj, what = mutate_json(rng, mi, ctx, under=(spec.REFERENCES_KEY,))
+    return f"references: {what}"
+
+
+def m_index(rng, draft, ctx):
+    """A value of the rebuilt dduf_plus index (applied when the draft is written)."""
+    seed = rng.random()
+
+    def edit(index: dict) -> Any:
+        local = random.Random(seed)
+        if local.random() < 0.2:
+            index["components"] = index.get("components", {})
+            comp = local.choice(sorted(index["components"]) or ["x"])
+            record = index["components"].setdefault(comp, {})
+            key = local.choice(["storage_dtype", "compute_dtype", "library", "class", "external", "files", "summary"])
+            record[key] = local.choice(DTYPE_NAMES + [None, 0, [], {}, "x"])
+            return index
+        under = local.choice([(), ("components",), ("format_version",), ("created_by",)])
+        try:
+            obj, _ = mutate_json(local, index, ctx, under=under)
+        except (KeyError, IndexError, TypeError):
+            return index
+        return obj
+
+    draft.index_edits.append(edit)
+    return f"index: edit #{seed:.6f}"
+
+
+def _header(data: bytes) -> tuple[dict, bytes] | None:
+    if len(data) < 8:
+        return None
+    n = struct.unpack("<Q", data[:8])[0]
+    try:
+        header = json.loads(data[8 : 8 + n])
+    except ValueError:
+        return None
+    return (header, data[8 + n :]) if isinstance(header, dict) else None
+
+
+def _with_header(header: dict, body: bytes) -> bytes:
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw + body
+
+
+_SAME_SIZE_DTYPES = {"F32": 32, "I32": 32, "U32": 32, "F16": 16, "BF16": 16, "I16": 16, "U16": 16, "F64": 64,
+                     "I64": 64, "U64": 64, "C64": 64, "U8": 8, "I8": 8, "BOOL": 8, "F8_E4M3": 8, "F8_E5M2": 8,
+                     "F8_E8M0": 8, "F4": 4, "F6_E2M3": 6}
+
+
+def _reshape(rng: random.Random, numel: int, old: list[int]) -> list[int]:
+    """A shape with ``numel`` elements: flat, a 1 inserted, a factor moved, or the old rank kept."""
+    choices = [[numel], [*old, 1], [1, *old], [numel, 1]]
+    for d in (2, 4, 8, 3):
+        if numel % d == 0:
+            choices += [[d, numel // d], [numel // d, d]]
+    if old and numel % max(1, _prod(old[:-1])) == 0 and old[:-1]:
+        choices.append([*old[:-1], numel // _prod(old[:-1])])
+    return rng.choice(choices)
+
+
+def _prod(dims: list[int]) -> int:
+    out = 1
+    for d in dims:
+        out *= d
+    return out
+
+
+def m_safetensors(rng, draft, ctx):
+    """A safetensors header edit that keeps it parseable: dtype (same byte span), shape (same numel), swapped
+    offsets, renamed or dropped tensors, metadata; now and then one that breaks a rule (size, bounds)."""
+    names = sorted(n for n in draft.entries if n.endswith(".safetensors") and _header(draft.entries[n]))
+    if not names:
+        return None
+    name = rng.choice(names)
+    header, body = _header(draft.entries[name])
+    tensors = sorted(k for k in header if k != "__metadata__" and isinstance(header[k], dict))
+    if not tensors:
+        return None
+    t = rng.choice(tensors)
+    rec = header[t]
+    op = rng.choice(["dtype", "dtype", "shape", "shape", "swap", "rename", "drop", "metadata", "break"])
+    what = op
+    try:
+        span = rec["data_offsets"][1] - rec["data_offsets"][0]
+        if op == "dtype":
+            new = rng.choice(sorted(_SAME_SIZE_DTYPES))
+            bits = _SAME_SIZE_DTYPES[new]
+            if (span * 8) % bits:
+                return None
+            old = rec["dtype"]
+            rec["dtype"], rec["shape"] = new, _reshape(rng, span * 8 // bits, rec["shape"])
+            what = f"{t}: {old} -> {new}{rec['shape']}"
+        elif op == "shape":
+            old = rec["shape"]
+            rec["shape"] = _reshape(rng, _prod(old), old)
+            what = f"{t}: shape {old} -> {rec['shape']}"
+        elif op == "swap":
+            same = [k for k in tensors if k != t and header[k]["data_offsets"][1] - header[k]["data_offsets"][0] == span]
+            if not same:
+                return None
+            other = rng.choice(same)
+            rec["data_offsets"], header[other]["data_offsets"] = header[other]["data_offsets"], rec["data_offsets"]
+            what = f"swap data of {t} and {other}"
+        elif op == "rename":
+            new = rng.choice([t.replace(".weight", ".bias"), "model." + t, t.split(".", 1)[-1], t + "_", "",
+                              rng.choice(tensors) + ".x", "encoder." + t, t.replace("0", "1"), t.upper()])
+            if new in header:
+                return None
+            header[new] = header.pop(t)
+            what = f"rename tensor {t} -> {new}"
+        elif op == "drop":  # keeps the bytes, so the header now has a hole: refused, cheaply
+            del header[t]
+            what = f"drop tensor {t}"
+        elif op == "metadata":
+            header["__metadata__"] = rng.choice([{"format": "np"}, {"format": "pt", "dduf_plus": "x"}, {}, {"format": "mlx"},
+                                                 {"format": 1}, [], {"quanto": "int8"}, {"\x1b[2J": "x"}])
+            what = f"__metadata__ = {header['__metadata__']!r}"
+        else:
+            key = rng.choice(["dtype", "shape", "data_offsets"])
+            rec[key] = interesting(rng, rec[key], ctx)
+            if rec[key] == DEEP:
+                rec[key] = []
+            what = f"{t}: {key} -> {rec[key]!r:.60}"
+    except (KeyError, IndexError, TypeError):
+        return None
+    draft.entries[name] = _with_header(header, body)
+    return f"{name}: {what}"
+
+
+def m_entries(rng, draft, ctx):
+    """Which entries exist: one dropped, copied under another name, or added."""
+    names = sorted(draft.entries)
+    op = rng.random()
+    if op < 0.3 and names:
+        name = rng.choice(names)
+        del draft.entries[name]
+        return f"drop entry {name}"
+    components = _components(draft) or ["x"]
+    if op < 0.6 and names:  # another component's file, or a weights file under a variant/stem name
+        src = rng.choice(names)
+        comp = rng.choice(components)
+        stem = src.rsplit("/", 1)[-1]
+        new = rng.choice([f"{comp}/{stem}", f"{comp}/diffusion_pytorch_model.fp16.safetensors",
+                          f"{comp}/model.safetensors", f"{comp}/diffusion_pytorch_model.safetensors",
+                          f"{comp}/model.fp16.safetensors", f"{comp}/config.json"])
+        draft.entries[new] = draft.entries[src]
+        return f"copy {src} -> {new}"
+    comp = rng.choice(components)
+    new, data = rng.choice([
+        (f"{comp}/quanto_qmap.json", b'{"x": {"weights": "qint8", "activations": "none"}}'),
+        (f"{comp}/quanto_qmap.json", b'[1, 2]'),
+        (f"{comp}/diffusion_pytorch_model.safetensors.index.json",
+         b'{"metadata": {}, "weight_map": {"x": "../../../etc/passwd"}}'),
+        (f"{comp}/model.safetensors.index.json", b'{"weight_map": {"x": "model-00001-of-00002.safetensors"}}'),
+        (f"{comp}/generation_config.json", b'{"_from_model_config": true}'),
+        (f"{comp}/preprocessor_config.json", b'{"processor_class": "Bogus", "auto_map": {"AutoProcessor": "a--b.C"}}'),
+        (f"{comp}/special_tokens_map.json", b'{"eos_token": {"content": 1}}'),
+        (f"{comp}/added_tokens.json", b'{"\\u001b[2J": 5000000000}'),
+        (f"{comp}/chat_template.json", b'{"chat_template": "{{ cycler.__init__.__globals__.os.system(1) }}"}'),
+        (f"{comp}/modular_model_index.json", b'{"_class_name": "ModularPipeline", "unet": ["org/repo", null]}'),
+        (f"{comp}/empty.json", b""),
+        (f"{comp}/weights.safetensors", _with_header({"x": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, bytes(4))),
+    ])
+    draft.entries[new] = data
+    return f"add {new} ({len(data)} bytes)"
+
+
+def m_raw(rng, draft, ctx):
+    """Bytes of the written archive: flips, a truncation, or an integer over a ZIP record field."""
+    seed = rng.random()
+
+    def edit(data: bytes) -> bytes:
+        local = random.Random(seed)
+        mh = load_make_hostile()
+        out = bytearray(data)
+        roll = local.random()
+        if roll < 0.2:
+            return bytes(out[: local.randrange(len(out))])
+        try:
+            layout = mh.Layout(data)
+            hot = [*(at + i for at in layout.local.values() for i in range(46)),
+                   *range(layout.cd_offset, len(data))]
+        except (struct.error, UnicodeDecodeError, KeyError):
+            hot = list(range(len(data)))
+        if roll < 0.5:
+            at, width = local.choice(hot), local.choice([2, 4, 8])
+            value = local.choice([0, 1, 0xFF, 0xFFFF, 0xFFFFFFFF, 1 << 32, (1 << 64) - 1]) & ((1 << 8 * width) - 1)
+            out[at : at + width] = value.to_bytes(width, "little")[: len(out) - at]
+        else:
+            for _ in range(local.randint(1, 4)):
+                out[local.choice(hot if local.random() < 0.7 else range(len(out)))] ^= 1 << local.randrange(8)
+        return bytes(out)
+
+    draft.raw_edits.append(edit)
+    return f"raw bytes #{seed:.6f}"
+
+
+MUTATIONS: dict[str, Mutation] = {"model_index": m_model_index, "component_class": m_component_class,
+                                  "pipeline_class": m_pipeline_class, "config": m_config,
+                                  "tokenizer_json": m_tokenizer_json, "tokenizer_bytes": m_tokenizer_bytes,
+                                  "references": m_references, "index": m_index, "safetensors": m_safetensors,
+                                  "entries": m_entries, "raw": m_raw}
+
+
+# --- inputs ---------------------------------------------------------------------------------------------
+class Input(NamedTuple):
+    seed: int
+    number: int
+    base: str
+    mutations: list[tuple[str, str]]  # (kind, what it did)
+    data: bytes | None  # None: the writer refused the draft (a name DDUF forbids): nothing to run
+
+    @property
+    def kinds(self) -> list[str]:
+        return [k for k, _ in self.mutations]
+
+
+def generate(bases: list[Base], ctx: Context, seed: int, number: int, work: Path) -> Input:
+    """Input ``number`` of run ``seed``: one to three mutations of a base, written with DDUFWriter under
+    ``work``; the same numbers always give the same bytes."""
+    rng = random.Random(f"dduf-fuzz-loader/{seed}/{number}")
+    base = rng.choice(bases)
+    draft = base.draft()
+    done: list[tuple[str, str]] = []
+    wanted = rng.choices([1, 2, 3], weights=[5, 3, 2])[0]
+    kinds, weights = zip(*WEIGHTS.items(), strict=True)
+    for _ in range(wanted * 4):  # some mutations do not apply to every draft
+        if len(done) == wanted:
+            break
+        kind = rng.choices(kinds, weights=weights)[0]
+        what = MUTATIONS[kind](rng, draft, ctx)
+        if what is not None:
+            done.append((kind, what))
+    return Input(seed, number, base.name, done, write_draft(draft, work / "input.dduf"))
+
+
+def write_draft(draft: Draft, path: Path) -> bytes | None:
+    mh = load_make_hostile()
+
+    def index(built: dict) -> Any:
+        for edit in draft.index_edits:
+            built = edit(built)
+        return built
+
+    mi = draft.model_index
+    text = json.dumps(mi)
+    raw = dumps(mi, random.Random(text)) if DEEP in text or not isinstance(mi, dict) else None
+    as_object = mi if isinstance(mi, dict) else {}
+    if not isinstance(as_object.get(spec.REFERENCES_KEY, {}), dict):  # build_index expects an object there
+        raw = raw or dumps(mi, random.Random(text))
+        as_object = {k: v for k, v in as_object.items() if k != spec.REFERENCES_KEY}
+    try:
+        mh.write_valid(path, draft.entries, as_object, model_index_bytes=raw, index=index)
+    except DDUFPackError:
+        return None
+    data = path.read_bytes()
+    for edit in draft.raw_edits:
+        data = edit(data)
+    return data
+
+
+# --- running the commands on an input ---------------------------------------------------------------------
+class InputTimeout(BaseException):
+    """Raised by :func:`time_limit` (a BaseException: library code's ``except Exception`` cannot swallow it)."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float | None) -> Iterator[None]:
+    """Interrupt the block after ``seconds`` (main thread only; a long C call is interrupted when it returns)."""
+    if not seconds or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum: int, frame: Any) -> None:
+        raise InputTimeout(f"over {seconds:g} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+class Outcome(NamedTuple):
+    target: str
+    status: str  # "ok", "error" (a DDUFError: fine), "finding" (anything else), "timeout"
+    label: str  # "ok", the DDUFError class (and rule codes / wrapped cause), or the finding
+    seconds: float
+    detail: str = ""  # traceback or output for findings
+
+    @property
+    def bad(self) -> bool:
+        return self.status in ("finding", "timeout")
+
+
+# A DDUFError that wraps a MemoryError is still a finding: the input made the loader try to allocate more
+# than the machine has (memory per input must be bounded). A wrapped RecursionError is counted apart (its
+# label says so) but passes: a reader that catches it and names the entry has done its job.
+_BAD_CAUSES = (MemoryError,)
+
+
+def _causes(e: BaseException) -> Iterator[BaseException]:
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
+        e = e.__cause__ or e.__context__
+
+
+def classify(target: str, e: BaseException | None, seconds: float) -> Outcome:
+    if e is None:
+        return Outcome(target, "ok", "ok", seconds)
+    if isinstance(e, InputTimeout):
+        return Outcome(target, "timeout", "timeout", seconds, "".join(traceback.format_exception(e)))
+    if isinstance(e, DDUFError):
+        bad = next((c for c in _causes(e) if isinstance(c, _BAD_CAUSES)), None)
+        if bad is not None:
+            return Outcome(target, "finding", f"{type(e).__name__}<-{type(bad).__name__}", seconds,
+                           "".join(traceback.format_exception(e)))
+        label = type(e).__name__
+        if isinstance(e, DDUFValidationError):
+            label += ":" + ",".join(sorted(set(e.codes))[:3])
+        elif e.__cause__ is not None:
+            label += f"<-{type(e.__cause__).__name__}"
+        elif any(isinstance(c, RecursionError) for c in _causes(e)):
+            label += "<-RecursionError"
+        return Outcome(target, "error", label, seconds)
+    return Outcome(target, "finding", type(e).__name__, seconds, "".join(traceback.format_exception(e)))
+
+
+def _control_characters(text: str) -> str | None:
+    bad = sorted({c for c in text if (ord(c) < 0x20 and c not in "\n\t") or 0x7F <= ord(c) < 0xA0})
+    return ", ".join(repr(c) for c in bad[:5]) if bad else None
+
+
+def _cli(argv: list[str], *, human: bool) -> Outcome:
+    """Run ``dduf ARGV`` in-process; a finding if it prints control characters (human output) or invalid JSON."""
+    from dduf_plus.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(argv)
+    text = out.getvalue() + err.getvalue()
+    if human and (bad := _control_characters(text)):
+        return Outcome(argv[0], "finding", "unescaped-control-characters", 0, f"{bad} in:\n{text[:2000]}")
+    if not human and code == 0 and argv[0] in ("info", "refs") and out.getvalue():
+        try:
+            json.loads(out.getvalue())
+        except ValueError as e:
+            return Outcome(argv[0], "finding", "invalid-json-output", 0, f"{e}:\n{out.getvalue()[:2000]}")
+    if code not in (0, 1, 2):
+        return Outcome(argv[0], "finding", f"exit-{code}", 0, text[:2000])
+    return Outcome(argv[0], "ok" if code == 0 else "error", f"exit {code}", 0)
+
+
+def _open_archive(path: Path) -> None:
+    from dduf_plus.format.describe import describe
+
+    with DDUFArchive(path) as archive:
+        _ = archive.references, archive.index
+        for name in archive.components:
+            archive.tensor_infos(name)
+    json.dumps(describe(path))
+
+
+def _load(path: Path) -> None:
+    from dduf_plus import load_dduf
+
+    load_dduf(path)
+
+
+TARGETS: dict[str, Callable[[Path], Outcome | None]] = {
+    "archive": _open_archive,
+    "info": lambda p: _cli(["info", str(p)], human=True),
+    "info-json": lambda p: _cli(["info", str(p), "--json"], human=False),
+    "refs": lambda p: _cli(["refs", str(p)], human=True),
+    "refs-json": lambda p: _cli(["refs", str(p), "--json"], human=False),
+    "load": _load,
+}
+
+
+def run_targets(path: Path, *, targets: tuple[str, ...] = tuple(TARGETS), limit_s: float | None = 60.0) -> list[Outcome]:
+    """Run each target on the archive at ``path``. ``load`` is skipped when the archive does not open (it
+    opens it the same way first). Every outcome is classified; none raises."""
+    outcomes: list[Outcome] = []
+    for target in targets:
+        if target == "load" and outcomes and outcomes[0].target == "archive" and outcomes[0].status == "error":
+            continue
+        started = time.perf_counter()
+        error: BaseException | None = None
+        extra: Outcome | None = None
+        try:
+            with time_limit(limit_s):
+                extra = TARGETS[target](path)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # noqa: BLE001 - classifying every exception is the point
+            error = e
+        seconds = time.perf_counter() - started
+        outcomes.append(extra._replace(target=target, seconds=seconds) if extra is not None
+                        else classify(target, error, seconds))
+    return outcomes
+
+
+# --- what must not change ---------------------------------------------------------------------------------------
+def snapshot(*folders: Path) -> dict[str, tuple[int, int]]:
+    """(size, mtime) of every file under ``folders``: the reference source and a canary must stay as they are."""
+    out = {}
+    for folder in folders:
+        for root, dirs, files in os.walk(folder, followlinks=False):
+            for name in dirs + files:
+                p = Path(root, name)
+                st = p.lstat()
+                out[str(p)] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
+def signature(o: Outcome) -> str:
+    """target | label | innermost dduf_plus frame: what tells one bug from another."""
+    frames = re.findall(r'File "[^"]*/(dduf_plus/[^"]+)", line \d+, in (\w+)', o.detail or "")
+    return f"{o.target}|{o.label}|{frames[-1][0]}:{frames[-1][1]}" if frames else f"{o.target}|{o.label}|"
+
+
+def tally(outcomes: list[list[Outcome]]) -> dict[str, Counter]:
+    """{target: Counter(label)} over many inputs."""
+    out: dict[str, Counter] = {}
+    for per_input in outcomes:
+        for o in per_input:
+            out.setdefault(o.target, Counter())[o.label] += 1
+    return out

@@ -1,0 +1,188 @@
+"""The loader fuzzer in CI: a fixed, seeded set of mutants of the tiny-dit fixture (tests/mutations.py) run
+through ``DDUFArchive`` + ``describe``, ``dduf info [--json]``, ``dduf refs [--json]`` and ``load_dduf``. Each
+command must succeed or raise a ``DDUFError``; nothing else, no hang, no control characters in human output,
+no change to the reference source folder. The long run is ``python bench/fuzz_loader.py --seconds 600``.
+
+``DDUF_FUZZ_LOADER_INPUTS`` raises the number of inputs (default 120: about 20 s here)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import time
+from collections import Counter
+from pathlib import Path
+
+import mutations as m
+import pytest
+
+SEED = 0
+INPUTS = int(os.environ.get("DDUF_FUZZ_LOADER_INPUTS", "120"))
+PER_TARGET_S = 15  # one target on one tiny input: far above the 0.1-0.5 s they take
+ROOT = Path(__file__).resolve().parent.parent
+
+# Findings still open: signature (target|label|innermost dduf_plus frame) -> an input (seed, number) that
+# shows it. Each stays listed until fixed; test_known_finding_still_reproduces fails once it is, so that the
+# entry is removed.
+KNOWN: dict[str, tuple[int, int]] = {
+    # an index component record that is not an object (format layer, describe.py)
+    "archive|TypeError|dduf_plus/format/describe.py:describe_archive": (0, 59),
+    "info|TypeError|dduf_plus/format/describe.py:describe_archive": (0, 59),
+    "info-json|TypeError|dduf_plus/format/describe.py:describe_archive": (0, 59),
+    # an index component record with storage_dtype but no compute_dtype (cli/info.py)
+    "info|KeyError|dduf_plus/cli/info.py:run": (0, 72),
+}
+
+
+@pytest.fixture(scope="module")
+def fuzz(tmp_path_factory: pytest.TempPathFactory):
+    """The bases, a private dduf_plus cache and Hub cache, offline; the library loggers quiet."""
+    work = tmp_path_factory.mktemp("fuzz-loader")
+    bases, ctx = m.make_bases(work / "bases", huge=False)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        mp.setenv("DDUF_PLUS_CACHE", str(work / "dduf-cache"))
+        mp.setenv("HF_HUB_CACHE", str(work / "hf-cache"))
+        previous = logging.root.manager.disable
+        logging.disable(logging.WARNING)  # odd inputs make every library warn; the outcomes are what counts
+        try:
+            yield work, bases, ctx
+        finally:
+            logging.disable(previous)
+
+
+def test_mutants_end_in_ddufe_errors_only(fuzz) -> None:
+    work, bases, ctx = fuzz
+    before = m.snapshot(ctx.source.parent)
+    findings: list[str] = []
+    reach: Counter = Counter()
+    kinds_loaded: Counter = Counter()
+    started = time.perf_counter()
+    path = work / "mutant.dduf"
+    for number in range(INPUTS):
+        inp = m.generate(bases, ctx, SEED, number, work)
+        if inp.data is None:
+            reach["unwritable"] += 1
+            continue
+        path.write_bytes(inp.data)
+        outcomes = {o.target: o for o in m.run_targets(path, limit_s=PER_TARGET_S)}
+        for o in outcomes.values():
+            if o.bad and m.signature(o) not in KNOWN:
+                findings.append(f"input {number} ({inp.base}: {inp.mutations}): {o.target} -> {o.label}\n{o.detail}")
+        load = outcomes.get("load")
+        reach["archive refused" if load is None else "loaded" if load.status == "ok" else "load refused"] += 1
+        if load is not None:
+            kinds_loaded.update(set(inp.kinds))
+    assert m.snapshot(ctx.source.parent) == before, "the reference source folder changed"
+    assert not findings, f"{len(findings)} non-DDUFError outcomes:\n\n" + "\n\n".join(findings[:5])
+    # The fuzzer must get past the archive checks most of the time, or it is fuzzing the validator again.
+    ran = INPUTS - reach["unwritable"]
+    assert reach["loaded"] + reach["load refused"] >= 0.6 * ran, reach
+    assert reach["loaded"] >= 0.15 * ran and reach["load refused"] >= 0.15 * ran, reach
+    assert {"config", "safetensors", "component_class", "references", "tokenizer_json"} <= set(kinds_loaded), kinds_loaded
+    print(f"{INPUTS} inputs in {time.perf_counter() - started:.1f} s: {dict(reach)}")
+
+
+def test_inputs_are_a_function_of_seed_and_number(fuzz) -> None:
+    work, bases, ctx = fuzz
+    first = [m.generate(bases, ctx, SEED, n, work) for n in range(12)]
+    again = [m.generate(bases, ctx, SEED, n, work) for n in range(12)]
+    assert [(i.mutations, i.data) for i in first] == [(i.mutations, i.data) for i in again]
+    assert len({i.data for i in first}) == len(first)
+    other = [m.generate(bases, ctx, SEED + 1, n, work).data for n in range(12)]
+    assert other != [i.data for i in first]
+
+
+def test_mutations_keep_what_they_do_not_touch_valid(fuzz) -> None:
+    """A header edit that keeps the byte span leaves a parseable, consistently indexed archive."""
+    import random
+
+    from dduf_plus.format.archive import DDUFArchive
+
+    work, bases, ctx = fuzz
+    rng = random.Random(7)
+    opened = 0
+    for _ in range(30):
+        draft = bases[0].draft()
+        what = m.m_safetensors(rng, draft, ctx)
+        if what is None or "drop tensor" in what or "->" not in what:
+            continue
+        path = work / "header.dduf"
+        data = m.write_draft(draft, path)
+        path.write_bytes(data)
+        try:
+            DDUFArchive(path).close()
+            opened += 1
+        except Exception as e:  # noqa: BLE001
+            assert "S00" in str(e), (what, e)  # only a rule a deliberately broken header can break
+    assert opened >= 10
+
+
+def test_classify() -> None:
+    from dduf_plus.errors import DDUFLoadError
+
+    def wrapped(cause: BaseException) -> DDUFLoadError:
+        try:
+            try:
+                raise cause
+            except BaseException as e:
+                raise DDUFLoadError("x") from e
+        except DDUFLoadError as e:
+            return e
+
+    assert m.classify("load", None, 0).status == "ok"
+    assert m.classify("load", wrapped(TypeError("t")), 0).label == "DDUFLoadError<-TypeError"
+    assert m.classify("load", wrapped(MemoryError()), 0).status == "finding"
+    assert m.classify("load", KeyError("k"), 0).status == "finding"
+    with pytest.raises(m.InputTimeout), m.time_limit(0.05):
+        time.sleep(1)
+
+
+@pytest.mark.parametrize("sig", sorted(KNOWN))
+def test_known_finding_still_reproduces(fuzz, sig: str) -> None:
+    work, bases, ctx = fuzz
+    seed, number = KNOWN[sig]
+    inp = m.generate(bases, ctx, seed, number, work)
+    path = work / "known.dduf"
+    path.write_bytes(inp.data)
+    found = {m.signature(o) for o in m.run_targets(path, limit_s=PER_TARGET_S) if o.bad}
+    assert sig in found, f"fixed? {sig} no longer happens on input {number} of seed {seed}: remove it from KNOWN"
+
+
+@pytest.mark.xfail(strict=True, reason="a config may ask for thousands of layers: building them on the meta "
+                   "device still takes ~6 ms per layer (4096 layers: 27 s); see the fuzz notes")
+def test_a_config_asking_for_a_huge_model_is_refused_quickly(fuzz) -> None:
+    work, bases, ctx = fuzz
+    draft = bases[0].draft()
+    config = json.loads(draft.entries["transformer/config.json"])
+    config["num_layers"] = 4096
+    draft.entries["transformer/config.json"] = json.dumps(config).encode()
+    path = work / "huge.dduf"
+    path.write_bytes(m.write_draft(draft, path))
+    (outcome,) = m.run_targets(path, targets=("load",), limit_s=3)
+    assert outcome.status == "error", outcome
+
+
+def test_bench_runs(fuzz, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """bench/fuzz_loader.py end to end on a few inputs (in-process), and --replay on a saved one."""
+    spec = importlib.util.spec_from_file_location("bench_fuzz_loader", ROOT / "bench" / "fuzz_loader.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    for name in ("HF_HUB_OFFLINE", "HF_HUB_DISABLE_TELEMETRY", "TOKENIZERS_PARALLELISM", "DDUF_PLUS_CACHE",
+                 "HF_HOME", "HF_HUB_CACHE"):
+        monkeypatch.setenv(name, os.environ.get(name, ""))  # restored after the test
+    import torch
+
+    monkeypatch.setattr(bench, "quiet_libraries", lambda: None)
+    threads = torch.get_num_threads()
+    out = tmp_path / "out"
+    rc = bench.main(["--in-process", "--count", "4", "--seed", "5", "--work", str(tmp_path / "w"), "--out", str(out)])
+    torch.set_num_threads(threads)
+    summary = json.loads((out / "summary.json").read_text())
+    assert rc == (1 if summary["findings"] else 0)
+    assert summary["inputs"] == 4 and "archive" in summary["outcomes"]
+    assert "4 inputs" in capsys.readouterr().out
+    assert bench.main(["--replay", str(fuzz[2].archive_paths[0]), "--work", str(tmp_path / "w")]) == 0
+    assert "load       ok" in capsys.readouterr().out
