@@ -26,16 +26,26 @@ _LAZY = {
     "DDUFLoadError": "dduf_plus.errors",
     "DDUFReferenceError": "dduf_plus.errors",
     "DDUFIntegrityError": "dduf_plus.errors",
+    "DDUFEntryNotFoundError": "dduf_plus.errors",
+    "DDUFNotFoundError": "dduf_plus.errors",
+    "DDUFIOError": "dduf_plus.errors",
+    "DDUFUsageError": "dduf_plus.errors",
+    "DDUFPathError": "dduf_plus.errors",
 }
 
 if TYPE_CHECKING:  # pragma: no cover
     from .errors import (  # noqa: F401
+        DDUFEntryNotFoundError,
         DDUFError,
         DDUFFormatError,
         DDUFIntegrityError,
+        DDUFIOError,
         DDUFLoadError,
+        DDUFNotFoundError,
         DDUFPackError,
+        DDUFPathError,
         DDUFReferenceError,
+        DDUFUsageError,
         DDUFValidationError,
     )
     from .format.archive import DDUFArchive  # noqa: F401

@@ -6,7 +6,6 @@ fine-tune against its base as a partial archive and load that too."""
 
 from __future__ import annotations
 
-import logging
 import os
 import subprocess
 import sys
@@ -17,15 +16,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "fixtures" / "pipelines"
 OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "out"
-
-
-class _TorchvisionFallbackNotice(logging.Filter):
-    """transformers says, once per image-processor class diffusers imports, that without torchvision it uses the
-    PIL implementation. True, and harmless for these pipelines (none has an image processor): not the reader's
-    concern. Only that notice is dropped; every other transformers warning still shows."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "requires torchvision (not installed); falling back to" not in record.getMessage()
 
 
 def dduf(*args: str) -> None:
@@ -41,9 +31,8 @@ def main() -> None:
     dduf("unpack", str(archive), "-o", str(OUT / "tiny-sd-unpacked"), "--force")
     dduf("validate", str(archive))
 
-    logging.getLogger("transformers.utils.import_utils").addFilter(_TorchvisionFallbackNotice())
     try:
-        from dduf_plus import load_dduf
+        from dduf_plus import load_dduf  # also drops transformers' harmless torchvision-fallback notice
     except ImportError:
         print("(load_dduf not available in this build)")
         return

@@ -37,7 +37,7 @@ def test_pack_info_unpack_roundtrip(tmp_path, capsys):
         if f.is_file() and rel.name != "README.md" and ".fp16." not in rel.name:
             assert (tmp_path / "u" / rel).read_bytes() == f.read_bytes(), rel
     # refuses to overwrite without --force
-    assert main(["unpack", str(out), "-o", str(tmp_path / "u"), "--quiet"]) != 0  # 2 (usage) once unpack raises DDUFUsageError
+    assert main(["unpack", str(out), "-o", str(tmp_path / "u"), "--quiet"]) == 2  # usage: exists, no --force
     assert main(["unpack", str(out), "-o", str(tmp_path / "u"), "--quiet", "--force"]) == 0
 
 

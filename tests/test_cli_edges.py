@@ -121,8 +121,6 @@ def test_unpack_force_rule(tmp_path, archive, capsys):
     assert main(["unpack", str(archive), "-o", str(out), "-q", "-f"]) == EXIT_OK
 
 
-@pytest.mark.xfail(strict=True, reason="format/unpack.py raises a plain DDUFError for a clash; "
-                                       "DDUFUsageError makes it exit 2 like every other existing output")
 def test_unpack_clash_exits_like_the_other_outputs(tmp_path, archive):
     out = tmp_path / "u"
     assert main(["unpack", str(archive), "-o", str(out), "-q"]) == EXIT_OK

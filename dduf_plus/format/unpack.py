@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..errors import DDUFError, DDUFFormatError
+from ..errors import DDUFFormatError, DDUFUsageError
 from . import spec
 from .archive import DDUFArchive
 from .confined import Confined
@@ -28,7 +28,7 @@ def unpack(archive_path: str | os.PathLike, output: str | os.PathLike, *, force:
 
     Raises:
         DDUFFormatError: an entry name would escape ``output`` (checked even with ``check=False``).
-        DDUFError: a file exists and ``force`` is False.
+        DDUFUsageError: a file exists and ``force`` is False.
     """
     root = Path(output)
     written: list[Path] = []
@@ -38,7 +38,7 @@ def unpack(archive_path: str | os.PathLike, output: str | os.PathLike, *, force:
         if not force:
             clash = [str(t) for t in targets.values() if t.exists() or t.is_symlink()]
             if clash:
-                raise DDUFError(f"{clash[0]} exists (use --force to overwrite)")
+                raise DDUFUsageError(f"{clash[0]} exists (use --force to overwrite)")
         out_root = Confined(root)
         for name, target in targets.items():
             entry = archive.entry(name)

@@ -111,6 +111,24 @@ def load_dduf(
     return pipe
 
 
+class _TorchvisionFallbackNotice(logging.Filter):
+    """transformers says, once per image-processor class diffusers imports, that without torchvision it uses
+    the PIL implementation: harmless for loading a pipeline, and not the user's concern. Only that notice is
+    dropped; every other transformers message still shows."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "requires torchvision (not installed); falling back to" not in record.getMessage()
+
+
+def _quiet_torchvision_notice() -> None:
+    target = logging.getLogger("transformers.utils.import_utils")
+    if not any(isinstance(f, _TorchvisionFallbackNotice) for f in target.filters):
+        target.addFilter(_TorchvisionFallbackNotice())
+
+
+_quiet_torchvision_notice()  # before anything imports diffusers' pipeline modules through us
+
+
 def _load(archive: DDUFArchive, path: str, request: Any, device_for: Callable[[str], torch.device],
           variant: str | None, prefetcher: Prefetcher | None, kwargs: dict[str, Any], *,
           resolve_options: dict[str, Any], use_mmap: bool, verify: bool,
