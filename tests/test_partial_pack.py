@@ -305,3 +305,13 @@ def test_nothing_identical_writes_a_complete_archive(tmp_path: Path, hf_env: Pat
     pack_partial(TINY_FT, out, base=str(base), quiet=True)
     full = pack_folder(TINY_FT, tmp_path / "full.dduf", quiet=True).path
     assert out.read_bytes() == full.read_bytes()
+
+
+def test_missing_base_path_is_an_error_not_a_complete_pack(tmp_path: Path) -> None:
+    """A BASE folder that is not here must not quietly give a complete archive ("nothing in common")."""
+    from dduf_plus.errors import DDUFNotFoundError
+    from dduf_plus.format.partial import pack_partial
+
+    with pytest.raises(DDUFNotFoundError, match="does not exist") as caught:
+        pack_partial(TINY_FT, tmp_path / "p.dduf", base=str(tmp_path / "missing-folder"), quiet=True)
+    assert isinstance(caught.value, FileNotFoundError) and not (tmp_path / "p.dduf").exists()

@@ -32,7 +32,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from ..errors import DDUFError, DDUFPackError
+from ..errors import DDUFError, DDUFNotFoundError, DDUFPackError
 from ..refs import cache as _cache
 from ..refs.resolve import Spec, parse_ref_args, parse_spec
 from . import spec
@@ -303,6 +303,9 @@ def make_references(
         raise DDUFPackError(str(e)) from None
     if base_spec is not None and base_spec.subfolder:
         raise DDUFPackError(f"--base {base!r}: BASE is a whole pipeline; give no :SUBFOLDER")
+    if base_spec is not None and base_spec.kind in ("folder", "dduf") and not os.path.exists(base_spec.location):
+        # BASE is compared with here and now: a missing path is a mistake, never "nothing in common"
+        raise DDUFNotFoundError(f"--base {base!r}: {base_spec.location} does not exist", filename=base_spec.location)
     sources_by_spec: dict[Spec, _Source] = {}
 
     def source_for(s: Spec) -> _Source:
