@@ -177,3 +177,15 @@ def test_unresolvable_reference_names_the_component(tmp_path):
     shutil.rmtree(base)
     with pytest.raises(DDUFReferenceError, match=r"'(vae|text_encoder|tokenizer|scheduler)'"):
         load_dduf(out, local_files_only=True, cache_dir=tmp_path / "empty-cache")
+
+
+def test_zst_decompression_budget_is_a_load_argument(tmp_path, packed, monkeypatch):
+    from dduf_plus.errors import DDUFError
+    from dduf_plus.format.zst import compress
+
+    monkeypatch.setenv("DDUF_PLUS_CACHE", str(tmp_path / "cache"))
+    zst = compress(packed["tiny-dit"], tmp_path / "tiny.dduf.zst", quiet=True).path
+    with pytest.raises(DDUFError, match="budget"):
+        load_dduf(zst, max_decompressed=4096)
+    assert not list((tmp_path / "cache").rglob("*.dduf"))  # nothing left behind over budget
+    assert load_dduf(zst) is not None

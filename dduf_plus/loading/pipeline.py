@@ -46,6 +46,7 @@ def load_dduf(
     use_mmap: bool = True,
     prefetch: bool = True,
     allow_missing_weights: bool = False,
+    max_decompressed: Any = None,
     **kwargs: Any,
 ) -> DiffusionPipeline:
     """Load the pipeline a ``.dduf`` archive holds, ready to call.
@@ -65,6 +66,8 @@ def load_dduf(
             archive's small entries.
         use_mmap: False reads each tensor into its own buffer with ``os.preadv`` (network file systems).
         prefetch: read the weights in on a background thread while the modules are being built.
+        max_decompressed: the decompression budget for a ``.dduf.zst`` (``"64G"``, ``"32x"``, ``"64G,32x"``,
+            ``"unlimited"``; default: ``$DDUF_PLUS_MAX_DECOMPRESSED`` or 256 GiB and 16x past 256 MiB).
         allow_missing_weights: load a transformers model whose stored weights do not cover all of its
             parameters (the rest randomly initialised, with a warning); by default that is an error.
         **kwargs: components to use instead of the archive's (``vae=my_vae``, ``safety_checker=None``) and
@@ -88,7 +91,7 @@ def load_dduf(
     device_for = _device_resolver(device, device_map)
     local = path_str
     if is_zst(path_str):  # a transport-compressed archive: decompressed once into a content-keyed cache
-        local = str(cached_decompress(path_str))
+        local = str(cached_decompress(path_str, max_decompressed=max_decompressed))
     archive = DDUFArchive(local)
     prefetcher = Prefetcher(archive.mmap) if prefetch and use_mmap else None
     try:
