@@ -47,7 +47,7 @@ def hf_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def npm_checker_dir() -> Path | None:
     """Where ``@huggingface/dduf`` is installed (``.ci/run`` puts it in .ci/node), or None."""
-    for candidate in (os.environ.get("DDUF_NPM_CHECKER_DIR"), ROOT / ".ci" / "node", Path("/tmp/npmdduf")):
+    for candidate in (os.environ.get("DDUF_NPM_CHECKER_DIR"), ROOT / ".ci" / "node"):
         if candidate and (Path(candidate) / "node_modules" / "@huggingface" / "dduf").is_dir():
             return Path(candidate)
     return None
