@@ -186,6 +186,16 @@ def test_free_disk_space_is_checked_first(bomb: Path, tmp_path: Path, monkeypatc
     assert report.codes == ["Z022"] and "free" in report.errors[0].message
 
 
+def test_a_stream_without_sizes_stops_at_the_free_space(work: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    stream = work / "piped.dduf.zst"
+    stream.write_bytes(zero_frame(24 * MiB, content_size=False))
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(zst.shutil, "disk_usage", lambda _p: usage(10 * GiB, 9 * GiB, zst.DISK_RESERVE + 4 * MiB))
+    with pytest.raises(DecompressionBudgetError, match=r"announces no size and decoded past the 4.0 MiB free"):
+        zst.decompress(stream, work / "out.dduf", quiet=True)
+    assert leftovers(work) == ["piped.dduf.zst"]
+
+
 def test_parallel_frames_stop_together(work: Path) -> None:
     """A corrupt frame stops the others within a chunk; nothing is left behind."""
     tmp_path = work

@@ -442,7 +442,7 @@ def _allowance(name: str, compressed: int, announced: int | None, budget: Decomp
             raise _no_space(name, announced, free, out_dir)
         return _Allowance(announced, False)
     if free <= 0:
-        raise _no_space(name, None, free, out_dir)
+        raise _no_space(name, None, 0, out_dir)
     if limit is not None and limit <= free:
         return _Allowance(limit, True)
     return _Allowance(free, False)
@@ -465,10 +465,13 @@ def _suggest(size: int) -> str:
 
 
 def _no_space(name: str, size: int | None, free: int, out_dir: Path) -> DecompressionBudgetError:
-    need = f"needs {human_size(size)}" if size is not None else "cannot be decompressed"
+    """``size``: what the stream announces; None: it announces nothing and was cut off at ``free``."""
+    what = (f"decompressing needs {human_size(size)}, but {out_dir} has {human_size(max(free, 0))} free" if size
+            is not None else f"the stream announces no size and decoded past the {human_size(max(free, 0))} "
+            f"free in {out_dir}")
     return DecompressionBudgetError(
-        f"{name}: decompressing {need}, but {out_dir} has {human_size(max(free, 0))} free (keeping "
-        f"{human_size(DISK_RESERVE)} spare): free disk space or decompress elsewhere (-o, $DDUF_PLUS_CACHE, $TMPDIR)")
+        f"{name}: {what} (keeping {human_size(DISK_RESERVE)} spare): free disk space or decompress elsewhere "
+        "(-o, $DDUF_PLUS_CACHE, $TMPDIR)")
 
 
 # --- decompress --------------------------------------------------------------------------------------
@@ -591,7 +594,7 @@ def decompress_into(src: Path, fd_out: int, out_dir: Path, *, budget: Decompress
                 if allowance.cutoff is not None and total > allowance.cutoff:
                     if allowance.over_budget:
                         raise _over_budget(name, size, total, allowance.cutoff, budget, announced=False)
-                    raise _no_space(name, total, allowance.cutoff, out_dir)
+                    raise _no_space(name, None, allowance.cutoff, out_dir)
             else:
                 total = announced
                 os.ftruncate(fd_out, total)  # frames then fill their slices in any order

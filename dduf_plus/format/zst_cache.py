@@ -24,7 +24,6 @@ import hashlib
 import hmac
 import json
 import logging
-import mmap
 import os
 import stat
 import tempfile
@@ -54,7 +53,7 @@ RECORD_VERSION = 2  # version 1 (unsigned memos, no entry records) is ignored: e
 SECRET_NAME = ".secret"
 SECRET_SIZE = 32
 MAX_RECORD = 64 << 10
-HASH_CHUNK = 64 * MiB
+HASH_CHUNK = 8 * MiB
 
 
 def cache_root() -> Path:
@@ -79,15 +78,18 @@ def content_key(path: str | os.PathLike) -> str:
 
 
 def _sha256_fd(fd: int, size: int) -> str:
+    """sha256 of the first ``size`` bytes of ``fd``, read into one reused buffer (constant memory: an
+    mmap would count the whole file in the process's resident set)."""
     digest = hashlib.sha256()
-    if size:
-        with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as mm:
-            view = memoryview(mm)
-            try:
-                for at in range(0, size, HASH_CHUNK):
-                    digest.update(view[at : at + HASH_CHUNK])  # hashlib releases the GIL on big updates
-            finally:
-                view.release()
+    buffer = bytearray(HASH_CHUNK)
+    view = memoryview(buffer)
+    offset = 0
+    while offset < size:
+        n = os.preadv(fd, [view[: min(HASH_CHUNK, size - offset)]], offset)
+        if n <= 0:
+            raise DDUFError(f"file shrank while hashing it (at {offset} of {size} bytes)")
+        digest.update(view[:n])  # hashlib releases the GIL on big updates
+        offset += n
     return digest.hexdigest()
 
 
@@ -210,7 +212,7 @@ class _Cache:
             os.fsync(fd)
             umask = os.umask(0)
             os.umask(umask)
-            os.fchmod(fd, 0o644 & ~umask)
+            os.chmod(tmp, 0o644 & ~umask)  # mkstemp made it 0600; an archive is not a secret
             st = os.fstat(fd)  # rename keeps inode, device and mtime: this is the entry's stat key
             digest = _sha256_fd(fd, st.st_size)  # hot in the page cache
             os.close(fd)
