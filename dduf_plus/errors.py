@@ -84,3 +84,10 @@ class DDUFNotFoundError(DDUFIOError, FileNotFoundError):
 class DDUFPathError(DDUFError):
     """A write, rename, link or removal would reach outside the folder it belongs to (an output folder, one
     of dduf_plus' caches): refused whatever the archive says (see :mod:`dduf_plus.format.confined`)."""
+
+
+def io_error(message: str, error: OSError, filename: str | os.PathLike | None = None) -> DDUFIOError:
+    """The DDUFError for a failed open/read: :class:`DDUFNotFoundError` when the path does not exist."""
+    if isinstance(error, FileNotFoundError):
+        return DDUFNotFoundError(message, os.fspath(filename) if filename is not None else None)
+    return DDUFIOError(message)

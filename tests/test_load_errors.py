@@ -189,3 +189,11 @@ def test_zst_decompression_budget_is_a_load_argument(tmp_path, packed, monkeypat
         load_dduf(zst, max_decompressed=4096)
     assert not list((tmp_path / "cache").rglob("*.dduf"))  # nothing left behind over budget
     assert load_dduf(zst) is not None
+
+
+def test_missing_zst_is_a_file_not_found_error(tmp_path):
+    from dduf_plus.errors import DDUFNotFoundError
+
+    with pytest.raises(FileNotFoundError) as caught:
+        load_dduf(tmp_path / "missing.dduf.zst")
+    assert isinstance(caught.value, DDUFNotFoundError)

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 from urllib.parse import urljoin, urlsplit
 
-from ..errors import DDUFError, DDUFIOError, DDUFNotFoundError, DDUFUsageError
+from ..errors import DDUFError, DDUFIOError, DDUFNotFoundError, DDUFUsageError, io_error
 
 ALLOWED_URL_SCHEMES = ("https", "http", "hf", "s3", "gs", "gcs", "az", "abfs", "abfss")
 DEFAULT_DEADLINE_S = 300.0
@@ -62,12 +62,9 @@ class LocalSource:
             # O_NONBLOCK: opening a FIFO must not wait for a writer (it is refused just below).
             self.fd = os.open(self.name, os.O_RDONLY | getattr(os, "O_BINARY", 0) | getattr(os, "O_NONBLOCK", 0))
             info = os.fstat(self.fd)
-        except FileNotFoundError as e:
-            self.close()
-            raise DDUFNotFoundError(f"cannot open {self.name}: {e.strerror}", self.name) from None
         except OSError as e:
             self.close()
-            raise DDUFIOError(f"cannot open {self.name}: {e.strerror}") from None
+            raise io_error(f"cannot open {self.name}: {e.strerror}", e, self.name) from None
         if not stat.S_ISREG(info.st_mode):
             self.close()
             kind = " (a folder)" if stat.S_ISDIR(info.st_mode) else ""

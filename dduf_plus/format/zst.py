@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from ..errors import DDUFError, DDUFFormatError, DDUFIntegrityError
+from ..errors import DDUFError, DDUFFormatError, DDUFIntegrityError, io_error
 from .confined import Confined
 from .writer import _fsync_dir
 
@@ -157,7 +157,7 @@ def _open_input(src: Path) -> tuple[int, int]:
     try:
         fd = os.open(src, os.O_RDONLY | getattr(os, "O_BINARY", 0))
     except OSError as e:
-        raise DDUFError(f"cannot open {src}: {e.strerror}") from None
+        raise io_error(f"cannot open {src}: {e.strerror}", e, src) from None
     return fd, os.fstat(fd).st_size
 
 

@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from ..errors import DDUFError, DDUFPathError
+from ..errors import DDUFError, DDUFPathError, io_error
 from .confined import Confined
 from .writer import _fsync_dir
 from .zst import (
@@ -248,7 +248,7 @@ def _source(path: str | os.PathLike) -> tuple[Path, os.stat_result]:
     try:
         st = os.stat(src)
     except OSError as e:
-        raise DDUFError(f"cannot open {path}: {e.strerror}") from None
+        raise io_error(f"cannot open {path}: {e.strerror}", e, path) from None
     if not stat.S_ISREG(st.st_mode):
         raise DDUFError(f"{path}: not a regular file")
     return src, st
