@@ -127,7 +127,13 @@ class Fuzzer:
 
     def run_one(self, number: int) -> dict[str, Any]:
         started = time.perf_counter()
-        inp = self.input(number)
+        try:
+            inp = self.input(number)
+        except Exception as e:  # noqa: BLE001 - a bug of the mutation engine: reported, and the run goes on
+            import traceback
+
+            return {"number": number, "base": "?", "mutations": [], "outcomes": [
+                ["generator", "finding", f"harness-{type(e).__name__}", 0, "".join(traceback.format_exception(e))]]}
         result: dict[str, Any] = {"number": number, "base": inp.base, "mutations": inp.mutations, "outcomes": []}
         if inp.data is None:
             result["unwritable"] = True
@@ -187,9 +193,13 @@ class Pool:
         self.proc.join()
         self.proc = None
         self.restarts += 1
-        inp = self.fuzzer.input(number)
+        try:
+            inp = self.fuzzer.input(number)
+            base, done = inp.base, inp.mutations
+        except Exception:  # noqa: BLE001 - reported by the worker's own attempt, if it got that far
+            base, done = "?", []
         label = "hang" if died is None else f"worker-died-{died}"
-        return {"number": number, "base": inp.base, "mutations": inp.mutations,
+        return {"number": number, "base": base, "mutations": done,
                 "outcomes": [["worker", "finding", label, time.perf_counter() - started, f"exit code {died}"]],
                 "seconds": time.perf_counter() - started}
 
@@ -253,7 +263,10 @@ class Report:
             return
         self.out.mkdir(parents=True, exist_ok=True)
         name = f"{_slug(sig)}-s{self.seed}-n{result['number']}"
-        data = fuzzer.input(result["number"]).data
+        try:
+            data = fuzzer.input(result["number"]).data
+        except Exception:  # noqa: BLE001 - a harness bug: nothing to save
+            data = None
         if data is not None:
             (self.out / f"{name}.dduf").write_bytes(data)
         (self.out / f"{name}.json").write_text(json.dumps(

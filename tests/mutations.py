@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
 import os
 import random
 import re
@@ -179,7 +180,8 @@ def interesting(rng: random.Random, old: Any, ctx: Context, key: Any = None) -> 
         far = INTEGERS if ctx.huge else [i for i in INTEGERS if abs(i) <= 4096]
         return rng.choice(near + far + [float(old), str(old)])
     if isinstance(old, float):
-        return rng.choice([0.0, -0.0, -old, old * 1e6, 1e308, -1e308, 5e-324, float("nan"), float("inf"), int(old)])
+        return rng.choice([0.0, -0.0, -old, old * 1e6, 1e308, -1e308, 5e-324, float("nan"), float("inf"),
+                           int(old) if math.isfinite(old) else 0])
     if isinstance(old, str):
         pool = STRINGS + CLASSES[:-1] + DTYPE_NAMES + ctx.paths()
         return rng.choice([old + "x", old.upper(), old[:-1], old * 2, old + "/..", rng.choice(pool), rng.choice(pool)])

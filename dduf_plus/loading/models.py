@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import DDUFLoadError
 from ..format.weights import classify
+from .budget import construction_budget
 from .dtypes import plan_dtypes
 from .files import ComponentFiles, tensor_metadata
 
@@ -96,9 +97,11 @@ def build_diffusers_model(cls: type, files: ComponentFiles, request: ModelReques
     if QUANTO_QMAP in files.listdir():
         return build_quanto(cls, config, files, request, "diffusers", "diffusion_pytorch_model")
     weight_files = pick_weight_files(files, request.variant, "diffusion_pytorch_model")
-    plan = plan_dtypes(request.dtype, tensor_metadata(files, weight_files), model_cls=cls, library="diffusers",
+    stored = tensor_metadata(files, weight_files)
+    plan = plan_dtypes(request.dtype, stored, model_cls=cls, library="diffusers",
                        declared=request.declared, where=files.description)
-    with no_init_weights(), init_empty_weights(), default_dtype(plan.dtype):
+    with no_init_weights(), init_empty_weights(), default_dtype(plan.dtype), \
+            construction_budget(files.description, cls.__name__, stored):
         model = cls.from_config(config)
     state = dict(request.materialize(files.tensors(weight_files), device=request.device, dtype_for=plan.dtype_for))
     model._fix_state_dict_keys_on_load(state)  # old attention-block key names, as diffusers renames them
@@ -192,7 +195,8 @@ def build_transformers_model(cls: type, files: ComponentFiles, request: ModelReq
         return build_with_quantizer(cls, config_dict, files, request)
     config = transformers_config(cls, config_dict, files.description)
     weight_files = pick_weight_files(files, request.variant, "model")
-    plan = plan_dtypes(request.dtype, tensor_metadata(files, weight_files), model_cls=cls, library="transformers",
+    stored = tensor_metadata(files, weight_files)
+    plan = plan_dtypes(request.dtype, stored, model_cls=cls, library="transformers",
                        declared=request.declared, where=files.description)
     if plan.storage_dtype is not None:
         raise DDUFLoadError(f"{files.description}: fp8 storage is supported for diffusers models only")
@@ -205,7 +209,8 @@ def build_transformers_model(cls: type, files: ComponentFiles, request: ModelReq
     on_device = request.device.type != "cpu"
     if on_device:
         kwargs["device_map"] = {"": request.device}
-    with _quiet_transformers(), (_no_allocator_warmup() if on_device else contextlib.nullcontext()):
+    with _quiet_transformers(), (_no_allocator_warmup() if on_device else contextlib.nullcontext()), \
+            construction_budget(files.description, cls.__name__, stored, enabled=not request.allow_missing_weights):
         model, info = cls.from_pretrained(None, **kwargs)
     del state, kwargs
     if info.get("mismatched_keys"):

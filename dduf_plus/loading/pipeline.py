@@ -144,7 +144,11 @@ def _load(archive: DDUFArchive, path: str, request: Any, device_for: Callable[[s
     expected_modules, optional_kwargs = DiffusionPipeline._get_signature_keys(pipeline_class)
     passed_components = {k: kwargs.pop(k) for k in expected_modules if k in kwargs}
     passed_options = {k: kwargs.pop(k) for k in optional_kwargs if k in kwargs}
-    init_dict, unused, _ = pipeline_class.extract_init_dict(model_index, **kwargs)
+    try:
+        init_dict, unused, _ = pipeline_class.extract_init_dict(model_index, **kwargs)
+    except (TypeError, ValueError, AttributeError, KeyError) as e:  # diffusers' own reading of odd values
+        raise DDUFLoadError(f"{path}: model_index.json cannot be read as the config of {pipeline_class.__name__}: "
+                            f"{type(e).__name__}: {e}") from e
     init_kwargs = {k: init_dict.pop(k) for k in optional_kwargs
                    if k in init_dict and k not in pipeline_class._optional_components}
     init_kwargs.update(passed_options)
