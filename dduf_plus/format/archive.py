@@ -9,6 +9,8 @@ from __future__ import annotations
 import mmap
 import os
 from collections.abc import Iterator
+from itertools import repeat
+from operator import add, attrgetter, methodcaller, mod
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..errors import DDUFEntryNotFoundError, DDUFError, DDUFFormatError, DDUFValidationError
@@ -65,6 +67,7 @@ class DDUFArchive:
         self.model_index: dict[str, Any] = {}
         self.stored_index: dict[str, Any] | None = None
         self._entries: dict[str, Entry] = {}
+        self._components: dict[str, Component] | None = None
         try:
             self._open()
         except BaseException:
@@ -93,13 +96,7 @@ class DDUFArchive:
         self.findings.extend(check_structure(list(zip_entries), model_index, first_entry=first, parsed=parsed))
         if isinstance(model_index, dict):
             self.model_index = model_index
-        for name, e in zip_entries.items():
-            if name.endswith(".safetensors"):
-                header, problems = read_safetensors_header(self._source.read_at, e.data_offset, e.size, name)
-                self.findings.extend(problems)
-                if header is not None:
-                    self.headers[name] = header
-                    self._check_alignment(e, header)
+        self._read_headers(zip_entries)
         raw_index = self._read_small(zip_entries.get(spec.INDEX_NAME))
         if raw_index is not None:
             index, problems = parse_json(raw_index, spec.INDEX_NAME, code="I001")
@@ -119,22 +116,53 @@ class DDUFArchive:
             self._entries[name] = Entry(name, e.data_offset, e.size, e.crc32, sha if isinstance(sha, str) else None)
 
     def _read_small(self, e: ZipEntry | None) -> bytes | None:
+        """A JSON entry's bytes, unless they are over its budget (D013: not even read)."""
         if e is None:
             return None
-        if e.size > MAX_JSON_ENTRY:
-            self.findings.append(finding("D007", e.name, f"{e.size} bytes is too large for a JSON entry"))
+        budget = spec.json_budget(e.name)
+        limit = budget.bytes if budget else MAX_JSON_ENTRY
+        if e.size > limit:
+            self.findings.append(finding("D013", e.name, f"{e.size} bytes is more than the {limit} allowed"))
             return None
         return self._source.read_at(e.data_offset, e.size)
+
+    def _read_headers(self, zip_entries: dict[str, ZipEntry]) -> None:
+        """Parse every safetensors header, within the per-file cap (S011, in read_safetensors_header) and the
+        per-archive one: once the archive has declared more than spec.MAX_TENSORS_PER_ARCHIVE tensors, the
+        remaining headers are not read, so no archive costs more than that many tensors' work."""
+        total = 0
+        files = [(name, e) for name, e in zip_entries.items() if name.endswith(".safetensors")]
+        for done, (name, e) in enumerate(files):
+            if total > spec.MAX_TENSORS_PER_ARCHIVE:
+                self.findings.append(finding(
+                    "S011", None, f"the archive declares more than {spec.MAX_TENSORS_PER_ARCHIVE} tensors (the "
+                    f"per-archive cap) in its first {done} safetensors files; {len(files) - done} more not read"))
+                return
+            header, problems = read_safetensors_header(self._source.read_at, e.data_offset, e.size, name)
+            self.findings.extend(problems)
+            if header is not None:
+                self.headers[name] = header
+                self._check_alignment(e, header)
+                total += len(header.tensors)
+            elif any(f.code == "S011" for f in problems):
+                total += spec.MAX_TENSORS_PER_FILE + 1  # at least that many
+        if total > spec.MAX_TENSORS_PER_ARCHIVE:
+            self.findings.append(finding("S011", None, f"the archive declares more than {spec.MAX_TENSORS_PER_ARCHIVE} "
+                                                       "tensors (the per-archive cap)"))
 
     def _check_alignment(self, e: ZipEntry, header: SafetensorsHeader) -> None:
         data_start = e.data_offset + header.data_start
         if data_start % spec.TENSOR_ALIGNMENT:
             self.findings.append(finding("S008", e.name, f"tensor data starts at {data_start}, not a multiple of 4096"))
-        for t in header.tensors.values():
-            width = max(1, spec.DTYPE_BY_TORCH[t.dtype].bits // 8)
-            if (data_start + t.begin) % width:
-                self.findings.append(finding("S009", e.name, f"tensor {t.name} at {data_start + t.begin} is not {width}-byte aligned"))
-                break
+        tensors = list(header.tensors.values())
+        # Column-wise (C) for the common all-aligned case; the Python loop only finds the first offender.
+        starts = list(map(add, repeat(data_start), map(_BEGIN, tensors)))
+        widths = list(map(_ELEMENT_BYTES.__getitem__, map(_DTYPE, tensors)))
+        if any(map(mod, starts, widths)):
+            for t, start, width in zip(tensors, starts, widths, strict=True):
+                if start % width:
+                    self.findings.append(finding("S009", e.name, f"tensor {t.name} at {start} is not {width}-byte aligned"))
+                    break
 
     def _check_index_agrees(self, index: dict[str, Any], zip_entries: dict[str, ZipEntry]) -> list[Finding]:
         out: list[Finding] = []
@@ -151,16 +179,9 @@ class DDUFArchive:
                 continue
             header = self.headers.get(name)
             tensors = rec.get("tensors")
-            if header is not None and isinstance(tensors, dict):
-                start = e.data_offset + header.data_start
-                if set(tensors) != set(header.tensors) or any(
-                    not isinstance(tensors[n], dict)
-                    or tensors[n].get("offset") != start + t.begin
-                    or tensors[n].get("dtype") != t.dtype
-                    or tensors[n].get("shape") != list(t.shape)
-                    for n, t in header.tensors.items()
-                ):
-                    out.append(finding("I002", name, "tensor records differ from the safetensors header"))
+            if header is not None and isinstance(tensors, dict) and not _tensor_records_agree(
+                    tensors, header, e.data_offset + header.data_start):
+                out.append(finding("I002", name, "tensor records differ from the safetensors header"))
         for name in zip_entries:
             if name != spec.INDEX_NAME and name not in files:
                 out.append(finding("I002", name, "entry is missing from the index"))
@@ -229,15 +250,23 @@ class DDUFArchive:
 
     @property
     def components(self) -> dict[str, Component]:
-        refs = self.references
-        out = {}
-        for name, (library, cls) in component_specs(self.model_index).items():
-            files = tuple(sorted(n.split("/", 1)[1] for n in self._entries if n.startswith(name + "/")))
-            out[name] = Component(name, library, cls, files, refs.get(name))
-        return out
+        """{name: Component} for every component model_index.json names (computed once: entries and
+        model_index.json do not change after opening)."""
+        if self._components is None:
+            refs = self.references
+            by_folder: dict[str, list[str]] = {}
+            for n in self._entries:
+                folder, sep, file = n.partition("/")
+                if sep:
+                    by_folder.setdefault(folder, []).append(file)
+            self._components = {
+                name: Component(name, library, cls, tuple(sorted(by_folder.get(name, ()))), refs.get(name))
+                for name, (library, cls) in component_specs(self.model_index).items()
+            }
+        return dict(self._components)
 
     def component(self, name: str) -> Component:
-        comps = self.components
+        comps = self._components if self._components is not None else self.components
         if name not in comps:
             raise DDUFEntryNotFoundError(f"{self.path}: model_index.json names no component {name!r} (has: {', '.join(comps)})")
         return comps[name]
@@ -291,6 +320,26 @@ class DDUFArchive:
 
     def __repr__(self) -> str:
         return f"DDUFArchive({self.path!r}, entries={len(self._entries)})"
+
+
+_BEGIN, _DTYPE, _SHAPE = attrgetter("begin"), attrgetter("dtype"), attrgetter("shape")
+_ELEMENT_BYTES = {d.torch: max(1, d.bits // 8) for d in spec.DTYPES}
+_GET_OFFSET, _GET_DTYPE, _GET_SHAPE = (methodcaller("get", key) for key in ("offset", "dtype", "shape"))
+
+
+def _tensor_records_agree(records: dict[str, Any], header: SafetensorsHeader, data_start: int) -> bool:
+    """The index's tensor records of one file name the header's tensors with the same archive offsets,
+    dtypes and shapes. Column-wise (C): this runs for every tensor on every open."""
+    if records.keys() != header.tensors.keys():
+        return False
+    infos = list(header.tensors.values())
+    stored = list(map(records.__getitem__, header.tensors))
+    if set(map(type, stored)) - {dict}:
+        return False
+    return (list(map(_GET_OFFSET, stored)) == list(map(add, repeat(data_start), map(_BEGIN, infos)))
+            and list(map(_GET_DTYPE, stored)) == list(map(_DTYPE, infos))
+            and list(map(_GET_SHAPE, stored)) == list(map(list, map(_SHAPE, infos))))
+
 
 
 def tensor_view(buffer: Any, start: int, info: Any, torch: Any) -> torch.Tensor:

@@ -8,6 +8,9 @@ preserved and ignored, so later versions can add fields without breaking older r
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from itertools import compress, repeat
+from math import prod
+from operator import attrgetter, eq, sub
 from typing import Any, NamedTuple
 
 from . import spec
@@ -25,19 +28,23 @@ class FileRecord(NamedTuple):
 
 
 def summarize(headers: Iterable[SafetensorsHeader]) -> dict[str, Any]:
-    """Parameter count, bytes per dtype and the dominant floating dtype of a set of weight files."""
+    """Parameter count, bytes per dtype and the dominant floating dtype of a set of weight files.
+    Column-wise (C loops over each header's tensors): ``dduf info`` runs it over every tensor."""
     dtypes: dict[str, int] = {}
     parameters = 0
     for header in headers:
-        for t in header.tensors.values():
-            numel = 1
-            for d in t.shape:
-                numel *= d
-            parameters += numel
-            dtypes[t.dtype] = dtypes.get(t.dtype, 0) + t.nbytes
+        infos = list(header.tensors.values())
+        parameters += sum(map(prod, map(_SHAPE, infos)))
+        kinds = list(map(_DTYPE, infos))
+        sizes = list(map(sub, map(_END, infos), map(_BEGIN, infos)))
+        for kind in set(kinds):  # a handful of dtypes per file
+            dtypes[kind] = dtypes.get(kind, 0) + sum(compress(sizes, map(eq, kinds, repeat(kind))))
     floating = {k: v for k, v in dtypes.items() if spec.DTYPE_BY_TORCH[k].floating}
     dominant = max(sorted(floating), key=lambda k: floating[k]) if floating else None
     return {"parameters": parameters, "bytes": sum(dtypes.values()), "dtypes": dict(sorted(dtypes.items())), "dtype": dominant}
+
+
+_SHAPE, _DTYPE, _BEGIN, _END = (attrgetter(field) for field in ("shape", "dtype", "begin", "end"))
 
 
 def _tensor_record(t: TensorInfo, data_start: int) -> dict[str, Any]:

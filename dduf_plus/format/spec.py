@@ -46,8 +46,7 @@ S_IFMT = 0o170000
 S_IFLNK = 0o120000
 S_IFDIR = 0o040000
 
-# Bounds on what we trust from a file before using it.
-MAX_ENTRIES = 100_000
+# Bounds on what we trust from a file before using it (more under "budgets" below).
 MAX_CENTRAL_DIRECTORY = 64 << 20
 MAX_NAME_BYTES = 1024
 
@@ -77,6 +76,58 @@ def align_up(value: int, alignment: int) -> int:
 # --- safetensors -------------------------------------------------------------------------------------
 SAFETENSORS_MAX_HEADER = 100_000_000  # safetensors' own limit
 SAFETENSORS_METADATA_KEY = "__metadata__"
+
+
+# --- budgets: what a reader takes from an untrusted archive -----------------------------------------
+# Every reader (validate, info, refs, DDUFArchive) answers any archive of at most 64 MB within 3 s and
+# 500 MB on two cores (tests/test_security_budgets.py, bench/bench_budgets.py); work per archive is linear
+# in its size and these caps bound what cannot be made cheap enough. Each cap has a rule code and is far
+# above what real pipelines hold (docs/security.md, docs/validation.md give the reasoning).
+
+# Z005. Real pipelines hold a few dozen entries (Flux, Wan 2.1 14B: 30-40 with every shard; both weight
+# variants: ~80). Parsing costs ~15 us per entry; the classic ZIP limit (65,535) would be 1-2 s of it.
+MAX_ENTRIES = 10_000
+
+# S011. Flux's transformer has ~1,200 tensors, an 8B LLM text encoder ~300 per shard, a 128-expert MoE
+# merged into one file ~19,000; a whole pipeline (HiDream: 4 text encoders + MoE transformer) ~5,000.
+MAX_TENSORS_PER_FILE = 65_536
+MAX_TENSORS_PER_ARCHIVE = 131_072
+# Before a header is parsed, its JSON values are bounded from its bytes (commas and brackets, see
+# JsonBudget); a tensor record is ~10 values (rank-4 shape), so this leaves room for 5-dimensional ones.
+HEADER_VALUES_PER_TENSOR = 16
+
+# D013. JSON entries a reader parses on every open or validation.
+MAX_JSON_DEPTH = 64  # model_index.json with references nests 5 deep, the dduf_plus index 6, configs ~4
+
+
+class JsonBudget(NamedTuple):
+    """Caps on one JSON entry, checked on its bytes before it is parsed. ``values`` bounds what the parsed
+    object may hold: commas + '[' + '{' + 1, counted on the raw bytes (so also inside strings), is at least the
+    number of JSON values, and each costs a parser up to ~100 bytes of memory (an empty dict: 64)."""
+
+    bytes: int
+    values: int
+
+
+# model_index.json is ~1 KB (with a reference per component and sha256 per file: ~20 KB); every component it
+# names costs work in every command. Configs: Gemma 3's tokenizer_config.json is 1.2 MB (6k added tokens).
+# The index records each tensor in ~140 bytes / ~10 values: 18 MB and 1.3M values at MAX_TENSORS_PER_ARCHIVE.
+JSON_BUDGETS = {
+    MODEL_INDEX: JsonBudget(1 << 20, 1 << 16),
+    INDEX_NAME: JsonBudget(32 << 20, 1 << 21),
+}
+CONFIG_JSON_BUDGET = JsonBudget(16 << 20, 1 << 21)
+
+
+def json_budget(entry: str) -> JsonBudget | None:
+    """The D013 budget of a JSON entry: model_index.json, the dduf_plus index and component configs (what
+    every command parses); None for data files such as vocab.json / tokenizer.json, parsed only when
+    validating with ``verify`` (their depth is still capped)."""
+    if entry in JSON_BUDGETS:
+        return JSON_BUDGETS[entry]
+    if entry.rsplit("/", 1)[-1] in CONFIG_FILES:
+        return CONFIG_JSON_BUDGET
+    return None
 
 
 class DType(NamedTuple):

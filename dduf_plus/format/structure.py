@@ -8,10 +8,20 @@ from collections.abc import Sequence
 from . import spec
 from .confined import component_name_problem
 from .findings import Finding, finding
+from .json_budget import check_json
 from .references import reference_findings
 
 
 def parse_json(raw: bytes, entry: str, *, code: str = "D007") -> tuple[object, list[Finding]]:
+    """Parse a JSON entry of an untrusted archive. Checked on its bytes first (D013): the size and value
+    budget of its kind (:func:`spec.json_budget`: model_index.json, the dduf_plus index, configs) and, for
+    every entry, nesting depth (spec.MAX_JSON_DEPTH), so the parser's memory and stack stay bounded whatever
+    the recursion limit. ``code`` names a parse failure."""
+    budget = spec.json_budget(entry)
+    problem = check_json(bytes(raw), max_bytes=budget.bytes if budget else None,
+                         max_values=budget.values if budget else None, max_depth=spec.MAX_JSON_DEPTH)
+    if problem is not None:
+        return None, [finding("D013", entry, problem.message)]
     try:
         return json.loads(raw), []
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError

@@ -6,6 +6,7 @@ stops early only when nothing further can be trusted."""
 
 from __future__ import annotations
 
+import re
 import struct
 import unicodedata
 from typing import NamedTuple
@@ -65,6 +66,10 @@ def _zip64_values(payload: bytes, wanted: list[str]) -> dict[str, int] | None:
     return out
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_DOT_SEGMENT = re.compile(r"(?:^|/)\.{0,2}(?:/|$)")  # an empty, '.' or '..' path segment
+
+
 def check_name(name_bytes: bytes, flags: int) -> tuple[str | None, list[Finding]]:
     """Decode and vet an entry name: UTF-8, no control characters, relative, '/'-separated, no '..'."""
     shown = name_bytes.decode("utf-8", "backslashreplace")
@@ -72,13 +77,13 @@ def check_name(name_bytes: bytes, flags: int) -> tuple[str | None, list[Finding]
         name = name_bytes.decode("utf-8")
     except UnicodeDecodeError:
         return None, [finding("Z007", shown, "entry name is not valid UTF-8")]
-    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in name):
+    if _CONTROL.search(name):
         return None, [finding("Z007", repr(name), "entry name holds NUL or control characters")]
     if "\\" in name or name.startswith("/") or (len(name) > 1 and name[1] == ":"):
         return None, [finding("Z008", name, "entry name is absolute or uses backslashes")]
     if not name or name.endswith("/"):
         return None, [finding("Z013", name, "directory records are not allowed in DDUF")]
-    if any(part in ("", ".", "..") for part in name.split("/")):
+    if _DOT_SEGMENT.search(name):
         return None, [finding("Z008", name, "entry name has empty, '.' or '..' path segments")]
     return name, []
 
@@ -229,9 +234,17 @@ def parse_layout(source: ByteSource) -> tuple[ZipLayout | None, list[Finding]]:
 
 
 def _check_local_headers(source: ByteSource, entries: list[ZipEntry], cd_offset: int, findings: list[Finding]) -> list[ZipEntry]:
-    """Read every local header, compare it with its central record, and check the entries tile the file."""
+    """Read every local header once, in file order; compare it with its central record; check the entries
+    tile ``[0, cd_offset)``: no prefix (polyglots), no overlap, no holes.
+
+    An entry that overlaps the one before is reported (Z015) and dropped as soon as its fixed 30-byte
+    header says where it ends, before its name and extra field are read: so the bytes read (and every later
+    read of entry data: configs, safetensors headers) add up to at most the file's size, however many
+    central records point into the same bytes. An entry whose data runs past the central directory is
+    dropped too: nothing may read its bytes."""
     checked: list[ZipEntry] = []
-    for entry in entries:
+    position = 0  # end of the bytes the entries so far account for
+    for entry in sorted(entries, key=lambda e: e.header_offset):
         if entry.header_offset + spec.LOCAL_HEADER_SIZE > cd_offset:
             findings.append(finding("Z017", entry.name, "local header lies past the central directory"))
             continue
@@ -243,6 +256,14 @@ def _check_local_headers(source: ByteSource, entries: list[ZipEntry], cd_offset:
         data_offset = entry.header_offset + spec.LOCAL_HEADER_SIZE + nlen + xlen
         if data_offset > cd_offset:
             findings.append(finding("Z017", entry.name, "local header runs past the central directory"))
+            continue
+        end = data_offset + entry.size
+        if end > cd_offset:
+            findings.append(finding("Z017", entry.name, "entry data runs into the central directory or past the file"))
+            continue
+        if entry.header_offset < position:
+            findings.append(finding("Z015", entry.name, "entry overlaps the previous one"))
+            position = max(position, end)  # its bytes are accounted for (as an error), not foreign
             continue
         rest = source.read_at(entry.header_offset + spec.LOCAL_HEADER_SIZE, nlen + xlen)
         local_name, extra = rest[:nlen], rest[nlen:]
@@ -265,29 +286,17 @@ def _check_local_headers(source: ByteSource, entries: list[ZipEntry], cd_offset:
             if crc != entry.crc32 or usize != entry.size or csize != entry.size:
                 findings.append(finding("Z014", entry.name, "local header and central directory disagree on CRC-32 or sizes"))
                 continue
-        checked.append(entry._replace(data_offset=data_offset, flags=entry.flags | (flags & spec.FLAG_DATA_DESCRIPTOR)))
-
-    # The entries must tile [0, cd_offset): no prefix (polyglots), no overlap, no holes.
-    # An entry whose data runs past the central directory is dropped: nothing may read its bytes.
-    position = 0
-    in_bounds: set[str] = set()
-    for entry in sorted(checked, key=lambda e: e.header_offset):
         if entry.header_offset > position:
             where = "before the first entry" if position == 0 else "before this entry"
             findings.append(finding("Z016", entry.name, f"{entry.header_offset - position} foreign bytes {where}"))
-        elif entry.header_offset < position:
-            findings.append(finding("Z015", entry.name, "entry overlaps the previous one"))
-        end = entry.data_offset + entry.size
-        if end > cd_offset:
-            findings.append(finding("Z017", entry.name, "entry data runs into the central directory or past the file"))
-            continue
-        in_bounds.add(entry.name)
-        if entry.flags & spec.FLAG_DATA_DESCRIPTOR:
+        if flags & spec.FLAG_DATA_DESCRIPTOR:
             end += _descriptor_size(source, end, cd_offset)
-        position = max(position, end)
+        position = end
+        checked.append(entry._replace(data_offset=data_offset, flags=entry.flags | (flags & spec.FLAG_DATA_DESCRIPTOR)))
     if checked and position < cd_offset:
         findings.append(finding("Z016", None, f"{cd_offset - position} foreign bytes before the central directory"))
-    return [e for e in checked if e.name in in_bounds]
+    order = {e.name: i for i, e in enumerate(entries)}
+    return sorted(checked, key=lambda e: order[e.name])  # central directory order, as before
 
 
 def _descriptor_size(source: ByteSource, at: int, limit: int) -> int:
