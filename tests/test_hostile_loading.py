@@ -259,3 +259,20 @@ def test_unpack_without_checks_still_confines_raw_traversal_names(file: str, gua
     assert all(p.resolve().is_relative_to(out.resolve()) for p in written)
     assert not any(p.name.startswith("evil") or "\\" in p.name for p in written), written
     assert not list(guarded["out"].parent.rglob("evil*"))
+
+
+@pytest.mark.parametrize("component_record", [7, None, ["x"], {"storage_dtype": "float8_e4m3fn"}])
+def test_info_survives_any_shape_of_index_component_record(tmp_path: Path, component_record, capsys) -> None:
+    """Found by the loader fuzzer: index component records that are not objects, or fp8 storage without a
+    compute dtype, made `dduf info` raise KeyError/TypeError."""
+    from conftest import load_make_hostile
+
+    mh = load_make_hostile()
+
+    def forge(index: dict) -> dict:
+        index["components"]["unet"] = component_record
+        return index
+
+    path = mh.write_valid(tmp_path / "forged.dduf", index=forge)
+    assert main(["info", str(path)]) in (0, 1)
+    assert main(["info", "--json", str(path)]) in (0, 1)

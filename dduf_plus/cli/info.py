@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
         dtypes = ", ".join(f"{k} {human_bytes(v)}" for k, v in c["dtypes"].items()) or "no weights"
         params = f"{human_count(c['parameters'])} params" if c["parameters"] else ""
         aligned = "" if c.get("aligned", True) else "  [not page-aligned]"
-        extra = f"  [stored {c['storage_dtype']}, computes {c['compute_dtype']}]" if c.get("storage_dtype") else ""
+        extra = f"  [stored {c['storage_dtype']}, computes {c.get('compute_dtype')}]" if c.get("storage_dtype") else ""
         echo(f"  {name:<20} {c['class']!s:<32} {c['dtype'] or '-':<10} {params:<14} {dtypes}{aligned}{extra}")
     if info["null_components"]:
         echo(f"  null: {', '.join(info['null_components'])}")

@@ -59,7 +59,9 @@ def describe_archive(archive: DDUFArchive, variant: str | None = None) -> dict[s
                                    comp.external, aligned=aligned, weight_files=weights,
                                    variant=_variant_used(name, weights, variant))
         if archive.stored_index is not None:
-            indexed = archive.stored_index.get("components", {}).get(name, {})
+            components_index = archive.stored_index.get("components")
+            indexed = components_index.get(name) if isinstance(components_index, dict) else None
+            indexed = indexed if isinstance(indexed, dict) else {}  # the index is untrusted: any shape
             for key in ("storage_dtype", "compute_dtype", "quantization"):
                 if key in indexed:
                     record[key] = indexed[key]
