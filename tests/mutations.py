@@ -248,7 +248,7 @@ def _mutate_json_entry(rng: random.Random, draft: Draft, ctx: Context, names: li
     name = rng.choice(names)
     try:
         obj = json.loads(draft.entries[name])
-    except ValueError:
+    except (ValueError, RecursionError):
         return None  # already made unreadable by an earlier mutation
     obj, what = mutate_json(rng, obj, ctx)
     draft.entries[name] = dumps(obj, rng)
@@ -383,7 +383,7 @@ def _header(data: bytes) -> tuple[dict, bytes] | None:
     n = struct.unpack("<Q", data[:8])[0]
     try:
         header = json.loads(data[8 : 8 + n])
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     return (header, data[8 + n :]) if isinstance(header, dict) else None
 
@@ -700,7 +700,7 @@ def _cli(argv: list[str], *, human: bool) -> Outcome:
     if not human and code == 0 and argv[0] in ("info", "refs") and out.getvalue():
         try:
             json.loads(out.getvalue())
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:
             return Outcome(argv[0], "finding", "invalid-json-output", 0, f"{e}:\n{out.getvalue()[:2000]}")
     if code not in (0, 1, 2):
         return Outcome(argv[0], "finding", f"exit-{code}", 0, text[:2000])

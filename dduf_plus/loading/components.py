@@ -104,6 +104,25 @@ def _weightless_diffusers_kinds() -> tuple[type, ...]:
     return tuple(c for n in names if isinstance(c := getattr(diffusers, n, None), type))
 
 
+# Schedulers and other config-only components allocate in proportion to some of their integers
+# (``[None] * solver_order``, arrays of ``num_train_timesteps``): ``solver_order: 4294967296`` asked for
+# 32 GB. Real configs stay far below this (``num_train_timesteps`` 1000, ``max_image_seq_len`` 4096).
+MAX_WEIGHTLESS_CONFIG_INTEGER = 1 << 20
+
+
+def _check_weightless_config(config: Any, where: str, class_name: str) -> None:
+    stack = [("", config)]
+    while stack:
+        key, value = stack.pop()
+        if isinstance(value, dict):
+            stack.extend((f"{key}.{k}" if key else str(k), v) for k, v in value.items())
+        elif isinstance(value, list):
+            stack.extend((f"{key}[{i}]", v) for i, v in enumerate(value))
+        elif type(value) is int and abs(value) > MAX_WEIGHTLESS_CONFIG_INTEGER:
+            raise DDUFLoadError(f"{where}: {key} = {value} is out of range for {class_name} (a config-only "
+                                f"component; at most {MAX_WEIGHTLESS_CONFIG_INTEGER})")
+
+
 def build_component(cls: type, files: ComponentFiles, request: ModelRequest) -> Any:
     """Build one component. Every failure comes out as a :class:`DDUFError` naming the component."""
     kind = kind_of(cls)
@@ -116,7 +135,9 @@ def build_component(cls: type, files: ComponentFiles, request: ModelRequest) -> 
             config_name = getattr(cls, "config_name", None)
             if not config_name:
                 raise DDUFLoadError(f"{files.description}: {cls.__name__} has no config file name")
-            return cls.from_config(files.read_json(config_name))
+            config = files.read_json(config_name)
+            _check_weightless_config(config, files.description, cls.__name__)
+            return cls.from_config(config)
         if kind == "files":
             # transformers tokenizers/processors read their files by path: only these small files
             # are materialised, once per content (see files.local_dir). The archive never decides to run
