@@ -276,3 +276,17 @@ def test_info_survives_any_shape_of_index_component_record(tmp_path: Path, compo
     path = mh.write_valid(tmp_path / "forged.dduf", index=forge)
     assert main(["info", str(path)]) in (0, 1)
     assert main(["info", "--json", str(path)]) in (0, 1)
+
+
+def test_weightless_config_sizes_are_bounded(tmp_path: Path, guarded: dict) -> None:
+    """Found by the loader fuzzer: scheduler solver_order 2**31 was a MemoryError inside from_config."""
+    import shutil
+
+    from dduf_plus.format.pack import pack_folder
+
+    folder = tmp_path / "p"
+    shutil.copytree(ROOT / "fixtures" / "pipelines" / "tiny-sd", folder)
+    cfg = folder / "scheduler" / "scheduler_config.json"
+    cfg.write_text(json.dumps(json.loads(cfg.read_text()) | {"num_train_timesteps": 2**31}))
+    _, error = try_load(pack_folder(folder, tmp_path / "p.dduf", quiet=True).path)
+    assert isinstance(error, errors.DDUFLoadError) and "num_train_timesteps" in str(error)
