@@ -74,7 +74,10 @@ def cases() -> dict[str, Callable[[Path], Path]]:
         return build
 
     per_file, per_archive = spec.MAX_TENSORS_PER_FILE, spec.MAX_TENSORS_PER_ARCHIVE
-    components = spec.JSON_BUDGETS[spec.MODEL_INDEX].values // 3 - 100  # 3 values per component
+    mi_budget, index_budget = spec.JSON_BUDGETS[spec.MODEL_INDEX], spec.JSON_BUDGETS[spec.INDEX_NAME]
+    components = mi_budget.values // 3 - 100  # 3 values and 28 bytes per component
+    references = min(mi_budget.values // 10, mi_budget.bytes // 230) - 20  # 10 values and ~226 bytes each
+    index_files = min(index_budget.values // 5, index_budget.bytes // 80) - 1000  # 5 values and ~75 bytes each
     return {
         # the cases
         "million-tensors": tensors("million-tensors.dduf", [1_000_000]),
@@ -95,7 +98,10 @@ def cases() -> dict[str, Callable[[Path], Path]]:
         "tensors-over-cap-many-files": tensors("tensors-over-cap.dduf", [per_file // 2] * 16),
         "components-at-cap": data("components-at-cap.dduf",
                                   lambda: mh.json_bomb_archive("wide", size=components * 28)),
-        "references-3000": lambda folder: mh.many_references_archive(folder / "references.dduf", 3000),
+        "references-at-cap": lambda folder: mh.many_references_archive(folder / "references.dduf", references),
+        "config-pairs-at-cap": data("config-pairs-at-cap.dduf", lambda: mh.json_bomb_archive(
+            "pairs", "unet/config.json", size=spec.CONFIG_JSON_BUDGET.bytes - 64)),
+        "index-files-at-cap": data("index-files-at-cap.dduf", lambda: mh.index_bomb_archive(index_files)),
     }
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 import struct
-from itertools import accumulate, chain, repeat
+from itertools import chain, compress, repeat
 from math import prod
-from operator import attrgetter, itemgetter, methodcaller, mul, sub
+from operator import attrgetter, itemgetter, methodcaller, mul, not_, sub
 from typing import NamedTuple
 
 from . import spec
@@ -15,9 +15,10 @@ from .json_budget import depth_of, skeleton, value_bound
 
 MAX_RANK = 64
 MAX_ELEMENTS = 1 << 62
-# A header holds at most this many JSON values (bounded from its bytes before it is parsed, see
-# json_budget.value_bound): HEADER_VALUES_PER_TENSOR per tensor at the per-file cap, plus room for metadata.
-MAX_HEADER_VALUES = spec.MAX_TENSORS_PER_FILE * spec.HEADER_VALUES_PER_TENSOR + 4096
+# A header may hold at most HEADER_VALUES_PER_TENSOR JSON values per tensor it may declare, plus this many
+# for __metadata__ (bounded from its bytes before it is parsed, see json_budget.value_bound).
+HEADER_METADATA_VALUES = 4096
+MAX_HEADER_VALUES = spec.MAX_TENSORS_PER_FILE * spec.HEADER_VALUES_PER_TENSOR + HEADER_METADATA_VALUES
 MAX_HEADER_DEPTH = spec.MAX_JSON_DEPTH  # valid headers nest 3 deep ({record: {"shape": [...]}})
 
 
@@ -81,19 +82,22 @@ def _members(header: dict) -> int:
     return count
 
 
-def parse_header(raw: bytes, header_length: int, file_size: int, entry: str) -> tuple[SafetensorsHeader | None, list[Finding]]:
+def parse_header(raw: bytes, header_length: int, file_size: int, entry: str, *,
+                 max_tensors: int = spec.MAX_TENSORS_PER_FILE) -> tuple[SafetensorsHeader | None, list[Finding]]:
     """Check a safetensors JSON header against the file it heads (size ``file_size``).
 
-    Bounded before parsing: at most MAX_HEADER_VALUES JSON values (S011: that many cannot be fewer than
-    spec.MAX_TENSORS_PER_FILE tensors of sane rank) and MAX_HEADER_DEPTH levels (S002); after parsing, at
-    most spec.MAX_TENSORS_PER_FILE tensors (S011). Work per tensor is a few dict lookups: no per-object
-    parser hook (repeated keys are found by counting members, see :func:`_members`)."""
+    Bounded before parsing: at most HEADER_VALUES_PER_TENSOR JSON values per allowed tensor (S011: more
+    cannot be ``max_tensors`` tensors of sane rank) and MAX_HEADER_DEPTH levels (S002); after parsing, at most
+    ``max_tensors`` tensors (S011; the per-file cap, or less of it when the archive's cap leaves less).
+    Work per tensor is a few C-level steps: no per-object parser hook (repeated keys are found by counting
+    members, see :func:`_members`), records checked column-wise (:func:`_valid_records`)."""
     data_size = file_size - 8 - header_length
     raw = bytes(raw)  # no copy for bytes; memoryview/bytearray callers get one
     values = value_bound(raw)
-    if values > MAX_HEADER_VALUES:
+    max_values = max_tensors * spec.HEADER_VALUES_PER_TENSOR + HEADER_METADATA_VALUES
+    if values > max_values:
         return None, [finding("S011", entry, f"header holds up to {values} JSON values (commas and brackets): more "
-                                             f"than {spec.MAX_TENSORS_PER_FILE} tensors need (the per-file cap)")]
+                                             f"than {max_tensors} tensors need ({_cap_name(max_tensors)})")]
     marks = skeleton(raw)
     if depth_of(marks, MAX_HEADER_DEPTH) > MAX_HEADER_DEPTH:
         return None, [finding("S002", entry, f"header nests deeper than {MAX_HEADER_DEPTH} levels")]
@@ -117,9 +121,9 @@ def parse_header(raw: bytes, header_length: int, file_size: int, entry: str) -> 
     ):
         findings.append(finding("S007", entry, "__metadata__ must map strings to strings"))
         metadata = None
-    if len(header) > spec.MAX_TENSORS_PER_FILE:
-        return None, findings + [finding("S011", entry, f"{len(header)} tensors is more than the "
-                                                        f"{spec.MAX_TENSORS_PER_FILE} allowed per file")]
+    if len(header) > max_tensors:
+        return None, findings + [finding("S011", entry, f"{len(header)} tensors is more than the {max_tensors} "
+                                                        f"allowed ({_cap_name(max_tensors)})")]
     tensors = _valid_records(header, data_size)
     if tensors is None:  # something is wrong: the record-by-record pass says what
         tensors = _check_records(header, data_size, entry, findings)
@@ -158,11 +162,16 @@ def _valid_records(header: dict, data_size: int) -> dict[str, TensorInfo] | None
             return None
     except TypeError:  # an unhashable dtype, or a comparison across types
         return None
-    spans = sorted(zip(begins, ends, strict=True))
-    starts = [b for b, _ in spans]
-    reach = list(accumulate((e for _, e in spans), max))
-    if starts[0] != 0 or starts[1:] != reach[:-1] or reach[-1] != data_size:
+    # The spans with bytes tile [0, data_size) exactly iff their sorted begins are 0 and their sorted ends but
+    # the last, and the last end is data_size (the span ending first must be the one beginning first, and so
+    # on). Sorting ints, not pairs: writers emit them in order, so timsort does one pass.
+    starts, stops = sorted(compress(begins, sizes)), sorted(compress(ends, sizes))
+    if (starts[:1] != [0] or stops[-1] != data_size or starts[1:] != stops[:-1]) if starts else data_size:
         return None  # an overlap, a hole or uncovered bytes: reported one by one
+    if len(starts) < len(sizes):  # zero-size tensors: only at a boundary, not inside another tensor
+        boundaries = {0, data_size, *starts}
+        if not boundaries.issuperset(compress(begins, map(not_, sizes))):
+            return None
     infos = map(tuple.__new__, repeat(TensorInfo), zip(names, map(_TORCH, dtypes), map(tuple, shapes), begins, ends, strict=True))
     return dict(zip(names, infos, strict=True))
 
@@ -220,13 +229,20 @@ def _check_records(header: dict, data_size: int, entry: str, findings: list[Find
 _SPAN = itemgetter(3, 4)  # TensorInfo (begin, end)
 
 
-def read_safetensors_header(read_at, entry_offset: int, entry_size: int, entry: str) -> tuple[SafetensorsHeader | None, list[Finding]]:
+def _cap_name(max_tensors: int) -> str:
+    if max_tensors >= spec.MAX_TENSORS_PER_FILE:
+        return "the per-file cap"
+    return f"what the per-archive cap of {spec.MAX_TENSORS_PER_ARCHIVE} leaves for this file"
+
+
+def read_safetensors_header(read_at, entry_offset: int, entry_size: int, entry: str, *,
+                            max_tensors: int = spec.MAX_TENSORS_PER_FILE) -> tuple[SafetensorsHeader | None, list[Finding]]:
     """Read and check the header of a safetensors file that occupies ``entry_size`` bytes at ``entry_offset``
-    of a source whose ``read_at(offset, length)`` returns bytes."""
+    of a source whose ``read_at(offset, length)`` returns bytes; ``max_tensors`` as for :func:`parse_header`."""
     if entry_size < 8:
         return None, [finding("S001", entry, f"{entry_size} bytes cannot hold a safetensors header")]
     header_length = read_header_length(read_at(entry_offset, 8))
     if header_length > spec.SAFETENSORS_MAX_HEADER or 8 + header_length > entry_size:
         return None, [finding("S001", entry, f"header length {header_length} exceeds the entry or 100 MB")]
     raw = read_at(entry_offset + 8, header_length)
-    return parse_header(raw, header_length, entry_size, entry)
+    return parse_header(raw, header_length, entry_size, entry, max_tensors=max_tensors)

@@ -111,14 +111,16 @@ class JsonBudget(NamedTuple):
     values: int
 
 
-# model_index.json is ~1 KB (with a reference per component and sha256 per file: ~20 KB); every component it
-# names costs work in every command. Configs: Gemma 3's tokenizer_config.json is 1.2 MB (6k added tokens).
-# The index records each tensor in ~140 bytes / ~10 values: 9 MB and 0.7M values at MAX_TENSORS_PER_ARCHIVE.
+# model_index.json is ~1 KB (with a reference per component and sha256 per file: ~20 KB, ~1,000 values);
+# every component and reference it names costs work in every command (`dduf refs` ~0.5 ms per reference:
+# 16,384 values allow ~1,600 references). Configs: Gemma 3's tokenizer_config.json is 1.2 MB (6k added
+# tokens, ~50k values). The index records each tensor in ~140 bytes / ~10 values: 9 MB and 0.7M values at
+# MAX_TENSORS_PER_ARCHIVE. Parsing costs ~1 s per million values on the 2-core reference machine.
 JSON_BUDGETS = {
-    MODEL_INDEX: JsonBudget(1 << 20, 1 << 16),
-    INDEX_NAME: JsonBudget(32 << 20, 1 << 21),
+    MODEL_INDEX: JsonBudget(256 << 10, 1 << 14),
+    INDEX_NAME: JsonBudget(16 << 20, 1 << 20),
 }
-CONFIG_JSON_BUDGET = JsonBudget(16 << 20, 1 << 21)
+CONFIG_JSON_BUDGET = JsonBudget(8 << 20, 1 << 20)
 
 
 def json_budget(entry: str) -> JsonBudget | None:
