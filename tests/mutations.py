@@ -532,7 +532,7 @@ def m_raw(rng, draft, ctx):
             layout = mh.Layout(data)
             hot = [*(at + i for at in layout.local.values() for i in range(46)),
                    *range(layout.cd_offset, len(data))]
-        except (struct.error, UnicodeDecodeError, KeyError):
+        except (struct.error, UnicodeDecodeError, KeyError, OverflowError, ValueError, IndexError):  # an earlier raw edit
             hot = list(range(len(data)))
         if roll < 0.5:
             at, width = local.choice(hot), local.choice([2, 4, 8])
