@@ -3,19 +3,23 @@ archive answers within 3 s and 500 MB peak RSS for any archive of at most 64 MB.
 
 Builds each budget case (fixtures/hostile/make_hostile.py builders: too big to commit) in a temporary
 folder, then runs ``dduf validate``, ``dduf info``, ``dduf refs`` and opening ``DDUFArchive`` on it, each
-in a fresh process, and prints one row per (case, command): file size, wall and CPU seconds, the child's
-peak RSS (``os.wait4``), exit code and the rule codes the verdict names.
+in a fresh process, and prints one row per (case, command): file size, wall and CPU seconds and peak RSS of
+that process (VmHWM), exit code and the rule codes its output names. tests/test_security_budgets.py
+measures with :func:`measure` too.
 
-Run from the repository root:  python bench/bench_budgets.py [--case NAME ...] [--json OUT]
+Run from the repository root:  python bench/bench_budgets.py [--case NAME ...] [--command CMD ...] [--json OUT]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
+import io
 import json
 import os
 import re
+import resource
 import subprocess
 import sys
 import tempfile
@@ -26,16 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 BUDGET_SECONDS = 3.0
 BUDGET_RSS = 500 << 20
-
-_OPEN = ("import sys\nfrom dduf_plus.errors import DDUFValidationError\nfrom dduf_plus.format.archive import DDUFArchive\n"
-         "try:\n    DDUFArchive(sys.argv[1]).close()\n    print('opened')\n"
-         "except DDUFValidationError as e:\n    print('refused', *sorted(set(e.codes)))\n    sys.exit(1)\n")
-COMMANDS: dict[str, list[str]] = {
-    "validate": ["-m", "dduf_plus.cli", "validate"],
-    "info": ["-m", "dduf_plus.cli", "info"],
-    "refs": ["-m", "dduf_plus.cli", "refs"],
-    "open": ["-c", _OPEN],
-}
+COMMANDS = ("validate", "info", "refs", "open")
 _CODE = re.compile(r"\b([ZDSIRHX]\d{3})\b")
 
 
@@ -105,94 +100,89 @@ def cases() -> dict[str, Callable[[Path], Path]]:
     }
 
 
-def run_measured(argv: list[str], timeout: float = 120.0) -> dict:
-    """Run ``python ARGV`` in a fresh process: wall and CPU seconds, peak RSS (``os.wait4`` on its pid),
-    exit code, the rule codes its output names."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    with tempfile.TemporaryFile() as out:
+def measure(command: str, path: str | os.PathLike, *, timeout: float = 120.0, env: dict[str, str] | None = None) -> dict:
+    """Run one command on ``path`` in a fresh process (this script's ``--child``): its wall and CPU seconds,
+    peak RSS, exit code, output and the rule codes the output names.
+
+    The child measures itself: CPU from getrusage(RUSAGE_SELF), peak RSS from /proc/self/status VmHWM (the
+    high-water mark of its own memory map; ru_maxrss would carry over the spawning process's peak across exec,
+    so a pytest process with torch loaded would lend the child its 500 MB)."""
+    with tempfile.TemporaryDirectory(prefix="dduf-measure-") as tmp:
+        result = Path(tmp) / "result.json"
+        child_env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), **(env or {})}
         started = time.perf_counter()
-        pid = os.posix_spawn(sys.executable, [sys.executable, *argv], env,
-                             file_actions=[(os.POSIX_SPAWN_DUP2, out.fileno(), 1), (os.POSIX_SPAWN_DUP2, out.fileno(), 2)])
-        status, usage, killed = _wait(pid, started + timeout)
+        try:
+            proc = subprocess.run([sys.executable, __file__, "--child", command, str(path), str(result)],
+                                  capture_output=True, text=True, env=child_env, cwd=ROOT, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"seconds": timeout, "cpu": None, "rss": None, "rc": None, "codes": [], "output": "timed out"}
         seconds = time.perf_counter() - started
-        out.seek(0)
-        output = out.read().decode("utf-8", "replace")
-    return {
-        "seconds": seconds,
-        "cpu": usage.ru_utime + usage.ru_stime,
-        "rss": usage.ru_maxrss * 1024,  # Linux reports KiB
-        "rc": -9 if killed else os.waitstatus_to_exitcode(status),
-        "codes": sorted(set(_CODE.findall(output))),
-        "output": output,
-    }
+        if not result.is_file():
+            raise RuntimeError(f"{command} {path}: the child died (rc {proc.returncode}):\n{proc.stderr[-2000:]}")
+        got = json.loads(result.read_text())
+    return {"seconds": seconds, **got, "codes": sorted(set(_CODE.findall(got["output"])))}
 
 
-def _wait(pid: int, deadline: float):
-    killed = False
-    while True:
-        done, status, usage = os.wait4(pid, os.WNOHANG)
-        if done:
-            return status, usage, killed
-        if time.perf_counter() > deadline and not killed:
-            os.kill(pid, 9)
-            killed = True
-        time.sleep(0.005)
+def _child(command: str, path: str, result: str) -> None:
+    """One command, in this process, output captured; then this process's own CPU time and peak RSS."""
+    from dduf_plus.errors import DDUFError
 
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        try:
+            if command == "open":
+                from dduf_plus.format.archive import DDUFArchive
 
-def build_case(name: str, folder: Path) -> Path:
-    """Build one case in a child process: wait4's peak RSS of a process includes that of the process it was
-    spawned from (Linux keeps the high-water mark across exec), so the measuring process must stay small."""
-    proc = subprocess.run([sys.executable, __file__, "--build", name, "--out", str(folder)], capture_output=True,
-                          text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    if proc.returncode:
-        raise RuntimeError(f"building {name} failed:\n{proc.stderr}")
-    return Path(proc.stdout.strip())
+                DDUFArchive(path).close()
+                rc = 0
+            else:
+                from dduf_plus.cli import main
 
-
-def measure(argv: list[str], timeout: float = 120.0) -> dict:
-    """:func:`run_measured` from a fresh, small process (this script's ``--measure``): callers such as
-    pytest, with torch loaded, would otherwise lend the child their own peak RSS."""
-    proc = subprocess.run([sys.executable, __file__, "--measure", "--timeout", str(timeout), "--", *argv],
-                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    if proc.returncode:
-        raise RuntimeError(f"measuring {argv} failed:\n{proc.stderr}")
-    return json.loads(proc.stdout)
+                rc = main([command, path])
+        except DDUFError as e:  # DDUFArchive's refusal (the CLI prints its own)
+            print(e)
+            rc = 1
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    with open("/proc/self/status") as status:
+        hwm_kib = next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
+    text = out.getvalue()
+    Path(result).write_text(json.dumps({"cpu": usage.ru_utime + usage.ru_stime, "rss": hwm_kib << 10, "rc": rc,
+                                        "output": text[:20000] + ("\n..." if len(text) > 20000 else "")}))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--case", action="append", help="only these cases (default: all)")
-    parser.add_argument("--command", action="append", choices=sorted(COMMANDS), help="only these commands")
+    parser.add_argument("--command", action="append", choices=COMMANDS, help="only these commands")
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--timeout", type=float, default=120.0)
-    parser.add_argument("--build", help=argparse.SUPPRESS)  # internal: build one case into --out
-    parser.add_argument("--out", help=argparse.SUPPRESS)
-    parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)  # internal: see measure()
-    parser.add_argument("argv", nargs="*", help=argparse.SUPPRESS)
+    parser.add_argument("--child", nargs=3, metavar=("COMMAND", "PATH", "RESULT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.build:
-        print(cases()[args.build](Path(args.out)))
+    if args.child:
+        _child(*args.child)
         return 0
-    if args.measure:
-        print(json.dumps(run_measured(args.argv, args.timeout)))
-        return 0
-    chosen = [k for k in cases() if not args.case or k in args.case]
+    builders = cases()
+    chosen = [k for k in builders if not args.case or k in args.case]
     rows = []
     print(f"{'case':<34} {'size':>8} {'command':<9} {'wall s':>7} {'cpu s':>6} {'RSS MB':>7} {'rc':>3}  codes")
     with tempfile.TemporaryDirectory(prefix="dduf-budgets-") as tmp:
+        env = {"HF_HOME": str(Path(tmp) / "hf"), "DDUF_PLUS_CACHE": str(Path(tmp) / "cache")}  # no user caches
         for name in chosen:
             folder = Path(tmp) / name
             folder.mkdir()
-            path = build_case(name, folder)
+            path = builders[name](folder)
             size = path.stat().st_size
             for command in args.command or COMMANDS:
-                result = run_measured([*COMMANDS[command], str(path)], args.timeout)
-                within = result["seconds"] <= BUDGET_SECONDS and result["rss"] <= BUDGET_RSS
-                rows.append({"case": name, "size": size, "command": command, **{k: v for k, v in result.items() if k != "output"},
-                             "within_budget": within})
-                print(f"{name:<34} {size / 1e6:>6.1f}MB {command:<9} {result['seconds']:>7.2f} {result['cpu']:>6.2f} "
-                      f"{result['rss'] / 1e6:>7.0f} {result['rc']:>3}  {' '.join(result['codes'][:8])}"
-                      + ("" if within else "  OVER BUDGET"), flush=True)
+                if path.name.endswith(".zst") and command != "validate":
+                    continue  # only validate reads .zst archives
+                r = measure(command, path, timeout=args.timeout, env=env)
+                within = r["cpu"] is not None and r["cpu"] <= BUDGET_SECONDS and r["rss"] <= BUDGET_RSS
+                rows.append({"case": name, "size": size, "command": command, "within_budget": within,
+                             **{k: v for k, v in r.items() if k != "output"}})
+                cpu = f"{r['cpu']:>6.2f}" if r["cpu"] is not None else "     -"
+                rss = f"{r['rss'] / 1e6:>7.0f}" if r["rss"] is not None else "      -"
+                print(f"{name:<34} {size / 1e6:>6.1f}MB {command:<9} {r['seconds']:>7.2f} {cpu} {rss} {r['rc']!s:>3}  "
+                      f"{' '.join(r['codes'][:8])}" + ("" if within else "  OVER BUDGET"), flush=True)
             for leftover in folder.iterdir():
                 leftover.unlink()
     if args.json:
