@@ -93,6 +93,8 @@ def cases() -> dict[str, Callable[[Path], Path]]:
         "tensors-over-cap-many-files": tensors("tensors-over-cap.dduf", [per_file // 2] * 16),
         "components-at-cap": data("components-at-cap.dduf",
                                   lambda: mh.json_bomb_archive("wide", size=components * 28)),
+        "components-x-entries-at-cap": lambda folder: mh.components_and_entries_archive(
+            folder / "components-x-entries.dduf", components, spec.MAX_ENTRIES),
         "references-at-cap": lambda folder: mh.many_references_archive(folder / "references.dduf", references),
         "config-pairs-at-cap": data("config-pairs-at-cap.dduf", lambda: mh.json_bomb_archive(
             "pairs", "unet/config.json", size=spec.CONFIG_JSON_BUDGET.bytes - 64)),

@@ -143,6 +143,15 @@ def test_json_at_its_budget_is_parsed_and_within_budget(run, tmp_path: Path) -> 
     refused_by_all(run, path, "I002", ("open",))
 
 
+def test_components_times_entries_at_their_caps(run, tmp_path: Path) -> None:
+    # ~5,400 components (model_index.json's value budget) and 10,000 entries: validate's index check looked
+    # up each component's files by scanning every entry (11 s before)
+    components = spec.JSON_BUDGETS[spec.MODEL_INDEX].values // 3 - 100
+    path = mh.components_and_entries_archive(tmp_path / "cxe.dduf", components, spec.MAX_ENTRIES)
+    for command in COMMANDS:
+        assert run(command, path)["rc"] == 0, command
+
+
 def test_references_at_the_model_index_budget(run, tmp_path: Path) -> None:
     budget = spec.JSON_BUDGETS[spec.MODEL_INDEX]
     path = mh.many_references_archive(tmp_path / "refs.dduf", min(budget.values // 10, budget.bytes // 230) - 20)

@@ -298,6 +298,7 @@ def _check_index(archive: DDUFArchive, source: _GuardedSource, verify: bool) -> 
     if set(components) != set(specs):
         differ = sorted(set(components) ^ set(specs))
         out.append(finding("I002", spec.INDEX_NAME, f"components differ from model_index.json's: {', '.join(differ)}"))
+    folders = archive.components  # entries grouped by folder once: not components x entries
     for name, comp in components.items():
         if name not in specs or not isinstance(comp, dict):
             continue
@@ -305,7 +306,7 @@ def _check_index(archive: DDUFArchive, source: _GuardedSource, verify: bool) -> 
             out.append(finding("I002", name, "index reference differs from model_index.json's"))
         listed = comp.get("files")
         if isinstance(listed, list):
-            stored = sorted(n for n in entries if n.startswith(name + "/"))
+            stored = [f"{name}/{f}" for f in folders[name].files]
             if sorted(x for x in listed if isinstance(x, str)) != stored or not all(isinstance(x, str) for x in listed):
                 out.append(finding("I002", name, "index lists other files than the component folder holds"))
     return out
