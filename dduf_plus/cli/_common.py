@@ -153,3 +153,17 @@ def path_like_missing(spec: str, what: str) -> None:
     if "/" in head and first and os.path.isdir(first) and not os.path.exists(head):
         hint = f" (to mean the Hub repo {head}, run from a folder without ./{first})" if head.count("/") == 1 else ""
         raise DDUFNotFoundError(f"{what} {text}: {os.path.abspath(head)} does not exist{hint}", head)
+
+
+def budget_arg(text: str) -> str:
+    """argparse type for ``--max-decompressed``: checked at parse time (bad value: exit 2), kept as text."""
+    import argparse
+
+    from ..errors import DDUFError
+    from ..format.zst import DecompressionBudget
+
+    try:
+        DecompressionBudget.parse(text)
+    except DDUFError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text

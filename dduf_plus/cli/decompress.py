@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..errors import DDUFError, DDUFUsageError
+from ..errors import DDUFUsageError
+from ._common import budget_arg
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -19,20 +20,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=-1, help="decompression threads (default: one per CPU)")
     p.add_argument("-f", "--force", action="store_true", help="overwrite OUTPUT if it exists")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no summary")
-    p.add_argument("--max-decompressed", type=_budget, default=None, metavar="SIZE",
+    p.add_argument("--max-decompressed", type=budget_arg, default=None, metavar="SIZE",
                    help="how far the stream may expand: SIZE (64G), RATIOx (32x), both (64G,32x) or 'unlimited' "
                         "(default: $DDUF_PLUS_MAX_DECOMPRESSED, else 256G and 16x above 256M)")
     p.set_defaults(func=run)
-
-
-def _budget(text: str) -> str:
-    from ..format.zst import DecompressionBudget
-
-    try:
-        DecompressionBudget.parse(text)
-    except DDUFError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
 
 
 def run(args: argparse.Namespace) -> int:

@@ -11,7 +11,7 @@ import json
 import sys
 from typing import Any
 
-from ._common import echo, echo_error
+from ._common import budget_arg, echo, echo_error
 
 EXIT_OK, EXIT_INVALID, EXIT_IO = 0, 1, 2  # the table of every command: docs/cli.md
 
@@ -38,22 +38,11 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--strict", action="store_true", help="treat warnings (e.g. not mmap-aligned) as errors")
     parser.add_argument("-j", "--jobs", type=_jobs, default=1, metavar="N", help="validate N files in parallel processes")
     parser.add_argument("-q", "--quiet", action="store_true", help="print only invalid files and their errors")
-    parser.add_argument("--max-decompressed", type=_budget, default=None, metavar="SIZE",
+    parser.add_argument("--max-decompressed", type=budget_arg, default=None, metavar="SIZE",
                         help="how far a .zst may expand: SIZE (64G), RATIOx (32x), both (64G,32x) or 'unlimited' "
                              "(default: $DDUF_PLUS_MAX_DECOMPRESSED, else 256G and 16x above 256M); over it: Z022")
     parser.set_defaults(func=run)
     return parser
-
-
-def _budget(text: str) -> str:
-    from ..errors import DDUFError
-    from ..format.zst import DecompressionBudget
-
-    try:
-        DecompressionBudget.parse(text)
-    except DDUFError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
 
 
 def _jobs(text: str) -> int:
