@@ -112,9 +112,9 @@ def main() -> int:
     env = _env()
     os.environ.update({k: env[k] for k in ("HF_HUB_OFFLINE", "HF_HUB_CACHE", "DDUF_PLUS_CACHE")})
 
-    from dduf_plus.format.complete import complete_archive
     from dduf_plus.format.pack import pack_folder
-    from dduf_plus.format.partial import pack_partial
+    from dduf_plus.packing.complete import complete_archive
+    from dduf_plus.packing.partial import pack_partial
     from dduf_plus.refs.cache import add_to_hf_cache
 
     base = sd15_folder()

@@ -1,6 +1,6 @@
 """The dtype names that pack-time conversion accepts (``dduf pack --dtype``, ``pack(dtype=...)``) and the
 argument's grammar. Torch-free, so the command line refuses a bad value before it imports torch
-(:mod:`dduf_plus.convert` uses these names too)."""
+(:mod:`dduf_plus.packing.convert` uses these names too)."""
 
 from __future__ import annotations
 

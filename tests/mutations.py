@@ -130,7 +130,7 @@ def make_bases(work: Path, *, huge: bool = True) -> tuple[list[Base], Context]:
     """Pack the fixture twice under ``work``: self-contained, and with ``vae`` as a reference to a copy of the
     fixture folder (so that reference mutations reach the resolver)."""
     from dduf_plus.format.pack import pack_folder
-    from dduf_plus.format.partial import pack_partial
+    from dduf_plus.packing.partial import pack_partial
 
     work.mkdir(parents=True, exist_ok=True)
     source = work / "source" / FIXTURE

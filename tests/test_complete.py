@@ -14,9 +14,9 @@ from dduf_plus.cli import main as cli_main
 from dduf_plus.errors import DDUFReferenceError
 from dduf_plus.format import spec
 from dduf_plus.format.archive import DDUFArchive
-from dduf_plus.format.complete import complete_archive
 from dduf_plus.format.pack import pack_folder
-from dduf_plus.format.partial import ORIGINAL_MODEL_INDEX_KEY, pack_partial
+from dduf_plus.packing.complete import complete_archive
+from dduf_plus.packing.partial import ORIGINAL_MODEL_INDEX_KEY, pack_partial
 from dduf_plus.refs.cache import add_to_hf_cache
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -15,16 +15,16 @@ from safetensors.torch import load_file, save_file
 
 from conftest import PIPELINES
 from dduf_plus.cli import main as cli_main
-from dduf_plus.convert import (
+from dduf_plus.errors import DDUFPackError
+from dduf_plus.format.archive import DDUFArchive
+from dduf_plus.format.pack import plan_folder
+from dduf_plus.packing.convert import (
     Target,
     convert_sources,
     pack_converted,
     parse_dtype_args,
     parse_dtype_spec,
 )
-from dduf_plus.errors import DDUFPackError
-from dduf_plus.format.archive import DDUFArchive
-from dduf_plus.format.pack import plan_folder
 
 UNET_SHARDS = ("diffusion_pytorch_model-00001-of-00002.safetensors", "diffusion_pytorch_model-00002-of-00002.safetensors")
 

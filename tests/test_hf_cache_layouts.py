@@ -16,7 +16,7 @@ import pytest
 from dduf_plus.cli import main as cli_main
 from dduf_plus.errors import DDUFPackError
 from dduf_plus.format.archive import DDUFArchive
-from dduf_plus.format.partial import pack_partial
+from dduf_plus.packing.partial import pack_partial
 from dduf_plus.refs import cache as refs_cache
 from dduf_plus.refs.cache import add_to_hf_cache, blob_name_of, git_blob_sha1_file
 from dduf_plus.refs.resolve import locate_component

@@ -207,7 +207,7 @@ def test_referenced_components_resolve(tmp_path):
     """A partial archive (every component but the unet referenced to a base folder) loads like the full one."""
     import shutil
 
-    from dduf_plus.format.partial import pack_partial
+    from dduf_plus.packing.partial import pack_partial
 
     base = tmp_path / "base"
     shutil.copytree(PIPELINES / "tiny-sd", base)

@@ -169,7 +169,7 @@ def test_bad_arguments(tmp_path):
 
 
 def test_unresolvable_reference_names_the_component(tmp_path):
-    from dduf_plus.format.partial import pack_partial
+    from dduf_plus.packing.partial import pack_partial
 
     base = tmp_path / "base"
     shutil.copytree(PIPELINES / "tiny-sd", base)

@@ -17,7 +17,7 @@ from dduf_plus.errors import DDUFPackError, DDUFReferenceError
 from dduf_plus.format import spec
 from dduf_plus.format.archive import DDUFArchive
 from dduf_plus.format.pack import pack_folder
-from dduf_plus.format.partial import (
+from dduf_plus.packing.partial import (
     ORIGINAL_MODEL_INDEX_KEY,
     canonical_model_index_bytes,
     pack_partial,
@@ -192,7 +192,7 @@ def _component_bytes(folder: Path, names: set[str]) -> int:
 
 def test_base_folder_references_exactly_the_identical_components(tmp_path: Path, hf_env: Path, caplog) -> None:
     from dduf_plus.format.pack import plan_folder
-    from dduf_plus.format.partial import make_references
+    from dduf_plus.packing.partial import make_references
 
     partial = make_references(plan_folder(TINY_FT), base=str(TINY_SD))
     assert set(partial.references) == NOT_UNET
@@ -289,7 +289,7 @@ def test_base_of_another_pipeline_class_compares_by_content(tmp_path: Path, hf_e
     """tiny-dit's vae happens to be tiny-sd's (same seed, same config): found identical across pipelines;
     components whose class differs are never referenced."""
     from dduf_plus.format.pack import plan_folder
-    from dduf_plus.format.partial import make_references
+    from dduf_plus.packing.partial import make_references
 
     partial = make_references(plan_folder(PIPELINES / "tiny-dit"), base=str(TINY_SD))
     assert set(partial.references) == {"vae"}
@@ -310,7 +310,7 @@ def test_nothing_identical_writes_a_complete_archive(tmp_path: Path, hf_env: Pat
 def test_missing_base_path_is_an_error_not_a_complete_pack(tmp_path: Path) -> None:
     """A BASE folder that is not here must not quietly give a complete archive ("nothing in common")."""
     from dduf_plus.errors import DDUFNotFoundError
-    from dduf_plus.format.partial import pack_partial
+    from dduf_plus.packing.partial import pack_partial
 
     with pytest.raises(DDUFNotFoundError, match="does not exist") as caught:
         pack_partial(TINY_FT, tmp_path / "p.dduf", base=str(tmp_path / "missing-folder"), quiet=True)

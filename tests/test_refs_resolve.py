@@ -15,10 +15,11 @@ from dduf_plus.cli import main as cli_main
 from dduf_plus.errors import DDUFReferenceError
 from dduf_plus.format.archive import DDUFArchive
 from dduf_plus.format.pack import pack_folder
-from dduf_plus.format.partial import pack_partial
+from dduf_plus.loading.files import resolve_component
+from dduf_plus.packing.partial import pack_partial
 from dduf_plus.refs import cache as refs_cache
 from dduf_plus.refs.cache import add_to_hf_cache
-from dduf_plus.refs.resolve import locate_component, resolve_component
+from dduf_plus.refs.resolve import locate_component
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_SD = ROOT / "fixtures" / "pipelines" / "tiny-sd"

@@ -44,7 +44,7 @@ def exit_code(error: BaseException) -> int:
 
 
 def build_parser(command: str | None) -> argparse.ArgumentParser:
-    from .. import __version__
+    from .._version import __version__
 
     parser = argparse.ArgumentParser(prog="dduf", description="Fast, safe, composable DDUF archives.")
     parser.add_argument("--version", action="version", version=f"dduf_plus {__version__}")

@@ -22,7 +22,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..format.complete import complete_archive
+    from ..packing.complete import complete_archive
     from ..refs.resolve import parse_ref_args
 
     refs = as_usage(lambda: parse_ref_args(args.ref))

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from .. import __version__
+from .._version import __version__
 from ..errors import DDUFNotFoundError, DDUFPackError
 from . import spec
 from .index import build_index

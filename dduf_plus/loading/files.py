@@ -456,3 +456,30 @@ def tensor_metadata(files: ComponentFiles, filenames: Sequence[str]) -> dict[str
     for name, t in files.tensors(filenames).items():
         out[name] = (str(t.dtype).removeprefix("torch."), tuple(t.shape), t.numel() * t.element_size())
     return out
+
+
+def resolve_component(
+    name: str,
+    reference: Mapping[str, Any],
+    *,
+    refs: Mapping[str, Any] | None = None,
+    local_files_only: bool = False,
+    token: str | bool | None = None,
+    revision: str | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    verify: bool = True,
+) -> Any:
+    """The referenced component's files as a ``ComponentFiles`` (see :mod:`dduf_plus.loading.files`):
+    ``FolderComponentFiles`` over a folder holding exactly the verified files, or
+    ``ArchiveComponentFiles`` over another ``.dduf``'s component.
+
+    Raises:
+        DDUFReferenceError: see :func:`locate_component`.
+    """
+    from ..refs.resolve import locate_component
+
+    located = locate_component(name, reference, refs=refs, local_files_only=local_files_only, token=token,
+                               revision=revision, cache_dir=cache_dir, verify=verify)
+    if located.archive is not None:
+        return ArchiveComponentFiles(DDUFArchive(located.archive), located.member)
+    return FolderComponentFiles(located.folder, name)

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..errors import DDUFLoadError
+from ..format.quantization import QMAP_NAME as QUANTO_QMAP
 from ..format.weights import classify
 from .budget import construction_budget
 from .dtypes import plan_dtypes
@@ -26,7 +27,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 logger = logging.getLogger("dduf_plus")
 
-QUANTO_QMAP = "quanto_qmap.json"
 Materialize = Callable[..., dict]
 
 

@@ -233,7 +233,7 @@ def _component_files(archive: DDUFArchive, name: str, stored: Mapping[str, Any],
                      prefetcher: Prefetcher | None) -> ComponentFiles:
     if name in references:
         try:
-            from ..refs.resolve import resolve_component
+            from .files import resolve_component
         except ModuleNotFoundError as e:
             if not (e.name or "").startswith("dduf_plus.refs"):
                 raise

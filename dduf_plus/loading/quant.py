@@ -23,7 +23,7 @@ same tensors, so it is rebuilt the same zero-copy way from a map derived from th
 
 optimum-quanto is optional (``pip install "dduf_plus[quanto]"``); without it, loading a quanto component
 raises :class:`~dduf_plus.errors.DDUFLoadError` saying so. This module's top level imports neither torch nor
-quanto, so :func:`quanto_index_record` is usable from torch-free packing code."""
+quanto; the torch-free parts (``QMAP_NAME``, the index record) live in :mod:`dduf_plus.format.quantization`."""
 
 from __future__ import annotations
 
@@ -36,13 +36,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import DDUFLoadError, DDUFPackError
+from ..format.quantization import QMAP_NAME, quantization_method, quanto_index_record  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 logger = logging.getLogger("dduf_plus")
 
-QMAP_NAME = "quanto_qmap.json"
 INSTALL_HINT = "pip install 'dduf_plus[quanto]'"
 KERNEL_ALIGNMENT = 64  # bytes; quanto's CPU int8 kernel needs 16, AVX-512 paths like 64
 # diffusers' QuantoConfig.weights_dtype -> quanto qtype attribute (diffusers/quantizers/quanto/utils.py)
@@ -58,29 +58,6 @@ CPU_BACKENDS = {
 
 
 # --- torch-free helpers ------------------------------------------------------------------------------
-
-
-def quanto_index_record(qmap: Mapping[str, Any]) -> dict[str, Any]:
-    """The extra index record of a quanto component (for ``write_archive(extra_components=...)``): the
-    map's entry name and which qtypes it uses. Torch-free.
-
-    Example:
-        >>> quanto_index_record({"conv_in": {"weights": "qint8", "activations": "none"}})
-        {'quantization': {'method': 'optimum-quanto', 'map': 'quanto_qmap.json', 'modules': 1, 'weights': ['qint8'], 'activations': []}}
-    """
-    weights = sorted({str(v.get("weights")) for v in qmap.values() if isinstance(v, dict)} - {"none", "None"})
-    acts = sorted({str(v.get("activations")) for v in qmap.values() if isinstance(v, dict)} - {"none", "None"})
-    return {"quantization": {"method": "optimum-quanto", "map": QMAP_NAME, "modules": len(qmap),
-                             "weights": weights, "activations": acts}}
-
-
-def quantization_method(config: Mapping[str, Any]) -> str | None:
-    """``quant_method`` of a config.json's ``quantization_config`` (diffusers/transformers), or None."""
-    qc = config.get("quantization_config") if isinstance(config, Mapping) else None
-    method = qc.get("quant_method") if isinstance(qc, Mapping) else None
-    if method == "bitsandbytes" and isinstance(qc, Mapping):  # diffusers splits bnb by bit width
-        method = "bitsandbytes_4bit" if qc.get("load_in_4bit") else "bitsandbytes_8bit"
-    return method if isinstance(method, str) else None
 
 
 def _require_quanto() -> Any:

@@ -13,7 +13,6 @@ from .resolve import (
     locate_component,
     parse_ref_args,
     parse_spec,
-    resolve_component,
 )
 
 __all__ = [
@@ -25,6 +24,5 @@ __all__ = [
     "locate_component",
     "parse_ref_args",
     "parse_spec",
-    "resolve_component",
     "verified_hashes",
 ]

@@ -557,35 +557,6 @@ def _failure_message(name: str, reference: Mapping[str, Any], attempts: list[_At
     return f"{header}:\n{tried}\nTo fix: {_fix_hint(name, reference)}"
 
 
-def resolve_component(
-    name: str,
-    reference: Mapping[str, Any],
-    *,
-    refs: Mapping[str, SpecLike] | None = None,
-    local_files_only: bool = False,
-    token: str | bool | None = None,
-    revision: str | None = None,
-    cache_dir: str | os.PathLike | None = None,
-    verify: bool = True,
-) -> Any:
-    """The referenced component's files as a ``ComponentFiles`` (see :mod:`dduf_plus.loading.files`):
-    ``FolderComponentFiles`` over a folder holding exactly the verified files, or
-    ``ArchiveComponentFiles`` over another ``.dduf``'s component.
-
-    Raises:
-        DDUFReferenceError: see :func:`locate_component`.
-    """
-    located = locate_component(name, reference, refs=refs, local_files_only=local_files_only, token=token,
-                               revision=revision, cache_dir=cache_dir, verify=verify)
-    from ..loading.files import ArchiveComponentFiles, FolderComponentFiles
-
-    if located.archive is not None:
-        from ..format.archive import DDUFArchive
-
-        return ArchiveComponentFiles(DDUFArchive(located.archive), located.member)
-    return FolderComponentFiles(located.folder, name)
-
-
 def check_references(
     references: Mapping[str, Mapping[str, Any]],
     *,

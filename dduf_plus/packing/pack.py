@@ -8,7 +8,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .format.pack import PackResult, plan_folder, write_archive
+from ..format.pack import PackResult, plan_folder, write_archive
 
 
 def pack(
@@ -37,7 +37,7 @@ def pack(
     references = None
     partial = None
     if exclude or refs or base:
-        from .format.partial import make_references
+        from .partial import make_references
 
         partial = make_references(plan, exclude=exclude, refs=refs, base=base, token=token,
                                   local_files_only=local_files_only, variant=variant)
@@ -65,12 +65,12 @@ def _quanto_records(sources: Sequence[Any]) -> dict[str, Any] | None:
     for source in sources:
         component, _, filename = source.name.partition("/")
         if filename == "quanto_qmap.json" and source.path is not None:
-            from .loading.quant import quanto_index_record
+            from ..format.quantization import quanto_index_record
 
             try:
                 records[component] = quanto_index_record(json.loads(source.path.read_text()))
             except ValueError as e:
-                from .errors import DDUFPackError
+                from ..errors import DDUFPackError
 
                 raise DDUFPackError(f"{source.path}: not valid JSON ({e})") from None
     return records or None

@@ -33,12 +33,20 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from ..errors import DDUFError, DDUFNotFoundError, DDUFPackError
+from ..format import spec
+from ..format.pack import (
+    EntrySource,
+    FolderPlan,
+    PackResult,
+    Skipped,
+    _plan_component,
+    plan_folder,
+    write_archive,
+)
+from ..format.structure import component_specs
+from ..format.weights import classify, select_weights
 from ..refs import cache as _cache
 from ..refs.resolve import Spec, parse_ref_args, parse_spec
-from . import spec
-from .pack import EntrySource, FolderPlan, PackResult, Skipped, _plan_component, plan_folder, write_archive
-from .structure import component_specs
-from .weights import classify, select_weights
 
 logger = logging.getLogger("dduf_plus")
 
@@ -180,7 +188,7 @@ class _Source:
             names = _pack_selection(sorted(e.name for e in os.scandir(folder) if e.is_file()), self.variant)
             return {n: {"size": (folder / n).stat().st_size} for n in names}, {n: folder / n for n in names}
         if kind == "dduf":
-            from .archive import DDUFArchive
+            from ..format.archive import DDUFArchive
 
             with DDUFArchive(self.spec.location) as archive:
                 if sub not in archive.components or not archive.components[sub].files:
@@ -214,7 +222,7 @@ class _Source:
                 if self.spec.kind == "folder":
                     raw = (Path(self.spec.location) / spec.MODEL_INDEX).read_bytes()
                 elif self.spec.kind == "dduf":
-                    from .archive import DDUFArchive
+                    from ..format.archive import DDUFArchive
 
                     with DDUFArchive(self.spec.location) as archive:
                         raw = archive.read_bytes(spec.MODEL_INDEX)

@@ -51,7 +51,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .dtype_names import (  # noqa: F401 - re-exported: the dtype names and grammar live in a torch-free module
+from ..dtype_names import (  # noqa: F401 - re-exported: the dtype names and grammar live in a torch-free module
     ALIASES,
     COMPUTE_DTYPES,
     DEFAULT_KEY,
@@ -60,14 +60,15 @@ from .dtype_names import (  # noqa: F401 - re-exported: the dtype names and gram
     Target,
     parse_dtype_args,
 )
-from .dtype_names import parse_target as _parse_target_name
-from .errors import DDUFPackError
-from .format import spec
-from .format.index import summarize
-from .format.pack import EntrySource, FolderPlan, PackResult, plan_folder, write_archive
-from .format.safetensors_header import SafetensorsHeader, TensorInfo, parse_header
-from .format.structure import component_specs
-from .format.weights import classify
+from ..dtype_names import parse_target as _parse_target_name
+from ..errors import DDUFPackError
+from ..format import spec
+from ..format.index import summarize
+from ..format.pack import EntrySource, FolderPlan, PackResult, plan_folder, write_archive
+from ..format.quantization import QMAP_NAME as QUANTO_QMAP
+from ..format.safetensors_header import SafetensorsHeader, TensorInfo, parse_header
+from ..format.structure import component_specs
+from ..format.weights import classify
 
 logger = logging.getLogger("dduf_plus")
 
@@ -75,7 +76,6 @@ SLICE_BYTES = 64 << 20  # source bytes converted at a time: bounds peak memory f
 # Source dtypes torch converts elementwise. float8_e8m0fnu (a scale format) and the packed 4/6-bit
 # types are left as they are: converting them would change their meaning, not their precision.
 CONVERTIBLE = frozenset({"float16", "bfloat16", "float32", "float64", "float8_e4m3fn", "float8_e5m2"})
-QUANTO_QMAP = "quanto_qmap.json"
 # diffusers.hooks.layerwise_casting.DEFAULT_SKIP_MODULES_PATTERN, in case a diffusers without it is installed
 _FALLBACK_SKIP_PATTERNS = ("pos_embed", "patch_embed", "norm", "^proj_in$", "^proj_out$")
 

@@ -1,0 +1,149 @@
+"""The import-layers contract: every import inside ``dduf_plus`` points down (or sideways within a floor).
+
+    base (errors, _version, dtype_names) < format < refs, remote < packing < loading < top (cli, serve, fs,
+    compat, inspect, the package root)
+
+Imports under ``if TYPE_CHECKING:`` are not counted (they never run). Lazy imports inside functions are: a
+lazy import that points up is still a layer pointing up. A second check finds import cycles among the
+module-level imports."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "dduf_plus"
+
+# Floors, bottom first. A module belongs to the first prefix that matches it.
+FLOORS: list[tuple[int, tuple[str, ...]]] = [
+    (0, ("dduf_plus.errors", "dduf_plus._version", "dduf_plus.dtype_names")),
+    (1, ("dduf_plus.format",)),
+    (2, ("dduf_plus.refs", "dduf_plus.remote")),
+    (3, ("dduf_plus.packing",)),
+    (4, ("dduf_plus.loading",)),
+    (5, ("dduf_plus.cli", "dduf_plus.serve", "dduf_plus.fs", "dduf_plus.compat", "dduf_plus.inspect",
+         "dduf_plus.catalogue", "dduf_plus.hub")),
+]
+ROOT = "dduf_plus"  # the package root re-exports everything lazily
+
+
+def floor_of(module: str) -> int:
+    if module == ROOT:
+        return 99
+    for level, prefixes in FLOORS:
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return level
+    raise AssertionError(f"{module}: not on any floor; add it to FLOORS in tests/test_layers.py")
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def imports_of(path: Path, name: str | None = None) -> list[tuple[str, int, bool]]:
+    """(imported dduf_plus module, line, at module level) for every import in ``path`` that runs."""
+    name = name or module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found: list[tuple[str, int, bool]] = []
+
+    def visit(node: ast.AST, top: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _is_type_checking(child):
+                for other in child.orelse:
+                    visit(other, top)
+                continue
+            if isinstance(child, ast.ImportFrom):
+                if child.level:
+                    base = package.split(".")[: len(package.split(".")) - (child.level - 1)]
+                    target = ".".join(base + ([child.module] if child.module else []))
+                else:
+                    target = child.module or ""
+                if target == ROOT or target.startswith(ROOT + "."):
+                    if child.module is None or target == ROOT:  # "from . import spec": each name is a module
+                        for alias in child.names:
+                            sub = f"{target}.{alias.name}"
+                            found.append((sub if (PACKAGE.parent / sub.replace(".", "/")).exists()
+                                          or (PACKAGE.parent / (sub.replace(".", "/") + ".py")).exists()
+                                          else target, child.lineno, top))
+                    else:
+                        found.append((target, child.lineno, top))
+            elif isinstance(child, ast.Import):
+                for alias in child.names:
+                    if alias.name == ROOT or alias.name.startswith(ROOT + "."):
+                        found.append((alias.name, child.lineno, top))
+            nested = top and not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            visit(child, nested)
+
+    visit(tree, True)
+    return found
+
+
+MODULES = sorted(PACKAGE.rglob("*.py"))
+
+
+def test_every_module_is_on_a_floor() -> None:
+    for path in MODULES:
+        floor_of(module_name(path))
+
+
+def upward_imports(modules: list[tuple[Path, str]]) -> list[str]:
+    upward = []
+    for path, importer in modules:
+        for target, line, _ in imports_of(path, importer):
+            if floor_of(target) > floor_of(importer):
+                upward.append(f"{path.name}:{line}: {importer} -> {target}")
+    return upward
+
+
+def test_imports_point_down() -> None:
+    upward = upward_imports([(p, module_name(p)) for p in MODULES])
+    assert not upward, "imports that point up a floor:\n" + "\n".join(upward)
+
+
+def test_no_import_cycles_at_module_level() -> None:
+    graph: dict[str, set[str]] = {}
+    for path in MODULES:
+        importer = module_name(path)
+        graph[importer] = {t for t, _, top in imports_of(path) if top and t != importer}
+    state: dict[str, int] = {}
+    cycles: list[list[str]] = []
+
+    def walk(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in graph:
+                continue
+            if state.get(nxt) == 1 and not (nxt == ROOT or node.startswith(nxt + ".")):
+                cycles.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in state:
+                walk(nxt, stack)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            walk(node, [])
+    assert not cycles, "module-level import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_contract_can_fail(tmp_path: Path) -> None:
+    """The checker itself: an upward lazy import in a made-up format module is found; the same import
+    under ``if TYPE_CHECKING:`` is not."""
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f():\n    from ..loading import pipeline\n")
+    assert upward_imports([(probe, "dduf_plus.format.probe")]) == [
+        "probe.py:2: dduf_plus.format.probe -> dduf_plus.loading"]
+    probe.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..loading import pipeline\n")
+    assert upward_imports([(probe, "dduf_plus.format.probe")]) == []
