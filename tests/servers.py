@@ -1,0 +1,173 @@
+"""Local HTTP servers for tests and benchmarks (``import servers`` from tests/, or put tests/ on sys.path).
+
+:class:`FileServer` serves the files under a folder on 127.0.0.1 with ``Range: bytes=a-b`` (206), HEAD, and
+knobs for what real links and hostile servers do: a per-request round-trip ``latency``, a shared ``bandwidth``
+cap (bytes/s over all connections, like one link), a server that ignores ``Range``, one that lies about
+sizes, one that stalls after some bytes. It counts requests and body bytes. Files are read with ``os.pread``
+in chunks, so multi-GB archives are served without loading them whole."""
+
+from __future__ import annotations
+
+import http.server
+import os
+import re
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+CHUNK = 1 << 20
+
+
+class TokenBucket:
+    """A bandwidth cap shared by every connection: ``take(n)`` sleeps until n bytes may go out."""
+
+    def __init__(self, rate: float, burst: int = 4 * CHUNK):
+        self.rate, self.burst = float(rate), burst
+        self._tokens, self._last = float(burst), time.perf_counter()
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> None:
+        with self._lock:
+            now = time.perf_counter()
+            self._tokens = min(self.burst, self._tokens + (now - self._last) * self.rate)
+            self._last = now
+            self._tokens -= n
+            wait = -self._tokens / self.rate if self._tokens < 0 else 0.0
+        if wait > 0:
+            time.sleep(wait)
+
+
+class FileServer(http.server.ThreadingHTTPServer):
+    """Serves ``root``; use as a context manager (starts a thread, shuts down on exit).
+
+    Args:
+        latency: seconds slept before answering each request (an injected round trip).
+        bandwidth: bytes/s shared by all responses (None: unlimited).
+        ranges: False answers every GET with the whole file (200), as a server that ignores Range.
+        lie_size: added to the Content-Length / total size a HEAD or 206 reports.
+        stall_after: stop sending (and hold the connection) after this many body bytes of a response.
+        on_request: called with (method, path, headers) before each answer (for recording).
+    """
+
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, root: str | os.PathLike, *, latency: float = 0.0, bandwidth: float | None = None,
+                 ranges: bool = True, lie_size: int = 0, stall_after: int | None = None,
+                 on_request: Callable[[str, str, Any], None] | None = None, host: str = "127.0.0.1"):
+        self.root = Path(root)
+        self.latency, self.ranges_supported, self.lie_size, self.stall_after = latency, ranges, lie_size, stall_after
+        self.bucket = TokenBucket(bandwidth) if bandwidth else None
+        self.on_request = on_request
+        self.lock = threading.Lock()
+        self.stop_stalling = threading.Event()
+        self.reset()
+        super().__init__((host, 0), FileHandler)
+        self._thread: threading.Thread | None = None
+
+    def reset(self) -> None:
+        with self.lock:
+            self.body_bytes, self.gets, self.heads = 0, 0, 0
+            self.ranges: list[tuple[int, int]] = []
+
+    def url(self, name: str = "") -> str:
+        return f"http://127.0.0.1:{self.server_port}/{name}"
+
+    def __enter__(self) -> FileServer:
+        self._thread = threading.Thread(target=self.serve_forever, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop_stalling.set()
+        self.shutdown()
+        self.server_close()
+
+
+class FileHandler(http.server.BaseHTTPRequestHandler):
+    server: FileServer
+    protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # else each small response waits ~40 ms for a delayed ACK
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def _path(self) -> Path | None:
+        name = self.path.split("?", 1)[0].lstrip("/")
+        path = (self.server.root / name).resolve()
+        root = self.server.root.resolve()
+        if root not in path.parents or not path.is_file():
+            return None
+        return path
+
+    def _begin(self, method: str) -> Path | None:
+        if self.server.on_request is not None:
+            self.server.on_request(method, self.path, self.headers)
+        if self.server.latency:
+            time.sleep(self.server.latency)
+        path = self._path()
+        if path is None:
+            self.send_error(404)
+        return path
+
+    def do_HEAD(self) -> None:  # noqa: N802
+        path = self._begin("HEAD")
+        with self.server.lock:
+            self.server.heads += 1
+        if path is None:
+            return
+        self.send_response(200)
+        self.send_header("Content-Length", str(path.stat().st_size + self.server.lie_size))
+        self.send_header("Accept-Ranges", "bytes" if self.server.ranges_supported else "none")
+        self.send_header("ETag", f'"{path.stat().st_mtime_ns:x}-{path.stat().st_size:x}"')
+        self.end_headers()
+
+    def do_GET(self) -> None:  # noqa: N802
+        path = self._begin("GET")
+        if path is None:
+            return
+        size = path.stat().st_size
+        match = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
+        if match and self.server.ranges_supported and int(match[1]) < size:
+            start = int(match[1])
+            end = min(int(match[2]) if match[2] else size - 1, size - 1)
+            self.send_response(206)
+            self.send_header("Content-Range", f"bytes {start}-{end}/{size + self.server.lie_size}")
+        else:
+            start, end = 0, size - 1
+            self.send_response(200)
+        length = end - start + 1
+        with self.server.lock:  # counted before sending: the client may finish before this thread resumes
+            self.server.gets += 1
+            self.server.body_bytes += length
+            self.server.ranges.append((start, length))
+        self.send_header("Content-Length", str(length + self.server.lie_size))
+        self.send_header("Accept-Ranges", "bytes" if self.server.ranges_supported else "none")
+        self.end_headers()
+        self._send(path, start, length)
+
+    def _send(self, path: Path, start: int, length: int) -> None:
+        sent = 0
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            while sent < length:
+                if self.server.stall_after is not None and sent >= self.server.stall_after:
+                    self.server.stop_stalling.wait(60)
+                    return
+                n = min(CHUNK, length - sent)
+                if self.server.stall_after is not None:
+                    n = min(n, max(1, self.server.stall_after - sent))
+                if self.server.bucket is not None:
+                    self.server.bucket.take(n)
+                data = os.pread(fd, n, start + sent)
+                if not data:
+                    return
+                try:
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):
+                    return
+                sent += len(data)
+        finally:
+            os.close(fd)
