@@ -234,7 +234,7 @@ def test_file_cache_is_content_keyed(tmp_path, monkeypatch, archives):
     with DDUFArchive(archives["tiny-sd"]) as a, DDUFArchive(archives["tiny-sd-finetune"]) as b:
         first = ArchiveComponentFiles(a, "tokenizer").local_dir()
         second = ArchiveComponentFiles(b, "tokenizer").local_dir()  # byte-identical tokenizer: same folder
-        assert first == second and Path(first).parent == tmp_path / "cache"
+        assert first == second and Path(first).parent == tmp_path / "cache" / "files"
         assert sorted(os.listdir(first)) == sorted(a.component("tokenizer").files)
         with pytest.raises(Exception, match="never extracted"):
             ArchiveComponentFiles(a, "unet").local_dir(["diffusion_pytorch_model-00001-of-00002.safetensors"])

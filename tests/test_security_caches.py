@@ -461,7 +461,7 @@ def assert_exact(folder: Path, contents=CONTENTS) -> None:
 
 def test_file_cache_entry_is_verified_by_content(private_dirs, tmp_path: Path) -> None:
     folder = materialize()
-    assert folder.parent == private_dirs["cache"]
+    assert folder.parent == private_dirs["cache"] / "files"  # $DDUF_PLUS_CACHE/files, beside zst/ and refs/
     assert_exact(folder)
     (folder / "vocab.json").write_bytes(b'{"a": 9, "b": 1}')  # same size, different bytes
     assert materialize() == folder

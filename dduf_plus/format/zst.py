@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from ..errors import DDUFError, DDUFFormatError, DDUFIntegrityError, io_error
+from .cache_dirs import CACHE_ENV  # noqa: F401 (re-exported: tests and zst_cache name it here)
 from .confined import Confined
 from .writer import _fsync_dir
 
@@ -65,7 +66,6 @@ HEADER_VERSION = 1
 HEADER_FRAME_SIZE = 8 + HEADER_PAYLOAD.size
 MAX_FRAMES = 1 << 20  # bound what we trust from a seek table before allocating for it
 
-CACHE_ENV = "DDUF_PLUS_CACHE"
 
 
 class Frame(NamedTuple):

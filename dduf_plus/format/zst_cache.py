@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DDUFError, DDUFPathError, io_error
+from .cache_dirs import cache_root
 from .confined import Confined
 from .writer import _fsync_dir
 from .zst import (
@@ -54,17 +55,6 @@ SECRET_NAME = ".secret"
 SECRET_SIZE = 32
 MAX_RECORD = 64 << 10
 HASH_CHUNK = 8 * MiB
-
-
-def cache_root() -> Path:
-    """``$DDUF_PLUS_CACHE``, else huggingface_hub's cache home (``$HF_HOME``, default
-    ``~/.cache/huggingface``) + ``/dduf_plus``; computed like huggingface_hub without importing it."""
-    explicit = os.environ.get(CACHE_ENV)
-    if explicit:
-        return Path(explicit).expanduser()
-    hf_home = os.environ.get("HF_HOME") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "huggingface")
-    return Path(hf_home).expanduser() / "dduf_plus"
 
 
 def content_key(path: str | os.PathLike) -> str:

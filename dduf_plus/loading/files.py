@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from ..errors import DDUFError, DDUFFormatError, DDUFIntegrityError, DDUFLoadError, DDUFPathError
-from ..format import spec
+from ..format import cache_dirs, spec
 from ..format.archive import DDUFArchive, tensor_view
+from ..format.cache_dirs import CACHE_ENV
 from ..format.confined import Confined, plain_name
 from ..format.safetensors_header import SafetensorsHeader, TensorInfo, read_safetensors_header
 from ..format.weights import classify, select_weights, tensor_files
@@ -36,7 +37,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 logger = logging.getLogger("dduf_plus")
 
-CACHE_ENV = "DDUF_PLUS_CACHE"
 MAX_LOCAL_FILE = 64 << 20  # local_dir serves tokenizer/processor files, never weights
 
 
@@ -151,13 +151,8 @@ def pread_tensor(fd: int, offset: int, info: TensorInfo, where: str) -> torch.Te
 
 # --- local materialisation of small files -----------------------------------------------------------
 def cache_root() -> Path:
-    """``$DDUF_PLUS_CACHE``, else ``dduf_plus/files`` under huggingface_hub's cache home (``$HF_HOME``)."""
-    env = os.environ.get(CACHE_ENV)
-    if env:
-        return Path(env)
-    from huggingface_hub import constants
-
-    return Path(constants.HF_HOME) / "dduf_plus" / "files"
+    """Where tokenizer/processor files are materialised: ``cache_dir("files")`` (see :mod:`dduf_plus.format.cache_dirs`)."""
+    return cache_dirs.cache_dir("files")
 
 
 def materialize_files(contents: Mapping[str, bytes]) -> str:

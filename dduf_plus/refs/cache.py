@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from ..errors import DDUFError
+from ..format import cache_dirs
+from ..format.cache_dirs import hf_hub_cache
 from ..format.confined import Confined
 
 logger = logging.getLogger("dduf_plus")
@@ -45,19 +47,6 @@ def is_offline() -> bool:
     return bool(getattr(constants, "HF_HUB_OFFLINE", False))
 
 
-def hf_hub_cache() -> Path:
-    """The Hugging Face hub cache folder, resolved like huggingface_hub does (HF_HUB_CACHE, HF_HOME...)."""
-    explicit = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
-    if explicit:
-        return Path(os.path.expandvars(os.path.expanduser(explicit)))
-    return _hf_home() / "hub"
-
-
-def _hf_home() -> Path:
-    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
-    return Path(os.path.expandvars(os.path.expanduser(home)))
-
-
 def hf_cache_dirs(cache_dir: str | os.PathLike | None = None) -> list[Path]:
     """The caches to search: ``cache_dir`` first when given, then the default one."""
     out: list[Path] = []
@@ -68,12 +57,8 @@ def hf_cache_dirs(cache_dir: str | os.PathLike | None = None) -> list[Path]:
 
 
 def dduf_cache_dir() -> Path:
-    """Where dduf_plus.refs keeps verified hashes and views of cache blobs: ``$DDUF_PLUS_CACHE/refs``,
-    else ``$HF_HOME/dduf_plus/refs`` (the loader keeps its extracted tokenizer files beside it)."""
-    explicit = os.environ.get("DDUF_PLUS_CACHE")
-    if explicit:
-        return Path(explicit).expanduser() / "refs"
-    return _hf_home() / "dduf_plus" / "refs"
+    """Where dduf_plus.refs keeps verified hashes and views of cache blobs: ``cache_dir("refs")``."""
+    return cache_dirs.cache_dir("refs")
 
 
 def repo_folder_name(repo_id: str, repo_type: str = "model") -> str:
