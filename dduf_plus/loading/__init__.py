@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-_LAZY = {
+# public name -> submodule that defines it
+_LAZY: dict[str, str] = {
     "load_dduf": "pipeline",
     "ComponentFiles": "files",
     "ArchiveComponentFiles": "files",
@@ -16,9 +17,13 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .bridge import install_bridge, remove_bridge  # noqa: F401
-    from .files import ArchiveComponentFiles, ComponentFiles, FolderComponentFiles  # noqa: F401
-    from .pipeline import load_dduf  # noqa: F401
+    # the same names as _LAZY (tests/test_api.py checks it); `X as X` is an explicit re-export
+    from .bridge import install_bridge as install_bridge
+    from .bridge import remove_bridge as remove_bridge
+    from .files import ArchiveComponentFiles as ArchiveComponentFiles
+    from .files import ComponentFiles as ComponentFiles
+    from .files import FolderComponentFiles as FolderComponentFiles
+    from .pipeline import load_dduf as load_dduf
 
 
 def __getattr__(name: str) -> Any:
@@ -30,6 +35,10 @@ def __getattr__(name: str) -> Any:
     value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
     globals()[name] = value
     return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 
 __all__ = sorted(_LAZY)

@@ -1,0 +1,138 @@
+"""The public API is what it says: the lazy export tables, ``__all__`` and the ``TYPE_CHECKING`` blocks name the
+same objects, every export resolves, ``import dduf_plus`` stays torch-free, and the wheel ships ``py.typed``."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.resources
+import importlib.util
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+import dduf_plus
+
+ROOT = Path(__file__).resolve().parent.parent
+LAZY_PACKAGES = ["dduf_plus", "dduf_plus.loading"]
+
+
+def _tree(package: str) -> ast.Module:
+    path = ROOT / package.replace(".", "/") / "__init__.py"
+    return ast.parse(path.read_text(encoding="utf-8"))
+
+
+def _absolute(package: str, node: ast.ImportFrom) -> str:
+    if node.level == 0:
+        return node.module or ""
+    base = package.split(".")
+    base = base[: len(base) - node.level + 1]  # level 1 is the package itself (this is its __init__)
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _lazy_table(package: str) -> dict[str, str]:
+    """``_LAZY`` as written, with module names made absolute."""
+    for node in _tree(package).body:
+        target = node.targets[0] if isinstance(node, ast.Assign) else getattr(node, "target", None)
+        if isinstance(target, ast.Name) and target.id == "_LAZY":
+            table = ast.literal_eval(node.value)
+            return {name: mod if mod.startswith("dduf_plus") else f"{package}.{mod}" for name, mod in table.items()}
+    raise AssertionError(f"{package}: no _LAZY table")
+
+
+def _type_checking_imports(package: str) -> dict[str, str]:
+    """name -> absolute module for every import under ``if TYPE_CHECKING:``; each must be ``X as X``."""
+    found: dict[str, str] = {}
+    for node in _tree(package).body:
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            for stmt in node.body:
+                assert isinstance(stmt, ast.ImportFrom), f"{package}: only `from x import y as y` under TYPE_CHECKING"
+                for alias in stmt.names:
+                    assert alias.asname == alias.name, (
+                        f"{package}: write `{alias.name} as {alias.name}` (an explicit re-export)")
+                    assert alias.name not in found, f"{package}: {alias.name} imported twice"
+                    found[alias.name] = _absolute(package, stmt)
+    return found
+
+
+@pytest.mark.parametrize("package", LAZY_PACKAGES)
+def test_lazy_table_type_checking_block_and_all_agree(package: str) -> None:
+    lazy = _lazy_table(package)
+    assert _type_checking_imports(package) == lazy
+    extra = {"__version__"} if package == "dduf_plus" else set()
+    module = importlib.import_module(package)
+    assert sorted(module.__all__) == sorted(set(lazy) | extra)
+    assert len(module.__all__) == len(set(module.__all__))
+
+
+@pytest.mark.parametrize("package", LAZY_PACKAGES)
+def test_every_export_resolves_to_its_module(package: str) -> None:
+    module = importlib.import_module(package)
+    for name, where in _lazy_table(package).items():
+        value = getattr(module, name)
+        assert value is getattr(importlib.import_module(where), name), name
+        assert name in dir(module)
+    with pytest.raises(AttributeError, match="no_such_name"):
+        module.no_such_name  # noqa: B018
+
+
+def test_refs_all_is_what_it_imports() -> None:
+    imported = {alias.asname or alias.name for node in _tree("dduf_plus.refs").body
+                if isinstance(node, ast.ImportFrom) and node.level == 1 for alias in node.names}
+    refs = importlib.import_module("dduf_plus.refs")
+    assert sorted(refs.__all__) == sorted(imported)
+    for name in refs.__all__:
+        assert getattr(refs, name) is not None
+
+
+def test_cli_pack_and_the_exported_pack_are_one() -> None:
+    from dduf_plus.packing import pack
+
+    assert dduf_plus.pack is pack
+    assert issubclass(dduf_plus.DDUFEntryNotFoundError, dduf_plus.DDUFError)
+    assert issubclass(dduf_plus.DDUFEntryNotFoundError, KeyError)
+
+
+def test_import_and_format_exports_import_no_torch() -> None:
+    code = (
+        "import sys, dduf_plus, dduf_plus.loading, dduf_plus.refs\n"
+        "assert 'torch' not in sys.modules, 'import dduf_plus'\n"
+        "from dduf_plus import (DDUFArchive, DDUFWriter, pack_folder, validate, ValidationReport, DDUFError,\n"
+        "    DDUFEntryNotFoundError)\n"
+        "heavy = sorted(m for m in ('torch', 'diffusers', 'transformers') if m in sys.modules)\n"
+        "assert not heavy, heavy\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+def test_py_typed_is_installed() -> None:
+    assert importlib.resources.files("dduf_plus").joinpath("py.typed").is_file()
+    assert 'dduf_plus = ["py.typed"]' in (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+
+
+def test_py_typed_ships_in_the_wheel(tmp_path: Path) -> None:
+    if importlib.util.find_spec("setuptools") is None:  # Python >= 3.12 venvs come without it
+        pytest.skip("no setuptools in this environment to build a wheel offline")
+    # Built from a copy: setuptools writes build/ and *.egg-info beside pyproject.toml.
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        if (ROOT / name).exists():
+            shutil.copy(ROOT / name, src / name)
+    shutil.copytree(ROOT / "dduf_plus", src / "dduf_plus", ignore=shutil.ignore_patterns("__pycache__"))
+    assert (src / "dduf_plus" / "py.typed").is_file()
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
+         "-w", str(tmp_path / "dist"), str(src)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    (wheel,) = (tmp_path / "dist").glob("dduf_plus-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "dduf_plus/py.typed" in names
+    assert "dduf_plus/loading/__init__.py" in names
