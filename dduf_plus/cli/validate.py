@@ -7,8 +7,10 @@ only for ``.zst`` files)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 from ._common import budget_arg, echo, echo_error
@@ -25,6 +27,10 @@ budget (DDUF_REMOTE_MAX_BYTES, default twice its size + 16 MiB); redirects stay 
 A local X.dduf.zst is decompressed into a private temporary file (checksums verified, within
 --max-decompressed; removed after the verdict) and the archive inside validated; a stream that cannot be
 decompressed is reported as Z021, one over the budget or the free disk space as Z022.
+Catalogues: --from-file LIST (one path or URL a line, '-' for stdin; blank lines and # comments skipped)
+validates them on --jobs N threads and, with --json-lines, prints one JSON object a line as each archive
+finishes (the same object as one entry of --json's "files"); a source that cannot be read is a line with
+"io_error" and the batch goes on. Python: dduf_plus.validate_many(sources, executor=...).
 Exit status: 0 all valid, 1 any invalid, 2 usage or I/O errors (docs/cli.md)."""
 
 
@@ -32,11 +38,15 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "validate", help="validate archives (local paths or URLs) against every DDUF rule",
         description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("files", nargs="+", metavar="FILE_OR_URL", help="archives to check (.dduf, or a local .dduf.zst)")
+    parser.add_argument("files", nargs="*", metavar="FILE_OR_URL", help="archives to check (.dduf, or a local .dduf.zst)")
+    parser.add_argument("--from-file", metavar="LIST", default=None,
+                        help="also check every path or URL listed in LIST, one a line ('-': stdin); uses threads")
+    parser.add_argument("--json-lines", action="store_true",
+                        help="print one JSON object per archive, a line each, as each finishes")
     parser.add_argument("--json", action="store_true", help='print {"files": [{path, valid, errors, warnings}]}')
     parser.add_argument("--verify", action="store_true", help="also check CRC-32 and sha256 of every entry (reads all data)")
     parser.add_argument("--strict", action="store_true", help="treat warnings (e.g. not mmap-aligned) as errors")
-    parser.add_argument("-j", "--jobs", type=_jobs, default=1, metavar="N", help="validate N files in parallel processes")
+    parser.add_argument("-j", "--jobs", type=_jobs, default=1, metavar="N", help="validate N files in parallel (processes; threads with --from-file or --json-lines)")
     parser.add_argument("-q", "--quiet", action="store_true", help="print only invalid files and their errors")
     parser.add_argument("--max-decompressed", type=budget_arg, default=None, metavar="SIZE",
                         help="how far a .zst may expand: SIZE (64G), RATIOx (32x), both (64G,32x) or 'unlimited' "
@@ -69,7 +79,42 @@ def check_one(path: str, verify: bool, strict: bool,
         return path, None, f"internal error: {type(e).__name__}: {e}"
 
 
+def _listed(name: str) -> Iterator[str]:
+    """The sources listed in ``name`` ('-': stdin), read lazily: blank lines and ``#`` comments skipped. The
+    file is opened now, so a missing list is a usage error before any work."""
+    from ..errors import DDUFUsageError
+
+    try:
+        stream = sys.stdin if name == "-" else open(name, encoding="utf-8", errors="surrogateescape")  # noqa: SIM115
+    except OSError as e:
+        raise DDUFUsageError(f"--from-file {name}: cannot open: {e.strerror or e}") from None
+
+    def lines() -> Iterator[str]:
+        with stream if name != "-" else contextlib.nullcontext(stream):
+            for line in stream:
+                line = line.strip()
+                if line and not line.startswith("#"):
+                    yield line
+
+    return lines()
+
+
+def _catalogue(args: argparse.Namespace):
+    """--from-file / --json-lines: every source through validate_many on threads, as each finishes."""
+    import itertools
+
+    from ..catalogue import validate_many
+
+    sources = itertools.chain(args.files, _listed(args.from_file) if args.from_file is not None else ())
+    for r in validate_many(sources, verify=args.verify, strict=args.strict, max_workers=args.jobs,
+                           max_decompressed=args.max_decompressed, ordered=bool(args.json)):
+        yield r["source"], (r["report"] if r["error"] is None else None), r["error"]
+
+
 def _results(args: argparse.Namespace):
+    if args.from_file is not None or args.json_lines:
+        yield from _catalogue(args)
+        return
     jobs = min(args.jobs, len(args.files))
     if jobs <= 1:
         for path in args.files:
@@ -83,19 +128,32 @@ def _results(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..errors import DDUFUsageError
+
+    if not args.files and args.from_file is None:
+        raise DDUFUsageError("give at least one FILE_OR_URL, or --from-file LIST")
+    if args.json and args.json_lines:
+        raise DDUFUsageError("--json and --json-lines exclude each other")
     status = EXIT_OK
     out = sys.stdout
     collected: list[dict[str, Any]] = []
     for path, report, io_error in _results(args):
         if io_error is not None:
             status = EXIT_IO
+            from ..catalogue import unreadable_report
+
             echo_error("validate", io_error)
-            collected.append({"path": path, "valid": False, "errors": [], "warnings": [], "io_error": io_error})
+            if args.json_lines:
+                _line(unreadable_report(path, io_error), out)
+            else:
+                collected.append(unreadable_report(path, io_error))
             continue
         assert report is not None
         if not report["valid"] and status == EXIT_OK:
             status = EXIT_INVALID
-        if args.json:
+        if args.json_lines:
+            _line(report, out)
+        elif args.json:
             collected.append(report)
         else:
             _print_human(report, args.quiet, out)
@@ -104,6 +162,12 @@ def run(args: argparse.Namespace) -> int:
         out.write("\n")
     out.flush()
     return status
+
+
+def _line(report: dict[str, Any], out: Any) -> None:
+    """One --json-lines record, flushed at once so a consumer sees each archive as it finishes."""
+    out.write(json.dumps(report, ensure_ascii=True) + "\n")
+    out.flush()
 
 
 def _print_human(report: dict[str, Any], quiet: bool, out: Any) -> None:

@@ -1,0 +1,230 @@
+"""Catalogue-scale validation: ``validate_many`` on threads, processes and a real Dask ``LocalCluster`` gives
+the serial results; ``dduf validate --from-file LIST --jobs N --json-lines`` streams exactly ``--json``'s
+entries, is concurrent, and bad lines (missing files, unreachable or slow URLs) are report lines, never the
+end of the batch."""
+
+from __future__ import annotations
+
+import io
+import json
+import multiprocessing
+import shutil
+import socket
+import time
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from servers import FileServer
+
+from conftest import HOSTILE
+from dduf_plus import validate_many
+from dduf_plus.catalogue import validate_one
+from dduf_plus.cli import main as cli_main
+from dduf_plus.errors import DDUFUsageError
+
+CASES: dict[str, dict] = json.loads((HOSTILE / "cases.json").read_text())
+
+
+def hostile_corpus() -> list[str]:
+    """Every committed hostile case plus the valid baseline (as tests/test_hostile.py enumerates them)."""
+    return [str(HOSTILE / name) for name in ["valid.dduf", *sorted(CASES)]]
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory):
+    """Valid archives (the packed fixture pipelines and the baseline) and two hostile cases on a FileServer."""
+    from conftest import FIXTURE_NAMES, PIPELINES
+    from dduf_plus.format.pack import pack_folder
+
+    root = tmp_path_factory.mktemp("served")
+    for name in FIXTURE_NAMES:
+        pack_folder(PIPELINES / name, root / f"{name}.dduf", quiet=True)
+    for name in ("valid.dduf", "crc-mismatch.dduf", "duplicate-name.dduf"):
+        shutil.copy(HOSTILE / name, root / name)
+    with FileServer(root) as server:
+        yield server, sorted(p.name for p in root.iterdir())
+
+
+@pytest.fixture(scope="module")
+def sources(served) -> list[str]:
+    server, names = served
+    bad = ["/no/such/archive.dduf", server.url("missing.dduf"), f"http://127.0.0.1:{closed_port()}/x.dduf"]
+    return hostile_corpus() + [server.url(n) for n in names] + bad
+
+
+def serial(sources: list[str], **kwargs) -> list[dict]:
+    return [validate_one(s, **kwargs) for s in sources]
+
+
+def test_results_are_one_stable_dict_per_source(sources):
+    results = serial(sources)
+    assert [r["source"] for r in results] == sources
+    for r in results:
+        assert set(r) == {"source", "valid", "report", "error"}
+        assert r["report"]["path"] == r["source"]
+        assert r["valid"] == r["report"]["valid"]
+        assert (r["error"] is None) == ("io_error" not in r["report"])
+    by_source = {r["source"]: r for r in results}
+    assert by_source[str(HOSTILE / "valid.dduf")]["valid"]
+    for name, case in CASES.items():  # the corpus' own verdicts (test_hostile) survive the batch form
+        r = by_source[str(HOSTILE / name)]
+        assert r["error"] is None and case["code"] in {f["code"] for f in r["report"]["errors"] + r["report"]["warnings"]} \
+            or case["verify"], name
+    bad = [r for r in results if r["error"] is not None]
+    assert [r["source"] for r in bad] == sources[-3:]
+    assert "No such file" in bad[0]["error"] and "404" in bad[1]["error"] and "refused" in bad[2]["error"]
+
+
+def test_thread_and_process_executors_match_serial(sources):
+    expected = serial(sources, verify=True)
+    assert list(validate_many(sources, verify=True)) == expected  # the default thread pool
+    with ThreadPoolExecutor(3) as pool:
+        assert list(validate_many(sources, executor=pool, verify=True)) == expected
+        unordered = list(validate_many(sources, executor=pool, verify=True, ordered=False))
+    assert sorted(unordered, key=lambda r: r["source"]) == sorted(expected, key=lambda r: r["source"])
+    with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
+        assert list(validate_many(sources, executor=pool, verify=True)) == expected
+    assert any(r["report"]["errors"] and r["report"]["errors"][0]["code"] == "H001" for r in expected)  # verify ran
+
+
+def test_strict_reaches_the_workers():
+    path = str(HOSTILE / "index-missing.dduf")  # a warning-only case
+    assert validate_one(path)["valid"] and not validate_one(path, strict=True)["valid"]
+    with ThreadPoolExecutor(2) as pool:
+        assert [r["valid"] for r in validate_many([path], executor=pool, strict=True)] == [False]
+
+
+def test_sources_are_read_lazily_through_a_bounded_window():
+    consumed = []
+
+    def sources():
+        for i in range(200):
+            consumed.append(i)
+            yield str(HOSTILE / "valid.dduf")
+
+    results = validate_many(sources(), max_workers=2)
+    first = next(results)
+    assert first["valid"] and len(consumed) <= 2 * 4 + 1
+    assert sum(1 for _ in results) == 199
+
+
+def test_a_broken_executor_gives_results_not_an_exception():
+    pool = ThreadPoolExecutor(1)
+    pool.shutdown()
+    results = list(validate_many(hostile_corpus()[:3], executor=pool))
+    assert len(results) == 3 and not any(r["valid"] for r in results)
+    assert all("executor error: RuntimeError" in r["error"] for r in results)
+    with pytest.raises(DDUFUsageError):
+        list(validate_many([], max_workers=0))
+
+
+def test_per_source_time_limit(tmp_path):
+    shutil.copy(HOSTILE / "valid.dduf", tmp_path / "slow.dduf")
+    with FileServer(tmp_path, latency=3.0) as slow:
+        started = time.perf_counter()
+        results = list(validate_many([slow.url("slow.dduf"), str(HOSTILE / "valid.dduf")], timeout=0.5))
+        elapsed = time.perf_counter() - started
+    assert "deadline of 0.5 s" in results[0]["error"] and not results[0]["valid"]
+    assert results[1]["valid"] and elapsed < 2.5
+
+
+# --- the command line --------------------------------------------------------------------------------------
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = cli_main(["validate", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def write_list(path: Path, sources: list[str]) -> Path:
+    body = "# a catalogue\n\n" + "".join(f"  {s}  \n" + ("# comment\n\n" if i % 5 == 0 else "") for i, s in enumerate(sources))
+    path.write_text(body)
+    return path
+
+
+def test_json_lines_equal_json_of_each_source(sources, tmp_path, capsys):
+    listing = write_list(tmp_path / "urls.txt", sources)
+    code, out, err = run_cli(capsys, "--from-file", str(listing), "--jobs", "4", "--json-lines")
+    assert code == 2  # unreadable sources are I/O errors, as for `dduf validate FILE...`; they win over 1
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert sorted(line["path"] for line in lines) == sorted(sources)
+    for line in lines:
+        single_code, single, _ = run_cli(capsys, line["path"], "--json")
+        assert json.loads(single) == {"files": [line]}
+        assert single_code == (2 if "io_error" in line else 0 if line["valid"] else 1)
+    assert err.count("dduf validate: error:") == 3  # one stderr line per unreadable source
+
+
+def test_json_lines_from_stdin_and_exit_codes(tmp_path, capsys, monkeypatch):
+    valid, invalid = str(HOSTILE / "valid.dduf"), str(HOSTILE / "duplicate-name.dduf")
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"# header\n{valid}\n\n{valid}\n"))
+    code, out, _ = run_cli(capsys, "--from-file", "-", "--json-lines")
+    assert code == 0 and [json.loads(x)["valid"] for x in out.splitlines()] == [True, True]
+    code, out, _ = run_cli(capsys, invalid, "--from-file", str(write_list(tmp_path / "l.txt", [valid])), "--json-lines")
+    assert code == 1 and len(out.splitlines()) == 2
+    code, out, _ = run_cli(capsys, "--from-file", str(tmp_path / "l.txt"))  # human output, threads
+    assert code == 0 and out.startswith("OK ")
+    code, out, _ = run_cli(capsys, "--from-file", str(tmp_path / "l.txt"), "--json")  # one document, in order
+    assert code == 0 and [f["path"] for f in json.loads(out)["files"]] == [valid]
+
+
+@pytest.mark.parametrize("argv, message", [
+    ((), "give at least one FILE_OR_URL"),
+    (("--from-file", "/no/such/list.txt", "--json-lines"), "cannot open"),
+    (("x.dduf", "--json", "--json-lines"), "exclude each other"),
+    (("--from-file", "-", "--jobs", "0"), "at least 1"),
+])
+def test_usage_errors_exit_2_before_any_work(capsys, argv, message):
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 2 and out == "" and message in err
+
+
+def test_bad_lines_do_not_stop_the_batch(tmp_path, capsys):
+    (tmp_path / "a-folder.dduf").mkdir()
+    bad = ["/no/such/archive.dduf", f"http://127.0.0.1:{closed_port()}/x.dduf", str(tmp_path / "a-folder.dduf"),
+           "ftp://example.invalid/x.dduf", "simplecache::http://127.0.0.1/x.dduf"]
+    valid = str(HOSTILE / "valid.dduf")
+    listing = write_list(tmp_path / "list.txt", [*bad, valid, *bad, valid])
+    code, out, err = run_cli(capsys, "--from-file", str(listing), "-j", "3", "--json-lines")
+    lines = [json.loads(x) for x in out.splitlines()]
+    assert code == 2 and len(lines) == 12
+    assert sum(1 for x in lines if x["valid"]) == 2
+    assert all(x["io_error"] and x["path"] in bad for x in lines if not x["valid"])
+    assert "Traceback" not in err
+
+
+def test_jobs_8_is_concurrent(tmp_path, capsys):
+    for i in range(16):
+        shutil.copy(HOSTILE / "valid.dduf", tmp_path / f"a{i:02d}.dduf")
+    with FileServer(tmp_path, latency=0.05) as server:
+        listing = write_list(tmp_path / "urls.txt", [server.url(f"a{i:02d}.dduf") for i in range(16)])
+        walls = {}
+        for jobs in ("1", "8"):
+            started = time.perf_counter()
+            code, out, _ = run_cli(capsys, "--from-file", str(listing), "--jobs", jobs, "--json-lines")
+            walls[jobs] = time.perf_counter() - started
+            assert code == 0 and len(out.splitlines()) == 16
+    assert walls["8"] < walls["1"] / 3, walls
+
+
+# --- Dask -----------------------------------------------------------------------------------------------------
+
+
+def test_dask_local_cluster_matches_the_local_run(sources):
+    distributed = pytest.importorskip("distributed", reason="Dask distributed is not installed (extra `dask`)")
+    expected = serial(sources)
+    # two worker processes (results and arguments really cross a process boundary), small for 2 cores
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=2, processes=True, dashboard_address=None,
+                                  silence_logs=50) as cluster, distributed.Client(cluster) as client:
+        with client.get_executor() as executor:
+            assert list(validate_many(sources, executor=executor)) == expected
+            unordered = list(validate_many(sources, executor=executor, ordered=False))
+    assert sorted(unordered, key=lambda r: r["source"]) == sorted(expected, key=lambda r: r["source"])
