@@ -9,7 +9,7 @@ from ._common import as_usage, echo, human_bytes, input_folder, output_file, pat
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("pack", help="pack a diffusers pipeline folder into a .dduf archive")
-    p.add_argument("source", help="diffusers pipeline folder (with model_index.json)")
+    p.add_argument("source", help="diffusers pipeline folder (with model_index.json), or a Hub repo org/name[@revision]")
     p.add_argument("-o", "--output", required=True, help="archive to write (atomically)")
     p.add_argument("-f", "--force", action="store_true", help="overwrite OUTPUT if it exists")
     p.add_argument("--variant", help="pack this weight variant (e.g. fp16), like from_pretrained(variant=...)")
@@ -35,7 +35,10 @@ def run(args: argparse.Namespace) -> int:
 
     refs = as_usage(lambda: parse_ref_args(args.ref))
     dtypes = as_usage(lambda: parse_dtype_args(args.dtype or []))
-    input_folder(args.source)
+    from ..packing.pack import hub_source
+
+    if hub_source(args.source) is None:  # a local folder; else a Hub repo id[@revision], fetched by pack()
+        input_folder(args.source)
     for spec in refs.values():
         path_like_missing(spec, "--ref")
     if args.base:

@@ -33,6 +33,7 @@ def load_dduf(
     path: str | os.PathLike,
     torch_dtype: Any = AUTO,
     *,
+    dduf_file: str | None = None,
     dtype: Any = None,
     device: Any = None,
     device_map: Any = None,
@@ -56,14 +57,21 @@ def load_dduf(
     through the precision bridge (``dduf_plus.loading.bridge``).
 
     Args:
-        path: a local ``.dduf`` file, or a ``.dduf.zst`` (decompressed once into a cache, then mapped).
+        path: a local ``.dduf`` file, or a ``.dduf.zst`` (decompressed once into a cache, then mapped), or a
+            Hub repo id (``"org/name"``, not an existing local path) holding the archive.
+        dduf_file: the archive's file name in the Hub repo ``path`` (as diffusers 0.35's
+            ``from_pretrained(repo, dduf_file=...)``); optional when the repo holds exactly one ``.dduf``.
+            Downloaded through huggingface_hub into its cache (``revision``, ``token``, ``cache_dir``,
+            ``local_files_only`` / ``HF_HUB_OFFLINE`` apply); offline with it cached, no request is made.
         torch_dtype: ``"auto"`` (each component in the dtype it was saved in: see docs/loading.md), a torch
             dtype, a name (``"bfloat16"``) or {component: dtype, "default": dtype}. ``dtype=`` is an alias.
         device, device_map: ``"cpu"`` (default), ``"cuda"``, ``"cuda:1"``, or {component: device, "default": ...}.
         variant: weight variant (``"fp16"``): components that have it load it, the others their default weights.
         refs, local_files_only, token, revision, cache_dir, verify: how components stored elsewhere
             (external references) are resolved and checked; ``verify`` also checks the CRC-32 of the
-            archive's small entries.
+            archive's small entries. ``revision`` is the Hub revision of the archive's repo when ``path`` is
+            a repo id, and the revision of references that record none (references written by ``dduf pack``
+            pin the commit they were checked against, which wins).
         use_mmap: False reads each tensor into its own buffer with ``os.preadv`` (network file systems).
         prefetch: read the weights in on a background thread while the modules are being built.
         max_decompressed: the decompression budget for a ``.dduf.zst`` (``"64G"``, ``"32x"``, ``"64G,32x"``,
@@ -84,6 +92,11 @@ def load_dduf(
     """
     started = time.perf_counter()
     path_str = os.fspath(path)
+    if dduf_file is not None or _is_hub_repo(path_str):  # a Hub repo id: the cached archive, downloaded if need be
+        from ..remote.hub import hub_archive
+
+        path_str = os.fspath(hub_archive(path_str, dduf_file, revision=revision, token=token, cache_dir=cache_dir,
+                                         local_files_only=local_files_only))
     if is_url(path_str):
         raise DDUFLoadError(f"{path_str}: load_dduf reads local files; download it first "
                             "(huggingface_hub.hf_hub_download)")
@@ -112,6 +125,16 @@ def load_dduf(
         archive.close()  # the tensors keep the mapping alive; the file descriptor is not needed any more
     logger.info("loaded %s in %.2f s", path_str, time.perf_counter() - started)
     return pipe
+
+
+def _is_hub_repo(path: str) -> bool:
+    """``org/name`` that is no local path (an existing path wins, as in ``from_pretrained``)."""
+    if os.path.exists(path) or is_url(path):
+        return False
+    from ..remote.hub import is_repo_id
+
+    first = path.split("/", 1)[0]
+    return is_repo_id(path) and not os.path.isdir(first)  # "models/x" with ./models here: a missing path
 
 
 class _TorchvisionFallbackNotice(logging.Filter):

@@ -26,12 +26,15 @@ def pack(
     fsync: bool = True,
 ) -> tuple[PackResult, Any]:
     """Pack ``folder`` into ``output``. Returns the result and, for partial packs, the reference plan.
+    ``folder`` may be a Hub repo id ``org/name[@revision]`` (an existing local path wins): only the files the
+    archive stores are downloaded, into the Hugging Face cache (offline: taken from it).
     ``fsync=False`` skips the flush to disk before the atomic rename.
 
     Raises:
         DDUFPackError: the folder holds something DDUF cannot, or a reference cannot be made.
     """
     refs = dict(refs or {})
+    folder = pack_source(folder, variant=variant, token=token, local_files_only=local_files_only, quiet=quiet)
     plan = plan_folder(folder, variant=variant, exclude=[n for n in exclude])
     model_index, model_index_bytes, sources = plan.model_index, plan.model_index_bytes, plan.sources
     references = None
@@ -55,6 +58,33 @@ def pack(
     result = write_archive(output, model_index, model_index_bytes, sources, skipped=skipped,
                            references=references, extra_components=extra, quiet=quiet, fsync=fsync)
     return result, partial
+
+
+def hub_source(source: str | os.PathLike) -> tuple[str, str | None] | None:
+    """(repo id, revision) when ``source`` names a Hub repo (``org/name[@revision]``) and no local path;
+    None for a local path (an existing one always wins) or anything else."""
+    text = os.fspath(source)
+    if os.path.exists(text):
+        return None
+    from ..remote.hub import is_repo_id, split_revision
+
+    repo, revision = split_revision(text)
+    first = repo.split("/", 1)[0]
+    return (repo, revision) if is_repo_id(repo) and not os.path.isdir(first) else None
+
+
+def pack_source(source: str | os.PathLike, *, variant: str | None = None, token: str | bool | None = None,
+                local_files_only: bool = False, cache_dir: str | os.PathLike | None = None,
+                quiet: bool | None = None) -> str | os.PathLike:
+    """The folder to pack: ``source`` itself, or for a Hub repo id the cached snapshot holding only the files
+    the archive will store (:func:`dduf_plus.remote.hub.hub_folder_for_pack`)."""
+    hub = hub_source(source)
+    if hub is None:
+        return source
+    from ..remote.hub import hub_folder_for_pack
+
+    return hub_folder_for_pack(hub[0], revision=hub[1], variant=variant, token=token, cache_dir=cache_dir,
+                               local_files_only=local_files_only, quiet=True if quiet else None)
 
 
 def _quanto_records(sources: Sequence[Any]) -> dict[str, Any] | None:

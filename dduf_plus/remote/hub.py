@@ -1,0 +1,275 @@
+"""DDUF archives and pipeline folders on the Hugging Face Hub, through huggingface_hub and its cache.
+
+- :func:`hub_archive`: the ``.dduf`` file of a repo, downloaded with ``hf_hub_download`` (its progress bars,
+  tokens, ``HF_HUB_OFFLINE``, resumable downloads, its cache) and returned as a local path to map;
+- :func:`hub_folder_for_pack`: only the files ``dduf pack`` will store of a diffusers repo (the components
+  model_index.json names, their configs and tokenizer files, the chosen variant's safetensors weights),
+  through ``snapshot_download`` with allow patterns.
+
+Both work offline from the cache (``HF_HUB_OFFLINE=1`` or ``local_files_only=True``: no request at all).
+huggingface_hub is imported when called, never at import: this floor starts fast and imports no torch."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+from ..errors import DDUFError, DDUFIOError, DDUFNotFoundError, DDUFPackError, DDUFUsageError
+from ..format import spec
+from ..format.cache_dirs import hf_hub_cache
+from ..format.weights import classify, select_weights
+
+logger = logging.getLogger("dduf_plus.remote.hub")
+
+T = TypeVar("T")
+DDUF_SUFFIXES = (".dduf", ".dduf.zst")
+MAX_MODEL_INDEX_BYTES = 256 << 10  # the same budget `dduf validate` applies to model_index.json (D013)
+# Tokenizer and processor files a component keeps besides its config (the types DDUF allows).
+_KEEP_EXTENSIONS = spec.ALLOWED_EXTENSIONS
+
+
+def is_repo_id(text: str) -> bool:
+    """``org/name`` as huggingface_hub validates a repo id (exactly one ``/``; no ``.dduf`` suffix, which
+    is a file name; no ``@`` revision, see :func:`split_revision`)."""
+    if text.count("/") != 1 or text.endswith(DDUF_SUFFIXES) or text.startswith((".", "/", "~")):
+        return False
+    try:
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+    except ImportError:  # pragma: no cover - a dependency
+        return bool(re.fullmatch(r"[\w.\-]+/[\w.\-]+", text))
+    try:
+        validate_repo_id(text)
+    except HFValidationError:
+        return False
+    return True
+
+
+def split_revision(source: str) -> tuple[str, str | None]:
+    """``org/repo@rev`` -> (``org/repo``, ``rev``); no ``@``: (source, None)."""
+    repo, sep, rev = source.partition("@")
+    return (repo, rev) if sep and rev else (source, None)
+
+
+def _offline(local_files_only: bool) -> bool:
+    if local_files_only:
+        return True
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE) or os.environ.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def _where(repo_id: str, revision: str | None) -> str:
+    return repo_id + (f"@{revision}" if revision else "")
+
+
+def _hub_call(what: str, repo_id: str, revision: str | None, call: Callable[[], T], *, filename: str | None = None,
+              offline: bool = False) -> T:
+    """Run a huggingface_hub call; its errors become DDUFErrors that name the repo, revision and file."""
+    from huggingface_hub import errors as hf_errors
+
+    where = _where(repo_id, revision)
+    try:
+        return call()
+    except hf_errors.RevisionNotFoundError:
+        raise DDUFNotFoundError(f"{what}: the Hub repo {repo_id} has no revision {revision!r}", where) from None
+    except hf_errors.GatedRepoError:
+        raise DDUFIOError(f"{what}: {repo_id} is gated: accept its terms on the Hub and pass token= "
+                          "(or run `hf auth login`)") from None
+    except hf_errors.RepositoryNotFoundError:
+        raise DDUFNotFoundError(f"{what}: no Hub repo {repo_id} (or it is private: pass token= or run "
+                                "`hf auth login`)", repo_id) from None
+    except hf_errors.EntryNotFoundError:  # remote (not in the repo) and local (offline, not cached)
+        if offline:
+            raise DDUFNotFoundError(f"{what}: {filename or 'the files'} of {where} not in the Hugging Face cache "
+                                    "and offline (HF_HUB_OFFLINE or local_files_only): download it once online",
+                                    filename) from None
+        raise DDUFNotFoundError(f"{what}: {where} has no file {filename}", filename) from None
+    except (hf_errors.LocalEntryNotFoundError, hf_errors.OfflineModeIsEnabled) as e:
+        raise DDUFNotFoundError(f"{what}: {filename or where} is not in the Hugging Face cache and the Hub "
+                                f"cannot be reached ({_first_line(e)})", filename) from None
+    except hf_errors.HfHubHTTPError as e:
+        raise DDUFIOError(f"{what}: the Hub answered for {where}: {_first_line(e)}") from None
+    except DDUFError:
+        raise
+    except (OSError, ValueError) as e:  # connection errors (httpx), disk full, a cache that cannot be written
+        raise DDUFIOError(f"{what}: {where}: {type(e).__name__}: {_first_line(e)}") from None
+
+
+@contextlib.contextmanager
+def _bars(quiet: bool | None) -> Iterator[None]:
+    """huggingface_hub's progress bars only on a terminal, never with ``quiet`` (restored afterwards)."""
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    hide = quiet if quiet is not None else not (hasattr(sys.stderr, "isatty") and sys.stderr.isatty())
+    if not hide or are_progress_bars_disabled():
+        yield
+        return
+    disable_progress_bars()
+    try:
+        yield
+    finally:
+        enable_progress_bars()
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [line for line in str(e).splitlines() if line.strip()]
+    return lines[0] if lines else type(e).__name__
+
+
+# --- listing -----------------------------------------------------------------------------------------------
+def _snapshot(repo_id: str, revision: str | None, cache_dir: str | os.PathLike | None) -> Path | None:
+    """The cached snapshot folder of repo_id at revision (a branch or tag through refs/, or a commit)."""
+    cache = Path(cache_dir).expanduser() if cache_dir else _default_cache()
+    storage = cache / ("models--" + repo_id.replace("/", "--"))
+    rev = revision or "main"
+    commit = rev
+    ref = storage / "refs" / rev
+    if ref.is_file():
+        commit = ref.read_text().strip()
+    snap = storage / "snapshots" / commit
+    return snap if commit and "/" not in commit and snap.is_dir() else None
+
+
+def _default_cache() -> Path:
+    try:
+        from huggingface_hub import constants
+
+        return Path(constants.HF_HUB_CACHE)
+    except ImportError:  # pragma: no cover
+        return hf_hub_cache()
+
+
+def list_repo_files(repo_id: str, *, revision: str | None = None, token: str | bool | None = None,
+                    cache_dir: str | os.PathLike | None = None, local_files_only: bool = False) -> list[str]:
+    """The files of a repo: from the Hub (one ``model_info`` call), or offline from the cached snapshot
+    (what has been downloaded of it)."""
+    if _offline(local_files_only):
+        snap = _snapshot(repo_id, revision, cache_dir)
+        if snap is None:
+            raise DDUFNotFoundError(f"{_where(repo_id, revision)} is not in the Hugging Face cache and offline "
+                                    "(HF_HUB_OFFLINE or local_files_only): download it once online", repo_id)
+        return sorted(p.relative_to(snap).as_posix() for p in snap.rglob("*") if p.is_file())
+    from huggingface_hub import HfApi
+
+    info = _hub_call("listing", repo_id, revision,
+                     lambda: HfApi().model_info(repo_id, revision=revision, token=token))
+    return sorted(s.rfilename for s in info.siblings or [])
+
+
+# --- archives ------------------------------------------------------------------------------------------------
+def hub_archive(repo_id: str, dduf_file: str | None = None, *, revision: str | None = None,
+                token: str | bool | None = None, cache_dir: str | os.PathLike | None = None,
+                local_files_only: bool = False, quiet: bool | None = None) -> Path:
+    """The local path of ``dduf_file`` of the Hub repo ``repo_id`` (downloaded into the Hugging Face cache
+    if not there yet; a link into the cache's content-named blobs, which is what the loader maps).
+
+    With ``dduf_file=None`` the repo must hold exactly one ``.dduf`` (or ``.dduf.zst``) file.
+
+    Raises:
+        DDUFNotFoundError: no such repo, revision or file; offline and not cached.
+        DDUFUsageError: ``dduf_file`` not given and the repo holds zero or several archives (listed).
+        DDUFIOError: the Hub cannot be reached or refuses (gated, private without a token).
+    """
+    if dduf_file is None:
+        files = list_repo_files(repo_id, revision=revision, token=token, cache_dir=cache_dir,
+                                local_files_only=local_files_only)
+        archives = [f for f in files if f.endswith(DDUF_SUFFIXES)]
+        if len(archives) != 1:
+            where = _where(repo_id, revision)
+            if not archives:
+                cached = " cached" if _offline(local_files_only) else ""
+                raise DDUFUsageError(f"{where} holds no{cached} .dduf file ({len(files)} files: "
+                                     f"{', '.join(files[:8])}{', ...' if len(files) > 8 else ''}); "
+                                     "is it a diffusers folder? `dduf pack " + where + " -o X.dduf` packs it")
+            raise DDUFUsageError(f"{where} holds {len(archives)} .dduf files: {', '.join(archives)}; "
+                                 f"choose one: load_dduf({repo_id!r}, dduf_file={archives[0]!r})")
+        dduf_file = archives[0]
+    if not dduf_file.endswith(DDUF_SUFFIXES):
+        raise DDUFUsageError(f"dduf_file={dduf_file!r}: not a .dduf file name")
+    from huggingface_hub import hf_hub_download
+
+    offline = _offline(local_files_only)
+    with _bars(quiet):  # quiet=None: bars on a terminal only
+        path = _hub_call(f"{repo_id}/{dduf_file}", repo_id, revision, lambda: hf_hub_download(
+            repo_id, dduf_file, revision=revision, token=token, cache_dir=cache_dir,
+            local_files_only=local_files_only), filename=dduf_file, offline=offline)
+    logger.info("%s/%s: %s", _where(repo_id, revision), dduf_file, path)
+    return Path(path)
+
+
+# --- folders for `dduf pack` --------------------------------------------------------------------------------
+def _glob_escape(name: str) -> str:
+    return re.sub(r"([*?\[])", r"[\1]", name)
+
+
+def _components(model_index: Any) -> list[str]:
+    if not isinstance(model_index, dict):
+        return []
+    return sorted(k for k, v in model_index.items() if not k.startswith("_") and isinstance(v, (list, tuple))
+                  and len(v) == 2 and v[0] is not None and v[1] is not None and "/" not in k and k not in (".", ".."))
+
+
+def pack_selection(files: Sequence[str], components: Sequence[str], variant: str | None) -> list[str]:
+    """The repo files ``dduf pack`` stores: model_index.json and, per component, its files of the types
+    DDUF allows (configs, tokenizer files, safetensors weights of ``variant``, else the default ones);
+    never pickles (``.bin``), READMEs, images, onnx or flax weights, nor files of sub-folders."""
+    chosen = [spec.MODEL_INDEX]
+    for comp in components:
+        prefix = comp + "/"
+        names = [f[len(prefix):] for f in files if f.startswith(prefix) and "/" not in f[len(prefix):]]
+        allowed = [n for n in names if n.endswith(_KEEP_EXTENSIONS) and not n.startswith(".")]
+        if any(n.endswith(spec.PICKLE_EXTENSIONS) for n in names) and not any(n.endswith(".safetensors") for n in allowed):
+            raise DDUFPackError(f"{comp}: only pickle weights ({', '.join(n for n in names if n.endswith(spec.PICKLE_EXTENSIONS))}); "
+                                "DDUF stores safetensors only: convert them first")
+        weights = set(select_weights(allowed, variant))
+        chosen += [prefix + n for n in sorted(allowed) if classify(n) is None or n in weights]
+    return chosen
+
+
+def hub_folder_for_pack(repo_id: str, *, revision: str | None = None, variant: str | None = None,
+                        token: str | bool | None = None, cache_dir: str | os.PathLike | None = None,
+                        local_files_only: bool = False, quiet: bool | None = None) -> Path:
+    """The snapshot folder of a diffusers repo holding (at least) the files ``dduf pack`` will store, which
+    are the only ones downloaded: model_index.json first, then :func:`pack_selection` of the listing.
+
+    Raises:
+        DDUFNotFoundError: no such repo / revision, no model_index.json, offline and not cached.
+        DDUFIOError: the Hub cannot be reached or refuses.
+    """
+    from huggingface_hub import hf_hub_download, snapshot_download
+
+    offline = _offline(local_files_only)
+    where = _where(repo_id, revision)
+    mi_path = Path(_hub_call(where, repo_id, revision, lambda: hf_hub_download(
+        repo_id, spec.MODEL_INDEX, revision=revision, token=token, cache_dir=cache_dir,
+        local_files_only=local_files_only), filename=spec.MODEL_INDEX, offline=offline))
+    if mi_path.stat().st_size > MAX_MODEL_INDEX_BYTES:
+        raise DDUFIOError(f"{where}: model_index.json is {mi_path.stat().st_size} bytes "
+                          f"(at most {MAX_MODEL_INDEX_BYTES}); not a diffusers pipeline")
+    try:
+        model_index = json.loads(mi_path.read_bytes())
+    except ValueError as e:
+        raise DDUFIOError(f"{where}: model_index.json is not valid JSON ({e})") from None
+    components = _components(model_index)
+    if offline:
+        snap = mi_path.parent  # the snapshot model_index.json was found in
+        files = sorted(p.relative_to(snap).as_posix() for p in snap.rglob("*") if p.is_file() or p.is_symlink())
+    else:
+        files = list_repo_files(repo_id, revision=revision, token=token, cache_dir=cache_dir)
+    wanted = pack_selection(files, components, variant)
+    logger.info("%s: %d of %d files are packed (%s)", where, len(wanted), len(files), ", ".join(components))
+    with _bars(quiet):
+        folder = _hub_call(where, repo_id, revision, lambda: snapshot_download(
+            repo_id, revision=revision, token=token, cache_dir=cache_dir, local_files_only=local_files_only,
+            allow_patterns=[_glob_escape(f) for f in wanted]), offline=offline)
+    return Path(folder)
+
+
+__all__ = ["hub_archive", "hub_folder_for_pack", "is_repo_id", "list_repo_files", "pack_selection", "split_revision"]
