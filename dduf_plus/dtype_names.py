@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import NamedTuple
 
+from .assignments import parse_assignments
 from .errors import DDUFPackError
 
 FP8 = ("float8_e4m3fn", "float8_e5m2")
@@ -55,17 +56,9 @@ def parse_target(text: str, what: str) -> Target:
 
 def parse_dtype_args(values: Iterable[str]) -> dict[str, str]:
     """CLI spelling -> mapping, every value checked: ``["bfloat16", "unet=float8_e4m3fn:float16"]`` ->
-    ``{"default": "bfloat16", "unet": "float8_e4m3fn:float16"}``. A later value for a key wins."""
-    out: dict[str, str] = {}
-    spelled: dict[str, str] = {}
-    for value in values:
-        name, sep, rest = value.partition("=")
-        if sep:
-            if not name or not rest:
-                raise DDUFPackError(f"--dtype {value}: expected COMPONENT=DTYPE")
-            out[name], spelled[name] = rest, value
-        else:
-            out[DEFAULT_KEY], spelled[DEFAULT_KEY] = value, value
+    ``{"default": "bfloat16", "unet": "float8_e4m3fn:float16"}``. A component (or the default) named twice
+    is refused (:func:`dduf_plus.assignments.parse_assignments`, the parser ``--ref`` uses too)."""
+    out = parse_assignments(values, "--dtype", default_key=DEFAULT_KEY, value_name="DTYPE", error=DDUFPackError)
     for key, text in out.items():
-        parse_target(text, f"--dtype {spelled[key]}")
+        parse_target(text, f"--dtype {text if key == DEFAULT_KEY else f'{key}={text}'}")
     return out

@@ -264,3 +264,44 @@ def test_docs_cli_md_documents_the_table():
 
     for command in COMMANDS:
         assert f"dduf {command}" in doc, command
+
+
+# --- one [NAME=]VALUE parser: a name given twice is refused by every command ------------------------------------
+
+
+@pytest.mark.parametrize("command", ["pack", "complete", "refs"])
+def test_a_ref_given_twice_for_one_name_is_refused(tmp_path, capsys, archive, command):
+    out = tmp_path / "x.dduf"
+    twice = ["--ref", f"vae={TINY_SD}", "--ref", f"vae={PIPELINES / 'tiny-sd-finetune'}"]
+    args = {"pack": ["pack", str(TINY_SD), "-o", str(out), "--exclude", "vae", *twice],
+            "complete": ["complete", str(archive), "-o", str(out), *twice],
+            "refs": ["refs", str(archive), *twice]}[command]
+    code, stdout, err = run_cli(capsys, *args)
+    assert code == EXIT_USAGE and stdout == "", err
+    assert "--ref given twice for 'vae'" in one_error_line(err, command)
+    assert not out.exists()
+    code, _, err = run_cli(capsys, *args[:-4], "--ref", str(TINY_SD), "--ref", str(TINY_SD))
+    assert code == EXIT_USAGE and "--ref given twice for the default" in one_error_line(err, command)
+
+
+def test_a_dtype_given_twice_for_one_name_is_refused(tmp_path, capsys):
+    out = tmp_path / "x.dduf"
+    for twice in (["--dtype", "unet=bf16", "--dtype", "unet=fp16"], ["--dtype", "bf16", "--dtype", "fp16"]):
+        code, _, err = run_cli(capsys, "pack", str(TINY_SD), "-o", str(out), *twice)
+        assert code == EXIT_USAGE and "--dtype given twice for" in one_error_line(err, "pack")
+    assert not out.exists()
+
+
+def test_one_parser_for_every_assignment_option():
+    from dduf_plus.assignments import parse_assignments
+    from dduf_plus.dtype_names import parse_dtype_args
+    from dduf_plus.errors import DDUFPackError, DDUFReferenceError, DDUFUsageError
+    from dduf_plus.refs.resolve import parse_ref_args
+
+    assert parse_assignments(["x=b", "org/r=c"], "--opt", default_key="*") == {"x": "b", "*": "org/r=c"}
+    with pytest.raises(DDUFUsageError, match="--opt given twice for 'x'"):
+        parse_assignments(["x=a", "x=b"], "--opt", default_key="*")
+    with pytest.raises(DDUFReferenceError, match="--ref given twice for 'vae'"):
+        parse_ref_args(["vae=a/b", "vae=c/d"])
+    with pytest.raises(DDUFPackError, match="--dtype given twice for 'unet'"):
+        parse_dtype_args(["unet=bf16", "unet=bf16"])

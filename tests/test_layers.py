@@ -1,7 +1,7 @@
 """The import-layers contract: every import inside ``dduf_plus`` points down (or sideways within a floor).
 
-    base (errors, _version, dtype_names) < format < refs, remote < packing < loading < top (cli, serve, fs,
-    compat, inspect, the package root)
+    base (errors, _version, dtype_names, assignments) < format < refs, remote < packing < loading < top (cli,
+    serve, fs, compat, inspect, the package root)
 
 Imports under ``if TYPE_CHECKING:`` are not counted (they never run). Lazy imports inside functions are: a
 lazy import that points up is still a layer pointing up. A second check finds import cycles among the
@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "dduf_plus"
 
 # Floors, bottom first. A module belongs to the first prefix that matches it.
 FLOORS: list[tuple[int, tuple[str, ...]]] = [
-    (0, ("dduf_plus.errors", "dduf_plus._version", "dduf_plus.dtype_names")),
+    (0, ("dduf_plus.errors", "dduf_plus._version", "dduf_plus.dtype_names", "dduf_plus.assignments")),
     (1, ("dduf_plus.format",)),
     (2, ("dduf_plus.refs", "dduf_plus.remote")),
     (3, ("dduf_plus.packing",)),

@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from ..assignments import parse_assignments
 from ..errors import DDUFError, DDUFReferenceError
 from ..format.confined import Confined, component_name_problem, plain_name
 from ..format.references import reference_problem
@@ -39,7 +40,6 @@ SpecLike = str | os.PathLike
 # --- SPEC syntax ---------------------------------------------------------------------------------------
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*(/[A-Za-z0-9_.\-]+)?$")
 _SUBFOLDER = re.compile(r"^[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*$")
-_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*$")
 _CONFIG_FILES = ("config.json", "tokenizer_config.json", "preprocessor_config.json", "scheduler_config.json")
 
 
@@ -95,20 +95,10 @@ def _abspath(path: str) -> str:
 
 
 def parse_ref_args(values: list[str] | tuple[str, ...] | None) -> dict[str, str]:
-    """CLI ``--ref`` values to a refs mapping: ``SPEC`` -> ``{"*": SPEC}``, ``NAME=SPEC`` -> ``{NAME: SPEC}``.
-
-    ``NAME=`` is recognised when NAME is a component-like identifier (no ``/``); a later value for the
-    same key is an error."""
-    out: dict[str, str] = {}
-    for value in values or ():
-        name, sep, rest = value.partition("=")
-        key, spec = (name, rest) if sep and _NAME.match(name) else ("*", value)
-        if not spec:
-            raise DDUFReferenceError(f"--ref {value!r}: missing SPEC after '='")
-        if key in out:
-            raise DDUFReferenceError(f"--ref given twice for {'all components' if key == '*' else key}")
-        out[key] = spec
-    return out
+    """CLI ``--ref`` values to a refs mapping: ``SPEC`` -> ``{"*": SPEC}``, ``NAME=SPEC`` -> ``{NAME: SPEC}``
+    (``NAME=`` when NAME is a component-like identifier, no ``/``); a name given twice is refused. One parser
+    for ``--ref`` and ``--dtype``: :func:`dduf_plus.assignments.parse_assignments`."""
+    return parse_assignments(values, "--ref", default_key="*", value_name="SPEC", error=DDUFReferenceError)
 
 
 def reference_spec(reference: Mapping[str, Any]) -> Spec | None:
