@@ -20,7 +20,7 @@ _LAZY: dict[str, str] = {
     "read_dduf_file": "dduf_plus.compat",
     "load_dduf": "dduf_plus.loading.pipeline",
     "save_dduf": "dduf_plus.loading.save",
-    "inspect_dtypes": "dduf_plus.inspect",
+    "inspect_dtypes": "dduf_plus.inspection",
     "validate": "dduf_plus.format.validate",
     "ValidationReport": "dduf_plus.format.validate",
     "validate_many": "dduf_plus.catalogue",
@@ -59,7 +59,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .format.validate import ValidationReport as ValidationReport
     from .format.validate import validate as validate
     from .format.writer import DDUFWriter as DDUFWriter
-    from .inspect import inspect_dtypes as inspect_dtypes
+    from .inspection import inspect_dtypes as inspect_dtypes
     from .loading.pipeline import load_dduf as load_dduf
     from .loading.save import save_dduf as save_dduf
     from .packing import pack as pack

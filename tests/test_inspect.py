@@ -14,7 +14,7 @@ from dduf_plus.errors import DDUFError
 from dduf_plus.format.archive import DDUFArchive
 from dduf_plus.format.safetensors_header import read_safetensors_header
 from dduf_plus.format.source import LocalSource
-from dduf_plus.inspect import inspect_dtypes
+from dduf_plus.inspection import inspect_dtypes
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -46,7 +46,7 @@ def test_archive_agrees_with_folder_and_index(packed, pipelines_dir, tmp_path, n
 
 
 def test_imports_no_torch(pipelines_dir, packed):
-    code = ("import sys; from dduf_plus.inspect import inspect_dtypes; "
+    code = ("import sys; from dduf_plus.inspection import inspect_dtypes; "
             f"inspect_dtypes({str(pipelines_dir / 'tiny-sd')!r}); inspect_dtypes({str(packed['tiny-sd'])!r}); "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=60)
@@ -131,7 +131,7 @@ def test_hub_repo_reads_only_headers(pipelines_dir, variant):
 
 def test_hub_repo_holding_one_dduf_file():
     with mock.patch("huggingface_hub.HfApi.list_repo_files", return_value=["README.md", "model.dduf"]), \
-            mock.patch("dduf_plus.inspect._from_archive", return_value={"unet": "x"}) as from_archive:
+            mock.patch("dduf_plus.inspection._from_archive", return_value={"unet": "x"}) as from_archive:
         assert inspect_dtypes("someone/repo", revision="v1", token="hf_y") == {"unet": "x"}
     from_archive.assert_called_once_with("hf://someone/repo@v1/model.dduf", None, token="hf_y")
 

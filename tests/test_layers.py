@@ -1,7 +1,7 @@
 """The import-layers contract: every import inside ``dduf_plus`` points down (or sideways within a floor).
 
     base (errors, _version, dtype_names, assignments) < format < refs, remote < packing < loading < top (cli,
-    serve, fs, compat, inspect, the package root)
+    serve, fs, compat, inspection, the package root)
 
 Imports under ``if TYPE_CHECKING:`` are not counted (they never run). Lazy imports inside functions are: a
 lazy import that points up is still a layer pointing up. A second check finds import cycles among the
@@ -21,7 +21,7 @@ FLOORS: list[tuple[int, tuple[str, ...]]] = [
     (2, ("dduf_plus.refs", "dduf_plus.remote")),
     (3, ("dduf_plus.packing",)),
     (4, ("dduf_plus.loading",)),
-    (5, ("dduf_plus.cli", "dduf_plus.serve", "dduf_plus.fs", "dduf_plus.compat", "dduf_plus.inspect",
+    (5, ("dduf_plus.cli", "dduf_plus.serve", "dduf_plus.fs", "dduf_plus.compat", "dduf_plus.inspection",
          "dduf_plus.catalogue", "dduf_plus.hub")),
 ]
 ROOT = "dduf_plus"  # the package root re-exports everything lazily
@@ -147,3 +147,12 @@ def test_the_contract_can_fail(tmp_path: Path) -> None:
         "probe.py:2: dduf_plus.format.probe -> dduf_plus.loading"]
     probe.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..loading import pipeline\n")
     assert upward_imports([(probe, "dduf_plus.format.probe")]) == []
+
+
+def test_no_module_shadows_the_standard_library():
+    """``dduf_plus/inspect.py`` used to shadow ``inspect`` for anything run from inside the package folder."""
+    import sys
+
+    shadows = sorted(p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py")
+                     if p.stem in sys.stdlib_module_names)
+    assert not shadows, shadows
