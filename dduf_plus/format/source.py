@@ -142,6 +142,7 @@ class _Budget:
         self.ends_at = time.monotonic() + self.deadline_s
         self.max_bytes = self.fixed_max_bytes  # None until the size is known
         self.fetched = 0
+        self._lock = threading.Lock()  # several connections may share one budget (remote.fetch)
 
     def sized(self, size: int) -> None:
         if self.fixed_max_bytes is None:
@@ -159,10 +160,12 @@ class _Budget:
 
     def spend(self, length: int) -> None:
         """Refuse, before it is requested, a read that would go over the byte budget."""
-        if self.max_bytes is not None and self.fetched + length > self.max_bytes:
-            raise DDUFIOError(f"{self.name}: reading {length} more bytes would exceed the byte budget of "
-                              f"{self.max_bytes} bytes ({self.fetched} fetched; max_bytes=, DDUF_REMOTE_MAX_BYTES)")
-        self.fetched += length
+        with self._lock:
+            if self.max_bytes is not None and self.fetched + length > self.max_bytes:
+                raise DDUFIOError(f"{self.name}: reading {length} more bytes would exceed the byte budget of "
+                                  f"{self.max_bytes} bytes ({self.fetched} fetched; max_bytes=, "
+                                  "DDUF_REMOTE_MAX_BYTES)")
+            self.fetched += length
 
 
 # --- http(s): our own range client, so deadlines, redirects and range support are ours to decide -------------
@@ -186,10 +189,15 @@ class HTTPSource:
 
     Opening sends one ``Range: bytes=0-0`` request: the ``206`` answer gives the size and proves range
     support; a ``200`` (the server ignores ``Range``) is refused without reading its body. Each later
-    ``read_at`` is exactly one range request. Redirects are followed within the same origin only."""
+    ``read_at`` is exactly one range request. Redirects are followed within the same origin only.
+
+    ``size`` (already known, e.g. from another connection) skips the opening request; ``budget`` shares
+    one deadline and byte budget between several connections to the same URL (``remote.fetch``). Every
+    answer's total size must equal ``size``: a file that changed, or a server that lies, is refused."""
 
     def __init__(self, url: str, *, deadline: float | None = None, max_bytes: int | None = None,
-                 headers: dict[str, str] | None = None, timeout: float | None = None):
+                 headers: dict[str, str] | None = None, timeout: float | None = None,
+                 size: int | None = None, budget: _Budget | None = None):
         self.name = url
         parts = urlsplit(url)
         if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
@@ -200,12 +208,15 @@ class HTTPSource:
         self._url = url
         self._headers = {"User-Agent": "dduf_plus", "Accept-Encoding": "identity", **(headers or {})}
         self._timeout = float(timeout) if timeout else _read_timeout()
-        self._budget = _Budget(url, deadline, max_bytes)
+        self._budget = budget if budget is not None else _Budget(url, deadline, max_bytes)
         self._lock = threading.Lock()  # one connection: one request at a time
         self._conn: http.client.HTTPConnection | None = None
         self._expired = False
         self.bytes_read = 0
         self.size = 0
+        if size is not None:
+            self.size = int(size)
+            return
         try:
             self.size = self._probe()
         except _HTTPFailure as e:
@@ -367,6 +378,10 @@ class HTTPSource:
             raise _HTTPFailure(f"the server answered with another range ({_short(response.getheader('Content-Range'))}"
                                f" for bytes={start}-{end})")
         length = end - start + 1
+        if expect is not None and span[2] is not None and span[2] != self.size:
+            self.close()
+            raise _HTTPFailure(f"the server now reports a size of {span[2]} bytes, not {self.size} (the file "
+                               "changed, or the server misreports sizes)")
         declared = response.getheader("Content-Length")
         if declared is not None and declared.strip() != str(length):
             self.close()

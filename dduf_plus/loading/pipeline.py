@@ -6,13 +6,15 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..errors import DDUFError, DDUFLoadError, DDUFReferenceError
+from ..errors import DDUFError, DDUFLoadError, DDUFReferenceError, DDUFUsageError
 from ..format.archive import DDUFArchive
 from ..format.source import is_url
 from ..format.weights import variants
 from ..format.zst import cached_decompress, is_zst
+from ..remote.fetch import RemoteFetch
 from .bridge import install_bridge
 from .components import build_component, resolve_class
 from .dtypes import AUTO, requested_for, resolve_request
@@ -24,7 +26,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
     from diffusers import DiffusionPipeline
 
-logger = logging.getLogger("dduf_plus")
+logger = logging.getLogger(__name__)
 
 _UNSUPPORTED_DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 
@@ -48,6 +50,7 @@ def load_dduf(
     prefetch: bool = True,
     allow_missing_weights: bool = False,
     max_decompressed: Any = None,
+    remote: Any = None,
     **kwargs: Any,
 ) -> DiffusionPipeline:
     """Load the pipeline a ``.dduf`` archive holds, ready to call.
@@ -97,27 +100,34 @@ def load_dduf(
 
         path_str = os.fspath(hub_archive(path_str, dduf_file, revision=revision, token=token, cache_dir=cache_dir,
                                          local_files_only=local_files_only))
-    if is_url(path_str):
-        raise DDUFLoadError(f"{path_str}: load_dduf reads local files; download it first "
-                            "(huggingface_hub.hf_hub_download)")
     request = resolve_request(torch_dtype, dtype)
     device_for = _device_resolver(device, device_map)
-    local = path_str
-    if is_zst(path_str):  # a transport-compressed archive: decompressed once into a content-keyed cache
-        local = str(cached_decompress(path_str, max_decompressed=max_decompressed))
-    archive = DDUFArchive(local)
-    prefetcher = Prefetcher(archive.mmap) if prefetch and use_mmap else None
+    fetch = None
+    if is_url(path_str):  # fetched into the remote cache; components are built as their bytes arrive
+        archive, fetch = _open_url(path_str, remote, local_files_only)
+    else:
+        local = path_str
+        if is_zst(path_str):  # a transport-compressed archive: decompressed once into a content-keyed cache
+            local = str(cached_decompress(path_str, max_decompressed=max_decompressed))
+        archive = DDUFArchive(local)
+    prefetcher = Prefetcher(archive.mmap) if prefetch and use_mmap and fetch is None else None
+    ctx = _Context(archive, path_str, request, device_for, variant, prefetcher,
+                   resolve_options={"refs": refs, "local_files_only": local_files_only, "token": token,
+                                    "revision": revision, "cache_dir": cache_dir, "verify": verify},
+                   use_mmap=use_mmap, verify=verify, allow_missing_weights=allow_missing_weights,
+                   before_build=fetch.wait_component if fetch is not None else None)
     try:
-        pipe = _load(archive, path_str, request, device_for, variant, prefetcher, kwargs,
-                     resolve_options={"refs": refs, "local_files_only": local_files_only, "token": token,
-                                      "revision": revision, "cache_dir": cache_dir, "verify": verify},
-                     use_mmap=use_mmap, verify=verify, allow_missing_weights=allow_missing_weights)
+        pipe = _load(ctx, kwargs)
+        if fetch is not None:
+            fetch.finish()  # the rest of the archive, then the cache file is marked complete
         if prefetcher is not None:
             # Not waiting for it: the read-ahead goes on while the caller starts using the pipeline. (Waiting
             # until everything is resident measured slower here: proactive reclaim (DAMON pageout) drops
             # populated pages that nobody has touched yet.)
             prefetcher.finish()
     except BaseException:
+        if fetch is not None:
+            fetch.abort()  # what has arrived stays, for the next load to resume from
         if prefetcher is not None:
             prefetcher.stop()
         raise
@@ -155,23 +165,62 @@ def _quiet_torchvision_notice() -> None:
 _quiet_torchvision_notice()  # before anything imports diffusers' pipeline modules through us
 
 
-def _load(archive: DDUFArchive, path: str, request: Any, device_for: Callable[[str], torch.device],
-          variant: str | None, prefetcher: Prefetcher | None, kwargs: dict[str, Any], *,
-          resolve_options: dict[str, Any], use_mmap: bool, verify: bool,
-          allow_missing_weights: bool = False) -> DiffusionPipeline:
+@dataclass
+class _Context:
+    """What every step of one load needs to know."""
+
+    archive: DDUFArchive
+    path: str  # as the caller gave it (a local path or a URL): messages and ``_name_or_path`` use it
+    request: Any
+    device_for: Callable[[str], torch.device]
+    variant: str | None
+    prefetcher: Prefetcher | None
+    resolve_options: dict[str, Any]
+    use_mmap: bool = True
+    verify: bool = True
+    allow_missing_weights: bool = False
+    before_build: Callable[[str], None] | None = None  # a remote fetch: wait until a component's bytes are here
+
+
+@dataclass
+class _Plan:
+    """The pipeline class, what to build and what the caller passed, from model_index.json and kwargs."""
+
+    pipeline_class: type
+    expected_modules: set[str]
+    passed_components: dict[str, Any]
+    init_kwargs: dict[str, Any]
+    to_build: dict[str, tuple[str, str]]
+
+
+def _load(ctx: _Context, kwargs: dict[str, Any]) -> DiffusionPipeline:
+    plan = _plan(ctx, kwargs)
+    _check_variant(ctx, plan)
+    sources = {name: _component_files(ctx.archive, name, ctx.archive.components, ctx.archive.references,
+                                      ctx.resolve_options, use_mmap=ctx.use_mmap, verify=ctx.verify,
+                                      prefetcher=ctx.prefetcher)
+               for name in plan.to_build if name not in plan.passed_components}
+    if ctx.prefetcher is not None:  # queue every model's weights now, in build order: I/O overlaps construction
+        for files in sources.values():
+            _queue_prefetch(files, ctx.variant)
+    _build_components(ctx, plan, sources)
+    return _assemble(ctx, plan)
+
+
+def _plan(ctx: _Context, kwargs: dict[str, Any]) -> _Plan:
     from diffusers import DiffusionPipeline
 
-    model_index = dict(archive.model_index)
+    model_index = dict(ctx.archive.model_index)
     model_index.pop("_ignore_files", None)
-    pipeline_class = _pipeline_class(model_index, path)
+    pipeline_class = _pipeline_class(model_index, ctx.path)
     expected_modules, optional_kwargs = DiffusionPipeline._get_signature_keys(pipeline_class)
     passed_components = {k: kwargs.pop(k) for k in expected_modules if k in kwargs}
     passed_options = {k: kwargs.pop(k) for k in optional_kwargs if k in kwargs}
     try:
         init_dict, unused, _ = pipeline_class.extract_init_dict(model_index, **kwargs)
     except (TypeError, ValueError, AttributeError, KeyError) as e:  # diffusers' own reading of odd values
-        raise DDUFLoadError(f"{path}: model_index.json cannot be read as the config of {pipeline_class.__name__}: "
-                            f"{type(e).__name__}: {e}") from e
+        raise DDUFLoadError(f"{ctx.path}: model_index.json cannot be read as the config of "
+                            f"{pipeline_class.__name__}: {type(e).__name__}: {e}") from e
     init_kwargs = {k: init_dict.pop(k) for k in optional_kwargs
                    if k in init_dict and k not in pipeline_class._optional_components}
     init_kwargs.update(passed_options)
@@ -181,61 +230,82 @@ def _load(archive: DDUFArchive, path: str, request: Any, device_for: Callable[[s
     if unused:
         logger.warning("keyword arguments %s are not expected by %s and are ignored",
                        sorted(unused), pipeline_class.__name__)
+    return _Plan(pipeline_class, set(expected_modules), passed_components, init_kwargs, to_build)
 
-    stored = archive.components
-    references = archive.references
-    if variant is not None and not any(variant in variants(c.files) for n, c in stored.items() if n in to_build):
-        raise DDUFLoadError(f"{path}: no component has weights of variant {variant!r} "
-                            f"(variants present: {', '.join(sorted(set().union(*(variants(c.files) for c in stored.values())))) or 'none'})")
-    index_components = archive.index.get("components", {}) if isinstance(archive.index, dict) else {}
 
-    sources: dict[str, ComponentFiles] = {}
-    for name in to_build:
-        if name in passed_components:
-            continue
-        sources[name] = _component_files(archive, name, stored, references, resolve_options,
-                                         use_mmap=use_mmap, verify=verify, prefetcher=prefetcher)
-    if prefetcher is not None:  # queue every model's weights now, in build order: I/O overlaps construction
-        for files in sources.values():
-            _queue_prefetch(files, variant)
+def _check_variant(ctx: _Context, plan: _Plan) -> None:
+    stored, variant = ctx.archive.components, ctx.variant
+    if variant is None or any(variant in variants(c.files) for n, c in stored.items() if n in plan.to_build):
+        return
+    present = sorted(set().union(*(variants(c.files) for c in stored.values())))
+    raise DDUFLoadError(f"{ctx.path}: no component has weights of variant {variant!r} "
+                        f"(variants present: {', '.join(present) or 'none'})")
 
-    for name, (library, class_name) in to_build.items():
-        if name in passed_components:
-            init_kwargs[name] = passed_components[name]
+
+def _build_components(ctx: _Context, plan: _Plan, sources: Mapping[str, ComponentFiles]) -> None:
+    index = ctx.archive.index
+    declared_all = index.get("components", {}) if isinstance(index, dict) else {}
+    for name, (library, class_name) in plan.to_build.items():
+        if name in plan.passed_components:
+            plan.init_kwargs[name] = plan.passed_components[name]
             continue
         t0 = time.perf_counter()
         cls = resolve_class(name, library, class_name)
+        declared = declared_all.get(name) if isinstance(declared_all, dict) else None
         model_request = ModelRequest(
-            variant=variant,
-            dtype=requested_for(request, name),
-            device=device_for(name),
-            declared=index_components.get(name) if isinstance(index_components.get(name), dict) else None,
-            name_or_path=os.path.join(path, name),
+            variant=ctx.variant,
+            dtype=requested_for(ctx.request, name),
+            device=ctx.device_for(name),
+            declared=declared if isinstance(declared, dict) else None,
+            name_or_path=os.path.join(ctx.path, name),
             materialize=_materializer(),
-            allow_missing_weights=allow_missing_weights,
+            allow_missing_weights=ctx.allow_missing_weights,
         )
-        init_kwargs[name] = build_component(cls, sources[name], model_request)
+        if ctx.before_build is not None:
+            ctx.before_build(name)
+        plan.init_kwargs[name] = build_component(cls, sources[name], model_request)
         logger.debug("built %s (%s) in %.3f s", name, class_name, time.perf_counter() - t0)
 
-    missing = set(expected_modules) - set(init_kwargs)
-    optional = set(pipeline_class._optional_components) | set(passed_components)
+
+def _assemble(ctx: _Context, plan: _Plan) -> DiffusionPipeline:
+    pipeline_class, init_kwargs, passed = plan.pipeline_class, plan.init_kwargs, plan.passed_components
+    missing = plan.expected_modules - set(init_kwargs)
+    optional = set(pipeline_class._optional_components) | set(passed)
     if missing - optional:
-        raise DDUFLoadError(f"{path}: {pipeline_class.__name__} needs {', '.join(sorted(missing - optional))}, "
+        raise DDUFLoadError(f"{ctx.path}: {pipeline_class.__name__} needs {', '.join(sorted(missing - optional))}, "
                             "which model_index.json does not provide; pass "
                             + ", ".join(f"{m}=..." for m in sorted(missing - optional)))
     for name in missing:
-        init_kwargs[name] = passed_components.get(name)
+        init_kwargs[name] = passed.get(name)
     try:
         pipe = pipeline_class(**init_kwargs)
     except DDUFError:
         raise
     except Exception as e:
-        raise DDUFLoadError(f"{path}: cannot create {pipeline_class.__name__}: {type(e).__name__}: {e}") from e
-    pipe.register_to_config(_name_or_path=path)
+        raise DDUFLoadError(f"{ctx.path}: cannot create {pipeline_class.__name__}: {type(e).__name__}: {e}") from e
+    pipe.register_to_config(_name_or_path=ctx.path)
     bridged = install_bridge(pipe)
     if bridged:
-        logger.info("%s: components in different dtypes, precision bridge on %s", path, ", ".join(bridged))
+        logger.info("%s: components in different dtypes, precision bridge on %s", ctx.path, ", ".join(bridged))
     return pipe
+
+
+def _open_url(url: str, remote: Any, local_files_only: bool) -> tuple[DDUFArchive, RemoteFetch | None]:
+    """The archive at ``url``: mapped from the remote cache when complete there, else opened over the fetch
+    in progress (opening reads only the metadata, which is fetched first)."""
+    from ..remote.fetch import CacheSource, open_remote
+
+    if is_zst(url):
+        raise DDUFUsageError(f"{url}: remote .dduf.zst archives are not fetched by range; download the file "
+                             "and load it locally, or serve the .dduf itself")
+    opened = open_remote(url, remote, local_files_only=local_files_only)
+    if not isinstance(opened, RemoteFetch):
+        return DDUFArchive(opened), None
+    try:
+        return DDUFArchive(CacheSource(opened)), opened
+    except BaseException:
+        opened.abort()
+        raise
 
 
 def _pipeline_class(model_index: Mapping[str, Any], path: str) -> type:

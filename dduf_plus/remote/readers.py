@@ -1,0 +1,193 @@
+"""Concurrent range readers for one remote archive: ``http(s)://`` through dduf_plus's own range client
+(one kept-alive connection per thread, one shared deadline and byte budget) and every other allowed fsspec
+URL through ``fs.cat_file(path, start, end)``. Torch-free; no fsspec import for http(s)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from ..errors import DDUFError, DDUFIOError, DDUFNotFoundError, DDUFUsageError
+from ..format.source import DEFAULT_DEADLINE_S, HTTPSource, _Budget, _short, check_url
+
+DEFAULT_CONCURRENCY = 16
+DEFAULT_CHUNK_SIZE = 16 << 20
+DEADLINE_RATE = 1e6  # the default deadline grows by one second per MB: a slow link is not a hostile one
+
+
+@dataclass
+class RemoteOptions:
+    """How ``load_dduf(URL)`` fetches an archive.
+
+    Attributes:
+        concurrency: range requests in flight at once (one connection each).
+        chunk_size: bytes per range request (the last piece of a run may be shorter).
+        timeout: seconds each connect and socket read may wait (default ``HF_HUB_DOWNLOAD_TIMEOUT`` or 10):
+            a stalled server is cut off after this long.
+        deadline: seconds for the whole fetch (default ``DDUF_REMOTE_DEADLINE``, else 300 s plus one
+            second per MB of archive): a server that trickles bytes is cut off there.
+        max_bytes: the most bytes fetched in all (default twice the archive's size plus 16 MiB).
+        headers: extra HTTP headers for http(s) URLs (``{"Authorization": "Bearer ..."}``).
+        storage_options: fsspec options for ``s3://``, ``gs://``, ``hf://``... (``{"anon": True}``,
+            ``{"client_kwargs": {"endpoint_url": ...}}``).
+        cache_dir: where fetched archives are kept (default ``cache_dir("remote")``).
+    """
+
+    concurrency: int = DEFAULT_CONCURRENCY
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    timeout: float | None = None
+    deadline: float | None = None
+    max_bytes: int | None = None
+    headers: dict[str, str] | None = None
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    cache_dir: str | os.PathLike | None = None
+
+    @classmethod
+    def of(cls, value: RemoteOptions | dict[str, Any] | None) -> RemoteOptions:
+        if value is None:
+            return cls()
+        if isinstance(value, RemoteOptions):
+            options = value
+        elif isinstance(value, dict):
+            unknown = sorted(set(value) - set(cls.__dataclass_fields__))
+            if unknown:
+                raise DDUFUsageError(f"remote=: unknown options {', '.join(unknown)} "
+                                     f"(known: {', '.join(cls.__dataclass_fields__)})")
+            options = cls(**value)
+        else:
+            raise DDUFUsageError(f"remote= takes a RemoteOptions or a dict, not {type(value).__name__}")
+        if not isinstance(options.concurrency, int) or not 1 <= options.concurrency <= 256:
+            raise DDUFUsageError(f"remote concurrency={options.concurrency!r}: give a whole number from 1 to 256")
+        if not isinstance(options.chunk_size, int) or not 64 << 10 <= options.chunk_size <= 1 << 30:
+            raise DDUFUsageError(f"remote chunk_size={options.chunk_size!r}: give a byte count from 64 KiB to 1 GiB")
+        return options
+
+    def folder(self) -> Path:
+        from ..format.cache_dirs import cache_dir
+
+        return Path(self.cache_dir) if self.cache_dir is not None else cache_dir("remote")
+
+
+class RangeReader(Protocol):
+    url: str
+    size: int
+
+    def read(self, offset: int, length: int) -> bytes: ...
+
+    def remaining(self) -> float: ...
+
+    def close(self) -> None: ...
+
+
+def _extend_deadline(budget: _Budget, size: int, explicit: float | None) -> None:
+    """Without an explicit deadline, allow a large archive time in proportion to its size."""
+    if explicit is None and not os.environ.get("DDUF_REMOTE_DEADLINE", "").strip():
+        budget.deadline_s = DEFAULT_DEADLINE_S + size / DEADLINE_RATE
+        budget.ends_at = time.monotonic() + budget.deadline_s
+
+
+class HTTPRanges:
+    """Range reads of one http(s) URL, each calling thread on its own kept-alive connection.
+
+    Opening sends one request (``bytes=0-0``, for the size) unless ``size`` is already known."""
+
+    def __init__(self, url: str, options: RemoteOptions, size: int | None = None):
+        self.url = url
+        self._options = options
+        self._local = threading.local()
+        self._all: list[HTTPSource] = []
+        self._lock = threading.Lock()
+        first = HTTPSource(url, deadline=options.deadline, max_bytes=options.max_bytes, headers=options.headers,
+                           timeout=options.timeout, size=size)
+        self._budget = first._budget
+        if size is not None:
+            self._budget.sized(size)
+        self.size = first.size
+        _extend_deadline(self._budget, self.size, options.deadline)
+        self._adopt(first)
+
+    def _adopt(self, source: HTTPSource) -> None:
+        self._local.source = source
+        with self._lock:
+            self._all.append(source)
+
+    def _source(self) -> HTTPSource:
+        source = getattr(self._local, "source", None)
+        if source is None:
+            source = HTTPSource(self.url, headers=self._options.headers, timeout=self._options.timeout,
+                                size=self.size, budget=self._budget)
+            self._adopt(source)
+        return source
+
+    def read(self, offset: int, length: int) -> bytes:
+        return self._source().read_at(offset, length)
+
+    def remaining(self) -> float:
+        return self._budget.remaining()
+
+    def close(self) -> None:
+        with self._lock:
+            sources, self._all = self._all, []
+        for source in sources:
+            source.close()
+
+
+class FsspecRanges:
+    """Range reads of an fsspec URL (``s3://``, ``gs://``, ``hf://``...) with ``fs.cat_file(path, start, end)``:
+    thread-safe, so every worker reads at once. The size comes from ``fs.info``."""
+
+    def __init__(self, url: str, options: RemoteOptions, size: int | None = None):
+        import fsspec
+
+        self.url = url
+        self._budget = _Budget(url, options.deadline, options.max_bytes)
+        try:
+            self._fs, self._path = fsspec.core.url_to_fs(url, **(options.storage_options or {}))
+            info = self._fs.info(self._path)
+        except FileNotFoundError:
+            raise DDUFNotFoundError(f"cannot open {url}: not found", url) from None
+        except DDUFError:
+            raise
+        except Exception as e:  # every backend's own network and protocol errors
+            raise DDUFIOError(f"cannot open {url}: {type(e).__name__}: {_short(e, 300)}") from None
+        reported = info.get("size") if isinstance(info, dict) else None
+        if not isinstance(reported, int) or reported < 0:
+            raise DDUFIOError(f"cannot open {url}: the file system does not report its size")
+        if size is not None and reported != size:
+            raise DDUFIOError(f"{url}: the size is now {reported} bytes, it was {size} (the file changed)")
+        self.size = reported
+        self._budget.sized(self.size)
+        _extend_deadline(self._budget, self.size, options.deadline)
+
+    def read(self, offset: int, length: int) -> bytes:
+        self._budget.remaining()
+        self._budget.spend(length)
+        try:
+            data = self._fs.cat_file(self._path, start=offset, end=offset + length)
+        except Exception as e:
+            raise DDUFIOError(f"{self.url}: read of {length} bytes at {offset} failed: "
+                              f"{type(e).__name__}: {_short(e, 300)}") from None
+        if len(data) != length:
+            raise DDUFIOError(f"{self.url}: read of {length} bytes at {offset} returned {len(data)} bytes "
+                              "(a short read, or the file changed)")
+        return data
+
+    def remaining(self) -> float:
+        return self._budget.remaining()
+
+    def close(self) -> None:
+        pass
+
+
+def open_reader(url: str, options: RemoteOptions, size: int | None = None) -> RangeReader:
+    """A concurrent range reader for an allowed URL (refused schemes fail before any I/O)."""
+    scheme = check_url(url)
+    if scheme in ("http", "https"):
+        if options.storage_options:
+            raise DDUFUsageError(f"{url}: storage_options do not apply to http(s) URLs (use headers=)")
+        return HTTPRanges(url, options, size)
+    return FsspecRanges(url, options, size)
