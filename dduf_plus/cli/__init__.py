@@ -30,6 +30,7 @@ COMMANDS = {
     "complete": ("complete", "pull referenced components into a self-contained archive"),
     "compress": ("compress", "zstd-compress an archive for transport"),
     "decompress": ("decompress", "decompress a .dduf.zst archive"),
+    "serve": ("serve", "serve validation over HTTP (API, page, Hub webhook; extra 'serve')"),
 }
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130

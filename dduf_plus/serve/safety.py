@@ -1,0 +1,128 @@
+"""No SSRF through the validator: which URLs ``dduf serve`` fetches, and from which addresses.
+
+A URL is fetched only when it starts with an allowed prefix (same scheme, host and port as the prefix: a
+prefix without its trailing slash cannot be stretched to ``huggingface.co.evil.example``) and every address
+its host resolves to is public. The address actually connected to is checked again on every connection
+(:class:`PeerCheckedSource`), so a DNS answer that changes between the check and the connection (rebinding)
+is refused too. Redirects are followed by the format layer's client within the same origin only."""
+
+from __future__ import annotations
+
+import http.client
+import ipaddress
+import json
+import logging
+import socket
+from typing import Any
+from urllib.parse import urlsplit
+
+from ..errors import DDUFIOError, DDUFUsageError
+from ..format.source import HTTPSource, _tls_context
+from .settings import Settings
+
+logger = logging.getLogger(__name__)
+MAX_API_JSON = 8 << 20
+
+
+class URLRefused(DDUFUsageError):
+    """The URL is outside the allowed prefixes or points at a non-public address (HTTP 403)."""
+
+
+def _origin(url: str) -> tuple[str, str, int]:
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    return scheme, (parts.hostname or "").lower(), parts.port or (443 if scheme == "https" else 80)
+
+
+def address_problem(address: str) -> str | None:
+    """Why a connection to ``address`` is refused (loopback, private, link-local...), or None if public."""
+    ip = ipaddress.ip_address(address.split("%", 1)[0])
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    for kind in ("loopback", "private", "link_local", "multicast", "reserved", "unspecified"):
+        if getattr(ip, f"is_{kind}"):
+            return f"{ip} is a {kind.replace('_', '-')} address"
+    if not ip.is_global:
+        return f"{ip} is not a public address"
+    return None
+
+
+def check_url(url: str, settings: Settings) -> str:
+    """``url`` if ``settings`` allow fetching it, else :class:`URLRefused` (before any request is sent)."""
+    if not isinstance(url, str) or len(url) > 4096:
+        raise URLRefused("the URL must be a string of at most 4096 characters")
+    parts = urlsplit(url)
+    if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
+        raise URLRefused(f"{url}: only http(s) URLs with a host are validated here")
+    if parts.username or parts.password:
+        raise URLRefused(f"{url}: credentials in the URL are not accepted")
+    if not any(url.startswith(p) and _origin(url) == _origin(p) for p in settings.prefixes):
+        raise URLRefused(f"{url}: not under an allowed prefix ({', '.join(settings.prefixes)})")
+    if not settings.allow_private:
+        scheme, host, port = _origin(url)
+        try:
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except socket.gaierror as e:
+            raise DDUFIOError(f"{url}: cannot resolve host {host!r} (DNS: {e.strerror})") from None
+        for info in infos:
+            why = address_problem(str(info[4][0]))
+            if why:
+                raise URLRefused(f"{url}: {host} resolves to {why}; refused (--allow-private allows it)")
+    return url
+
+
+def _check_peer(conn: http.client.HTTPConnection, url: str, settings: Settings) -> None:
+    if settings.allow_private or conn.sock is None:
+        return
+    why = address_problem(str(conn.sock.getpeername()[0]))
+    if why:
+        conn.close()
+        raise URLRefused(f"{url}: connected to {why}; refused")
+
+
+class PeerCheckedSource(HTTPSource):
+    """The format layer's range client, refusing a connection whose peer is not a public address."""
+
+    def __init__(self, url: str, settings: Settings, **options: Any):
+        self._settings = settings
+        super().__init__(url, **options)
+
+    def _connection(self) -> tuple[http.client.HTTPConnection, bool]:
+        conn, reused = super()._connection()
+        if not reused:
+            _check_peer(conn, self.name, self._settings)
+        return conn, reused
+
+
+def auth_headers(url: str, settings: Settings) -> dict[str, str]:
+    """The Hub token, for URLs on the configured endpoint only (never sent to another host)."""
+    if settings.token and _origin(url) == _origin(settings.endpoint):
+        return {"Authorization": f"Bearer {settings.token}"}
+    return {}
+
+
+def fetch_json(url: str, settings: Settings, timeout: float = 10.0) -> Any:
+    """GET a small JSON document (the Hub API) under the same policy: no redirects, at most MAX_API_JSON."""
+    check_url(url, settings)
+    scheme, host, port = _origin(url)
+    conn: http.client.HTTPConnection = (http.client.HTTPSConnection(host, port, timeout=timeout, context=_tls_context())
+                                        if scheme == "https" else http.client.HTTPConnection(host, port, timeout=timeout))
+    parts = urlsplit(url)
+    try:
+        conn.connect()
+        _check_peer(conn, url, settings)
+        conn.request("GET", parts.path + (f"?{parts.query}" if parts.query else ""),
+                     headers={"Accept": "application/json", "User-Agent": "dduf_plus", **auth_headers(url, settings)})
+        response = conn.getresponse()
+        body = response.read(MAX_API_JSON + 1)
+        if response.status != 200:
+            raise DDUFIOError(f"{url}: HTTP {response.status}")
+        if len(body) > MAX_API_JSON:
+            raise DDUFIOError(f"{url}: more than {MAX_API_JSON} bytes of JSON")
+        return json.loads(body)
+    except (OSError, http.client.HTTPException) as e:
+        raise DDUFIOError(f"{url}: {e}") from None
+    except ValueError as e:
+        raise DDUFIOError(f"{url}: not JSON ({e})") from None
+    finally:
+        conn.close()
