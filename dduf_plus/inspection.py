@@ -22,7 +22,7 @@ from .format.source import LocalSource, is_url
 from .format.structure import component_specs
 from .format.weights import select_weights, tensor_files
 
-logger = logging.getLogger("dduf_plus")
+logger = logging.getLogger(__name__)
 
 
 class ComponentDtypes(TypedDict):

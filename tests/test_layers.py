@@ -156,3 +156,17 @@ def test_no_module_shadows_the_standard_library():
     shadows = sorted(p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py")
                      if p.stem in sys.stdlib_module_names)
     assert not shadows, shadows
+
+
+def test_module_loggers_are_named_after_their_module():
+    """``logging.getLogger(__name__)``: each module logs under its own name below ``dduf_plus`` (a handler or
+    level set on ``dduf_plus`` still sees them all), never all of them as the bare ``dduf_plus``."""
+    wrong = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = module_name(path)
+        for node in ast.parse(path.read_text(), filename=str(path)).body:
+            call = node.value if isinstance(node, ast.Assign) else None
+            if (isinstance(call, ast.Call) and getattr(call.func, "attr", None) == "getLogger" and call.args
+                    and isinstance(call.args[0], ast.Constant) and call.args[0].value != name):
+                wrong.append(f"{name}:{node.lineno} getLogger({call.args[0].value!r})")
+    assert not wrong, wrong

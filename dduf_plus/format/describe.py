@@ -14,7 +14,7 @@ from .index import summarize
 from .pack import plan_folder
 from .weights import classify, select_weights, tensor_files
 
-logger = logging.getLogger("dduf_plus")
+logger = logging.getLogger(__name__)
 
 
 def _variant_used(component: str, weights: list[str], variant: str | None) -> str | None:

@@ -20,7 +20,7 @@ from .structure import component_specs
 from .weights import classify, select_weights
 from .writer import DDUFWriter, check_entry_name
 
-logger = logging.getLogger("dduf_plus")
+logger = logging.getLogger(__name__)
 
 
 class EntrySource(NamedTuple):

@@ -47,7 +47,7 @@ from .cache_dirs import CACHE_ENV  # noqa: F401 (re-exported: tests and zst_cach
 from .confined import Confined
 from .writer import _fsync_dir
 
-logger = logging.getLogger("dduf_plus")
+logger = logging.getLogger(__name__)
 
 MiB = 1 << 20
 DEFAULT_LEVEL = 3

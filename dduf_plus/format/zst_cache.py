@@ -48,7 +48,7 @@ from .zst import (
     is_zst,
 )
 
-logger = logging.getLogger("dduf_plus")
+logger = logging.getLogger(__name__)
 
 RECORD_VERSION = 2  # version 1 (unsigned memos, no entry records) is ignored: entries are rewritten once
 SECRET_NAME = ".secret"

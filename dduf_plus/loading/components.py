@@ -14,7 +14,7 @@ from ..errors import DDUFError, DDUFLoadError
 from .files import ComponentFiles
 from .models import ModelRequest, build_diffusers_model, build_transformers_model
 
-logger = logging.getLogger("dduf_plus")
+logger = logging.getLogger(__name__)
 
 # Libraries whose components load_dduf builds (diffusers' own list, less ONNX runtime training).
 KNOWN_LIBRARIES = ("diffusers", "transformers")

@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from .prefetch import Prefetcher
 
-logger = logging.getLogger("dduf_plus")
+logger = logging.getLogger(__name__)
 
 MAX_LOCAL_FILE = 64 << 20  # local_dir serves tokenizer/processor files, never weights
 

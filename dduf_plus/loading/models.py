@@ -25,7 +25,7 @@ from .files import ComponentFiles, tensor_metadata
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-logger = logging.getLogger("dduf_plus")
+logger = logging.getLogger(__name__)
 
 Materialize = Callable[..., dict]
 

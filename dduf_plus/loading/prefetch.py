@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # pragma: no cover
     from ..format.archive import DDUFArchive
 
-logger = logging.getLogger("dduf_plus")
+logger = logging.getLogger(__name__)
 
 MADV_WILLNEED = 3
 MADV_POPULATE_READ = 22  # Linux 5.14

@@ -41,7 +41,7 @@ from ..format.quantization import QMAP_NAME, quantization_method, quanto_index_r
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-logger = logging.getLogger("dduf_plus")
+logger = logging.getLogger(__name__)
 
 INSTALL_HINT = "pip install 'dduf_plus[quanto]'"
 KERNEL_ALIGNMENT = 64  # bytes; quanto's CPU int8 kernel needs 16, AVX-512 paths like 64

@@ -37,7 +37,7 @@ from ..format import spec
 from ..format.pack import EntrySource, PackResult, Skipped, write_archive
 from ..format.safetensors_header import parse_header
 
-logger = logging.getLogger("dduf_plus")
+logger = logging.getLogger(__name__)
 
 PIECE_BYTES = 64 << 20  # big tensors are handed to the writer in slices: smooth progress, same bytes
 FLOATING_TO_CONVERT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # fp8/ints: never

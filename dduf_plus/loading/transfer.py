@@ -21,7 +21,7 @@ import torch
 
 from .prefetch import component_ranges, prefetch  # noqa: F401 - re-exported
 
-logger = logging.getLogger("dduf_plus")
+logger = logging.getLogger(__name__)
 
 DtypeFor = Callable[[str, torch.Tensor], "torch.dtype | None"]
 

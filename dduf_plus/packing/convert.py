@@ -70,7 +70,7 @@ from ..format.safetensors_header import SafetensorsHeader, TensorInfo, parse_hea
 from ..format.structure import component_specs
 from ..format.weights import classify
 
-logger = logging.getLogger("dduf_plus")
+logger = logging.getLogger(__name__)
 
 SLICE_BYTES = 64 << 20  # source bytes converted at a time: bounds peak memory for huge tensors
 # Source dtypes torch converts elementwise. float8_e8m0fnu (a scale format) and the packed 4/6-bit

@@ -21,7 +21,7 @@ from ..format import cache_dirs
 from ..format.cache_dirs import hf_hub_cache
 from ..format.confined import Confined
 
-logger = logging.getLogger("dduf_plus")
+logger = logging.getLogger(__name__)
 
 # The Hub stores these in Git LFS by default (its .gitattributes template) and every file over 10 MB:
 # the cache blob of an LFS file is named by its sha256, that of a regular file by its git blob sha1.
