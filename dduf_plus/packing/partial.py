@@ -48,7 +48,7 @@ from ..format.weights import classify, select_weights
 from ..refs import cache as _cache
 from ..refs.resolve import Spec, parse_ref_args, parse_spec
 
-logger = logging.getLogger("dduf_plus")
+logger = logging.getLogger(__name__)
 
 __all__ = ["ORIGINAL_MODEL_INDEX_KEY", "PartialPlan", "make_references", "pack_partial", "parse_ref_args",
            "canonical_model_index_bytes"]

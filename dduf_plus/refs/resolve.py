@@ -33,7 +33,7 @@ from . import cache as _cache
 if TYPE_CHECKING:  # pragma: no cover
     from ..format.archive import DDUFArchive
 
-logger = logging.getLogger("dduf_plus")
+logger = logging.getLogger(__name__)
 
 SpecLike = str | os.PathLike
 
