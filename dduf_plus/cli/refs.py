@@ -45,7 +45,8 @@ def run(args: argparse.Namespace) -> int:
             member = f" component {r['member']}" if r.get("member") and r["member"] != r["component"] else ""
             echo(f"      -> {r['how']}: {r['resolves_to']}{member}  [{state}]")
         elif r["status"] == "download":
-            echo("      -> not on this machine: will be downloaded from the Hub when loaded")
+            echo("      -> not on this machine: only its entries will be fetched from the hosted archive when loaded"
+                 if r.get("remote") == "url" else "      -> not on this machine: will be downloaded from the Hub when loaded")
         else:
             lines = r["reason"].splitlines()
             echo("      -> DIFFERS: a copy is here but its content is not the referenced one:"

@@ -187,6 +187,15 @@ class _Source:
                 return None
             names = _pack_selection(sorted(e.name for e in os.scandir(folder) if e.is_file()), self.variant)
             return {n: {"size": (folder / n).stat().st_size} for n in names}, {n: folder / n for n in names}
+        if kind == "url":  # a hosted archive: its index records, read by range requests (no entry fetched)
+            from ..refs.hosted import hosted_member_records
+
+            found = hosted_member_records(self.spec.location, sub, token=self.token)
+            if found is None:
+                return None
+            records, self.model_index = found
+            names = _pack_selection(list(records), self.variant)
+            return {n: records[n] for n in names}, {}
         if kind == "dduf":
             from ..format.archive import DDUFArchive
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..assignments import parse_assignments
-from ..errors import DDUFError, DDUFReferenceError
+from ..errors import DDUFError, DDUFIntegrityError, DDUFReferenceError
 from ..format.confined import Confined, component_name_problem, plain_name
 from ..format.references import reference_problem
 from . import cache as _cache
@@ -46,7 +46,8 @@ _CONFIG_FILES = ("config.json", "tokenizer_config.json", "preprocessor_config.js
 class Spec(NamedTuple):
     """A parsed SPEC: ``SOURCE[@REVISION][:SUBFOLDER]``.
 
-    kind: ``"hub"`` (location is a repo id), ``"folder"`` or ``"dduf"`` (location is an absolute path).
+    kind: ``"hub"`` (location is a repo id), ``"folder"`` or ``"dduf"`` (location is an absolute path),
+    ``"url"`` (location is the URL of a hosted ``.dduf``: ``https://``, ``hf://org/repo/file.dduf``, ...).
     subfolder: component folder inside the source; None means "the component's own name"."""
 
     kind: str
@@ -63,8 +64,9 @@ class Spec(NamedTuple):
 def parse_spec(spec: SpecLike) -> Spec:
     """Parse ``SOURCE[@REVISION][:SUBFOLDER]``.
 
-    SOURCE is a path ending in ``.dduf``, an existing folder (or any path starting with ``/``, ``.``
-    or ``~``), else a Hub repo id. ``@REVISION`` (branch, tag or commit) applies to repo ids only;
+    SOURCE is the URL of a hosted ``.dduf`` (``https://host/base.dduf``, ``hf://org/repo/base.dduf``: only
+    the component's entries are fetched, by range reads), a path ending in ``.dduf``, an existing folder
+    (or any path starting with ``/``, ``.`` or ``~``), else a Hub repo id. ``@REVISION`` (branch, tag or commit) applies to repo ids only;
     ``:SUBFOLDER`` names the component's folder in the source when it differs from the component name
     (``org/sdxl:text_encoder_2``). A local path wins over a repo id of the same spelling, as in
     ``from_pretrained``.
@@ -75,6 +77,10 @@ def parse_spec(spec: SpecLike) -> Spec:
     text = os.fspath(spec).strip()
     if not text:
         raise DDUFReferenceError("empty reference SPEC")
+    if text.startswith("file://"):
+        text = text[len("file://"):]
+    elif "://" in text:
+        return _url_spec(text)
     source, subfolder = text, None
     head, sep, tail = text.rpartition(":")
     if sep and len(head) > 1 and _SUBFOLDER.match(tail):  # len > 1: "C:dir" is a Windows drive
@@ -88,6 +94,25 @@ def parse_spec(spec: SpecLike) -> Spec:
         raise DDUFReferenceError(f"reference {text!r} is not an existing folder, a .dduf file or a Hub repo id "
                                  "(SPEC syntax: SOURCE[@REVISION][:SUBFOLDER])")
     return Spec("hub", repo, revision or None, subfolder)
+
+
+def _url_spec(text: str) -> Spec:
+    """``URL[:SUBFOLDER]``: a ``:`` suffix is a subfolder only after ``.dduf`` (``http://h:8080/x.dduf`` has
+    a port, not a subfolder)."""
+    from ..format.source import check_url, is_url
+
+    url, subfolder = text, None
+    head, sep, tail = text.rpartition(":")
+    if sep and head.endswith(".dduf") and "/" not in tail and _SUBFOLDER.match(tail):
+        url, subfolder = head, tail
+    if not (is_url(url) and url.endswith(".dduf")):
+        raise DDUFReferenceError(f"reference {text!r}: a URL SOURCE must name a hosted .dduf archive "
+                                 "(https://host/base.dduf[:SUBFOLDER], hf://org/repo/base.dduf)")
+    try:
+        check_url(url)
+    except DDUFError as e:
+        raise DDUFReferenceError(f"reference {text!r}: {e}") from None
+    return Spec("url", url, None, subfolder)
 
 
 def _abspath(path: str) -> str:
@@ -109,6 +134,8 @@ def reference_spec(reference: Mapping[str, Any]) -> Spec | None:
     location = str(location)
     sub = reference.get("subfolder") or None
     rev = reference.get("revision") or None
+    if "://" in location:
+        return Spec("url", location, None, sub)
     if location.endswith(".dduf"):
         return Spec("dduf", location, None, sub)
     if os.path.isabs(location) or location.startswith((".", "~")) or not _REPO_ID.match(location):
@@ -324,6 +351,38 @@ def _content_candidate(recorded: Mapping[str, Mapping[str, Any]], cache_dir: str
     return _Candidate("hf cache by content", "", get)
 
 
+def _hosted_candidate(how: str, spec: Spec, name: str, recorded: Mapping[str, Mapping[str, Any]], *,
+                      fetch: bool, token: str | bool | None) -> _Candidate:
+    """A component inside a hosted archive: the files already fetched (by content, no request), else only
+    the component's entries fetched by range reads, each verified as it arrives (:mod:`.hosted`)."""
+    sub = spec.subfolder or name
+
+    def get() -> tuple[str, Any]:
+        from ..format.source import check_url
+        from . import hosted
+
+        if not recorded:
+            raise _Skip("no file hashes recorded: a hosted component is fetched only by content")
+        try:
+            check_url(spec.location)
+        except DDUFError as e:
+            raise _Skip(str(e)) from None
+        found, missing = hosted.cached_files(recorded)
+        if not missing:
+            return "files", found
+        if not fetch:
+            raise _Skip(f"{len(missing)} of {len(recorded)} files not fetched yet (no download here)")
+        try:
+            found.update(hosted.fetch_component(spec.location, sub, name, recorded, missing, token=token))
+        except DDUFIntegrityError:
+            raise  # the bytes there are not the referenced ones: never used, never retried elsewhere
+        except DDUFError as e:
+            raise _Skip(f"cannot be fetched: {e}") from None
+        return "files", found
+
+    return _Candidate(how, f"{spec.location}" + (f":{sub}" if sub != name else ""), get)
+
+
 def _glob_escape(name: str) -> str:
     return re.sub(r"([*?\[])", r"[\1]", name)
 
@@ -362,6 +421,9 @@ def _candidates(name: str, reference: Mapping[str, Any], recorded: Mapping[str, 
             return [_folder_candidate(how, spec, name)]
         if spec.kind == "dduf":
             return [_dduf_candidate(how, spec, name)]
+        if spec.kind == "url":
+            offline = local_files_only or _cache.is_offline()
+            return [_hosted_candidate(how, spec, name, recorded, fetch=download and not offline, token=token)]
         out = [_hf_cache_candidate(spec, name, revision, cache_dir)]
         if download:
             out.append(_download_candidate(spec, name, recorded, revision=revision, local_files_only=local_files_only,
@@ -378,8 +440,9 @@ def _candidates(name: str, reference: Mapping[str, Any], recorded: Mapping[str, 
         return for_spec(spec, "override")
     recorded_spec = reference_spec(reference)
     out: list[_Candidate] = []
-    if recorded_spec is not None and recorded_spec.kind in ("folder", "dduf"):
-        out += for_spec(recorded_spec, "recorded " + ("archive" if recorded_spec.kind == "dduf" else "folder"))
+    if recorded_spec is not None and recorded_spec.kind in ("folder", "dduf", "url"):
+        out += for_spec(recorded_spec, "recorded " + {"dduf": "archive", "url": "hosted archive"}.get(
+            recorded_spec.kind, "folder"))
     hub = recorded_spec if recorded_spec is not None and recorded_spec.kind == "hub" else None
     if hub is not None:
         out.append(_hf_cache_candidate(hub, name, revision, cache_dir))
@@ -428,6 +491,8 @@ def _fix_hint(name: str, reference: Mapping[str, Any]) -> str:
     spec = reference_spec(reference)
     sub = (spec.subfolder if spec else None) or name
     lines = []
+    if spec is not None and spec.kind == "url":
+        lines.append(f"fetch it where {spec.location} can be reached (only {sub}/ is read)")
     if spec is not None and spec.kind == "hub":
         rev = f" --revision {spec.revision}" if spec.revision else ""
         lines.append(f"download it where there is network: hf download {spec.location}{rev} --include '{sub}/*'")
@@ -573,12 +638,18 @@ def check_references(
                                    download=False)
         except DDUFReferenceError as e:
             spec = reference_spec(reference) if isinstance(reference, Mapping) else None
-            online = spec is not None and spec.kind == "hub" and not (local_files_only or _cache.is_offline())
+            online = spec is not None and spec.kind in ("hub", "url") and not (local_files_only or _cache.is_offline())
             status = "differs" if getattr(e, "mismatch", False) else "download" if online else "unresolved"
             row.update(status=status, resolves_to=None, how=None, verified=False, reason=str(e))
         else:
             where = loc.archive if loc.archive is not None else loc.folder
             row.update(status="ok", how=loc.how, resolves_to=str(where), verified=loc.verified,
                        member=loc.member, reason=None)
+        row["remote"] = "url" if spec_kind(reference) == "url" else "hub"
         out.append(row)
     return out
+
+
+def spec_kind(reference: Any) -> str | None:
+    spec = reference_spec(reference) if isinstance(reference, Mapping) else None
+    return spec.kind if spec is not None else None
