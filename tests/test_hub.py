@@ -165,6 +165,11 @@ def test_local_path_wins_over_a_repo_id(hub: HubServer, hub_archives: dict[str, 
     assert not _is_hub_repo("dduf-org/other")  # ./dduf-org exists: a missing path, not a repo
     assert not _is_hub_repo("org/x.dduf") and not _is_hub_repo("./a/b") and _is_hub_repo("org2/name")
     load_dduf("dduf-org/tiny-sd-dduf")
+    (tmp_path / "local").mkdir()
+    (tmp_path / "local" / "x.dduf").write_bytes(hub_archives["tiny-sd"].read_bytes())
+    load_dduf(tmp_path / "local", dduf_file="x.dduf")  # diffusers 0.35's folder + dduf_file
+    with pytest.raises(DDUFUsageError, match="neither a local path nor a Hub repo id"):
+        load_dduf("a/b/c", dduf_file="x.dduf")
     assert hub.requests == []
     with pytest.raises(DDUFNotFoundError):
         load_dduf("dduf-org/other")

@@ -63,7 +63,8 @@ def load_dduf(
         path: a local ``.dduf`` file, or a ``.dduf.zst`` (decompressed once into a cache, then mapped), or a
             Hub repo id (``"org/name"``, not an existing local path) holding the archive.
         dduf_file: the archive's file name in the Hub repo ``path`` (as diffusers 0.35's
-            ``from_pretrained(repo, dduf_file=...)``); optional when the repo holds exactly one ``.dduf``.
+            ``from_pretrained(repo, dduf_file=...)``; a local folder ``path`` holding it works too); optional
+            when the repo holds exactly one ``.dduf``.
             Downloaded through huggingface_hub into its cache (``revision``, ``token``, ``cache_dir``,
             ``local_files_only`` / ``HF_HUB_OFFLINE`` apply); offline with it cached, no request is made.
         torch_dtype: ``"auto"`` (each component in the dtype it was saved in: see docs/loading.md), a torch
@@ -95,7 +96,9 @@ def load_dduf(
     """
     started = time.perf_counter()
     path_str = os.fspath(path)
-    if dduf_file is not None or _is_hub_repo(path_str):  # a Hub repo id: the cached archive, downloaded if need be
+    if dduf_file is not None and os.path.isdir(path_str):  # diffusers 0.35: a local folder and the file in it
+        path_str = os.path.join(path_str, dduf_file)
+    elif dduf_file is not None or _is_hub_repo(path_str):  # a Hub repo id: the cached archive, downloaded if need be
         from ..remote.hub import hub_archive
 
         path_str = os.fspath(hub_archive(path_str, dduf_file, revision=revision, token=token, cache_dir=cache_dir,

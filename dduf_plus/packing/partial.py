@@ -305,14 +305,20 @@ def make_references(
             (the reference could never resolve), a BASE that cannot be read.
     """
     refs = dict(refs or {})
-    root = plan.folder
-    specs = component_specs(plan.model_index)
-    real = {n for n, (lib, _c) in specs.items() if lib is not None}
-    unknown = sorted((set(exclude) | set(refs)) - real - {"*"})
-    if unknown:
-        raise DDUFPackError(f"not components of {root / spec.MODEL_INDEX}: {', '.join(unknown)} "
-                            f"(has: {', '.join(sorted(real))})")
-    variant = variant if variant is not None else _infer_variant(plan)
+    planner = _Planner(plan, token=token, local_files_only=local_files_only)
+    planner.check_names(set(exclude) | set(refs))
+    planner.variant = variant if variant is not None else _infer_variant(plan)
+    parsed, base_spec = _parse_sources(refs, base)
+    for name in sorted(set(exclude) | (set(refs) - {"*"})):
+        planner.add_explicit(name, parsed.get(name) or parsed.get("*") or base_spec)
+    if base_spec is not None:
+        planner.add_identical_to_base(base_spec)
+    planner.keep_previous_references()
+    return planner.finish()
+
+
+def _parse_sources(refs: Mapping[str, str], base: str | None) -> tuple[dict[str, Spec], Spec | None]:
+    """The ``refs`` SPECs and BASE parsed; BASE must be a whole pipeline that exists when it is a path."""
     try:
         parsed = {k: parse_spec(v) for k, v in refs.items()}
         base_spec = parse_spec(base) if base else None
@@ -323,33 +329,52 @@ def make_references(
     if base_spec is not None and base_spec.kind in ("folder", "dduf") and not os.path.exists(base_spec.location):
         # BASE is compared with here and now: a missing path is a mistake, never "nothing in common"
         raise DDUFNotFoundError(f"--base {base!r}: {base_spec.location} does not exist", filename=base_spec.location)
-    sources_by_spec: dict[Spec, _Source] = {}
+    return parsed, base_spec
 
-    def source_for(s: Spec) -> _Source:
+
+class _Planner:
+    """The state of one :func:`make_references` run: what is stored, what is referenced so far, the report."""
+
+    def __init__(self, plan: FolderPlan, *, token: str | bool | None, local_files_only: bool):
+        self.plan, self.root = plan, plan.folder
+        self.token, self.local_files_only = token, local_files_only
+        self.variant: str | None = None
+        self.specs = component_specs(plan.model_index)
+        self.real = {n for n, (lib, _c) in self.specs.items() if lib is not None}
+        self.stored: dict[str, list[EntrySource]] = {}
+        for s in plan.sources:
+            self.stored.setdefault(s.name.split("/")[0], []).append(s)
+        self.report: list[str] = []
+        self.references: dict[str, dict[str, Any]] = {}
+        self.local_bytes: dict[str, int] = {}
+        self._sources: dict[Spec, _Source] = {}
+
+    def check_names(self, names: set[str]) -> None:
+        unknown = sorted(names - self.real - {"*"})
+        if unknown:
+            raise DDUFPackError(f"not components of {self.root / spec.MODEL_INDEX}: {', '.join(unknown)} "
+                                f"(has: {', '.join(sorted(self.real))})")
+
+    def source_for(self, s: Spec) -> _Source:
         key = s._replace(subfolder=None)
-        if key not in sources_by_spec:
-            sources_by_spec[key] = _Source(key, variant=variant, token=token, local_files_only=local_files_only)
-        return sources_by_spec[key]
+        if key not in self._sources:
+            self._sources[key] = _Source(key, variant=self.variant, token=self.token,
+                                         local_files_only=self.local_files_only)
+        return self._sources[key]
 
-    stored: dict[str, list[EntrySource]] = {}
-    for s in plan.sources:
-        stored.setdefault(s.name.split("/")[0], []).append(s)
-    targets = sorted(set(exclude) | (set(refs) - {"*"}))
-    report: list[str] = []
-    references: dict[str, dict[str, Any]] = {}
-    local_bytes: dict[str, int] = {}
-
-    def local_copy(name: str) -> dict[str, Path] | None:
-        if name in stored:
-            return {s.name.split("/", 1)[1]: s.path for s in stored[name] if s.path is not None}
-        if (root / name).is_dir():
-            chosen, _skipped = _plan_component(root, name, variant)
+    def local_copy(self, name: str) -> dict[str, Path] | None:
+        """{filename: path} of the component's files here (the ones the pack would store), None if absent."""
+        if name in self.stored:
+            return {s.name.split("/", 1)[1]: s.path for s in self.stored[name] if s.path is not None}
+        if (self.root / name).is_dir():
+            chosen, _skipped = _plan_component(self.root, name, self.variant)
             return {s.name.split("/", 1)[1]: s.path for s in chosen if s.path is not None}
         return None
 
-    def reference(name: str, src: Spec | None, files: FileRecords, revision: str | None) -> dict[str, Any]:
-        library, cls = specs[name]
+    def reference(self, name: str, src: Spec | None, files: FileRecords, revision: str | None) -> dict[str, Any]:
+        library, cls = self.specs[name]
         sub = (src.subfolder if src else None) or name
+        variant = self.variant
         has_variant = variant is not None and any((w := classify(f)) and w.variant == variant for f in files)
         return {
             "pretrained_model_name_or_path": None if src is None else src.location,
@@ -360,89 +385,102 @@ def make_references(
             "files": files,
         }
 
-    # --- explicit references -------------------------------------------------------------------------
-    for name in targets:
-        src = parsed.get(name) or parsed.get("*") or base_spec
-        paths = local_copy(name)
+    # --- explicit references (--exclude, --ref) ----------------------------------------------------------
+    def add_explicit(self, name: str, src: Spec | None) -> None:
+        paths = self.local_copy(name)
         revision = src.revision if src else None
         if paths is not None:
             files = hash_local_files(paths)
-            local_bytes[name] = sum(r["size"] for r in files.values())
+            self.local_bytes[name] = sum(r["size"] for r in files.values())
             origin = "hashes of the local copy"
             if src is not None:
-                checked = _check_against_source(name, src, source_for(src), files, paths, report)
+                checked = _check_against_source(name, src, self.source_for(src), files, paths, self.report)
                 if checked is not None:
                     revision = checked
         elif src is not None:
-            source = source_for(src)
-            found = source.component_files(src.subfolder or name)
-            if found is None:
-                raise DDUFPackError(f"{name}: no local copy in {root} and {src} has no {src.subfolder or name}/ folder")
-            files = {**found[0], **hash_local_files(found[1])}  # files on disk are hashed here (once)
-            revision = source.revision
-            origin = f"hashes from {source.hub_from or src}"
-            if any("sha256" not in r for r in files.values()):
-                origin += "; small non-LFS files are verified by size and git blob id after download"
+            files, revision, origin = self._records_from_source(name, src)
         else:
             files, origin = {}, "no local copy: nothing to verify"
-        references[name] = reference(name, src, files, revision)
+        self.references[name] = self.reference(name, src, files, revision)
         where = str(src) if src is not None else "no source (must be passed to load_dduf as an argument)"
-        report.append(f"referenced {name} -> {where} ({_files(len(files))}, {_human(local_bytes.get(name, 0))}; {origin})")
+        self.report.append(f"referenced {name} -> {where} ({_files(len(files))}, "
+                           f"{_human(self.local_bytes.get(name, 0))}; {origin})")
 
-    # --- components identical to BASE ---------------------------------------------------------------
-    if base_spec is not None:
-        source = source_for(base_spec)
+    def _records_from_source(self, name: str, src: Spec) -> tuple[FileRecords, str | None, str]:
+        """No local copy: the file records (and the revision they were read at) come from the source."""
+        source = self.source_for(src)
+        found = source.component_files(src.subfolder or name)
+        if found is None:
+            raise DDUFPackError(f"{name}: no local copy in {self.root} and {src} has no {src.subfolder or name}/ folder")
+        files = {**found[0], **hash_local_files(found[1])}  # files on disk are hashed here (once)
+        origin = f"hashes from {source.hub_from or src}"
+        if any("sha256" not in r for r in files.values()):
+            origin += "; small non-LFS files are verified by size and git blob id after download"
+        return files, source.revision, origin
+
+    # --- components identical to BASE -------------------------------------------------------------------
+    def add_identical_to_base(self, base_spec: Spec) -> None:
+        source = self.source_for(base_spec)
         if base_spec.kind == "hub":
             source.hub_files()  # fetched once; the report says where it came from
-            report.append(f"BASE {base_spec}: file list from {source.hub_from} at {source.revision}")
-        for name in sorted(real - set(references)):
-            paths = local_copy(name)
+            self.report.append(f"BASE {base_spec}: file list from {source.hub_from} at {source.revision}")
+        for name in sorted(self.real - set(self.references)):
+            paths = self.local_copy(name)
             if paths is None:
                 continue
-            found = source.component_files(name)
-            if found is None:
-                report.append(f"stored {name}: BASE {base_spec} has no {name}/")
-                continue
-            hint = source.type_hint(name)
-            if hint is not None and tuple(hint) != tuple(specs[name]):
-                report.append(f"stored {name}: BASE's is {hint[0]}.{hint[1]}, this one {specs[name][0]}.{specs[name][1]}")
-                continue
-            other, other_paths = found
-            mine = {f: {"size": p.stat().st_size} for f, p in paths.items()}
-            if any(f not in other or other[f].get("size") not in (None, r["size"]) for f, r in mine.items()):
-                report.append(f"stored {name}: differs from BASE {base_spec} (file list or sizes)")
+            why = self._differs_from_base(name, paths, source, base_spec)
+            if why is not None:
+                self.report.append(f"stored {name}: {why}")
                 continue
             files = hash_local_files(paths)
-            why = _same_content(name, files, paths, other, other_paths)
-            if why:
-                report.append(f"stored {name}: differs from BASE {base_spec} ({why[0]}" + (", ..." if len(why) > 1 else "") + ")")
-                continue
-            local_bytes[name] = sum(r["size"] for r in files.values())
-            references[name] = reference(name, base_spec, files, source.revision)
-            report.append(f"referenced {name} -> {base_spec} (identical: {_files(len(files))}, "
-                          f"{_human(local_bytes[name])})")
+            self.local_bytes[name] = sum(r["size"] for r in files.values())
+            self.references[name] = self.reference(name, base_spec, files, source.revision)
+            self.report.append(f"referenced {name} -> {base_spec} (identical: {_files(len(files))}, "
+                               f"{_human(self.local_bytes[name])})")
 
-    # --- references the source model_index already carried (a re-pack of a partial) ----------------
-    previous = plan.model_index.get(spec.REFERENCES_KEY)
-    if isinstance(previous, dict):
+    def _differs_from_base(self, name: str, paths: Mapping[str, Path], source: _Source, base_spec: Spec) -> str | None:
+        """Why the local ``name`` is not BASE's (cheap checks first: listing, class, sizes), or None."""
+        found = source.component_files(name)
+        if found is None:
+            return f"BASE {base_spec} has no {name}/"
+        hint = source.type_hint(name)
+        if hint is not None and tuple(hint) != tuple(self.specs[name]):
+            return f"BASE's is {hint[0]}.{hint[1]}, this one {self.specs[name][0]}.{self.specs[name][1]}"
+        other, other_paths = found
+        mine = {f: {"size": p.stat().st_size} for f, p in paths.items()}
+        if any(f not in other or other[f].get("size") not in (None, r["size"]) for f, r in mine.items()):
+            return f"differs from BASE {base_spec} (file list or sizes)"
+        why = _same_content(name, hash_local_files(paths), paths, other, other_paths)
+        if why:
+            return f"differs from BASE {base_spec} ({why[0]}" + (", ..." if len(why) > 1 else "") + ")"
+        return None
+
+    # --- the rest ---------------------------------------------------------------------------------------
+    def keep_previous_references(self) -> None:
+        """References the source model_index already carried (a re-pack of a partial archive)."""
+        previous = self.plan.model_index.get(spec.REFERENCES_KEY)
+        if not isinstance(previous, dict):
+            return
         for name, ref in previous.items():
-            if name in real and name not in references and name not in stored and isinstance(ref, dict):
-                references[name] = ref
-                report.append(f"kept the existing reference of {name}")
+            if name in self.real and name not in self.references and name not in self.stored and isinstance(ref, dict):
+                self.references[name] = ref
+                self.report.append(f"kept the existing reference of {name}")
 
-    referenced = set(references)
-    sources = [s for s in plan.sources if s.name.split("/")[0] not in referenced]
-    skipped = list(plan.skipped) + [Skipped(f"{n}/", "referenced") for n in sorted(referenced) if n in stored]
-    saved = sum(local_bytes.values())
-    total = sum(s.nbytes for s in plan.sources) + sum(b for n, b in local_bytes.items() if n not in stored)
-    if references:
-        pct = f" ({100.0 * saved / total:.1f}% of the component files)" if total else ""
-        report.append(f"bytes saved: {saved} ({_human(saved)}){pct} by referencing {len(references)} "
-                      f"component{'s' if len(references) != 1 else ''}")
-    else:
-        report.append("nothing referenced: the archive is complete")
-    model_index, raw = _model_index_with(plan, references)
-    return PartialPlan(model_index, raw, sources, skipped, references, report, saved, root)
+    def finish(self) -> PartialPlan:
+        plan, references = self.plan, self.references
+        referenced = set(references)
+        sources = [s for s in plan.sources if s.name.split("/")[0] not in referenced]
+        skipped = list(plan.skipped) + [Skipped(f"{n}/", "referenced") for n in sorted(referenced) if n in self.stored]
+        saved = sum(self.local_bytes.values())
+        total = sum(s.nbytes for s in plan.sources) + sum(b for n, b in self.local_bytes.items() if n not in self.stored)
+        if references:
+            pct = f" ({100.0 * saved / total:.1f}% of the component files)" if total else ""
+            self.report.append(f"bytes saved: {saved} ({_human(saved)}){pct} by referencing {len(references)} "
+                               f"component{'s' if len(references) != 1 else ''}")
+        else:
+            self.report.append("nothing referenced: the archive is complete")
+        model_index, raw = _model_index_with(plan, references)
+        return PartialPlan(model_index, raw, sources, skipped, references, self.report, saved, self.root)
 
 
 def _check_against_source(name: str, src: Spec, source: _Source, files: FileRecords, paths: Mapping[str, Path],

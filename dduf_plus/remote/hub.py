@@ -177,6 +177,8 @@ def hub_archive(repo_id: str, dduf_file: str | None = None, *, revision: str | N
         DDUFUsageError: ``dduf_file`` not given and the repo holds zero or several archives (listed).
         DDUFIOError: the Hub cannot be reached or refuses (gated, private without a token).
     """
+    if not is_repo_id(repo_id):
+        raise DDUFUsageError(f"{repo_id!r} is neither a local path nor a Hub repo id (org/name)")
     if dduf_file is None:
         files = list_repo_files(repo_id, revision=revision, token=token, cache_dir=cache_dir,
                                 local_files_only=local_files_only)
