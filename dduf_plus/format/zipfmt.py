@@ -88,151 +88,269 @@ def check_name(name_bytes: bytes, flags: int) -> tuple[str | None, list[Finding]
     return name, []
 
 
+class _Directory(NamedTuple):
+    """Where the end records say the central directory lies."""
+
+    entry_count: int
+    cd_offset: int
+    cd_size: int
+    end_of_cd: int  # where the central directory must end: the ZIP64 end record, else the end record
+    zip64_end: bool
+
+
+class _CentralRecord(NamedTuple):
+    """One central directory record as stored (ZIP64 values not yet applied)."""
+
+    made_by: int
+    flags: int
+    method: int
+    crc32: int
+    csize: int
+    usize: int
+    name_bytes: bytes
+    extra: bytes
+    disk_start: int
+    ext_attr: int
+    header_offset: int
+
+
 def parse_layout(source: ByteSource) -> tuple[ZipLayout | None, list[Finding]]:
-    """Read and cross-check every ZIP structure of ``source``. Reads only records, never entry data."""
+    """Read and cross-check every ZIP structure of ``source``. Reads only records, never entry data.
+
+    Steps: end records (and ZIP64 end records) -> bounded central directory -> one vetted entry per
+    central record -> local headers, in file order. A step returns None when nothing after it can be
+    trusted; the findings so far are returned either way."""
     findings: list[Finding] = []
+    directory = _read_end_records(source, findings)
+    if directory is None:
+        return None, findings
+    cd = _read_central_directory(source, directory, findings)
+    if cd is None:
+        return None, findings
+    entries = _parse_central_directory(cd, directory.entry_count, findings)
+    if entries is None:
+        return None, findings
+    checked = _check_local_headers(source, entries, directory.cd_offset, findings)
+    return ZipLayout(checked, directory.cd_offset, directory.cd_size, directory.zip64_end), findings
+
+
+# --- end records -------------------------------------------------------------------------------------
+def _find_end_record(source: ByteSource, findings: list[Finding]) -> tuple[int, bytes] | None:
+    """(offset, bytes) of the end-of-central-directory record; reports trailing bytes (Z002)."""
     size = source.size
     if size < spec.EOCD_SIZE:
-        return None, [finding("Z001", None, f"file is {size} bytes: too small to be a ZIP archive")]
-
-    # End record: the fast path is a comment-free archive, the only kind DDUF writers produce.
-    tail = source.read_at(size - spec.EOCD_SIZE, spec.EOCD_SIZE)
+        findings.append(finding("Z001", None, f"file is {size} bytes: too small to be a ZIP archive"))
+        return None
+    # The fast path is a comment-free archive, the only kind DDUF writers produce.
     eocd_offset = size - spec.EOCD_SIZE
-    if int.from_bytes(tail[:4], "little") != spec.SIG_EOCD:
+    record = source.read_at(eocd_offset, spec.EOCD_SIZE)
+    if int.from_bytes(record[:4], "little") != spec.SIG_EOCD:
         window = min(size, spec.EOCD_SIZE + spec.MAX_COMMENT)
         tail = source.read_at(size - window, window)
         at = tail.rfind(struct.pack("<I", spec.SIG_EOCD))
         if at < 0:
-            return None, [finding("Z001", None, "no end-of-central-directory record in the last 64 KiB")]
+            findings.append(finding("Z001", None, "no end-of-central-directory record in the last 64 KiB"))
+            return None
         eocd_offset = size - window + at
-        tail = tail[at : at + spec.EOCD_SIZE]
-        if len(tail) < spec.EOCD_SIZE:
-            return None, [finding("Z001", None, "end-of-central-directory record is truncated")]
-    _, disk, cd_disk, n_here, n_total, cd_size, cd_offset, comment_len = struct.unpack(spec.EOCD_FMT, tail)
+        record = tail[at : at + spec.EOCD_SIZE]
+        if len(record) < spec.EOCD_SIZE:
+            findings.append(finding("Z001", None, "end-of-central-directory record is truncated"))
+            return None
+    comment_len = struct.unpack(spec.EOCD_FMT, record)[-1]
     trailing = size - (eocd_offset + spec.EOCD_SIZE)
     if trailing:
         what = f"a {trailing}-byte archive comment" if comment_len == trailing else f"{trailing} bytes"
         findings.append(finding("Z002", None, f"{what} after the end record"))
+    return eocd_offset, record
 
-    zip64_end = False
-    needs64 = spec.U16_MAX in (n_here, n_total) or spec.U32_MAX in (cd_size, cd_offset)
-    end_of_cd = eocd_offset  # where the central directory must end
+
+def _read_end_records(source: ByteSource, findings: list[Finding]) -> _Directory | None:
+    """The end record, and the ZIP64 end record when a locator precedes it: where the central directory is."""
+    found = _find_end_record(source, findings)
+    if found is None:
+        return None
+    eocd_offset, record = found
+    _, disk, cd_disk, n_here, n_total, cd_size, cd_offset, _ = struct.unpack(spec.EOCD_FMT, record)
+    directory = _Directory(n_total, cd_offset, cd_size, eocd_offset, zip64_end=False)
     if eocd_offset >= spec.LOCATOR_SIZE:
         locator = source.read_at(eocd_offset - spec.LOCATOR_SIZE, spec.LOCATOR_SIZE)
         if int.from_bytes(locator[:4], "little") == spec.SIG_EOCD64_LOCATOR:
-            _, disk64, eocd64_offset, total_disks = struct.unpack(spec.LOCATOR_FMT, locator)
-            if disk64 != 0 or total_disks > 1:
-                return None, findings + [finding("Z004", None, "archive spans several disks")]
-            if eocd64_offset + spec.EOCD64_SIZE > eocd_offset - spec.LOCATOR_SIZE:
-                return None, findings + [finding("Z003", None, "ZIP64 end record offset is out of bounds")]
-            rec = source.read_at(eocd64_offset, spec.EOCD64_SIZE)
-            sig, rec_size, _, _, disk, cd_disk, n64_here, n64_total, cd64_size, cd64_offset = struct.unpack(
-                spec.EOCD64_FMT, rec
-            )
-            if sig != spec.SIG_EOCD64:
-                return None, findings + [finding("Z003", None, "ZIP64 locator points to no ZIP64 end record")]
-            if eocd64_offset + 12 + rec_size != eocd_offset - spec.LOCATOR_SIZE:
-                return None, findings + [
-                    finding("Z003", None, "ZIP64 end record is not directly before its locator")
-                ]
-            if n64_here != n64_total:
-                return None, findings + [finding("Z004", None, "entry counts differ per disk")]
-            for short, long, label in ((n_total, n64_total, "entry count"), (cd_size, cd64_size, "central directory size"), (cd_offset, cd64_offset, "central directory offset")):
-                full = spec.U16_MAX if label == "entry count" else spec.U32_MAX
-                if short != full and short != long:
-                    findings.append(finding("Z003", None, f"{label} differs between the end records ({short} vs {long})"))
-            n_total, cd_size, cd_offset = n64_total, cd64_size, cd64_offset
-            end_of_cd = eocd64_offset
-            zip64_end = True
-    if needs64 and not zip64_end:
-        return None, findings + [finding("Z003", None, "end record needs ZIP64 values but no ZIP64 end record exists")]
-    if disk != 0 or cd_disk != 0 or n_here != n_total and not zip64_end:
-        return None, findings + [finding("Z004", None, "archive spans several disks")]
+            return _read_zip64_end(source, locator, directory, findings)
+    if spec.U16_MAX in (n_here, n_total) or spec.U32_MAX in (cd_size, cd_offset):
+        findings.append(finding("Z003", None, "end record needs ZIP64 values but no ZIP64 end record exists"))
+        return None
+    if disk != 0 or cd_disk != 0 or n_here != n_total:
+        findings.append(finding("Z004", None, "archive spans several disks"))
+        return None
+    return directory
 
-    # Central directory: bounded before being read.
+
+def _read_zip64_end(source: ByteSource, locator: bytes, short: _Directory, findings: list[Finding]) -> _Directory | None:
+    """The ZIP64 end record ``locator`` points to, cross-checked with the 32-bit end record ``short``."""
+    _, disk64, eocd64_offset, total_disks = struct.unpack(spec.LOCATOR_FMT, locator)
+    locator_offset = short.end_of_cd - spec.LOCATOR_SIZE
+    if disk64 != 0 or total_disks > 1:
+        findings.append(finding("Z004", None, "archive spans several disks"))
+        return None
+    if eocd64_offset + spec.EOCD64_SIZE > locator_offset:
+        findings.append(finding("Z003", None, "ZIP64 end record offset is out of bounds"))
+        return None
+    record = source.read_at(eocd64_offset, spec.EOCD64_SIZE)
+    sig, rec_size, _, _, disk, cd_disk, n64_here, n64_total, cd64_size, cd64_offset = struct.unpack(
+        spec.EOCD64_FMT, record
+    )
+    if sig != spec.SIG_EOCD64:
+        findings.append(finding("Z003", None, "ZIP64 locator points to no ZIP64 end record"))
+        return None
+    if eocd64_offset + 12 + rec_size != locator_offset:
+        findings.append(finding("Z003", None, "ZIP64 end record is not directly before its locator"))
+        return None
+    if n64_here != n64_total:
+        findings.append(finding("Z004", None, "entry counts differ per disk"))
+        return None
+    for value, value64, label, full in (
+        (short.entry_count, n64_total, "entry count", spec.U16_MAX),
+        (short.cd_size, cd64_size, "central directory size", spec.U32_MAX),
+        (short.cd_offset, cd64_offset, "central directory offset", spec.U32_MAX),
+    ):
+        if value != full and value != value64:
+            findings.append(finding("Z003", None, f"{label} differs between the end records ({value} vs {value64})"))
+    if disk != 0 or cd_disk != 0:
+        findings.append(finding("Z004", None, "archive spans several disks"))
+        return None
+    return _Directory(n64_total, cd64_offset, cd64_size, eocd64_offset, zip64_end=True)
+
+
+# --- central directory -------------------------------------------------------------------------------
+def _read_central_directory(source: ByteSource, directory: _Directory, findings: list[Finding]) -> bytes | None:
+    """The central directory's bytes, bounded (entry count, size, position) before they are read."""
+    n_total, cd_offset, cd_size, end_of_cd = directory.entry_count, directory.cd_offset, directory.cd_size, directory.end_of_cd
     if n_total > spec.MAX_ENTRIES:
-        return None, findings + [finding("Z005", None, f"{n_total} entries is more than the {spec.MAX_ENTRIES} allowed")]
+        findings.append(finding("Z005", None, f"{n_total} entries is more than the {spec.MAX_ENTRIES} allowed"))
+        return None
     if cd_size > spec.MAX_CENTRAL_DIRECTORY or cd_size < n_total * spec.CENTRAL_HEADER_SIZE:
-        return None, findings + [finding("Z005", None, f"central directory size {cd_size} cannot hold {n_total} entries")]
+        findings.append(finding("Z005", None, f"central directory size {cd_size} cannot hold {n_total} entries"))
+        return None
     if cd_offset + cd_size > end_of_cd:
-        return None, findings + [finding("Z005", None, "central directory runs past the end records")]
+        findings.append(finding("Z005", None, "central directory runs past the end records"))
+        return None
     if cd_offset + cd_size < end_of_cd:
         findings.append(finding("Z016", None, f"{end_of_cd - cd_offset - cd_size} bytes between the central directory and the end records"))
-    cd = source.read_at(cd_offset, cd_size)
+    return source.read_at(cd_offset, cd_size)
 
+
+def _parse_central_directory(cd: bytes, count: int, findings: list[Finding]) -> list[ZipEntry] | None:
+    """One entry per sound central record with a unique name, in directory order; None when a record
+    cannot be delimited (nothing after it can be found)."""
     entries: list[ZipEntry] = []
-    seen: dict[str, int] = {}
-    folded: dict[str, str] = {}
+    seen: set[str] = set()
+    folded: dict[str, str] = {}  # NFC + casefold key -> first name with it
     at = 0
-    for i in range(n_total):
+    for i in range(count):
         if at + spec.CENTRAL_HEADER_SIZE > len(cd):
-            return None, findings + [finding("Z005", None, f"central directory ends inside record {i}")]
+            findings.append(finding("Z005", None, f"central directory ends inside record {i}"))
+            return None
         (sig, made_by, _needed, flags, method, _time, _date, crc, csize, usize, nlen, xlen, clen, disk_start,
          _int_attr, ext_attr, header_offset) = struct.unpack_from(spec.CENTRAL_HEADER_FMT, cd, at)
         if sig != spec.SIG_CENTRAL:
-            return None, findings + [finding("Z006", None, f"central directory record {i} has a bad signature")]
+            findings.append(finding("Z006", None, f"central directory record {i} has a bad signature"))
+            return None
         end = at + spec.CENTRAL_HEADER_SIZE + nlen + xlen + clen
         if end > len(cd):
-            return None, findings + [finding("Z005", None, f"central directory record {i} runs past the directory")]
-        name_bytes = cd[at + 46 : at + 46 + nlen]
-        extra = cd[at + 46 + nlen : at + 46 + nlen + xlen]
+            findings.append(finding("Z005", None, f"central directory record {i} runs past the directory"))
+            return None
+        name_at = at + spec.CENTRAL_HEADER_SIZE
         at = end
         if nlen > spec.MAX_NAME_BYTES:
             findings.append(finding("Z007", None, f"entry {i} has a {nlen}-byte name"))
             continue
-        name, problems = check_name(name_bytes, flags)
-        findings.extend(problems)
-        if name is not None and not flags & spec.FLAG_UTF8 and not name.isascii():
-            # zipfile (so huggingface_hub) decodes such a name as CP437: readers would disagree on it.
-            findings.append(finding("Z020", name, "non-ASCII name without the UTF-8 flag (bit 11): other "
-                                    f"readers see {name_bytes.decode('cp437')!r}"))
-        label = name or name_bytes.decode("utf-8", "backslashreplace")
-        fields = parse_extra(extra)
-        if fields is None:
-            findings.append(finding("Z006", label, "extra field is malformed"))
-            continue
-        wanted = [k for k, v in (("usize", usize), ("csize", csize), ("offset", header_offset)) if v == spec.U32_MAX]
-        if disk_start == spec.U16_MAX:
-            wanted.append("disk")
-        zip64 = spec.EXTRA_ZIP64 in fields
-        if wanted:
-            values = _zip64_values(fields.get(spec.EXTRA_ZIP64, b""), wanted)
-            if values is None:
-                findings.append(finding("Z003", label, "ZIP64 extra field missing or too short"))
-                continue
-            usize, csize = values.get("usize", usize), values.get("csize", csize)
-            header_offset, disk_start = values.get("offset", header_offset), values.get("disk", disk_start)
-        if disk_start != 0:
-            findings.append(finding("Z004", label, "entry starts on another disk"))
-            continue
-        if flags & (spec.FLAG_ENCRYPTED | spec.FLAG_STRONG_ENCRYPTION | spec.FLAG_MASKED_HEADER):
-            findings.append(finding("Z012", label, "entry is encrypted"))
-        if method != spec.METHOD_STORED:
-            findings.append(finding("Z011", label, f"compression method {method} (DDUF requires 0, STORED)"))
-        if csize != usize:
-            findings.append(finding("Z019", label, f"sizes differ: {csize} stored vs {usize} uncompressed"))
-        if (made_by >> 8) == spec.MADE_BY_UNIX and (ext_attr >> 16) & spec.S_IFMT in (spec.S_IFLNK, spec.S_IFDIR):
-            kind = "symbolic link" if (ext_attr >> 16) & spec.S_IFMT == spec.S_IFLNK else "directory"
-            findings.append(finding("Z013", label, f"entry is a {kind}"))
-        if not zip64:
-            findings.append(finding("Z018", label, "entry has no ZIP64 extra field"))
-        if name is None:
-            continue
-        if name in seen:
-            findings.append(finding("Z009", name, "entry name appears more than once"))
-            continue
-        seen[name] = i
-        key = unicodedata.normalize("NFC", name).casefold()
-        if key in folded:
-            findings.append(finding("Z010", name, f"collides with {folded[key]!r} after case folding / NFC"))
-        folded.setdefault(key, name)
-        entries.append(ZipEntry(name, header_offset, -1, usize, crc, method, flags, zip64))
+        record = _CentralRecord(made_by, flags, method, crc, csize, usize, cd[name_at : name_at + nlen],
+                                cd[name_at + nlen : name_at + nlen + xlen], disk_start, ext_attr, header_offset)
+        entry = _vet_central_record(record, findings)
+        if entry is not None and _is_new_name(entry.name, seen, folded, findings):
+            entries.append(entry)
     if at != len(cd):
         findings.append(finding("Z016", None, f"{len(cd) - at} unexplained bytes inside the central directory"))
+    return entries
 
-    return ZipLayout(_check_local_headers(source, entries, cd_offset, findings), cd_offset, cd_size, zip64_end), findings
+
+def _vet_central_record(record: _CentralRecord, findings: list[Finding]) -> ZipEntry | None:
+    """The entry ``record`` describes, after the name, ZIP64, disk and DDUF-rule checks; None when it has
+    no usable name or its sizes/offset cannot be known."""
+    name, problems = check_name(record.name_bytes, record.flags)
+    findings.extend(problems)
+    if name is not None and not record.flags & spec.FLAG_UTF8 and not name.isascii():
+        # zipfile (so huggingface_hub) decodes such a name as CP437: readers would disagree on it.
+        findings.append(finding("Z020", name, "non-ASCII name without the UTF-8 flag (bit 11): other "
+                                f"readers see {record.name_bytes.decode('cp437')!r}"))
+    label = name or record.name_bytes.decode("utf-8", "backslashreplace")
+    fields = parse_extra(record.extra)
+    if fields is None:
+        findings.append(finding("Z006", label, "extra field is malformed"))
+        return None
+    sizes = _central_zip64(record, fields, label, findings)
+    if sizes is None:
+        return None
+    usize, csize, header_offset = sizes
+    _check_dduf_rules(record, csize, usize, label, findings)
+    if spec.EXTRA_ZIP64 not in fields:
+        findings.append(finding("Z018", label, "entry has no ZIP64 extra field"))
+    if name is None:
+        return None
+    return ZipEntry(name, header_offset, -1, usize, record.crc32, record.method, record.flags,
+                    spec.EXTRA_ZIP64 in fields)
 
 
+def _central_zip64(record: _CentralRecord, fields: dict[int, bytes], label: str,
+                   findings: list[Finding]) -> tuple[int, int, int] | None:
+    """(usize, csize, header offset) with full 32-bit slots taken from the ZIP64 extra field; None (reported)
+    when that field is missing or short, or the entry starts on another disk."""
+    usize, csize, header_offset, disk_start = record.usize, record.csize, record.header_offset, record.disk_start
+    wanted = [k for k, v in (("usize", usize), ("csize", csize), ("offset", header_offset)) if v == spec.U32_MAX]
+    if disk_start == spec.U16_MAX:
+        wanted.append("disk")
+    if wanted:
+        values = _zip64_values(fields.get(spec.EXTRA_ZIP64, b""), wanted)
+        if values is None:
+            findings.append(finding("Z003", label, "ZIP64 extra field missing or too short"))
+            return None
+        usize, csize = values.get("usize", usize), values.get("csize", csize)
+        header_offset, disk_start = values.get("offset", header_offset), values.get("disk", disk_start)
+    if disk_start != 0:
+        findings.append(finding("Z004", label, "entry starts on another disk"))
+        return None
+    return usize, csize, header_offset
+
+
+def _check_dduf_rules(record: _CentralRecord, csize: int, usize: int, label: str, findings: list[Finding]) -> None:
+    """What DDUF forbids in an otherwise sound record: encryption, compression, links and directories."""
+    if record.flags & (spec.FLAG_ENCRYPTED | spec.FLAG_STRONG_ENCRYPTION | spec.FLAG_MASKED_HEADER):
+        findings.append(finding("Z012", label, "entry is encrypted"))
+    if record.method != spec.METHOD_STORED:
+        findings.append(finding("Z011", label, f"compression method {record.method} (DDUF requires 0, STORED)"))
+    if csize != usize:
+        findings.append(finding("Z019", label, f"sizes differ: {csize} stored vs {usize} uncompressed"))
+    mode = (record.ext_attr >> 16) & spec.S_IFMT
+    if (record.made_by >> 8) == spec.MADE_BY_UNIX and mode in (spec.S_IFLNK, spec.S_IFDIR):
+        kind = "symbolic link" if mode == spec.S_IFLNK else "directory"
+        findings.append(finding("Z013", label, f"entry is a {kind}"))
+
+
+def _is_new_name(name: str, seen: set[str], folded: dict[str, str], findings: list[Finding]) -> bool:
+    """False (Z009) for a repeated name; a name equal to an earlier one after NFC + case folding is kept
+    but reported (Z010)."""
+    if name in seen:
+        findings.append(finding("Z009", name, "entry name appears more than once"))
+        return False
+    seen.add(name)
+    key = unicodedata.normalize("NFC", name).casefold()
+    if key in folded:
+        findings.append(finding("Z010", name, f"collides with {folded[key]!r} after case folding / NFC"))
+    folded.setdefault(key, name)
+    return True
+
+
+# --- local headers -----------------------------------------------------------------------------------
 def _check_local_headers(source: ByteSource, entries: list[ZipEntry], cd_offset: int, findings: list[Finding]) -> list[ZipEntry]:
     """Read every local header once, in file order; compare it with its central record; check the entries
     tile ``[0, cd_offset)``: no prefix (polyglots), no overlap, no holes.
@@ -245,58 +363,80 @@ def _check_local_headers(source: ByteSource, entries: list[ZipEntry], cd_offset:
     checked: list[ZipEntry] = []
     position = 0  # end of the bytes the entries so far account for
     for entry in sorted(entries, key=lambda e: e.header_offset):
-        if entry.header_offset + spec.LOCAL_HEADER_SIZE > cd_offset:
-            findings.append(finding("Z017", entry.name, "local header lies past the central directory"))
+        placed = _place_local_header(source, entry, cd_offset, findings)
+        if placed is None:
             continue
-        head = source.read_at(entry.header_offset, spec.LOCAL_HEADER_SIZE)
-        sig, _ver, flags, method, _t, _d, crc, csize, usize, nlen, xlen = struct.unpack(spec.LOCAL_HEADER_FMT, head)
-        if sig != spec.SIG_LOCAL:
-            findings.append(finding("Z014", entry.name, "no local header where the central directory points"))
-            continue
-        data_offset = entry.header_offset + spec.LOCAL_HEADER_SIZE + nlen + xlen
-        if data_offset > cd_offset:
-            findings.append(finding("Z017", entry.name, "local header runs past the central directory"))
-            continue
-        end = data_offset + entry.size
-        if end > cd_offset:
-            findings.append(finding("Z017", entry.name, "entry data runs into the central directory or past the file"))
-            continue
+        head, data_offset, end = placed
         if entry.header_offset < position:
             findings.append(finding("Z015", entry.name, "entry overlaps the previous one"))
             position = max(position, end)  # its bytes are accounted for (as an error), not foreign
             continue
-        rest = source.read_at(entry.header_offset + spec.LOCAL_HEADER_SIZE, nlen + xlen)
-        local_name, extra = rest[:nlen], rest[nlen:]
-        if local_name != entry.name.encode("utf-8"):
-            findings.append(finding("Z014", entry.name, f"local header names it {local_name.decode('utf-8', 'replace')!r}"))
+        if not _local_header_agrees(source, entry, head, findings):
             continue
-        if method != entry.method:
-            findings.append(finding("Z014", entry.name, "local header and central directory disagree on the method"))
-        if (flags ^ entry.flags) & ~spec.FLAG_UTF8 & 0xFFFF:
-            findings.append(finding("Z014", entry.name, "local header and central directory disagree on the flags"))
-        if not flags & spec.FLAG_DATA_DESCRIPTOR:
-            if spec.U32_MAX in (csize, usize):
-                fields = parse_extra(extra) or {}
-                wanted = [k for k, v in (("usize", usize), ("csize", csize)) if v == spec.U32_MAX]
-                values = _zip64_values(fields.get(spec.EXTRA_ZIP64, b""), wanted)
-                if values is None:
-                    findings.append(finding("Z014", entry.name, "local ZIP64 extra field missing or too short"))
-                    continue
-                usize, csize = values.get("usize", usize), values.get("csize", csize)
-            if crc != entry.crc32 or usize != entry.size or csize != entry.size:
-                findings.append(finding("Z014", entry.name, "local header and central directory disagree on CRC-32 or sizes"))
-                continue
         if entry.header_offset > position:
             where = "before the first entry" if position == 0 else "before this entry"
             findings.append(finding("Z016", entry.name, f"{entry.header_offset - position} foreign bytes {where}"))
-        if flags & spec.FLAG_DATA_DESCRIPTOR:
+        descriptor = head[2] & spec.FLAG_DATA_DESCRIPTOR
+        if descriptor:
             end += _descriptor_size(source, end, cd_offset)
         position = end
-        checked.append(entry._replace(data_offset=data_offset, flags=entry.flags | (flags & spec.FLAG_DATA_DESCRIPTOR)))
+        checked.append(entry._replace(data_offset=data_offset, flags=entry.flags | descriptor))
     if checked and position < cd_offset:
         findings.append(finding("Z016", None, f"{cd_offset - position} foreign bytes before the central directory"))
     order = {e.name: i for i, e in enumerate(entries)}
     return sorted(checked, key=lambda e: order[e.name])  # central directory order, as before
+
+
+def _place_local_header(source: ByteSource, entry: ZipEntry, cd_offset: int,
+                        findings: list[Finding]) -> tuple[tuple, int, int] | None:
+    """(the fixed header's fields, data offset, data end) when ``entry``'s local header and data lie before
+    the central directory; None (reported) otherwise. Reads the fixed 30 bytes only."""
+    if entry.header_offset + spec.LOCAL_HEADER_SIZE > cd_offset:
+        findings.append(finding("Z017", entry.name, "local header lies past the central directory"))
+        return None
+    head = struct.unpack(spec.LOCAL_HEADER_FMT, source.read_at(entry.header_offset, spec.LOCAL_HEADER_SIZE))
+    if head[0] != spec.SIG_LOCAL:
+        findings.append(finding("Z014", entry.name, "no local header where the central directory points"))
+        return None
+    data_offset = entry.header_offset + spec.LOCAL_HEADER_SIZE + head[9] + head[10]  # + name + extra
+    if data_offset > cd_offset:
+        findings.append(finding("Z017", entry.name, "local header runs past the central directory"))
+        return None
+    end = data_offset + entry.size
+    if end > cd_offset:
+        findings.append(finding("Z017", entry.name, "entry data runs into the central directory or past the file"))
+        return None
+    return head, data_offset, end
+
+
+def _local_header_agrees(source: ByteSource, entry: ZipEntry, head: tuple, findings: list[Finding]) -> bool:
+    """Compare the local header (fixed fields ``head``, then its name and extra, read here) with the central
+    record: a different name, or CRC-32/sizes (when no data descriptor defers them), is fatal to the entry;
+    method or flags differing only reported."""
+    _sig, _ver, flags, method, _t, _d, crc, csize, usize, nlen, xlen = head
+    rest = source.read_at(entry.header_offset + spec.LOCAL_HEADER_SIZE, nlen + xlen)
+    local_name, extra = rest[:nlen], rest[nlen:]
+    if local_name != entry.name.encode("utf-8"):
+        findings.append(finding("Z014", entry.name, f"local header names it {local_name.decode('utf-8', 'replace')!r}"))
+        return False
+    if method != entry.method:
+        findings.append(finding("Z014", entry.name, "local header and central directory disagree on the method"))
+    if (flags ^ entry.flags) & ~spec.FLAG_UTF8 & 0xFFFF:
+        findings.append(finding("Z014", entry.name, "local header and central directory disagree on the flags"))
+    if flags & spec.FLAG_DATA_DESCRIPTOR:
+        return True
+    if spec.U32_MAX in (csize, usize):
+        fields = parse_extra(extra) or {}
+        wanted = [k for k, v in (("usize", usize), ("csize", csize)) if v == spec.U32_MAX]
+        values = _zip64_values(fields.get(spec.EXTRA_ZIP64, b""), wanted)
+        if values is None:
+            findings.append(finding("Z014", entry.name, "local ZIP64 extra field missing or too short"))
+            return False
+        usize, csize = values.get("usize", usize), values.get("csize", csize)
+    if crc != entry.crc32 or usize != entry.size or csize != entry.size:
+        findings.append(finding("Z014", entry.name, "local header and central directory disagree on CRC-32 or sizes"))
+        return False
+    return True
 
 
 def _descriptor_size(source: ByteSource, at: int, limit: int) -> int:
