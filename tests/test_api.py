@@ -136,3 +136,27 @@ def test_py_typed_ships_in_the_wheel(tmp_path: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     assert "dduf_plus/py.typed" in names
     assert "dduf_plus/loading/__init__.py" in names
+
+
+@pytest.mark.parametrize("ending", ["close", "abort"])
+def test_writer_refuses_entries_once_closed(tmp_path: Path, ending: str) -> None:
+    from dduf_plus.errors import DDUFUsageError
+    from dduf_plus.format.writer import DDUFWriter
+
+    source = tmp_path / "config.json"
+    source.write_bytes(b"{}")
+    writer = DDUFWriter(tmp_path / "out.dduf")
+    assert writer.add_bytes("model_index.json", b"{}") is None  # records come from .records
+    getattr(writer, ending)()
+    attempts = [
+        lambda: writer.add_bytes("unet/config.json", b"{}"),
+        lambda: writer.add_file("unet/config.json", source),
+        lambda: writer.add_chunks("unet/config.json", 2, [b"{}"]),
+        lambda: writer.hash_ahead([("unet/config.json", source)]),
+    ]
+    for attempt in attempts:
+        with pytest.raises(DDUFUsageError, match=r"'unet/config.json'.*closed"):
+            attempt()
+    assert writer.close() == writer.path  # closing twice stays harmless
+    assert (tmp_path / "out.dduf").exists() == (ending == "close")
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []

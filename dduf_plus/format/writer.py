@@ -19,7 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from ..errors import DDUFPackError
+from ..errors import DDUFPackError, DDUFUsageError
 from . import spec
 from .confined import Confined
 from .index import FileRecord
@@ -79,7 +79,12 @@ class DDUFWriter:
         self._closed = False
 
     # --- entries -------------------------------------------------------------------------------------
+    def _check_open(self, name: str) -> None:
+        if self._closed:
+            raise DDUFUsageError(f"{name!r}: the DDUFWriter for {self.path} is closed; entries go in before close()")
+
     def _begin(self, name: str, size: int, inner_offset: int, alignment: int) -> int:
+        self._check_open(name)
         check_entry_name(name)
         if name in self._names:
             raise DDUFPackError(f"{name!r}: duplicate entry")
@@ -114,7 +119,8 @@ class DDUFWriter:
             return 8 + read_header_length(head), spec.TENSOR_ALIGNMENT
         return 0, spec.ENTRY_ALIGNMENT
 
-    def add_bytes(self, name: str, data: bytes | bytearray | memoryview, *, source_sha256: str | None = None) -> FileRecord:
+    def add_bytes(self, name: str, data: bytes | bytearray | memoryview, *, source_sha256: str | None = None) -> None:
+        """Write ``data`` as entry ``name``; its record joins :attr:`records`."""
         data = memoryview(data).cast("B")
         inner, alignment = self._alignment_for(name, bytes(data[:8]))
         start = self._begin(name, len(data), inner, alignment)
@@ -127,6 +133,7 @@ class DDUFWriter:
         opened = []
         try:
             for name, source in files:
+                self._check_open(name)
                 fd = _open_source(name, source)
                 opened.append((os.fstat(fd).st_size, name, fd))
         except BaseException:
@@ -166,7 +173,7 @@ class DDUFWriter:
             os.close(src)
         self._end(name, size, start, sha, None)
 
-    def add_chunks(self, name: str, size: int, chunks: Iterable[Any], *, source_sha256: str | None = None) -> FileRecord:
+    def add_chunks(self, name: str, size: int, chunks: Iterable[Any], *, source_sha256: str | None = None) -> None:
         """Stream ``size`` bytes given as buffers (e.g. a safetensors header then each tensor's bytes).
         Hashing of each chunk overlaps the write of the same chunk."""
         chunks = iter(chunks)
