@@ -108,11 +108,13 @@ def _batch(executor: Executor | None, sources: Iterable[str | os.PathLike], args
     own = executor is None
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dduf-validate") if own else executor
     assert pool is not None
+    finished = False
     try:
         yield from _run(pool, sources, args, workers * WINDOW_PER_WORKER, ordered)
+        finished = True
     finally:
-        if own:
-            pool.shutdown(wait=True, cancel_futures=True)
+        if own:  # Ctrl-C or a consumer that stops early: cancel the queue, do not wait for running checks here
+            pool.shutdown(wait=finished, cancel_futures=True)
 
 
 def _run(pool: Executor, sources: Iterable[str | os.PathLike], args: tuple[Any, ...], window: int,
@@ -121,26 +123,31 @@ def _run(pool: Executor, sources: Iterable[str | os.PathLike], args: tuple[Any, 
     pending: deque[tuple[str, Any]] = deque()  # (source, its future, or its result when submit failed)
     it = iter(sources)
     exhausted = False
-    while pending or not exhausted:
-        while not exhausted and len(pending) < window:
-            source = next(it, None)
-            if source is None:
-                exhausted = True
+    try:
+        while pending or not exhausted:
+            while not exhausted and len(pending) < window:
+                source = next(it, None)
+                if source is None:
+                    exhausted = True
+                    break
+                name = os.fspath(source)
+                pending.append((name, _submit(pool, name, args)))
+            if not pending:
                 break
-            name = os.fspath(source)
-            pending.append((name, _submit(pool, name, args)))
-        if not pending:
-            break
-        if ordered:
-            yield _collect(*pending.popleft())
-            continue
-        done = [p for p in pending if _done(p[1])]
-        while not done:
-            _wait_any([f for _, f in pending])
+            if ordered:
+                yield _collect(*pending.popleft())
+                continue
             done = [p for p in pending if _done(p[1])]
-        for p in done:
-            pending.remove(p)
-            yield _collect(*p)
+            while not done:
+                _wait_any([f for _, f in pending])
+                done = [p for p in pending if _done(p[1])]
+            for p in done:
+                pending.remove(p)
+                yield _collect(*p)
+    finally:  # a consumer that stopped early: what has not started yet never will
+        for _, item in pending:
+            if not isinstance(item, dict):
+                item.cancel()
 
 
 def _done(item: Any) -> bool:
