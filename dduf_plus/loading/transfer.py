@@ -308,50 +308,71 @@ def _stream(
     num_buffers: int,
     copier: _SyncCopier,
 ) -> dict[str, torch.Tensor]:
+    """Plan the flat buffer, stream the kept-dtype tensors into it, then the converted ones; return views."""
     if num_buffers < 1:
         raise ValueError("num_buffers must be at least 1")
     window_bytes = max(VIEW_ALIGNMENT, chunk_bytes // VIEW_ALIGNMENT * VIEW_ALIGNMENT)
     direct, convert, total, shapes, targets, sources = _plan(tensors, dtype_for)
-    out: dict[str, torch.Tensor] = {}
     flat = torch.empty(total, dtype=torch.uint8, device=device) if total else None
     copier.begin()
     direct_span, convert_span = _span(direct), _span(convert)
     host_bytes = min(window_bytes, max(direct_span, convert_span))
-    host = [copier.host_buffer(host_bytes) for _ in range(min(num_buffers, _count(direct_span, convert_span,
-                                                                                   window_bytes)))]
+    buffers = min(num_buffers, _count(direct_span, convert_span, window_bytes))
+    ring = _HostRing(copier, [copier.host_buffer(host_bytes) for _ in range(buffers)], sources)
     staging = None
     if convert:
         with copier.stream():  # allocated on the side stream: its reuse is ordered after our kernels
             staging = torch.empty(min(window_bytes, convert_span), dtype=torch.uint8, device=device)
-    turn = 0
+    if direct:
+        assert flat is not None
+        _copy_direct(direct, window_bytes, flat, ring, copier)
+    if convert:
+        assert flat is not None and staging is not None
+        _copy_converted(convert, window_bytes, flat, staging, ring, copier)
+    copier.finish()
+    return _carve(flat, direct + convert, shapes, targets, device)
 
-    def fill(slot: int, length: int, pieces: list[_Piece]) -> torch.Tensor:
-        copier.wait_free(slot)
-        buffer = host[slot][:length]
+
+class _HostRing:
+    """The host buffers, used in turn: each is refilled only once the copy that read it has finished."""
+
+    def __init__(self, copier: _SyncCopier, buffers: list[torch.Tensor], sources: _Sources):
+        self.copier, self.buffers, self.sources = copier, buffers, sources
+        self.turn = 0
+
+    def fill(self, length: int, pieces: list[_Piece]) -> tuple[int, torch.Tensor]:
+        """(slot, buffer): the next buffer, holding the window's ``pieces`` of source bytes."""
+        slot = self.turn % len(self.buffers)
+        self.turn += 1
+        self.copier.wait_free(slot)
+        buffer = self.buffers[slot][:length]
         for p in pieces:
-            source = sources.get(p.job.name)
+            source = self.sources.get(p.job.name)
             buffer[p.window_offset : p.window_offset + p.end - p.begin].copy_(source[p.begin : p.end])
             if p.end == p.job.nbytes:
-                sources.done(p.job.name)  # its bytes are in the pinned buffer: the source may go
-        return buffer
+                self.sources.done(p.job.name)  # its bytes are in the pinned buffer: the source may go
+        return slot, buffer
 
-    # Tensors that keep their dtype: the stream IS the flat buffer's layout, so each window is one copy
-    # straight into place (alignment gaps carry garbage nobody views).
-    for start, length, pieces in _windows(direct, window_bytes):
-        slot = turn % len(host)
-        buffer = fill(slot, length, pieces)
+
+def _copy_direct(jobs: list[_Job], window_bytes: int, flat: torch.Tensor, ring: _HostRing,
+                 copier: _SyncCopier) -> None:
+    """Tensors that keep their dtype: the stream IS the flat buffer's layout, so each window is one copy
+    straight into place (alignment gaps carry garbage nobody views)."""
+    for start, length, pieces in _windows(jobs, window_bytes):
+        slot, buffer = ring.fill(length, pieces)
         with copier.stream():
             copier.copy(flat[start : start + length], buffer)
             copier.release(slot)
-        turn += 1
-    # Tensors that change dtype: the window lands in a device staging buffer in the source dtype and is
-    # converted piece by piece into the flat buffer, on the device, on the same stream (so the next
-    # window's copy into the staging buffer waits for these conversions).
-    for _start, length, pieces in _windows(convert, window_bytes):
-        slot = turn % len(host)
-        buffer = fill(slot, length, pieces)
+
+
+def _copy_converted(jobs: list[_Job], window_bytes: int, flat: torch.Tensor, staging: torch.Tensor,
+                    ring: _HostRing, copier: _SyncCopier) -> None:
+    """Tensors that change dtype: the window lands in a device staging buffer in the source dtype and is
+    converted piece by piece into the flat buffer, on the device, on the same stream (so the next
+    window's copy into the staging buffer waits for these conversions)."""
+    for _start, length, pieces in _windows(jobs, window_bytes):
+        slot, buffer = ring.fill(length, pieces)
         with copier.stream():
-            assert staging is not None and flat is not None
             copier.copy(staging[:length], buffer)
             for p in pieces:
                 job = p.job
@@ -361,13 +382,16 @@ def _stream(
                 dst = flat[job.dst_offset + first * dst_size : job.dst_offset + (first + count) * dst_size]
                 dst.view(job.dst_dtype).copy_(src)
             copier.release(slot)
-        turn += 1
-    copier.finish()
 
-    for job in direct + convert:
+
+def _carve(flat: torch.Tensor | None, jobs: list[_Job], shapes: dict[str, torch.Size],
+           targets: dict[str, torch.dtype], device: torch.device) -> dict[str, torch.Tensor]:
+    """Every tensor as a view of the flat buffer, in the caller's order; empty tensors need no bytes and
+    get no place in the flat buffer."""
+    out: dict[str, torch.Tensor] = {}
+    for job in jobs:
         nbytes = job.shape.numel() * _itemsize(job.dst_dtype)
         assert flat is not None
         out[job.name] = flat[job.dst_offset : job.dst_offset + nbytes].view(job.dst_dtype).view(job.shape)
-    # the caller's order; empty tensors need no bytes and get no place in the flat buffer
     return {name: out[name] if name in out else torch.empty(shape, dtype=targets[name], device=device)
             for name, shape in shapes.items()}
