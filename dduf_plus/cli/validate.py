@@ -67,16 +67,12 @@ def _jobs(text: str) -> int:
 
 def check_one(path: str, verify: bool, strict: bool,
               max_decompressed: str | None = None) -> tuple[str, dict[str, Any] | None, str | None]:
-    """(path, report as a dict, None) or (path, None, why it could not be read). Runs in worker processes."""
-    from ..errors import DDUFError
-    from ..format.validate import validate
+    """(path, report as a dict, None) or (path, None, why it could not be read). Runs in worker processes;
+    the one place that turns a DDUFError into a result is :func:`dduf_plus.catalogue.validate_one`."""
+    from ..catalogue import validate_one
 
-    try:
-        return path, validate(path, verify=verify, strict=strict, max_decompressed=max_decompressed).as_dict(), None
-    except DDUFError as e:
-        return path, None, str(e)
-    except Exception as e:  # noqa: BLE001 - validate() catches its own bugs; this is a last line
-        return path, None, f"internal error: {type(e).__name__}: {e}"
+    result = validate_one(path, verify, strict, max_decompressed)
+    return path, (result["report"] if result["error"] is None else None), result["error"]
 
 
 def _listed(name: str) -> Iterator[str]:
