@@ -48,17 +48,23 @@ class FileServer(http.server.ThreadingHTTPServer):
         ranges: False answers every GET with the whole file (200), as a server that ignores Range.
         lie_size: added to the Content-Length / total size a HEAD or 206 reports.
         stall_after: stop sending (and hold the connection) after this many body bytes of a response.
+        stall_after_total: stall every response once this many body bytes have been sent in all (a link
+            that dies mid-download).
+        close_after: close the connection after this many body bytes of a response (a short read).
         on_request: called with (method, path, headers) before each answer (for recording).
     """
 
     daemon_threads = True
     allow_reuse_address = True
+    request_queue_size = 128  # many clients connect at once (concurrent range readers)
 
     def __init__(self, root: str | os.PathLike, *, latency: float = 0.0, bandwidth: float | None = None,
                  ranges: bool = True, lie_size: int = 0, stall_after: int | None = None,
+                 stall_after_total: int | None = None, close_after: int | None = None,
                  on_request: Callable[[str, str, Any], None] | None = None, host: str = "127.0.0.1"):
         self.root = Path(root)
         self.latency, self.ranges_supported, self.lie_size, self.stall_after = latency, ranges, lie_size, stall_after
+        self.stall_after_total, self.close_after = stall_after_total, close_after
         self.bucket = TokenBucket(bandwidth) if bandwidth else None
         self.on_request = on_request
         self.lock = threading.Lock()
@@ -70,6 +76,8 @@ class FileServer(http.server.ThreadingHTTPServer):
     def reset(self) -> None:
         with self.lock:
             self.body_bytes, self.gets, self.heads = 0, 0, 0
+            self.sent_bytes = 0  # body bytes actually written (body_bytes counts what was promised)
+            self.in_flight, self.max_in_flight = 0, 0  # GET bodies being sent at once
             self.ranges: list[tuple[int, int]] = []
 
     def url(self, name: str = "") -> str:
@@ -146,19 +154,43 @@ class FileHandler(http.server.BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(length + self.server.lie_size))
         self.send_header("Accept-Ranges", "bytes" if self.server.ranges_supported else "none")
         self.end_headers()
-        self._send(path, start, length)
+        with self.server.lock:
+            self.server.in_flight += 1
+            self.server.max_in_flight = max(self.server.max_in_flight, self.server.in_flight)
+        try:
+            self._send(path, start, length)
+        finally:
+            with self.server.lock:
+                self.server.in_flight -= 1
+
+    def _limit(self, sent: int) -> int | None:
+        """How many more bytes this response may send before it stalls (None: no limit)."""
+        srv = self.server
+        limits = []
+        if srv.stall_after is not None:
+            limits.append(srv.stall_after - sent)
+        if srv.stall_after_total is not None:
+            with srv.lock:
+                limits.append(srv.stall_after_total - srv.sent_bytes)
+        return min(limits) if limits else None
 
     def _send(self, path: Path, start: int, length: int) -> None:
         sent = 0
         fd = os.open(path, os.O_RDONLY)
         try:
             while sent < length:
-                if self.server.stall_after is not None and sent >= self.server.stall_after:
+                if self.server.close_after is not None and sent >= self.server.close_after:
+                    self.close_connection = True
+                    return
+                limit = self._limit(sent)
+                if limit is not None and limit <= 0:
                     self.server.stop_stalling.wait(60)
                     return
                 n = min(CHUNK, length - sent)
-                if self.server.stall_after is not None:
-                    n = min(n, max(1, self.server.stall_after - sent))
+                if limit is not None:
+                    n = min(n, limit)
+                if self.server.close_after is not None:
+                    n = min(n, self.server.close_after - sent)
                 if self.server.bucket is not None:
                     self.server.bucket.take(n)
                 data = os.pread(fd, n, start + sent)
@@ -169,5 +201,7 @@ class FileHandler(http.server.BaseHTTPRequestHandler):
                 except (BrokenPipeError, ConnectionResetError):
                     return
                 sent += len(data)
+                with self.server.lock:
+                    self.server.sent_bytes += len(data)
         finally:
             os.close(fd)

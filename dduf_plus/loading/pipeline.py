@@ -118,7 +118,8 @@ def load_dduf(
                    resolve_options={"refs": refs, "local_files_only": local_files_only, "token": token,
                                     "revision": revision, "cache_dir": cache_dir, "verify": verify},
                    use_mmap=use_mmap, verify=verify, allow_missing_weights=allow_missing_weights,
-                   before_build=fetch.wait_component if fetch is not None else None)
+                   before_build=fetch.wait_component if fetch is not None else None,
+                   build_order=fetch.prioritize if fetch is not None else None)
     try:
         pipe = _load(ctx, kwargs)
         if fetch is not None:
@@ -183,6 +184,7 @@ class _Context:
     verify: bool = True
     allow_missing_weights: bool = False
     before_build: Callable[[str], None] | None = None  # a remote fetch: wait until a component's bytes are here
+    build_order: Callable[[list[str]], None] | None = None  # a remote fetch: fetch components in this order
 
 
 @dataclass
@@ -199,6 +201,8 @@ class _Plan:
 def _load(ctx: _Context, kwargs: dict[str, Any]) -> DiffusionPipeline:
     plan = _plan(ctx, kwargs)
     _check_variant(ctx, plan)
+    if ctx.build_order is not None:
+        ctx.build_order([name for name in plan.to_build if name not in plan.passed_components])
     sources = {name: _component_files(ctx.archive, name, ctx.archive.components, ctx.archive.references,
                                       ctx.resolve_options, use_mmap=ctx.use_mmap, verify=ctx.verify,
                                       prefetcher=ctx.prefetcher)

@@ -46,7 +46,7 @@ from .tail import Tail, read_tail
 
 logger = logging.getLogger("dduf_plus.remote.fetch")
 
-METADATA_MAX_ENTRY = 4 << 20  # entries up to this size are fetched with the metadata (configs, tokenizers)
+METADATA_MAX_ENTRY = 4 << 20  # other entries up to this size come with the metadata (configs, tokenizers)
 MERGE_GAP = 256 << 10  # metadata ranges closer than this are read as one request
 PROGRESS_EVERY_S = 0.5
 _HASH_BLOCK = 8 << 20
@@ -122,9 +122,9 @@ class RemoteFetch:
             data_at = info.get("offset")
             if not isinstance(data_at, int) or data_at < record.header_offset:
                 continue
-            end = data_at
-            if record.size <= METADATA_MAX_ENTRY or not record.name.endswith(".safetensors"):
-                end = data_at + min(record.size, METADATA_MAX_ENTRY) if record.size <= METADATA_MAX_ENTRY else end
+            end = data_at  # a weight file: its header only (below)
+            if not record.name.endswith(".safetensors") and record.size <= METADATA_MAX_ENTRY:
+                end = data_at + record.size
             tensors_at = info.get("tensor_data_offset")
             if isinstance(tensors_at, int) and data_at <= tensors_at <= data_at + record.size:
                 end = max(end, tensors_at)
@@ -298,6 +298,16 @@ class RemoteFetch:
         """Until every named entry (all when None) has arrived and matched its hash."""
         wanted = [e for e in self._entries if names is None or e.name in names]
         self._wait(lambda: all(e.ok for e in wanted), f"entries {', '.join(e.name for e in wanted[:3])}")
+
+    def prioritize(self, components: list[str]) -> None:
+        """Fetch the components' entries in this order (the loader's build order), then the rest."""
+        rank: list[tuple[int, int, int]] = []  # (start, end, rank)
+        for i, name in enumerate(components):
+            rank += [(e.offset, e.end, i) for e in self._entries if e.name.startswith(name + "/")]
+        def key(piece: tuple[int, int]) -> tuple[int, int]:
+            return min((r for a, b, r in rank if a < piece[1] and piece[0] < b), default=len(components)), piece[0]
+        with self._cond:
+            self._queue = deque(sorted(self._queue, key=key))
 
     def wait_component(self, component: str) -> None:
         if not self.complete:

@@ -1,0 +1,203 @@
+"""load_dduf(URL): the tiny-sd fixture packed with dduf_plus, served from 127.0.0.1 by tests/servers.FileServer.
+
+Output equal to the local load; a second load is one request (none offline); an interrupted load resumes
+and fetches only what was missing; misbehaving servers give a DDUFError within the timeout; requests run
+concurrently and components are built while later bytes are still arriving; s3:// through moto's server."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from servers import FileServer, TokenBucket  # noqa: E402
+
+from dduf_plus import load_dduf  # noqa: E402
+from dduf_plus.errors import DDUFError, DDUFIntegrityError, DDUFIOError, DDUFNotFoundError  # noqa: E402
+from dduf_plus.format.archive import DDUFArchive  # noqa: E402
+from dduf_plus.remote import fetch as fetch_module  # noqa: E402
+from dduf_plus.remote.fetch import fetch_archive  # noqa: E402
+
+SMALL = {"chunk_size": 64 << 10, "timeout": 1.0}  # many pieces from a 1.3 MB archive; stalls cut off fast
+
+
+def run(pipe) -> np.ndarray:
+    return pipe("a photo of a cat", num_inference_steps=2, output_type="np",
+                generator=torch.Generator().manual_seed(0)).images
+
+
+@pytest.fixture(scope="module")
+def expected(packed) -> np.ndarray:
+    """The local load's images: what every URL load must equal exactly."""
+    return run(load_dduf(packed["tiny-sd"], torch_dtype=torch.float32))
+
+
+def same_weights(a, b) -> bool:
+    return all(torch.equal(x, y) for name in ("unet", "vae", "text_encoder")
+               for x, y in zip(getattr(a, name).state_dict().values(), getattr(b, name).state_dict().values(),
+                               strict=True))
+
+
+@pytest.fixture
+def served(packed, tmp_path, monkeypatch) -> Path:
+    """A folder holding tiny-sd.dduf, a private remote cache, online."""
+    monkeypatch.setenv("DDUF_PLUS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    folder = tmp_path / "www"
+    folder.mkdir()
+    shutil.copyfile(packed["tiny-sd"], folder / "tiny-sd.dduf")
+    return folder
+
+
+def remote_files(tmp_path: Path) -> list[str]:
+    return sorted(p.name for p in (tmp_path / "cache" / "remote").glob("*") if p.is_file())
+
+
+def test_url_load_equals_local_and_second_load_is_one_request(served, expected, tmp_path, monkeypatch):
+    local = served / "tiny-sd.dduf"
+    with FileServer(served, latency=0.005) as srv:
+        pipe = load_dduf(srv.url("tiny-sd.dduf"), torch_dtype=torch.float32, remote=SMALL)
+        first = srv.body_bytes
+        assert srv.gets > 10 and first < local.stat().st_size * 1.1  # ranged, nearly every byte once
+        assert np.array_equal(run(pipe), expected)
+        assert [n for n in remote_files(tmp_path) if n.endswith(".dduf")] and not [
+            n for n in remote_files(tmp_path) if n.endswith((".partial", ".progress.json"))]
+        srv.reset()
+        again = load_dduf(srv.url("tiny-sd.dduf"), torch_dtype=torch.float32)
+        assert (srv.gets, srv.heads) == (1, 0)  # the tail only, to confirm the content key
+        assert srv.body_bytes < 128 << 10
+        assert same_weights(again, pipe)
+        srv.reset()
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+        load_dduf(srv.url("tiny-sd.dduf"), torch_dtype=torch.float32)
+        assert srv.gets + srv.heads == 0  # offline: the URL's record finds the cached file
+    with pytest.raises(DDUFNotFoundError, match="not in the remote cache"):
+        load_dduf(srv.url("other.dduf"))
+
+
+def test_interrupted_load_resumes_with_only_the_missing_bytes(served, packed, tmp_path):
+    size = (served / "tiny-sd.dduf").stat().st_size
+    with FileServer(served, stall_after_total=size // 2) as dying:
+        started = time.monotonic()
+        with pytest.raises(DDUFIOError, match=r"sent nothing for 1 s"):
+            load_dduf(dying.url("tiny-sd.dduf"), remote=SMALL)
+        assert time.monotonic() - started < 10
+        dying.stop_stalling.set()
+    assert any(n.endswith(".progress.json") for n in remote_files(tmp_path))
+    with FileServer(served) as srv:  # another port: another URL, the same content key
+        pipe = load_dduf(srv.url("tiny-sd.dduf"), torch_dtype=torch.float32, remote=SMALL)
+        # About half was here: the rest, plus the size probe, the tail and pieces in flight when it died.
+        assert srv.body_bytes < size * 0.5 + 16 * (64 << 10), (srv.body_bytes, size)
+    assert same_weights(pipe, load_dduf(packed["tiny-sd"], torch_dtype=torch.float32))
+    assert not any(n.endswith((".partial", ".progress.json")) for n in remote_files(tmp_path))
+
+
+@pytest.mark.parametrize("mode, error, message", [
+    ({"ranges": False}, DDUFIOError, "does not support range requests"),
+    ({"lie_size": 1000}, DDUFIOError, "Content-Length"),
+    ({"stall_after": 1000}, DDUFIOError, "sent nothing for 1 s"),
+    ({"close_after": 1000}, DDUFIOError, "connection closed after"),
+])
+def test_misbehaving_servers_fail_fast_and_clearly(served, mode, error, message):
+    with FileServer(served, **mode) as srv:
+        started = time.monotonic()
+        with pytest.raises(error, match=message) as info:
+            load_dduf(srv.url("tiny-sd.dduf"), remote=SMALL)
+        assert time.monotonic() - started < 8
+        assert srv.url("tiny-sd.dduf") in str(info.value)
+        srv.stop_stalling.set()
+
+
+def test_a_changed_size_is_refused(served, tmp_path):
+    with FileServer(served) as srv:
+        url = srv.url("tiny-sd.dduf")
+        reader = fetch_module.open_reader(url, fetch_module.RemoteOptions(), size=10)
+        with pytest.raises(DDUFIOError, match="now reports a size"):
+            reader.read(0, 5)
+        reader.close()
+
+
+def test_tampered_entry_is_an_integrity_error(served):
+    local = served / "tiny-sd.dduf"
+    with DDUFArchive(local) as archive:
+        name = "unet/diffusion_pytorch_model-00002-of-00002.safetensors"
+        entry = archive.entry(name)
+        at = entry.offset + entry.length - 100  # inside the tensor data, not the header
+    data = bytearray(local.read_bytes())
+    data[at] ^= 0xFF
+    (served / "bad.dduf").write_bytes(bytes(data))
+    with FileServer(served) as srv:
+        with pytest.raises(DDUFIntegrityError, match=r"unet/diffusion_pytorch_model-00002-of-00002.safetensors.*sha256"):
+            load_dduf(srv.url("bad.dduf"), remote=SMALL)
+
+
+def test_requests_overlap_and_construction_overlaps_fetching(served, expected, monkeypatch):
+    built: dict[str, float] = {}
+    original = fetch_module.RemoteFetch.wait_component
+
+    def recording(self, component):
+        original(self, component)
+        built[component] = time.perf_counter()
+
+    monkeypatch.setattr(fetch_module.RemoteFetch, "wait_component", recording)
+    size = (served / "tiny-sd.dduf").stat().st_size
+    last_byte: list[float] = []
+    with FileServer(served, latency=0.01) as srv:
+        srv.bucket = TokenBucket(size / 6, burst=32 << 10)  # ~6 s for the whole archive, no free burst
+        srv.on_request = lambda *a: last_byte.append(time.perf_counter())
+        load_dduf(srv.url("tiny-sd.dduf"), remote={"chunk_size": 64 << 10, "concurrency": 8})
+        assert srv.max_in_flight >= 4  # several range requests at once
+    # (``expected`` loaded the pipeline once: diffusers' imports are done.) The first components were being
+    # built while later pieces were still being requested: fetched in build order, each waited for alone.
+    order = sorted(built, key=built.get)
+    assert built[order[1]] < last_byte[-1], (built, last_byte[-1])
+
+
+def test_fetch_archive_is_torch_free_and_complete(served, tmp_path):
+    with FileServer(served) as srv:
+        path = fetch_archive(srv.url("tiny-sd.dduf"), {"concurrency": 4, "chunk_size": 128 << 10})
+    assert path.read_bytes() == (served / "tiny-sd.dduf").read_bytes()
+    assert path.parent == tmp_path / "cache" / "remote"
+
+
+def test_bad_options_are_usage_errors(served):
+    with pytest.raises(DDUFError, match="concurrency"):
+        fetch_archive("http://127.0.0.1:9/x.dduf", {"concurrency": 0})
+    with pytest.raises(DDUFError, match="unknown options"):
+        fetch_archive("http://127.0.0.1:9/x.dduf", {"threads": 4})
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_s3_through_moto_server(served, expected, monkeypatch):
+    moto_server = pytest.importorskip("moto.server", reason="moto[server] is not installed (pip install 'moto[server]')")
+    pytest.importorskip("s3fs", reason="s3fs is not installed (pip install s3fs)")
+    import boto3
+
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=_free_port(), verbose=False)
+    server.start()
+    try:
+        endpoint = f"http://127.0.0.1:{server._port}"
+        for key, value in {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
+                           "AWS_DEFAULT_REGION": "us-east-1"}.items():
+            monkeypatch.setenv(key, value)
+        s3 = boto3.client("s3", endpoint_url=endpoint)
+        s3.create_bucket(Bucket="bucket")
+        s3.upload_file(str(served / "tiny-sd.dduf"), "bucket", "x.dduf")
+        options = {"storage_options": {"client_kwargs": {"endpoint_url": endpoint}}, "chunk_size": 256 << 10}
+        pipe = load_dduf("s3://bucket/x.dduf", torch_dtype=torch.float32, remote=options)
+        assert np.array_equal(run(pipe), expected)
+    finally:
+        server.stop()
