@@ -94,11 +94,13 @@ def validate_many(sources: Iterable[str | os.PathLike], *, executor: Executor | 
         >>> with ProcessPoolExecutor(2) as pool:
         ...     bad = [r["source"] for r in validate_many(paths, executor=pool) if not r["valid"]]
     """
+    from .errors import DDUFUsageError
+
     workers = DEFAULT_MAX_WORKERS if max_workers is None else max_workers
     if workers < 1:  # checked now, not on the first next(): validate_many is not itself a generator
-        from .errors import DDUFUsageError
-
         raise DDUFUsageError(f"max_workers must be at least 1, not {workers}")
+    if isinstance(sources, (str, bytes, os.PathLike)):  # iterating it would validate one character at a time
+        raise DDUFUsageError(f"validate_many takes a list of sources, not one ({sources!r}): validate_many([...])")
     args = (verify, strict, max_decompressed, timeout, storage_options or None)
     return _batch(executor, sources, args, workers, ordered)
 

@@ -121,8 +121,10 @@ def test_a_broken_executor_gives_results_not_an_exception():
     results = list(validate_many(hostile_corpus()[:3], executor=pool))
     assert len(results) == 3 and not any(r["valid"] for r in results)
     assert all("executor error: RuntimeError" in r["error"] for r in results)
-    with pytest.raises(DDUFUsageError):
-        list(validate_many([], max_workers=0))
+    with pytest.raises(DDUFUsageError, match="at least 1"):
+        validate_many([], max_workers=0)
+    with pytest.raises(DDUFUsageError, match="list of sources"):
+        validate_many(str(HOSTILE / "valid.dduf"))
 
 
 def test_per_source_time_limit(tmp_path):
