@@ -352,7 +352,7 @@ def _content_candidate(recorded: Mapping[str, Mapping[str, Any]], cache_dir: str
 
 
 def _hosted_candidate(how: str, spec: Spec, name: str, recorded: Mapping[str, Mapping[str, Any]], *,
-                      fetch: bool, token: str | bool | None) -> _Candidate:
+                      fetch: bool, offline: bool, token: str | bool | None) -> _Candidate:
     """A component inside a hosted archive: the files already fetched (by content, no request), else only
     the component's entries fetched by range reads, each verified as it arrives (:mod:`.hosted`)."""
     sub = spec.subfolder or name
@@ -371,7 +371,8 @@ def _hosted_candidate(how: str, spec: Spec, name: str, recorded: Mapping[str, Ma
         if not missing:
             return "files", found
         if not fetch:
-            raise _Skip(f"{len(missing)} of {len(recorded)} files not fetched yet (no download here)")
+            why = "offline: HF_HUB_OFFLINE or local_files_only" if offline else "no download here"
+            raise _Skip(f"{len(missing)} of {len(recorded)} files not fetched yet ({why})")
         try:
             found.update(hosted.fetch_component(spec.location, sub, name, recorded, missing, token=token))
         except DDUFIntegrityError:
@@ -423,7 +424,8 @@ def _candidates(name: str, reference: Mapping[str, Any], recorded: Mapping[str, 
             return [_dduf_candidate(how, spec, name)]
         if spec.kind == "url":
             offline = local_files_only or _cache.is_offline()
-            return [_hosted_candidate(how, spec, name, recorded, fetch=download and not offline, token=token)]
+            return [_hosted_candidate(how, spec, name, recorded, fetch=download and not offline,
+                                      offline=offline, token=token)]
         out = [_hf_cache_candidate(spec, name, revision, cache_dir)]
         if download:
             out.append(_download_candidate(spec, name, recorded, revision=revision, local_files_only=local_files_only,
