@@ -60,7 +60,8 @@ class DDUFArchive:
     """
 
     def __init__(self, path: str | os.PathLike | ByteSource, *, check: bool = True, **storage_options: Any):
-        self._source = path if hasattr(path, "read_at") else open_source(path, **storage_options)
+        self._source: ByteSource = (
+            open_source(path, **storage_options) if isinstance(path, (str, os.PathLike)) else path)
         self.path = self._source.name
         self._mmap: mmap.mmap | None = None
         self.findings: list[Finding] = []
@@ -90,7 +91,7 @@ class DDUFArchive:
         first = min(layout.entries, key=lambda e: e.header_offset).name if layout.entries else None
         raw_model_index = self._read_small(zip_entries.get(spec.MODEL_INDEX))
         model_index, parsed = None, raw_model_index is not None
-        if parsed:
+        if raw_model_index is not None:
             model_index, problems = parse_json(raw_model_index, spec.MODEL_INDEX, code="D002")
             self.findings.extend(problems)
             parsed = not problems
@@ -105,7 +106,7 @@ class DDUFArchive:
             self.findings.extend(problems)
             if why:
                 self.findings.append(finding("I001", spec.INDEX_NAME, why))
-            elif not problems:
+            elif not problems and isinstance(index, dict):  # check_index passed: it is one
                 self.stored_index = index
                 self.findings.extend(self._check_index_agrees(index, zip_entries))
         elif spec.INDEX_NAME not in zip_entries:

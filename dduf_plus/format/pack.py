@@ -52,7 +52,7 @@ class PackResult(NamedTuple):
     entries: int
     seconds: float
     skipped: list[Skipped]
-    index: dict[str, Any]
+    index: dict[str, Any]  # type: ignore[assignment]  # public field name since 0.1; shadows tuple.index
 
 
 class FolderPlan(NamedTuple):
@@ -235,7 +235,7 @@ def write_archive(
     try:
         with DDUFWriter(output, progress=bar.update, fsync=fsync) as writer:
             files = sorted((s for s in ordered if s.path is not None), key=lambda s: -s.nbytes)
-            writer.hash_ahead([(s.name, s.path) for s in files[:HASH_AHEAD_FILES]])  # bounded: open descriptors
+            writer.hash_ahead([(s.name, s.path) for s in files[:HASH_AHEAD_FILES] if s.path is not None])  # bounded: open descriptors
             writer.add_bytes(spec.MODEL_INDEX, model_index_bytes)
             bar.update(len(model_index_bytes))
             for source in ordered:

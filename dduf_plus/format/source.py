@@ -45,7 +45,9 @@ T = TypeVar("T")
 class ByteSource(Protocol):
     name: str
     size: int
-    bytes_read: int
+
+    @property
+    def bytes_read(self) -> int: ...  # bytes delivered so far (an attribute or a property)
 
     def read_at(self, offset: int, length: int) -> bytes: ...
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from . import spec
 from .confined import component_name_problem
@@ -28,7 +29,7 @@ def parse_json(raw: bytes, entry: str, *, code: str = "D007") -> tuple[object, l
         return None, [finding(code, entry, f"does not parse as JSON: {e}")]
 
 
-def component_specs(model_index: dict) -> dict[str, tuple[str | None, str | None]]:
+def component_specs(model_index: Mapping[str, Any]) -> dict[str, tuple[str | None, str | None]]:
     """Components model_index.json names: {name: (library, class)}; (None, None) for null components."""
     out: dict[str, tuple[str | None, str | None]] = {}
     for key, value in model_index.items():

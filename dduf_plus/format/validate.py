@@ -142,13 +142,13 @@ def validate(source: str | os.PathLike | ByteSource, verify: bool = False, stric
     if isinstance(source, (str, os.PathLike)) and os.fspath(source).endswith(".zst"):
         return _validate_zst(source, verify, strict, max_decompressed, storage_options)
     started = time.perf_counter()
-    owned = not hasattr(source, "read_at")
-    inner: ByteSource = open_source(source, **storage_options) if owned else source  # type: ignore[assignment]
+    owned = isinstance(source, (str, os.PathLike))
+    inner: ByteSource = open_source(source, **storage_options) if isinstance(source, (str, os.PathLike)) else source
     guarded = _GuardedSource(inner)
     findings: list[Finding] = []
     hashed = 0
     try:
-        archive = _guard(findings, "archive", lambda: DDUFArchive(guarded, check=False))  # type: ignore[arg-type]
+        archive = _guard(findings, "archive", lambda: DDUFArchive(guarded, check=False))
         if archive is not None:
             findings.extend(archive.findings)
             for rule in (_check_json_entries, _check_index):
@@ -319,7 +319,7 @@ def _verify_entries(archive: DDUFArchive, source: _GuardedSource, workers: int |
     entries = [e for e in archive.entries.values() if e.length]
     fd = getattr(source.inner, "fd", None)
     mapped = isinstance(fd, int) and fd >= 0
-    if mapped:
+    if isinstance(fd, int) and mapped:
         results = _hash_mapped(fd, entries, workers or min(8, max(2, os.cpu_count() or 2)))
     else:
         results = {e.name: _hash_read(source, e) for e in entries}

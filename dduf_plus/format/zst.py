@@ -572,6 +572,7 @@ def decompress_into(src: Path, fd_out: int, out_dir: Path, *, budget: Decompress
     fd_in, size = _open_input(src)
     try:
         layout = read_layout(fd_in, size, name)
+        announced: int | None
         if layout.frames is None:
             walked = _walk_frames(zstd, fd_in, size, name)
             sizes = [content for _offset, _length, content in walked]
@@ -596,7 +597,7 @@ def decompress_into(src: Path, fd_out: int, out_dir: Path, *, budget: Decompress
                         raise _over_budget(name, size, total, allowance.cutoff, budget, announced=False)
                     raise _no_space(name, None, allowance.cutoff, out_dir)
             else:
-                total = announced
+                total = layout.total_size or 0  # what was announced: the frame table's total
                 os.ftruncate(fd_out, total)  # frames then fill their slices in any order
                 _decompress_frames(zstd, fd_in, fd_out, layout.frames, _threads(threads), progress, name)
         finally:
