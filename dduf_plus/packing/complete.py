@@ -81,54 +81,86 @@ def complete_archive(
     started = time.perf_counter()
     with DDUFArchive(partial) as archive:
         references = archive.references
-        located: dict[str, Located] = {}
-        for name in sorted(references):
-            ref = references[name]
-            if not isinstance(ref, dict) or not ref.get("files"):
-                raise DDUFReferenceError(f"component {name!r}: the reference records no files, so there is nothing to "
-                                         "verify a copy against; complete it by packing the full pipeline instead")
-            located[name] = locate_component(name, ref, refs=refs, local_files_only=local_files_only, token=token,
-                                             cache_dir=cache_dir, verify=True)
+        located = _locate_references(references, refs=refs, local_files_only=local_files_only, token=token,
+                                     cache_dir=cache_dir)
         model_index, model_index_bytes = full_model_index(archive.model_index, archive.read_bytes(spec.MODEL_INDEX))
-        index_files = archive.index.get("files", {})
-        sources: list[EntrySource] = []
-        for entry in archive.entries:
-            if entry in (spec.MODEL_INDEX, spec.INDEX_NAME) or entry.split("/")[0] in references:
-                continue
-            rec = index_files.get(entry) if isinstance(index_files, dict) else None
-            sha = rec.get("source_sha256") if isinstance(rec, dict) else None
-            sources.append(_stream(archive, entry, sha=sha))
-        others: list[DDUFArchive] = []
+        sources = _stored_sources(archive, references)
+        others: list[DDUFArchive] = []  # archives the references resolve into, open while writing
         try:
             for name, loc in located.items():
-                files = references[name]["files"]
-                if loc.archive is not None:
-                    other = DDUFArchive(loc.archive)
-                    others.append(other)
-                    for fname in sorted(files):
-                        sources.append(_stream(other, f"{loc.member}/{fname}", f"{name}/{fname}"))
-                else:
-                    for fname in sorted(files):
-                        path = loc.files[fname]
-                        entry = f"{name}/{fname}"
-                        header = _read_header(path, entry) if fname.endswith(".safetensors") else None
-                        sources.append(EntrySource(entry, path=path, header=header))
-            extra = {n: {k: v for k, v in c.items() if k not in _DERIVED_KEYS}
-                     for n, c in archive.index.get("components", {}).items()
-                     if isinstance(c, dict) and n not in references}
-            extra = {n: e for n, e in extra.items() if e}
+                sources.extend(_referenced_sources(name, loc, references[name]["files"], others))
+            extra = _extra_components(archive, references)
             result = write_archive(output, model_index, model_index_bytes, sources, extra_components=extra or None,
                                    quiet=quiet)
         finally:
             for other in others:
                 other.close()
-    # The writer hashed every byte it copied: a file that changed after it was verified is caught here.
+    _check_copied(result, references, located, output)
+    return result._replace(seconds=time.perf_counter() - started)
+
+
+def _locate_references(references: Mapping[str, Any], *, refs: Mapping[str, SpecLike] | None,
+                       local_files_only: bool, token: str | bool | None,
+                       cache_dir: str | os.PathLike | None) -> dict[str, Located]:
+    """Every reference resolved and verified against its recorded files, in name order."""
+    located: dict[str, Located] = {}
+    for name in sorted(references):
+        ref = references[name]
+        if not isinstance(ref, dict) or not ref.get("files"):
+            raise DDUFReferenceError(f"component {name!r}: the reference records no files, so there is nothing to "
+                                     "verify a copy against; complete it by packing the full pipeline instead")
+        located[name] = locate_component(name, ref, refs=refs, local_files_only=local_files_only, token=token,
+                                         cache_dir=cache_dir, verify=True)
+    return located
+
+
+def _stored_sources(archive: DDUFArchive, references: Mapping[str, Any]) -> list[EntrySource]:
+    """The partial's own entries (not model_index.json, the index or referenced components), in archive
+    order, each with the source sha256 its index recorded."""
+    index_files = archive.index.get("files", {})
+    sources: list[EntrySource] = []
+    for entry in archive.entries:
+        if entry in (spec.MODEL_INDEX, spec.INDEX_NAME) or entry.split("/")[0] in references:
+            continue
+        rec = index_files.get(entry) if isinstance(index_files, dict) else None
+        sha = rec.get("source_sha256") if isinstance(rec, dict) else None
+        sources.append(_stream(archive, entry, sha=sha))
+    return sources
+
+
+def _referenced_sources(name: str, loc: Located, files: Iterable[str], others: list[DDUFArchive]) -> list[EntrySource]:
+    """Component ``name``'s files from where its reference resolved: a member of another archive (opened
+    here and appended to ``others``, which the caller closes) or files on disk."""
+    if loc.archive is not None:
+        other = DDUFArchive(loc.archive)
+        others.append(other)
+        return [_stream(other, f"{loc.member}/{fname}", f"{name}/{fname}") for fname in sorted(files)]
+    sources = []
+    for fname in sorted(files):
+        path = loc.files[fname]
+        entry = f"{name}/{fname}"
+        header = _read_header(path, entry) if fname.endswith(".safetensors") else None
+        sources.append(EntrySource(entry, path=path, header=header))
+    return sources
+
+
+def _extra_components(archive: DDUFArchive, references: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Index keys of stored components that build_index does not derive (e.g. a dtype conversion's record)."""
+    extra = {n: {k: v for k, v in c.items() if k not in _DERIVED_KEYS}
+             for n, c in archive.index.get("components", {}).items()
+             if isinstance(c, dict) and n not in references}
+    return {n: e for n, e in extra.items() if e}
+
+
+def _check_copied(result: PackResult, references: Mapping[str, Any], located: Mapping[str, Located],
+                  output: str | os.PathLike) -> None:
+    """The writer hashed every byte it copied: a file that changed after it was verified is caught here,
+    and the archive this call just wrote is removed."""
     written = result.index["files"]
     for name in references:
         for fname, rec in references[name]["files"].items():
             got = written.get(f"{name}/{fname}", {}).get("sha256")
             if rec.get("sha256") and got != rec["sha256"]:
-                Confined(Path(output).parent).unlink(output)  # the archive this call just wrote
+                Confined(Path(output).parent).unlink(output)
                 raise DDUFReferenceError(f"component {name!r}: {fname} from {located[name].source} changed while it was "
                                          f"copied (sha256 {got}, recorded {rec['sha256']}); nothing was written")
-    return result._replace(seconds=time.perf_counter() - started)
