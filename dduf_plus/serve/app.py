@@ -49,11 +49,18 @@ class _Failure(Exception):
         self.status = status
 
 
+_STATUSES: tuple[tuple[type[Exception], int], ...] = (
+    (URLRefused, 403), (DDUFIOError, 502), (DDUFError, 400), (Busy, 503), (TimedOut, 504), (TooLarge, 413),
+    (BadForm, 400))
+
+
 def _status(error: BaseException) -> int:
-    for kind, status in ((URLRefused, 403), (DDUFIOError, 502), (DDUFError, 400), (Busy, 503), (TimedOut, 504),
-                         (TooLarge, 413), (BadForm, 400), (_Failure, 0)):
+    """The HTTP status for a failure; anything unexpected is re-raised (a 500, logged by the server)."""
+    if isinstance(error, _Failure):
+        return error.status
+    for kind, status in _STATUSES:
         if isinstance(error, kind):
-            return status or error.status  # type: ignore[attr-defined]
+            return status
     raise error
 
 

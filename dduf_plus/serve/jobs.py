@@ -119,7 +119,7 @@ def check_url_source(url: str, verify: bool, strict: bool, settings: Settings) -
         report = validate(source, verify=verify, strict=strict).as_dict()
         info = None
         if report["valid"]:
-            with DDUFArchive(source) as archive:  # type: ignore[arg-type]
+            with DDUFArchive(source) as archive:
                 info = describe_archive(archive)
     finally:
         source.close()

@@ -16,7 +16,7 @@ STATIC = {"app.css": "text/css; charset=utf-8", "app.js": "text/javascript; char
 
 @cache
 def static_text(name: str) -> str:
-    return files(__package__).joinpath("static", name).read_text(encoding="utf-8")
+    return files(__package__).joinpath("static").joinpath(name).read_text(encoding="utf-8")
 
 
 def _reference(component: dict[str, Any]) -> str:

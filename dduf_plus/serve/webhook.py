@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import threading
 from pathlib import Path
@@ -132,10 +131,7 @@ class ReportStore:
         path = self._file(record["repo"], record["sha"])
         if path is not None and record.get("status") == "done":
             assert self._root is not None
-            with self._root.temp_file(path.parent, suffix=".json.partial") as (fd, tmp):
-                with os.fdopen(fd, "w", encoding="utf-8") as out:
-                    json.dump(record, out, ensure_ascii=True, indent=1)
-                os.replace(tmp, path)
+            self._root.write_bytes(path, json.dumps(record, ensure_ascii=True, indent=1).encode())
 
     def get(self, repo: str, sha: str) -> dict[str, Any] | None:
         with self._lock:
