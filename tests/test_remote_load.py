@@ -184,7 +184,7 @@ def _free_port() -> int:
 def test_s3_through_moto_server(served, expected, monkeypatch):
     moto_server = pytest.importorskip("moto.server", reason="moto[server] is not installed (pip install 'moto[server]')")
     pytest.importorskip("s3fs", reason="s3fs is not installed (pip install s3fs)")
-    import boto3
+    boto3 = pytest.importorskip("boto3", reason="boto3 is not installed (it comes with moto)")
 
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=_free_port(), verbose=False)
     server.start()

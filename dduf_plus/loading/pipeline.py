@@ -61,7 +61,11 @@ def load_dduf(
 
     Args:
         path: a local ``.dduf`` file, or a ``.dduf.zst`` (decompressed once into a cache, then mapped), or a
-            Hub repo id (``"org/name"``, not an existing local path) holding the archive.
+            Hub repo id (``"org/name"``, not an existing local path) holding the archive, or a URL
+            (``https://``, ``s3://``, ``gs://``, ``hf://``...): fetched by concurrent range requests into a
+            content-keyed cache (``cache_dir("remote")``), each entry checked against the index's sha256 as it
+            arrives, each component built as soon as its bytes are here; an interrupted load resumes; a second
+            load makes one small request (none with ``local_files_only`` or ``HF_HUB_OFFLINE``).
         dduf_file: the archive's file name in the Hub repo ``path`` (as diffusers 0.35's
             ``from_pretrained(repo, dduf_file=...)``; a local folder ``path`` holding it works too); optional
             when the repo holds exactly one ``.dduf``.
@@ -80,6 +84,9 @@ def load_dduf(
         prefetch: read the weights in on a background thread while the modules are being built.
         max_decompressed: the decompression budget for a ``.dduf.zst`` (``"64G"``, ``"32x"``, ``"64G,32x"``,
             ``"unlimited"``; default: ``$DDUF_PLUS_MAX_DECOMPRESSED`` or 256 GiB and 16x past 256 MiB).
+        remote: how a URL is fetched: a ``dduf_plus.remote.fetch.RemoteOptions`` or a dict of its fields,
+            e.g. ``{"concurrency": 16, "chunk_size": 16 << 20, "timeout": 10, "storage_options": {...}}``
+            (docs/loading.md, "Remote archives").
         allow_missing_weights: load a transformers model whose stored weights do not cover all of its
             parameters (the rest randomly initialised, with a warning); by default that is an error.
         **kwargs: components to use instead of the archive's (``vae=my_vae``, ``safety_checker=None``) and
@@ -191,7 +198,7 @@ class _Context:
 class _Plan:
     """The pipeline class, what to build and what the caller passed, from model_index.json and kwargs."""
 
-    pipeline_class: type
+    pipeline_class: type[DiffusionPipeline]
     expected_modules: set[str]
     passed_components: dict[str, Any]
     init_kwargs: dict[str, Any]
@@ -231,7 +238,7 @@ def _plan(ctx: _Context, kwargs: dict[str, Any]) -> _Plan:
     init_kwargs = {k: init_dict.pop(k) for k in optional_kwargs
                    if k in init_dict and k not in pipeline_class._optional_components}
     init_kwargs.update(passed_options)
-    to_build = {k: v for k, v in init_dict.items()
+    to_build = {k: (v[0], v[1]) for k, v in init_dict.items()  # (library, class name)
                 if isinstance(v, (list, tuple)) and len(v) == 2 and v[0] is not None
                 and not (k in passed_components and passed_components[k] is None)}
     if unused:
@@ -315,7 +322,7 @@ def _open_url(url: str, remote: Any, local_files_only: bool) -> tuple[DDUFArchiv
         raise
 
 
-def _pipeline_class(model_index: Mapping[str, Any], path: str) -> type:
+def _pipeline_class(model_index: Mapping[str, Any], path: str) -> type[DiffusionPipeline]:
     import diffusers
 
     name = model_index.get("_class_name")

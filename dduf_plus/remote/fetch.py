@@ -206,7 +206,7 @@ class RemoteFetch:
                     self.timeline.append((t0, t1, start, end - start))
                     self._done.add(start, end)
                     self._cond.notify_all()
-                self._entries_touched(start, end)
+                self._entries_touched(start, end, data)
                 self._save_progress()
             except BaseException as e:  # noqa: BLE001 - handed to whoever waits
                 self._fail(e)
@@ -225,14 +225,14 @@ class RemoteFetch:
             self._cond.notify_all()
 
     # --- verification as bytes arrive ----------------------------------------------------------------------------
-    def _entries_touched(self, start: int, end: int) -> None:
+    def _entries_touched(self, start: int, end: int, data: bytes) -> None:
         i = max(0, bisect_right(self._starts, start) - 1)
         while i < len(self._entries) and self._entries[i].offset < end:
             if self._entries[i].end > start or self._entries[i].offset == self._entries[i].end:
-                self._advance(self._entries[i])
+                self._advance(self._entries[i], start, data)
             i += 1
 
-    def _advance(self, entry: _Entry) -> None:
+    def _advance(self, entry: _Entry, start: int = 0, data: bytes = b"") -> None:
         """Hash ``entry`` forward over the bytes that have arrived. One thread hashes an entry at a time;
         the others move on (the hashing thread looks again before it lets go)."""
         while not entry.ok:
@@ -246,7 +246,10 @@ class RemoteFetch:
                         break
                     while entry.upto < reach:
                         n = min(_HASH_BLOCK, reach - entry.upto)
-                        block = os.pread(self.fd, n, entry.upto)
+                        if start <= entry.upto < start + len(data):  # the piece just received: no re-read
+                            block = memoryview(data)[entry.upto - start:min(reach, start + len(data)) - start]
+                        else:
+                            block = os.pread(self.fd, n, entry.upto)
                         if entry.hasher is not None:
                             entry.hasher.update(block)
                         else:
