@@ -219,3 +219,27 @@ def test_pack_repo_errors(hub: HubServer, tmp_path: Path, capsys: pytest.Capture
     assert "no revision 'nope'" in capsys.readouterr().err
     with pytest.raises(DDUFPackError, match="only pickle weights"):
         pack_selection(["unet/config.json", "unet/diffusion_pytorch_model.bin"], ["unet"], None)
+
+
+# --- a reference into an archive on the Hub (hf://) ---------------------------------------------------------
+def test_hf_url_reference_fetches_only_the_component(hub: HubServer, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from dduf_plus.packing import pack
+    from dduf_plus.refs.resolve import locate_component
+
+    url = "hf://dduf-org/tiny-sd-dduf/tiny-sd.dduf"
+    _, partial = pack(PIPELINES / "tiny-sd-finetune", tmp_path / "ft.dduf", exclude=["vae"], refs={"vae": url},
+                      quiet=True)
+    ref = partial.references["vae"]
+    assert ref["pretrained_model_name_or_path"] == url
+    hub.reset()
+    located = locate_component("vae", ref)
+    assert located.verified and sorted(p.name for p in located.folder.iterdir()) == sorted(ref["files"])
+    archive_size = hub.repos["dduf-org/tiny-sd-dduf"].commits[hub.repos["dduf-org/tiny-sd-dduf"].refs["main"]][
+        "tiny-sd.dduf"].size
+    vae = sum(r["size"] for r in ref["files"].values())
+    assert vae <= hub.body_bytes < archive_size / 2, (hub.body_bytes, vae, archive_size)
+    hub.reset()
+    go_offline(monkeypatch)
+    assert locate_component("vae", ref).verified  # by content from the cache
+    assert hub.requests == []

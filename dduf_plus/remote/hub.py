@@ -84,16 +84,17 @@ def _hub_call(what: str, repo_id: str, revision: str | None, call: Callable[[], 
                           "(or run `hf auth login`)") from None
     except hf_errors.RepositoryNotFoundError:
         raise DDUFNotFoundError(f"{what}: no Hub repo {repo_id} (or it is private: pass token= or run "
-                                "`hf auth login`)", repo_id) from None
+                                f"`hf auth login`){_no_local(repo_id)}", repo_id) from None
     except hf_errors.EntryNotFoundError:  # remote (not in the repo) and local (offline, not cached)
         if offline:
-            raise DDUFNotFoundError(f"{what}: {filename or 'the files'} of {where} not in the Hugging Face cache "
-                                    "and offline (HF_HUB_OFFLINE or local_files_only): download it once online",
-                                    filename) from None
+            raise DDUFNotFoundError(f"{what}: {filename or 'the files'} of the Hub repo {where} not in the Hugging "
+                                    "Face cache and offline (HF_HUB_OFFLINE or local_files_only): download it once "
+                                    f"online{_no_local(repo_id)}", filename) from None
         raise DDUFNotFoundError(f"{what}: {where} has no file {filename}", filename) from None
     except (hf_errors.LocalEntryNotFoundError, hf_errors.OfflineModeIsEnabled) as e:
-        raise DDUFNotFoundError(f"{what}: {filename or where} is not in the Hugging Face cache and the Hub "
-                                f"cannot be reached ({_first_line(e)})", filename) from None
+        raise DDUFNotFoundError(f"{what}: {filename or where} of the Hub repo {where} is not in the Hugging Face "
+                                f"cache and the Hub cannot be reached ({_first_line(e)}){_no_local(repo_id)}",
+                                filename) from None
     except hf_errors.HfHubHTTPError as e:
         raise DDUFIOError(f"{what}: the Hub answered for {where}: {_first_line(e)}") from None
     except DDUFError:
@@ -116,6 +117,10 @@ def _bars(quiet: bool | None) -> Iterator[None]:
         yield
     finally:
         enable_progress_bars()
+
+
+def _no_local(repo_id: str) -> str:
+    return "" if os.path.exists(repo_id) else f"; no local path {repo_id} either"
 
 
 def _first_line(e: BaseException) -> str:
@@ -153,8 +158,9 @@ def list_repo_files(repo_id: str, *, revision: str | None = None, token: str | b
     if _offline(local_files_only):
         snap = _snapshot(repo_id, revision, cache_dir)
         if snap is None:
-            raise DDUFNotFoundError(f"{_where(repo_id, revision)} is not in the Hugging Face cache and offline "
-                                    "(HF_HUB_OFFLINE or local_files_only): download it once online", repo_id)
+            raise DDUFNotFoundError(f"the Hub repo {_where(repo_id, revision)} is not in the Hugging Face cache and "
+                                    "offline (HF_HUB_OFFLINE or local_files_only): download it once online"
+                                    f"{_no_local(repo_id)}", repo_id)
         return sorted(p.relative_to(snap).as_posix() for p in snap.rglob("*") if p.is_file())
     from huggingface_hub import HfApi
 
