@@ -16,11 +16,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--exclude", action="append", default=[], metavar="COMPONENT",
                    help="store a reference instead of this component (repeatable)")
     p.add_argument("--ref", action="append", metavar="[NAME=]SPEC",
-                   help="where excluded components come from: Hub repo id[@revision], folder or .dduf")
+                   help="where excluded components come from: Hub repo id[@revision], folder, .dduf, "
+                        "or a hosted archive (https://host/base.dduf, hf://org/repo/base.dduf)")
     p.add_argument("--base", metavar="BASE", help="reference every component identical to BASE's")
     p.add_argument("--dtype", action="append", metavar="[NAME=]DTYPE",
                    help="convert floating weights while packing (e.g. bfloat16, unet=float8_e4m3fn)")
-    p.add_argument("--token", help="Hugging Face token for --ref/--base on the Hub")
+    p.add_argument("--token", help="Hugging Face token for a SOURCE repo and --ref/--base on the Hub")
     p.add_argument("--no-fsync", dest="fsync", action="store_false",
                    help="skip flushing to disk before the atomic rename (faster; like cp, not power-cut safe)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
