@@ -61,7 +61,7 @@ from ..dtype_names import (  # noqa: F401 - re-exported: the dtype names and gra
     parse_dtype_args,
 )
 from ..dtype_names import parse_target as _parse_target_name
-from ..errors import DDUFPackError
+from ..errors import DDUFLoadError, DDUFPackError
 from ..format import spec
 from ..format.index import summarize
 from ..format.pack import EntrySource, FolderPlan, PackResult, plan_folder, write_archive
@@ -69,6 +69,7 @@ from ..format.quantization import QMAP_NAME as QUANTO_QMAP
 from ..format.safetensors_header import SafetensorsHeader, TensorInfo, parse_header
 from ..format.structure import component_specs
 from ..format.weights import classify
+from .meta_model import is_diffusers_model, meta_model
 
 logger = logging.getLogger(__name__)
 
@@ -121,9 +122,12 @@ class ComponentRules:
         self.cls = _import_class(library, class_name)
         self.model: torch.nn.Module | None = None
         if self.cls is not None and config is not None:
-            self.model = _meta_model(self.cls, config, component)
+            try:
+                self.model = meta_model(self.cls, config, component)
+            except DDUFLoadError as e:  # arbitrary model code; a failure only loses precision rules
+                logger.info("%s: precision rules from the class alone", e)
         source = self.model if self.model is not None else self.cls
-        self.is_diffusers = _is_diffusers_model(self.cls)
+        self.is_diffusers = is_diffusers_model(self.cls)
         self.keep_fp32 = sorted(_as_list(getattr(source, "_keep_in_fp32_modules", None)))
         self.keep_fp32_strict = sorted(_as_list(getattr(source, "_keep_in_fp32_modules_strict", None)))
         self.skip_casting = sorted(_as_list(getattr(source, "_skip_layerwise_casting_patterns", None)))
@@ -189,38 +193,13 @@ def _as_list(value: Any) -> list[str]:
     return [v for v in value if isinstance(v, str)]
 
 
-def _import_class(library: str | None, class_name: str | None) -> type | None:
+def _import_class(library: str | None, class_name: str | None) -> type[Any] | None:
     if not library or not class_name:
         return None
     try:
         return getattr(importlib.import_module(library), class_name)
     except (ImportError, AttributeError) as e:
         logger.info("cannot import %s.%s (%s): keep-in-fp32 rules unknown", library, class_name, e)
-        return None
-
-
-def _is_diffusers_model(cls: type | None) -> bool:
-    try:
-        from diffusers import ModelMixin
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(cls, type) and issubclass(cls, ModelMixin)
-
-
-def _meta_model(cls: type, config: dict[str, Any], component: str) -> torch.nn.Module | None:
-    """An instance with parameters on the meta device (no memory): its module tree names the tensors."""
-    from accelerate import init_empty_weights
-
-    try:
-        with init_empty_weights():
-            if _is_diffusers_model(cls):
-                return cls.from_config(config)
-            config_class = getattr(cls, "config_class", None)
-            if config_class is None:
-                return None
-            return cls(config_class.from_dict(config))
-    except Exception as e:  # arbitrary model code; a failure only loses precision rules
-        logger.info("%s: cannot build %s on the meta device (%s)", component, cls.__name__, e)
         return None
 
 
@@ -414,6 +393,16 @@ def convert_sources(
     return out, extra
 
 
+class _Choice(NamedTuple):
+    """What one component's tensors become."""
+
+    storage: str  # the dtype asked for (fp8: of the tensors layerwise casting stores)
+    compute: str | None  # fp8 only: the dtype of every other floating tensor
+    cast: frozenset[str]  # fp8 only: the tensors layerwise casting stores in ``storage``
+    rules: ComponentRules
+    quanto: bool  # an optimum-quanto component: its quantized values (``*._data``) stay
+
+
 def _convert_component(
     component: str, class_spec: tuple[str | None, str | None], sources: list[EntrySource], target: Target,
     *, explicit: bool,
@@ -421,93 +410,126 @@ def _convert_component(
     """Convert one component; ``explicit`` when ``--dtype`` named it (errors instead of skipping)."""
     library, class_name = class_spec
     config = _read_config(sources, component)
-    weights = [s for s in sources if s.name.endswith(".safetensors") and s.header is not None]
-    fp8 = target.storage in FP8
     quanto = any(s.name == f"{component}/{QUANTO_QMAP}" for s in sources)
-    if quanto or (config or {}).get("quantization_config") is not None:
-        if fp8 or not quanto:
-            # Backend-specific layouts (bitsandbytes, torchao...) and fp8 storage of already quantized
-            # weights have no meaningful conversion.
-            if explicit:
-                raise DDUFPackError(f"{component} is quantized ({QUANTO_QMAP if quanto else 'quantization_config'}); "
-                                    f"--dtype {target.storage} cannot apply to it")
-            logger.info("%s is quantized: packed unchanged", component)
-            return sources, {}
+    if not _may_convert_quantized(component, config, target, quanto, explicit):
+        return sources, {}
     rules = ComponentRules(component, library, class_name, config)
-    if fp8 and not rules.is_diffusers:
-        # The loader restores fp8 storage with diffusers' enable_layerwise_casting (diffusers models only).
-        if explicit:
-            raise DDUFPackError(f"{component}: float8 storage is supported for diffusers models only "
-                                f"({library}.{class_name} is not one)")
-        if target.compute is None:
-            logger.info("%s: not a diffusers model, float8 storage skipped: packed unchanged", component)
-            return sources, {}
-        logger.info("%s: not a diffusers model, stored in %s instead of float8", component, target.compute)
-        target, fp8 = Target(target.compute), False
-    headers = [s.header for s in weights if s.header is not None]
-    dominant = summarize(headers)["dtype"]
-    compute = target.compute or dominant
-    if fp8:
-        if compute is None or compute not in COMPUTE_DTYPES:
-            raise DDUFPackError(f"{component}: cannot infer a compute dtype from {dominant!r} weights; "
-                                f"give one: --dtype {component}={target.storage}:bfloat16")
-        cast = rules.layerwise_cast_tensors()
-    converted_files: dict[str, tuple[list[_Planned], int]] = {}
-    new_sources: list[EntrySource] = []
+    resolved = _storage_target(component, rules, target, explicit)
+    if resolved is None:
+        return sources, {}
+    weights = [s for s in sources if s.name.endswith(".safetensors") and s.header is not None]
+    dominant = summarize([s.header for s in weights if s.header is not None])["dtype"]
+    choice = _choose(component, resolved, rules, dominant, quanto)
     counts = {"converted": 0, "kept_fp32": 0, "unchanged": 0}
-    weight_names = {s.name for s in weights}
-    for source in sources:
-        if source.name not in weight_names:
-            continue
-        header = source.header
-        assert header is not None
-        dtype_for: dict[str, str] = {}
-        for name, info in header.tensors.items():
-            if info.dtype not in CONVERTIBLE or (quanto and "._data" in name):  # quanto's quantized values stay
-                counts["unchanged"] += 1
-                continue
-            if fp8:
-                wanted = target.storage if name in cast else compute
-                keep = name not in cast and rules.keeps(name, target.storage)
-            else:
-                wanted, keep = target.storage, rules.keeps(name, target.storage)
-            if keep:
-                counts["kept_fp32"] += 1
-            elif wanted != info.dtype:
-                dtype_for[name] = wanted
-                counts["converted"] += 1
+    new_sources: list[EntrySource] = []
+    converted_files: dict[str, tuple[list[_Planned], int]] = {}
+    for source in weights:
+        assert source.header is not None
+        dtype_for = _tensor_dtypes(source.header, choice, counts)
         if not dtype_for:
             new_sources.append(source)  # nothing changes: keep the file byte-identical
             continue
-        if source.path is None:
-            raise DDUFPackError(f"{source.name}: only safetensors files on disk can be converted")
-        head_raw, planned, size = plan_file(header, dtype_for)
-        head = len(head_raw).to_bytes(8, "little") + head_raw
-        new_header, problems = parse_header(head_raw, len(head_raw), size, source.name)
-        if new_header is None or any(p.severity == "error" for p in problems):  # pragma: no cover - our own bug
-            raise DDUFPackError(f"{source.name}: converted header does not check: {problems}")
-        path = source.path
-
-        def chunks(path: Path = path, header: SafetensorsHeader = header, planned: list[_Planned] = planned,
-                   head: bytes = head, entry: str = source.name) -> Iterator[Any]:
-            return _tensor_chunks(path, header, planned, head, entry)
-
-        new_sources.append(EntrySource(source.name, size=size, chunks=chunks, header=new_header,
-                                       source_sha256=_file_sha256(path)))
-        converted_files[source.name] = (planned, size)
+        new_source, planned = _converted_source(source, source.header, dtype_for)
+        new_sources.append(new_source)
+        converted_files[source.name] = (planned, new_source.size)
+    weight_names = {s.name for s in weights}
     for source in sources:
         if source.name in weight_names:
             continue
         rewritten = _rewrite_shard_index(source, component, sources, converted_files) if converted_files else None
         new_sources.append(rewritten or source)
     if not converted_files:
-        logger.info("%s is already %s: packed unchanged", component, target.storage)
+        logger.info("%s is already %s: packed unchanged", component, resolved.storage)
         return new_sources, {}
-    record: dict[str, Any] = {"dtype_conversion": {"storage_dtype": target.storage, "from": dominant, **counts}}
-    if fp8:
-        record.update({"storage_dtype": target.storage, "compute_dtype": compute,
+    record: dict[str, Any] = {"dtype_conversion": {"storage_dtype": choice.storage, "from": dominant, **counts}}
+    if choice.compute is not None:
+        record.update({"storage_dtype": choice.storage, "compute_dtype": choice.compute,
                        "layerwise_casting": {"skip_modules_pattern": rules.skip_patterns()}})
     return new_sources, record
+
+
+def _may_convert_quantized(component: str, config: dict[str, Any] | None, target: Target, quanto: bool,
+                           explicit: bool) -> bool:
+    """False (packed unchanged) for a quantized component nothing meaningful converts: backend-specific
+    layouts (bitsandbytes, torchao...: ``quantization_config``) and fp8 storage of quantized weights.
+    Only a quanto component to a non-fp8 dtype converts (its scales, biases and unquantized layers)."""
+    if not quanto and (config or {}).get("quantization_config") is None:
+        return True
+    if target.storage in FP8 or not quanto:
+        if explicit:
+            raise DDUFPackError(f"{component} is quantized ({QUANTO_QMAP if quanto else 'quantization_config'}); "
+                                f"--dtype {target.storage} cannot apply to it")
+        logger.info("%s is quantized: packed unchanged", component)
+        return False
+    return True
+
+
+def _storage_target(component: str, rules: ComponentRules, target: Target, explicit: bool) -> Target | None:
+    """``target``, unless it asks fp8 storage of a model the loader cannot restore it for: the loader uses
+    diffusers' enable_layerwise_casting (diffusers models only). Then its compute dtype, or None (packed
+    unchanged) when it names none; an explicit request is refused instead."""
+    if target.storage not in FP8 or rules.is_diffusers:
+        return target
+    if explicit:
+        raise DDUFPackError(f"{component}: float8 storage is supported for diffusers models only "
+                            f"({rules.library}.{rules.class_name} is not one)")
+    if target.compute is None:
+        logger.info("%s: not a diffusers model, float8 storage skipped: packed unchanged", component)
+        return None
+    logger.info("%s: not a diffusers model, stored in %s instead of float8", component, target.compute)
+    return Target(target.compute)
+
+
+def _choose(component: str, target: Target, rules: ComponentRules, dominant: str | None, quanto: bool) -> _Choice:
+    """The component's choice; for fp8, its compute dtype (asked for, else the dominant source dtype) and
+    the tensors layerwise casting will store in fp8."""
+    if target.storage not in FP8:
+        return _Choice(target.storage, None, frozenset(), rules, quanto)
+    compute = target.compute or dominant
+    if compute is None or compute not in COMPUTE_DTYPES:
+        raise DDUFPackError(f"{component}: cannot infer a compute dtype from {dominant!r} weights; "
+                            f"give one: --dtype {component}={target.storage}:bfloat16")
+    return _Choice(target.storage, compute, frozenset(rules.layerwise_cast_tensors()), rules, quanto)
+
+
+def _tensor_dtypes(header: SafetensorsHeader, choice: _Choice, counts: dict[str, int]) -> dict[str, str]:
+    """{tensor name: new dtype} for the tensors of one file that change; tallies every tensor in ``counts``."""
+    dtype_for: dict[str, str] = {}
+    for name, info in header.tensors.items():
+        if info.dtype not in CONVERTIBLE or (choice.quanto and "._data" in name):
+            counts["unchanged"] += 1
+            continue
+        if choice.compute is not None:  # fp8: layerwise-cast tensors in fp8, the rest in the compute dtype
+            wanted = choice.storage if name in choice.cast else choice.compute
+            keep = name not in choice.cast and choice.rules.keeps(name, choice.storage)
+        else:
+            wanted, keep = choice.storage, choice.rules.keeps(name, choice.storage)
+        if keep:
+            counts["kept_fp32"] += 1
+        elif wanted != info.dtype:
+            dtype_for[name] = wanted
+            counts["converted"] += 1
+    return dtype_for
+
+
+def _converted_source(source: EntrySource, header: SafetensorsHeader,
+                      dtype_for: dict[str, str]) -> tuple[EntrySource, list[_Planned]]:
+    """The entry source writing ``source``'s file with ``dtype_for`` applied (converted lazily, slice by
+    slice, when the archive is written), and the tensors' placements."""
+    if source.path is None:
+        raise DDUFPackError(f"{source.name}: only safetensors files on disk can be converted")
+    head_raw, planned, size = plan_file(header, dtype_for)
+    head = len(head_raw).to_bytes(8, "little") + head_raw
+    new_header, problems = parse_header(head_raw, len(head_raw), size, source.name)
+    if new_header is None or any(p.severity == "error" for p in problems):  # pragma: no cover - our own bug
+        raise DDUFPackError(f"{source.name}: converted header does not check: {problems}")
+    path, entry = source.path, source.name
+
+    def chunks() -> Iterator[Any]:
+        return _tensor_chunks(path, header, planned, head, entry)
+
+    return EntrySource(entry, size=size, chunks=chunks, header=new_header,
+                       source_sha256=_file_sha256(path)), planned
 
 
 def _rewrite_shard_index(source: EntrySource, component: str, sources: list[EntrySource],
