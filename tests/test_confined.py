@@ -98,3 +98,38 @@ def test_replace_never_follows_a_planted_link(layout: tuple[Confined, Path]) -> 
         cache.replace(tmp, planted)  # replaces the link, not the file it points at
     assert planted.read_bytes() == b"new" and not planted.is_symlink()
     assert (outside / "keep.txt").read_text() == "keep"
+
+
+def test_atomic_file_appears_whole_or_not_at_all(layout: tuple[Confined, Path]) -> None:
+    """The one temp-file-then-rename writer (writer, zst, zst cache, unpack, quanto save, caches use it)."""
+    cache, outside = layout
+    target = cache.root / "sub" / "archive.dduf"
+    with pytest.raises(RuntimeError), cache.atomic(target, mode=0o644) as out:
+        out.file.write(b"half")
+        raise RuntimeError("Ctrl-C, a full disk...")
+    assert not target.exists() and list((cache.root / "sub").iterdir()) == []
+    with cache.atomic(target, mode=0o644) as out:
+        assert out.tmp.parent == target.parent and out.tmp.name.startswith(".archive.dduf.")
+        out.file.write(b"whole")  # buffered: flushed (and fsynced) before the rename
+    assert target.read_bytes() == b"whole" and out.fd == -1
+    umask = os.umask(0)
+    os.umask(umask)
+    assert target.stat().st_mode & 0o777 == 0o644 & ~umask
+    cache.write_bytes(cache.root / "secret", b"s")  # mode None: mkstemp's private 0600
+    assert (cache.root / "secret").stat().st_mode & 0o777 == 0o600
+    with pytest.raises(ValueError, match="already finished"):
+        out.commit()
+    out.abort()  # a no-op once finished: the committed file stays
+    assert target.read_bytes() == b"whole"
+
+
+def test_atomic_file_refuses_outside_and_never_follows_a_planted_link(layout: tuple[Confined, Path]) -> None:
+    cache, outside = layout
+    with pytest.raises(DDUFPathError):
+        cache.atomic(outside / "evil")
+    planted = cache.root / "entry"
+    os.symlink(outside / "keep.txt", planted)
+    with cache.atomic(planted, fsync=False) as out:
+        out.file.write(b"new")
+    assert planted.read_bytes() == b"new" and not planted.is_symlink()
+    assert (outside / "keep.txt").read_text() == "keep"

@@ -8,7 +8,10 @@ entry) must never choose where something is written or what is removed. So:
 * a :class:`Confined` root resolves every target (symlinks included) and refuses one outside the root,
   for writes, renames, links and removals alike;
 * temporary files and folders are created exclusively (``O_EXCL``/``O_NOFOLLOW``: a planted symlink is
-  never followed), and only what this process created is removed on failure.
+  never followed), and only what this process created is removed on failure;
+* every file dduf_plus writes appears whole or not at all: :class:`AtomicFile` (temp file beside the
+  target, fsync, rename, fsync of the folder) is the one implementation, behind :meth:`Confined.atomic`
+  and :meth:`Confined.write_bytes`.
 
 Standard library only."""
 
@@ -21,6 +24,8 @@ import unicodedata
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import TracebackType
+from typing import BinaryIO
 
 from ..errors import DDUFFormatError, DDUFPathError
 
@@ -138,18 +143,18 @@ class Confined:
             if tmp.is_dir() and not tmp.is_symlink():
                 shutil.rmtree(tmp, ignore_errors=True)
 
-    def write_bytes(self, path: str | os.PathLike, data: bytes, *, fsync: bool = False) -> Path:
-        """Write ``data`` to ``path`` atomically (exclusive temp file in the same folder, then rename). A
-        link planted at ``path`` is replaced, never followed (as :meth:`replace`): it cannot block the write."""
-        path = self._check_link(path)
-        with self.temp_file(path.parent, prefix=f".{path.name}.") as (fd, tmp):
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                if fsync:
-                    f.flush()
-                    os.fsync(f.fileno())
-            self.replace(tmp, path)
-        return path
+    def atomic(self, path: str | os.PathLike, *, fsync: bool = True, mode: int | None = None,
+               prefix: str | None = None, suffix: str = ".partial") -> AtomicFile:
+        """An :class:`AtomicFile` that will appear at ``path`` (inside the root) when committed."""
+        return AtomicFile(self, path, fsync=fsync, mode=mode, prefix=prefix, suffix=suffix)
+
+    def write_bytes(self, path: str | os.PathLike, data: bytes, *, fsync: bool = False,
+                    mode: int | None = None) -> Path:
+        """Write ``data`` to ``path`` atomically (:class:`AtomicFile`). A link planted at ``path`` is
+        replaced, never followed (as :meth:`replace`): it cannot block the write."""
+        with self.atomic(path, fsync=fsync, mode=mode) as out:
+            out.file.write(data)
+        return out.path
 
     def replace(self, src: str | os.PathLike, dst: str | os.PathLike) -> None:
         """Rename ``src`` over ``dst``; both must be inside the root. ``dst`` itself is not followed."""
@@ -205,3 +210,101 @@ class Confined:
         if not (parent == self.root or parent.is_relative_to(self.root)):
             raise DDUFPathError(f"refusing to touch {path}: its folder resolves to {parent}, outside {self.root}")
         return parent / path.name
+
+
+def fsync_dir(folder: str | os.PathLike) -> None:
+    """Flush a folder's entries (a rename in it) to disk; a no-op where folders cannot be opened."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class AtomicFile:
+    """A file that appears at ``path`` whole or not at all: the one temp-file-then-rename writer.
+
+    An exclusively created hidden temporary file beside ``path`` (``fd``, ``tmp``; or the buffered
+    :attr:`file`); :meth:`commit` flushes it, fsyncs it (``fsync=True``), sets ``mode`` (less the umask;
+    None keeps mkstemp's 0600, for private files), renames it over ``path`` through :meth:`Confined.replace`
+    and fsyncs the folder; :meth:`abort` (or an exception in the ``with`` block, Ctrl-C included) closes
+    and removes it. ``fsync=False`` keeps the atomic rename but skips flushing to disk, as ``cp`` does.
+
+    Example:
+        >>> with Confined(out_dir).atomic(out_dir / "model_index.json", mode=0o644) as out:
+        ...     out.file.write(data)
+    """
+
+    def __init__(self, box: Confined, path: str | os.PathLike, *, fsync: bool = True, mode: int | None = None,
+                 prefix: str | None = None, suffix: str = ".partial"):
+        self.path = box._check_link(path)
+        self._box, self._fsync, self._mode = box, fsync, mode
+        folder = box.mkdir(self.path.parent)
+        fd, tmp = tempfile.mkstemp(prefix=prefix or f".{self.path.name}.", suffix=suffix, dir=folder)
+        self.fd, self.tmp = fd, Path(tmp)
+        self._file: BinaryIO | None = None
+        self._finished = False
+
+    @property
+    def file(self) -> BinaryIO:
+        """A buffered binary file over :attr:`fd` (flushed by :meth:`commit`)."""
+        if self._file is None:
+            self._file = os.fdopen(self.fd, "wb", closefd=False)
+        return self._file
+
+    def commit(self) -> Path:
+        """Flush, fsync, close, rename over ``path`` (and fsync the folder); returns ``path``."""
+        if self._finished:
+            raise ValueError(f"{self.path}: this atomic write is already finished")
+        try:
+            self._close(sync=self._fsync)
+            if self._mode is not None:
+                umask = os.umask(0)
+                os.umask(umask)
+                os.chmod(self.tmp, self._mode & ~umask)
+            self._box.replace(self.tmp, self.path)
+        except BaseException:
+            self.abort()
+            raise
+        self._finished = True
+        if self._fsync:
+            fsync_dir(self.path.parent)
+        return self.path
+
+    def abort(self) -> None:
+        """Close and remove the temporary file (nothing appears at ``path``); safe to call twice."""
+        if self._finished:
+            return
+        self._finished = True
+        try:
+            self._close(sync=False)
+        except OSError:
+            pass
+        self.tmp.unlink(missing_ok=True)
+
+    def _close(self, *, sync: bool) -> None:
+        if self.fd < 0:
+            return
+        try:
+            if self._file is not None:
+                self._file.close()  # flushes; closefd=False leaves fd open
+            if sync:
+                os.fsync(self.fd)
+        finally:
+            fd, self.fd = self.fd, -1  # never closed twice (the number may be reused by then)
+            os.close(fd)
+
+    def __enter__(self) -> AtomicFile:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        if kind is None:
+            self.commit()
+        else:
+            self.abort()

@@ -43,11 +43,10 @@ def unpack(archive_path: str | os.PathLike, output: str | os.PathLike, *, force:
         for name, target in targets.items():
             entry = archive.entry(name)
             folder = out_root.mkdir(target.parent)
-            # exclusive temp file (a planted ".x.partial" symlink is never followed), renamed over the target
-            with out_root.temp_file(folder, prefix=f".{target.name}.") as (fd, tmp):
-                with os.fdopen(fd, "wb") as out:
-                    _copy_range(archive, entry.offset, entry.length, out.fileno())
-                out_root.replace(tmp, target)
+            # exclusive temp file (a planted ".x.partial" symlink is never followed), renamed over the target;
+            # 0644 less the umask, as unzip leaves files (mkstemp's 0600 made unpacked configs private)
+            with out_root.atomic(folder / target.name, fsync=False, mode=0o644) as out:
+                _copy_range(archive, entry.offset, entry.length, out.fd)
             written.append(target)
     return written
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -64,9 +63,8 @@ class DDUFWriter:
         self._fsync = fsync
         # The caller chose the output; the temp file beside it is created exclusively and only it is removed
         # on failure (a planted link at any name is never followed).
-        self._folder = Confined(self.path.parent)
-        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".partial", dir=self._folder.root)
-        self._fd, self._tmp = fd, Path(tmp)
+        self._out = Confined(self.path.parent).atomic(self.path, fsync=fsync, mode=0o644)
+        self._fd, self._tmp = self._out.fd, self._out.tmp
         self._position = 0
         self._central: list[bytes] = []
         self._names: set[str] = set()
@@ -248,17 +246,9 @@ class DDUFWriter:
         directory = b"".join(self._central)
         self._pwrite(directory + end_records(len(self._central), cd_offset, len(directory)), cd_offset)
         os.ftruncate(self._fd, cd_offset + len(directory) + spec.EOCD64_SIZE + spec.LOCATOR_SIZE + spec.EOCD_SIZE)
-        if self._fsync:
-            os.fsync(self._fd)
-        fd, self._fd = self._fd, -1
-        os.close(fd)
         self._shutdown()
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(self._tmp, 0o644 & ~umask)
-        self._folder.replace(self._tmp, self.path)
-        if self._fsync:
-            _fsync_dir(self.path.parent)
+        self._fd = -1
+        self._out.commit()  # fsync, close, chmod 0644 less umask, rename, fsync the folder
         self._closed = True
         return self.path
 
@@ -270,12 +260,8 @@ class DDUFWriter:
             pending[4].cancel()
         self._drop_ahead()
         self._shutdown(cancel=True)
-        if self._fd >= 0:
-            try:
-                os.close(self._fd)
-            except OSError:
-                pass
-        self._folder.unlink(self._tmp)
+        self._fd = -1
+        self._out.abort()
 
     def _drop_ahead(self) -> None:
         for fd, _size, sha in self._ahead.values():
@@ -358,18 +344,5 @@ def _hash_fd(fd: int, size: int) -> tuple[int, str]:
             crc = crc32(buffer[:n], crc)
             done += n
         return crc, sha.hexdigest()
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
     finally:
         os.close(fd)

@@ -45,7 +45,6 @@ from typing import Any, NamedTuple
 from ..errors import DDUFError, DDUFFormatError, DDUFIntegrityError, io_error
 from .cache_dirs import CACHE_ENV  # noqa: F401 (re-exported: tests and zst_cache name it here)
 from .confined import Confined
-from .writer import _fsync_dir
 
 logger = logging.getLogger(__name__)
 
@@ -134,16 +133,8 @@ def _pwrite_all(fd: int, data: Any, offset: int) -> None:
 def _atomic_output(dst: Path) -> Iterator[int]:
     """An exclusively created temporary file beside ``dst``, renamed over it after fsync when the block
     succeeds, removed otherwise (also on Ctrl-C): readers never see a half-written archive."""
-    box = Confined(dst.parent)
-    with box.temp_file(prefix=f".{dst.name}.", suffix=".partial") as (fd, tmp):
-        yield fd
-        os.fsync(fd)
-        os.close(fd)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o644 & ~umask)
-        box.replace(tmp, dst)
-    _fsync_dir(dst.parent)
+    with Confined(dst.parent).atomic(dst, mode=0o644) as out:
+        yield out.fd
 
 
 def _same_file(a: Path, b: Path) -> bool:
@@ -207,55 +198,78 @@ def compress(
     """
     zstd = _zstd()
     src, dst = Path(src), Path(dst)
+    _check_compress_args(zstd, src, dst, level, frame_size)
+    started = time.perf_counter()
+    cctx = _compressor(zstd, level, threads, long)
+    fd_in, total = _open_input(src)
+    bar = _progress(total, dst.name, quiet)
+    try:
+        with _atomic_output(dst) as fd_out:
+            output_bytes, frames = _write_stream(cctx, fd_in, fd_out, total, frame_size, bar, src)
+    finally:
+        bar.close()
+        os.close(fd_in)
+    return ZstResult(dst, total, output_bytes, frames, time.perf_counter() - started)
+
+
+def _check_compress_args(zstd: Any, src: Path, dst: Path, level: int, frame_size: int) -> None:
     if _same_file(src, dst):
         raise DDUFError(f"{dst}: output would overwrite the input")
     if frame_size < MiB or frame_size >= 1 << 32:
         raise DDUFError(f"frame size {frame_size} must be between 1 MiB and 4 GiB")
     if not zstd.MAX_COMPRESSION_LEVEL >= level >= -(1 << 17):
         raise DDUFError(f"zstd level {level} is out of range (max {zstd.MAX_COMPRESSION_LEVEL})")
-    started = time.perf_counter()
+
+
+def _compressor(zstd: Any, level: int, threads: int, long: bool) -> Any:
+    """A compressor whose frames carry their content size and checksum (``long``: 128 MiB LDM window)."""
     params = zstd.ZstdCompressionParameters.from_level(
         level, threads=_threads(threads), write_checksum=True, write_content_size=True,
         **({"enable_ldm": True, "window_log": LONG_WINDOW_LOG} if long else {}),
     )
-    cctx = zstd.ZstdCompressor(compression_params=params)
-    fd_in, total = _open_input(src)
-    bar = _progress(total, dst.name, quiet)
+    return zstd.ZstdCompressor(compression_params=params)
+
+
+def _write_stream(cctx: Any, fd_in: int, fd_out: int, total: int, frame_size: int, bar: Any,
+                  src: Path) -> tuple[int, int]:
+    """Header frame, one frame per ``frame_size`` input bytes, seek table: (bytes written, data frames)."""
+    header = _header_frame(total, frame_size)
+    _pwrite_all(fd_out, header, 0)
+    position = len(header)
+    entries = [(len(header), 0)]
     buffer = bytearray(IO_CHUNK)
-    try:
-        with _atomic_output(dst) as fd_out:
-            position = 0
-            header = _header_frame(total, frame_size)
-            _pwrite_all(fd_out, header, position)
-            position += len(header)
-            entries = [(len(header), 0)]
-            for frame_start in range(0, total, frame_size):
-                frame_len = min(frame_size, total - frame_start)
-                cobj = cctx.compressobj(size=frame_len)  # a fresh frame: independent of the others
-                written = 0
-                done = 0
-                while done < frame_len:
-                    n = os.preadv(fd_in, [memoryview(buffer)[: min(IO_CHUNK, frame_len - done)]], frame_start + done)
-                    if n <= 0:
-                        raise DDUFError(f"{src}: file shrank while compressing")
-                    out = cobj.compress(memoryview(buffer)[:n])
-                    _pwrite_all(fd_out, out, position + written)
-                    written += len(out)
-                    done += n
-                    bar.update(n)
-                out = cobj.flush(zstd.COMPRESSOBJ_FLUSH_FINISH)
-                _pwrite_all(fd_out, out, position + written)
-                written += len(out)
-                position += written
-                entries.append((written, frame_len))
-            table = _seek_table(entries)
-            _pwrite_all(fd_out, table, position)
-            position += len(table)
-            os.ftruncate(fd_out, position)
-    finally:
-        bar.close()
-        os.close(fd_in)
-    return ZstResult(dst, total, position, len(entries) - 1, time.perf_counter() - started)
+    for frame_start in range(0, total, frame_size):
+        frame_len = min(frame_size, total - frame_start)
+        written = _write_frame(cctx, fd_in, fd_out, frame_start, frame_len, position, buffer, bar, src)
+        position += written
+        entries.append((written, frame_len))
+    table = _seek_table(entries)
+    _pwrite_all(fd_out, table, position)
+    position += len(table)
+    os.ftruncate(fd_out, position)
+    return position, len(entries) - 1
+
+
+def _write_frame(cctx: Any, fd_in: int, fd_out: int, frame_start: int, frame_len: int, position: int,
+                 buffer: bytearray, bar: Any, src: Path) -> int:
+    """Compress input ``[frame_start, frame_start + frame_len)`` as one fresh frame (independent of the
+    others) written at ``position``, in ``IO_CHUNK`` reads; returns its compressed size."""
+    zstd = _zstd()
+    cobj = cctx.compressobj(size=frame_len)
+    written = 0
+    done = 0
+    while done < frame_len:
+        n = os.preadv(fd_in, [memoryview(buffer)[: min(IO_CHUNK, frame_len - done)]], frame_start + done)
+        if n <= 0:
+            raise DDUFError(f"{src}: file shrank while compressing")
+        out = cobj.compress(memoryview(buffer)[:n])
+        _pwrite_all(fd_out, out, position + written)
+        written += len(out)
+        done += n
+        bar.update(n)
+    out = cobj.flush(zstd.COMPRESSOBJ_FLUSH_FINISH)
+    _pwrite_all(fd_out, out, position + written)
+    return written + len(out)
 
 
 # --- layout ------------------------------------------------------------------------------------------

@@ -35,7 +35,6 @@ from typing import Any
 from ..errors import DDUFError, DDUFPathError, io_error
 from .cache_dirs import cache_root
 from .confined import Confined
-from .writer import _fsync_dir
 from .zst import (
     CACHE_ENV,
     BudgetLike,
@@ -197,18 +196,12 @@ class _Cache:
     def store(self, src: Path, key: str, *, budget: DecompressionBudget, threads: int, quiet: bool) -> Path:
         """Decompress ``src`` into a temporary file here, record its sha256, rename it over the entry."""
         final = self.entry(key)
-        with self.box.temp_file(self.folder, prefix=f".{key}.", suffix=".partial") as (fd, tmp):
-            decompress_into(src, fd, self.folder, budget=budget, threads=threads, quiet=quiet, desc=final.name)
-            os.fsync(fd)
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o644 & ~umask)  # mkstemp made it 0600; an archive is not a secret
-            st = os.fstat(fd)  # rename keeps inode, device and mtime: this is the entry's stat key
-            digest = _sha256_fd(fd, st.st_size)  # hot in the page cache
-            os.close(fd)
+        # mode 0644: mkstemp makes 0600, an archive is not a secret
+        with self.box.atomic(final, mode=0o644, prefix=f".{key}.") as out:
+            decompress_into(src, out.fd, self.folder, budget=budget, threads=threads, quiet=quiet, desc=final.name)
+            st = os.fstat(out.fd)  # rename keeps inode, device and mtime: this is the entry's stat key
+            digest = _sha256_fd(out.fd, st.st_size)  # hot in the page cache
             self._write(self._record_path(key), {"zst_sha256": key, "sha256": digest, **_stat_key(st)})
-            self.box.replace(tmp, final)
-        _fsync_dir(self.folder)
         return final
 
 
