@@ -327,6 +327,9 @@ def test_page_without_javascript(service):
     assert bad.status_code == 200 and "INVALID" in bad.text and "Z008" in bad.text and "/etc/evil.json" in bad.text
     good = client.post("/check", data={"url": service[2].url("valid.dduf")})
     assert "VALID" in good.text and "UNet2DModel" in good.text
+    # a browser posting the form with a URL and no file sends an empty part with filename=""
+    no_file = client.post("/check", files={"file": ("", b"")}, data={"url": service[2].url("valid.dduf")})
+    assert no_file.status_code == 200 and "<strong>VALID</strong>" in no_file.text
 
 
 def test_cli_serve_end_to_end(tmp_path):

@@ -123,7 +123,7 @@ async def spool_form(chunks: AsyncIterator[bytes], content_type: str, folder: Pa
     def headers_done() -> None:
         _, disposition = parse_options_header(state["headers"].get(b"content-disposition", b""))
         part = disposition.get(b"name", b"").decode("utf-8", "replace")
-        if part == "file" and b"filename" in disposition and not spools:
+        if part == "file" and disposition.get(b"filename") and not spools:  # a form without a file sends filename=""
             spools.append(_Spool(folder, display_name(disposition[b"filename"].decode("utf-8", "replace")), limit, upload))
             state["spool"] = spools[0]
         else:
