@@ -31,6 +31,7 @@ from pathlib import Path
 # "core" is [project].dependencies, every other name an extra of [project.optional-dependencies].
 GROUPS: dict[str, tuple[str, ...]] = {
     "dduf_plus": ("core",),
+    "dduf_plus/serve": ("core", "serve"),  # imported only by `dduf serve`, which names the extra when it is missing
     "examples": ("core",),
     "tests": ("core", "test"),
     "tests/fuzz": ("core", "fuzz"),
