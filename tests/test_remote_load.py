@@ -141,24 +141,25 @@ def test_tampered_entry_is_an_integrity_error(served):
 
 def test_requests_overlap_and_construction_overlaps_fetching(served, expected, monkeypatch):
     built: dict[str, float] = {}
+    fetches = []
     original = fetch_module.RemoteFetch.wait_component
 
     def recording(self, component):
         original(self, component)
         built[component] = time.perf_counter()
+        fetches.append(self)
 
     monkeypatch.setattr(fetch_module.RemoteFetch, "wait_component", recording)
     size = (served / "tiny-sd.dduf").stat().st_size
-    last_byte: list[float] = []
     with FileServer(served, latency=0.01) as srv:
         srv.bucket = TokenBucket(size / 6, burst=32 << 10)  # ~6 s for the whole archive, no free burst
-        srv.on_request = lambda *a: last_byte.append(time.perf_counter())
         load_dduf(srv.url("tiny-sd.dduf"), remote={"chunk_size": 64 << 10, "concurrency": 8})
         assert srv.max_in_flight >= 4  # several range requests at once
-    # (``expected`` loaded the pipeline once: diffusers' imports are done.) The first components were being
-    # built while later pieces were still being requested: fetched in build order, each waited for alone.
-    order = sorted(built, key=built.get)
-    assert built[order[1]] < last_byte[-1], (built, last_byte[-1])
+    # (``expected`` loaded the pipeline once: diffusers' imports are done.) A model was being built while
+    # later pieces were still arriving: fetched in build order, each component waited for alone.
+    last_arrival = max(end for _start, end, _offset, _length in fetches[0].timeline)
+    first_model = min(built[name] for name in ("unet", "vae", "text_encoder"))
+    assert first_model < last_arrival, (built, last_arrival)
 
 
 def test_fetch_archive_is_torch_free_and_complete(served, tmp_path):

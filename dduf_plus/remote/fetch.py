@@ -326,7 +326,11 @@ class RemoteFetch:
         for thread in self._threads:
             thread.join()
         self._check_unindexed()
-        self.cache.replace(self.partial, self.final)
+        try:
+            self.cache.replace(self.partial, self.final)
+        except FileNotFoundError:  # another process fetching the same archive finished first
+            if not self.final.is_file():
+                raise DDUFIOError(f"{self.url}: the partial cache file {self.partial} vanished") from None
         self.cache.unlink(self.progress_path)
         self.complete, self.path = True, self.final
         self._close()
