@@ -8,6 +8,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from hfcache import cached, corrupted_copy
 
 from conftest import npm_check
 from dduf_plus.cli import main as cli_main
@@ -17,7 +18,6 @@ from dduf_plus.format.archive import DDUFArchive
 from dduf_plus.format.pack import pack_folder
 from dduf_plus.packing.complete import complete_archive
 from dduf_plus.packing.partial import ORIGINAL_MODEL_INDEX_KEY, pack_partial
-from dduf_plus.refs.cache import add_to_hf_cache
 
 ROOT = Path(__file__).resolve().parent.parent
 PIPELINES = ROOT / "fixtures" / "pipelines"
@@ -40,7 +40,7 @@ def assert_same_archive(got: Path, want: Path) -> None:
 
 
 def test_complete_equals_a_direct_full_pack(tmp_path: Path, hf_env: Path) -> None:
-    add_to_hf_cache(TINY_SD, "org/tiny-sd", cache_dir=hf_env)
+    cached(hf_env)
     partial = tmp_path / "partial.dduf"
     pack_partial(TINY_SD, partial, exclude=["text_encoder", "tokenizer", "vae"], refs={"*": "org/tiny-sd"}, quiet=True)
     result = complete_archive(partial, tmp_path / "full.dduf", quiet=True)
@@ -58,7 +58,7 @@ def test_complete_of_a_base_partial(tmp_path: Path, hf_env: Path) -> None:
 
 
 def test_complete_with_a_variant(tmp_path: Path, hf_env: Path) -> None:
-    add_to_hf_cache(TINY_SD, "org/tiny-sd", cache_dir=hf_env)
+    cached(hf_env)
     partial = tmp_path / "ft16.partial.dduf"
     pack_partial(TINY_FT, partial, base="org/tiny-sd", variant="fp16", quiet=True)
     full = complete_archive(partial, tmp_path / "ft16.dduf", quiet=True).path
@@ -87,15 +87,10 @@ def test_non_canonical_model_index_is_restored(tmp_path: Path, hf_env: Path) -> 
 
 
 def test_complete_refuses_wrong_content_and_writes_nothing(tmp_path: Path, hf_env: Path) -> None:
-    bad = tmp_path / "bad-sd"
-    shutil.copytree(TINY_SD, bad)
-    weights = bad / "vae" / "diffusion_pytorch_model.safetensors"
-    data = bytearray(weights.read_bytes())
-    data[-2] ^= 0x01
-    weights.write_bytes(bytes(data))
+    bad = corrupted_copy(tmp_path, "vae", "diffusion_pytorch_model.safetensors")
     partial = tmp_path / "partial.dduf"
     pack_partial(TINY_SD, partial, exclude=["vae"], refs={"*": "org/tiny-sd"}, quiet=True)
-    add_to_hf_cache(bad, "org/tiny-sd", cache_dir=hf_env)  # after packing: packing would refuse the mismatch
+    cached(hf_env, bad)  # after packing: packing would refuse the mismatch
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     with pytest.raises(DDUFReferenceError, match="vae/diffusion_pytorch_model.safetensors"):

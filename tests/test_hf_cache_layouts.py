@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from hfcache import LAYOUTS, REPO, ROOT, TINY_SD, cached, corrupted_copy, count_hashing
 
 from dduf_plus.cli import main as cli_main
 from dduf_plus.errors import DDUFPackError
@@ -21,26 +22,9 @@ from dduf_plus.refs import cache as refs_cache
 from dduf_plus.refs.cache import add_to_hf_cache, blob_name_of, git_blob_sha1_file
 from dduf_plus.refs.resolve import locate_component
 
-ROOT = Path(__file__).resolve().parent.parent
-TINY_SD = ROOT / "fixtures" / "pipelines" / "tiny-sd"
-REPO = "org/tiny-sd"
-LAYOUTS = {"symlinks": "copy", "real-files": "none"}
-
 
 def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def count_hashing(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    hashed: list[str] = []
-    real = refs_cache.sha256_file
-
-    def counting(path):
-        hashed.append(str(path))
-        return real(path)
-
-    monkeypatch.setattr(refs_cache, "sha256_file", counting)
-    return hashed
 
 
 @pytest.fixture(params=sorted(LAYOUTS))
@@ -48,16 +32,26 @@ def layout(request) -> str:
     return request.param
 
 
-def cached(hf_env: Path, layout: str, source: Path = TINY_SD) -> Path:
-    return add_to_hf_cache(source, REPO, cache_dir=hf_env, link=LAYOUTS[layout])
+def test_cache_names_and_hashes_are_huggingface_hubs() -> None:
+    """refs.cache names repo folders as huggingface_hub does (kept local: its module costs ~1 s to import) and
+    hashes small files with huggingface_hub's own git_hash."""
+    from huggingface_hub.file_download import repo_folder_name
+    from huggingface_hub.utils.sha import git_hash
+
+    for repo_id, kind in (("org/tiny-sd", "model"), ("single", "model"), ("a-b/c.d_e", "dataset")):
+        assert refs_cache.repo_folder_name(repo_id, kind) == repo_folder_name(repo_id=repo_id, repo_type=kind)
+    for data in (b"", b"Hello, World!", bytes(range(256)) * 9):
+        assert refs_cache.git_blob_sha1(data) == git_hash(data)
+    assert refs_cache.git_blob_sha1(b"Hello, World!") == "b45ef6fec89518d314f546fd6c3025367b721684"  # git hash-object
 
 
 # --- the fake caches are what huggingface_hub writes and reads --------------------------------------------
 def test_layouts_are_what_huggingface_hub_reads(tmp_path: Path, hf_env: Path, layout: str) -> None:
     from huggingface_hub import snapshot_download
 
-    snap = cached(hf_env, layout)
+    snap = cached(hf_env, layout=layout)
     assert Path(snapshot_download(REPO, cache_dir=hf_env, local_files_only=True)) == snap
+    assert Path(snapshot_download(REPO, cache_dir=hf_env, local_files_only=True, allow_patterns=["vae/*"])) == snap
     st = snap / "text_encoder" / "model.safetensors"
     assert st.read_bytes() == (TINY_SD / "text_encoder" / "model.safetensors").read_bytes()
     blobs = snap.parent.parent / "blobs"
@@ -87,7 +81,7 @@ def test_add_to_hf_cache_writes_only_inside_the_cache(tmp_path: Path, hf_env: Pa
 def test_blob_names_are_trusted_only_in_the_repos_own_blobs(tmp_path: Path, hf_env: Path) -> None:
     """A snapshot entry linking into some other folder named ``blobs`` (or another repo's) is not named by
     its hash there: it is hashed like a real file."""
-    snap = cached(hf_env, "symlinks")
+    snap = cached(hf_env, layout="symlinks")
     elsewhere = tmp_path / "elsewhere" / "blobs"
     elsewhere.mkdir(parents=True)
     liar = elsewhere / ("0" * 64)
@@ -106,7 +100,7 @@ def test_blob_names_are_trusted_only_in_the_repos_own_blobs(tmp_path: Path, hf_e
 # --- dduf pack --exclude X --ref org/repo -----------------------------------------------------------------
 def test_pack_ref_compares_with_the_cache_in_both_layouts(tmp_path: Path, hf_env: Path, layout: str, capsys) -> None:
     """The issue's command: the local copy is compared with the cached repo (real files: hashed)."""
-    cached(hf_env, layout)
+    cached(hf_env, layout=layout)
     out = tmp_path / "partial.dduf"
     rc = cli_main(["pack", str(TINY_SD), "-o", str(out), "--exclude", "text_encoder", "--ref", REPO, "-q"])
     assert rc == 0, capsys.readouterr().err
@@ -122,7 +116,7 @@ def test_pack_ref_without_a_local_copy_takes_hashes_from_real_files(tmp_path: Pa
     folder = tmp_path / "no-te"
     shutil.copytree(TINY_SD, folder)
     shutil.rmtree(folder / "text_encoder")
-    snap = cached(hf_env, layout)
+    snap = cached(hf_env, layout=layout)
     hashed = count_hashing(monkeypatch)
     out = tmp_path / "partial.dduf"
     pack_partial(folder, out, exclude=["text_encoder"], refs={"*": REPO}, quiet=True)
@@ -145,20 +139,14 @@ def test_pack_ref_without_a_local_copy_takes_hashes_from_real_files(tmp_path: Pa
 
 
 def test_pack_ref_refuses_a_cached_copy_that_differs(tmp_path: Path, hf_env: Path, layout: str) -> None:
-    bad = tmp_path / "bad-sd"
-    shutil.copytree(TINY_SD, bad)
-    target = bad / "text_encoder" / "model.safetensors"
-    data = bytearray(target.read_bytes())
-    data[-1] ^= 0xFF
-    target.write_bytes(bytes(data))
-    cached(hf_env, layout, bad)
+    cached(hf_env, corrupted_copy(tmp_path, "text_encoder", "model.safetensors"), layout=layout)
     with pytest.raises(DDUFPackError, match="sha256 differs") as err:
         pack_partial(TINY_SD, tmp_path / "x.dduf", exclude=["text_encoder"], refs={"*": REPO}, quiet=True)
     assert "no hash known" not in str(err.value)
 
 
 def test_pack_base_hub_in_both_layouts(tmp_path: Path, hf_env: Path, layout: str) -> None:
-    snap = cached(hf_env, layout)
+    snap = cached(hf_env, layout=layout)
     out = tmp_path / "ft.dduf"
     finetune = ROOT / "fixtures" / "pipelines" / "tiny-sd-finetune"
     pack_partial(finetune, out, base=REPO, quiet=True)
@@ -178,7 +166,7 @@ def partial(tmp_path: Path, hf_env: Path) -> Path:
 
 def test_references_resolve_from_either_cache(partial: Path, hf_env: Path, layout: str,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    snap = cached(hf_env, layout)
+    snap = cached(hf_env, layout=layout)
     with DDUFArchive(partial) as archive:
         refs = archive.references
     hashed = count_hashing(monkeypatch)
@@ -195,7 +183,7 @@ def test_references_resolve_from_either_cache(partial: Path, hf_env: Path, layou
 def test_edited_real_file_in_the_cache_is_refused(partial: Path, hf_env: Path) -> None:
     from dduf_plus.errors import DDUFReferenceError
 
-    snap = cached(hf_env, "real-files")
+    snap = cached(hf_env, layout="real-files")
     target = snap / "text_encoder" / "model.safetensors"
     data = bytearray(target.read_bytes())
     data[-1] ^= 0xFF
@@ -212,7 +200,7 @@ def test_load_dduf_of_the_partial_archive_in_both_layouts(partial: Path, hf_env:
 
     from dduf_plus.loading.pipeline import load_dduf
 
-    cached(hf_env, layout)
+    cached(hf_env, layout=layout)
     pipe = load_dduf(partial, torch_dtype=torch.float32)
     want = DiffusionPipeline.from_pretrained(TINY_SD, dtype=torch.float32)
     for name in ("text_encoder", "vae"):
@@ -222,7 +210,7 @@ def test_load_dduf_of_the_partial_archive_in_both_layouts(partial: Path, hf_env:
 
 
 def test_cli_refs_reports_the_real_file_cache(partial: Path, hf_env: Path, capsys) -> None:
-    cached(hf_env, "real-files")
+    cached(hf_env, layout="real-files")
     assert cli_main(["refs", str(partial), "--json", "--verify"]) == 0
     rows = json.loads(capsys.readouterr().out)["references"]
     assert {r["component"]: (r["status"], r["how"], r["verified"]) for r in rows} == {

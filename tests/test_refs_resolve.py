@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from hfcache import TINY_SD, cached, corrupted_copy, count_hashing
 
 from dduf_plus.cli import main as cli_main
 from dduf_plus.errors import DDUFReferenceError
@@ -18,11 +19,8 @@ from dduf_plus.format.pack import pack_folder
 from dduf_plus.loading.files import resolve_component
 from dduf_plus.packing.partial import pack_partial
 from dduf_plus.refs import cache as refs_cache
-from dduf_plus.refs.cache import add_to_hf_cache
 from dduf_plus.refs.resolve import locate_component
 
-ROOT = Path(__file__).resolve().parent.parent
-TINY_SD = ROOT / "fixtures" / "pipelines" / "tiny-sd"
 EXTERNAL = ["scheduler", "text_encoder", "tokenizer", "vae"]
 
 
@@ -46,41 +44,8 @@ def new_process() -> None:
     refs_cache._VERIFIED.clear()
 
 
-def count_hashing(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    hashed: list[str] = []
-    real = refs_cache.sha256_file
-
-    def counting(path):
-        hashed.append(str(path))
-        return real(path)
-
-    monkeypatch.setattr(refs_cache, "sha256_file", counting)
-    return hashed
-
-
-def corrupted_copy(tmp_path: Path, component: str, filename: str) -> Path:
-    """tiny-sd with one byte of ``component/filename`` flipped (same size, same name)."""
-    bad = tmp_path / "bad-sd"
-    shutil.copytree(TINY_SD, bad)
-    target = bad / component / filename
-    data = bytearray(target.read_bytes())
-    data[-1] ^= 0xFF
-    target.write_bytes(bytes(data))
-    return bad
-
-
-def test_fake_cache_is_what_huggingface_hub_reads(tmp_path: Path, hf_env: Path) -> None:
-    from huggingface_hub import snapshot_download
-
-    snap = add_to_hf_cache(TINY_SD, "org/tiny-sd", cache_dir=hf_env)
-    got = snapshot_download("org/tiny-sd", cache_dir=hf_env, local_files_only=True, allow_patterns=["vae/*"])
-    assert Path(got) == snap
-    assert (snap / "text_encoder" / "model.safetensors").read_bytes() == (
-        TINY_SD / "text_encoder" / "model.safetensors").read_bytes()
-
-
 def test_found_in_cache_by_repo_and_hashed_once(partial: Path, hf_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    snap = add_to_hf_cache(TINY_SD, "org/tiny-sd", cache_dir=hf_env)
+    snap = cached(hf_env)
     refs = references(partial)
     hashed = count_hashing(monkeypatch)
     loc = locate_component("text_encoder", refs["text_encoder"])
@@ -95,7 +60,7 @@ def test_found_in_cache_by_repo_and_hashed_once(partial: Path, hf_env: Path, mon
 
 
 def test_extra_files_are_hidden_behind_a_view(partial: Path, hf_env: Path) -> None:
-    add_to_hf_cache(TINY_SD, "org/tiny-sd", cache_dir=hf_env)
+    cached(hf_env)
     loc = locate_component("vae", references(partial)["vae"])
     # the cached vae/ also holds the fp16 variant, which the reference does not vouch for
     assert sorted(p.name for p in loc.folder.iterdir()) == ["config.json", "diffusion_pytorch_model.safetensors"]
@@ -103,7 +68,7 @@ def test_extra_files_are_hidden_behind_a_view(partial: Path, hf_env: Path) -> No
 
 
 def test_content_under_another_repo_name_is_found(partial: Path, hf_env: Path) -> None:
-    add_to_hf_cache(TINY_SD, "someone-else/renamed-copy", cache_dir=hf_env)
+    cached(hf_env, repo="someone-else/renamed-copy")
     refs = references(partial)
     for name in EXTERNAL:
         loc = locate_component(name, refs[name])
@@ -114,7 +79,7 @@ def test_content_under_another_repo_name_is_found(partial: Path, hf_env: Path) -
 
 
 def test_wrong_content_under_the_right_name_is_refused(tmp_path: Path, partial: Path, hf_env: Path, caplog) -> None:
-    add_to_hf_cache(corrupted_copy(tmp_path, "text_encoder", "model.safetensors"), "org/tiny-sd", cache_dir=hf_env)
+    cached(hf_env, corrupted_copy(tmp_path, "text_encoder", "model.safetensors"))
     ref = references(partial)["text_encoder"]
     with pytest.raises(DDUFReferenceError) as err:
         locate_component("text_encoder", ref)
@@ -129,9 +94,8 @@ def test_wrong_content_under_the_right_name_is_refused(tmp_path: Path, partial: 
 
 
 def test_wrong_copy_is_skipped_for_a_right_one_elsewhere(tmp_path: Path, partial: Path, hf_env: Path, caplog) -> None:
-    add_to_hf_cache(corrupted_copy(tmp_path, "vae", "diffusion_pytorch_model.safetensors"), "org/tiny-sd",
-                    cache_dir=hf_env)
-    add_to_hf_cache(TINY_SD, "mirror/tiny-sd", cache_dir=hf_env)
+    cached(hf_env, corrupted_copy(tmp_path, "vae", "diffusion_pytorch_model.safetensors"))
+    cached(hf_env, repo="mirror/tiny-sd")
     with caplog.at_level(logging.WARNING, logger="dduf_plus"):
         loc = locate_component("vae", references(partial)["vae"])
     assert loc.how == "hf cache by content" and loc.verified
@@ -176,7 +140,7 @@ def test_download_fetches_only_the_component(partial: Path, hf_env: Path, monkey
     def fake_download(repo_id, *, revision=None, allow_patterns=None, cache_dir=None, token=None, **kw):
         calls.append((repo_id, revision, sorted(allow_patterns), token))
         files = {p: TINY_SD / p for p in allow_patterns}
-        return str(add_to_hf_cache(TINY_SD, repo_id, cache_dir=hf_env, files=files))
+        return str(cached(hf_env, repo=repo_id, files=files))
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
     loc = locate_component("vae", references(partial)["vae"], token="hf_x")
@@ -220,7 +184,7 @@ def test_small_files_known_only_by_git_id_are_verified(tmp_path: Path, hf_env: P
     folder = tmp_path / "no-te"
     shutil.copytree(TINY_SD, folder)
     shutil.rmtree(folder / "text_encoder")
-    add_to_hf_cache(TINY_SD, "org/tiny-sd", cache_dir=hf_env)
+    cached(hf_env)
     out = tmp_path / "p.dduf"
     pack_partial(folder, out, exclude=["text_encoder"], refs={"*": "org/tiny-sd"}, quiet=True)
     ref = references(out)["text_encoder"]
@@ -232,7 +196,7 @@ def test_small_files_known_only_by_git_id_are_verified(tmp_path: Path, hf_env: P
 
 def test_resolve_component_gives_component_files(tmp_path: Path, partial: Path, hf_env: Path) -> None:
     files_mod = pytest.importorskip("dduf_plus.loading.files")
-    add_to_hf_cache(TINY_SD, "org/tiny-sd", cache_dir=hf_env)
+    cached(hf_env)
     refs = references(partial)
     files = resolve_component("vae", refs["vae"])
     assert isinstance(files, files_mod.FolderComponentFiles) and files.name == "vae"
@@ -254,7 +218,7 @@ def test_partial_archive_loads_like_the_full_folder(partial: Path, hf_env: Path)
     import torch
     from diffusers import DiffusionPipeline
 
-    add_to_hf_cache(TINY_SD, "org/tiny-sd", cache_dir=hf_env)
+    cached(hf_env)
 
     def run(pipe):
         return pipe("a photo of a cat", num_inference_steps=2, height=32, width=32, output_type="np",
@@ -270,7 +234,7 @@ def test_cli_refs(partial: Path, hf_env: Path, capsys) -> None:
     assert cli_main(["refs", str(partial), "--json"]) == 1  # nothing cached yet, offline
     rows = json.loads(capsys.readouterr().out)["references"]
     assert {r["component"]: r["status"] for r in rows} == dict.fromkeys(EXTERNAL, "unresolved")
-    add_to_hf_cache(TINY_SD, "mirror/other-name", cache_dir=hf_env)
+    cached(hf_env, repo="mirror/other-name")
     assert cli_main(["refs", str(partial), "--json", "--verify"]) == 0
     rows = json.loads(capsys.readouterr().out)["references"]
     assert all(r["status"] == "ok" and r["how"] == "hf cache by content" and r["verified"] for r in rows)

@@ -1,8 +1,9 @@
 """Content identity on this machine: hashing with a stat-keyed memory of verified files, and the
 Hugging Face cache layout (``models--org--name/{blobs,snapshots,refs}``).
 
-Standard library only. Nothing here imports huggingface_hub: paths come from the same environment
-variables it reads, evaluated at call time (so tests and long-running processes can change them)."""
+Standard library at import time (``dduf refs`` and ``dduf validate`` stay fast): paths come from the same
+environment variables huggingface_hub reads, evaluated at call time (so tests and long-running processes can
+change them); the git blob hash is huggingface_hub's, imported on first use."""
 
 from __future__ import annotations
 
@@ -62,7 +63,10 @@ def dduf_cache_dir() -> Path:
 
 
 def repo_folder_name(repo_id: str, repo_type: str = "model") -> str:
-    return f"{repo_type}s--" + repo_id.replace("/", "--")
+    """``org/name`` -> ``models--org--name``, as ``huggingface_hub.file_download.repo_folder_name``. Not
+    imported from there: that module pulls in huggingface_hub's HTTP stack (about 1 s here, measured), on
+    the offline cache lookups of ``dduf refs``; tests/test_hf_cache_layouts.py checks the two agree."""
+    return "--".join([f"{repo_type}s", *repo_id.split("/")])
 
 
 def is_lfs_by_default(filename: str, size: int) -> bool:
@@ -85,10 +89,11 @@ def sha256_file(path: str | os.PathLike) -> str:
 
 
 def git_blob_sha1(data: bytes) -> str:
-    """The git object id of a blob: what the Hub reports (and the cache names blobs) for non-LFS files."""
-    h = hashlib.sha1(b"blob %d\0" % len(data), usedforsecurity=False)
-    h.update(data)
-    return h.hexdigest()
+    """The git object id of a blob: what the Hub reports (and the cache names blobs) for non-LFS files.
+    huggingface_hub's own (``utils.sha.git_hash``; a light module, imported on first use)."""
+    from huggingface_hub.utils.sha import git_hash
+
+    return git_hash(data)
 
 
 def git_blob_sha1_file(path: str | os.PathLike) -> str:
