@@ -366,3 +366,26 @@ def test_other_commands_do_not_import_starlette():
     code = ("import sys; from dduf_plus.cli import main; main(['validate', '-q', sys.argv[1]]); "
             "assert 'starlette' not in sys.modules and 'uvicorn' not in sys.modules")
     subprocess.run([sys.executable, "-c", code, str(HOSTILE / "valid.dduf")], check=True)
+
+
+def test_hub_token_only_for_the_webhooks_own_reads(tmp_path, caplog):
+    """A stranger's URL never carries the server's token (it could read private repos); the webhook's do."""
+    fake_hub(tmp_path / "hub")
+    seen: list[tuple[str, str | None]] = []
+    with FileServer(tmp_path / "hub", on_request=lambda m, p, h: seen.append((p, h.get("Authorization")))) as hub, \
+            running(Settings(endpoint=hub.url(), allow_private=True, webhook_secret="s", token="hf_TOKEN")) as (base, _):
+        caplog.set_level("INFO", logger="dduf_plus.serve")
+        url = hub.url(f"org/pipe/resolve/{NEW}/model.dduf")
+        assert httpx.post(f"{base}/v1/validate", json={"url": url}).status_code == 200
+        assert seen and all(auth is None for _, auth in seen)
+        seen.clear()
+        assert httpx.post(f"{base}/v1/webhook", json=payload(), headers={"X-Webhook-Secret": "s"}, timeout=60).status_code == 200
+        assert seen and all(auth == "Bearer hf_TOKEN" for _, auth in seen)
+        too_big = httpx.post(f"{base}/v1/webhook", content=b"[" * (2 << 20), headers={"X-Webhook-Secret": "s"})
+        assert too_big.status_code == 400
+    assert "hf_TOKEN" not in caplog.text and "Bearer" not in caplog.text
+
+
+def test_urlencoded_form(service):
+    got = service[0].post("/v1/validate", data={"url": service[2].url("valid.dduf"), "strict": "true"})
+    assert got.status_code == 200 and got.json()["files"][0]["valid"]

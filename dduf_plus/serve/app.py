@@ -22,7 +22,7 @@ import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
@@ -40,6 +40,7 @@ from .webhook import ReportStore, check_commit, commits, report_path
 
 logger = logging.getLogger(__name__)
 MAX_JSON_BODY = 64 << 10
+MAX_WEBHOOK_BODY = 1 << 20
 TRUE = ("1", "true", "yes", "on")
 
 
@@ -75,6 +76,16 @@ def _for_log(url: str) -> str:
     return f"{parts.scheme}://{parts.hostname}{parts.path}"
 
 
+async def _read_limited(request: Request, limit: int) -> bytes:
+    """A small body (JSON, a URL-encoded form, a webhook payload), refused past ``limit`` while reading."""
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise TooLarge(f"this request body is at most {limit} bytes")
+    return bytes(body)
+
+
 class Service:
     """State shared by the routes: settings, the validator, the private temporary folder, the reports."""
 
@@ -96,21 +107,16 @@ class Service:
         if declared and declared.isdigit() and int(declared) > limit + (64 << 10):
             raise TooLarge(f"the upload ({declared} bytes) is over the limit of {limit} bytes")
         if ctype.startswith("application/json"):
-            body = b""
-            async for chunk in request.stream():
-                body += chunk
-                if len(body) > MAX_JSON_BODY:
-                    raise TooLarge(f"a JSON request is at most {MAX_JSON_BODY} bytes")
             try:
-                fields = json.loads(body)
+                fields = json.loads(await _read_limited(request, MAX_JSON_BODY))
             except ValueError as e:
                 raise BadForm(f"the body is not JSON: {e}") from None
             if not isinstance(fields, dict):
                 raise BadForm('expected a JSON object {"url": ...}')
             return None, fields
         if ctype.startswith("application/x-www-form-urlencoded"):
-            form = await request.form(max_files=0, max_fields=8)
-            return None, {k: str(v) for k, v in form.items()}
+            text = (await _read_limited(request, MAX_JSON_BODY)).decode("utf-8", "replace")
+            return None, {k: v[0] for k, v in parse_qs(text, max_num_fields=8).items()}
         if ctype.startswith("multipart/form-data"):
             upload = await spool_form(request.stream(), ctype, self.temp, limit)
             return (upload if upload.path else None), dict(upload.fields)
@@ -136,8 +142,9 @@ class Service:
             if not isinstance(url, str) or not url.strip():
                 raise BadForm('give a file (raw body or multipart "file") or {"url": ...}')
             logger.info("validate url %s", _for_log(url.strip()))
+            # no Hub token here: a stranger's URL must not read what the server's token can (private repos)
             return await self.validator.run(slot, check_url_source, url.strip(), flags["verify"], flags["strict"],
-                                            self.settings)
+                                            self.settings, False)
 
 
 def _routes(service: Service) -> list[Route]:
@@ -203,10 +210,9 @@ async def _webhook(service: Service, request: Request) -> Response:
         logger.warning("webhook: wrong or missing X-Webhook-Secret")
         return JSONResponse({"error": "wrong or missing X-Webhook-Secret", "status": 401}, status_code=401)
     try:
-        body = await request.body() if int(request.headers.get("content-length") or 0) <= MAX_JSON_BODY * 16 else b""
-        payload = json.loads(body)
-    except (ValueError, ClientDisconnect):
-        return JSONResponse({"error": "the payload is not JSON (or over 1 MiB)", "status": 400}, status_code=400)
+        payload = json.loads(await _read_limited(request, MAX_WEBHOOK_BODY))
+    except (ValueError, TooLarge, ClientDisconnect) as e:
+        return JSONResponse({"error": f"the payload is not JSON: {e}", "status": 400}, status_code=400)
     results = []
     for commit in commits(payload):
         url = report_path(str(commit["repo"]), str(commit["sha"]))

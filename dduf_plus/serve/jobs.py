@@ -109,12 +109,13 @@ def check_file(path: str, name: str, verify: bool, strict: bool) -> dict[str, An
     return _renamed({"files": [report], "info": info}, path, name)
 
 
-def check_url_source(url: str, verify: bool, strict: bool, settings: Settings) -> dict[str, Any]:
-    """The response for a URL: range reads over one connection, within the time and byte limits."""
+def check_url_source(url: str, verify: bool, strict: bool, settings: Settings, use_token: bool) -> dict[str, Any]:
+    """The response for a URL: range reads over one connection, within the time and byte limits. The Hub
+    token goes with the requests only when ``use_token`` (the webhook's own reads of the configured hub)."""
     check_url(url, settings)
     max_bytes = settings.max_url_bytes * (2 if verify else 1)
     source = PeerCheckedSource(url, settings, deadline=settings.time_limit, max_bytes=max_bytes,
-                               headers=auth_headers(url, settings))
+                               headers=auth_headers(url, settings) if use_token else {})
     try:
         report = validate(source, verify=verify, strict=strict).as_dict()
         info = None

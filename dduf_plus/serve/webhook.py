@@ -94,7 +94,7 @@ def check_commit(settings: Settings, commit: dict[str, Any], verify: bool = Fals
     for name in files[:MAX_FILES]:
         url = base + quote(name, safe="/")
         try:
-            result = check_url_source(url, verify, False, settings)
+            result = check_url_source(url, verify, False, settings, True)
         except DDUFError as e:
             record["unreadable"].append({"path": url, "error": str(e)})
             record["valid"] = False
