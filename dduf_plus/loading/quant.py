@@ -36,7 +36,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import DDUFLoadError, DDUFPackError
+from ..format.confined import Confined
 from ..format.quantization import QMAP_NAME, quantization_method, quanto_index_record  # noqa: F401 (re-exported)
+from ..packing.meta_model import is_diffusers_model, meta_model
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -121,10 +123,10 @@ def quanto_state(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor], byte
         if type(value) is not torch.Tensor:  # quanto flattens its tensors; anything else is a bug upstream
             raise DDUFPackError(f"{name}: state_dict holds a {type(value).__name__}, not a plain tensor")
         tensor = value.detach().to("cpu").contiguous()
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        key = (tensor.untyped_storage().data_ptr(), int(tensor.storage_offset()))
         if tensor.numel() and key in storages:
             tensor = tensor.clone()  # tied/shared storage: safetensors stores each tensor once
-        storages.add((tensor.untyped_storage().data_ptr(), tensor.storage_offset()))
+        storages.add((tensor.untyped_storage().data_ptr(), int(tensor.storage_offset())))
         out[name] = tensor
     return out, (json.dumps(qmap, indent=4, sort_keys=True) + "\n").encode()
 
@@ -154,11 +156,12 @@ def save_quanto_component(module: torch.nn.Module, folder: str | os.PathLike, *,
     folder.mkdir(parents=True, exist_ok=True)
     for old in folder.glob("*.safetensors*"):
         old.unlink()  # a previous (unquantized) save's shards would be picked up as weights
-    if hasattr(module, "save_config"):
-        module.save_config(folder)
-    elif getattr(module, "config", None) is not None and hasattr(module.config, "save_pretrained"):
-        module.config.save_pretrained(folder)
-    name = weights_name or ("diffusion_pytorch_model.safetensors" if _is_diffusers_class(type(module))
+    config = getattr(module, "config", None)
+    if callable(save_config := getattr(module, "save_config", None)):  # diffusers ModelMixin
+        save_config(folder)
+    elif config is not None and hasattr(config, "save_pretrained"):  # transformers PreTrainedModel
+        config.save_pretrained(folder)
+    name = weights_name or ("diffusion_pytorch_model.safetensors" if is_diffusers_model(type(module))
                             else "model.safetensors")
     from ..format import spec
 
@@ -172,12 +175,10 @@ def save_quanto_component(module: torch.nn.Module, folder: str | os.PathLike, *,
         position += t.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    tmp = folder / f".{name}.partial"
-    with open(tmp, "wb") as f:
-        f.write(len(raw).to_bytes(8, "little") + raw)
+    with Confined(folder).atomic(folder / name, fsync=False, mode=0o644) as out:  # exclusive temp, then rename
+        out.file.write(len(raw).to_bytes(8, "little") + raw)
         for key in order:  # little-endian hosts, as safetensors requires
-            f.write(tensors[key].reshape(-1).view(torch.uint8).numpy().data)
-    os.replace(tmp, folder / name)
+            out.file.write(tensors[key].reshape(-1).view(torch.uint8).numpy().data)
     (folder / QMAP_NAME).write_bytes(qmap)
     return folder
 
@@ -198,32 +199,13 @@ def _torch_dtype(dtype: Any) -> torch.dtype | None:
     return value
 
 
-def _is_diffusers_class(model_cls: type) -> bool:
-    try:
-        from diffusers import ModelMixin
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(model_cls, type) and issubclass(model_cls, ModelMixin)
-
-
-def _empty_model(model_cls: type, config: Mapping[str, Any], where: str) -> torch.nn.Module:
-    """The model with its parameters on the meta device (buffers stay real: non-persistent ones such
-    as position ids are not in the archive and must exist)."""
-    from accelerate import init_empty_weights
-
-    config = {k: v for k, v in config.items() if k != "quantization_config"}
-    try:
-        with init_empty_weights(include_buffers=False):
-            if _is_diffusers_class(model_cls):
-                return model_cls.from_config(config)
-            config_class = getattr(model_cls, "config_class", None)
-            if config_class is None:
-                raise DDUFLoadError(f"{where}: {model_cls.__name__} is neither a diffusers nor a transformers model")
-            return model_cls(config_class.from_dict(config))
-    except DDUFLoadError:
-        raise
-    except Exception as e:  # model code can raise anything for a bad config
-        raise DDUFLoadError(f"{where}: cannot build {model_cls.__name__} from its config: {e}") from e
+def _empty_model(model_cls: type[Any], config: Mapping[str, Any], where: str) -> torch.nn.Module:
+    """The model on the meta device (:func:`~dduf_plus.packing.meta_model.meta_model`); a class that is
+    neither a diffusers nor a transformers model is refused."""
+    model = meta_model(model_cls, config, where)
+    if model is None:
+        raise DDUFLoadError(f"{where}: {model_cls.__name__} is neither a diffusers nor a transformers model")
+    return model
 
 
 def _check_qmap(qmap: Any, quanto: Any, where: str) -> dict[str, dict[str, Any]]:
@@ -291,7 +273,7 @@ def _tied_keys(model: torch.nn.Module) -> set[str]:
 
 
 def load_quanto_component(
-    model_cls: type,
+    model_cls: type[Any],
     config: Mapping[str, Any],
     files: Any,
     *,
@@ -322,33 +304,50 @@ def load_quanto_component(
             or unexpected, or a layer quanto cannot build.
     """
     quanto = _require_quanto()
-    import torch
-
-    where = getattr(files, "description", None) or getattr(files, "name", "component")
-    if qmap is None:
-        try:
-            qmap = files.read_json(QMAP_NAME)
-        except Exception as e:  # the protocol's own errors: missing entry, bad JSON
-            raise DDUFLoadError(f"{where}: cannot read {QMAP_NAME}: {e}") from e
-    qmap = _check_qmap(qmap, quanto, where)
+    where = str(getattr(files, "description", None) or getattr(files, "name", "component"))
+    qmap = _check_qmap(_read_qmap(files, where) if qmap is None else qmap, quanto, where)
     target_dtype = _torch_dtype(dtype)
     model = _empty_model(model_cls, config, where)
     _quantize_skeleton(model, qmap, quanto, where)
-    expected = _expected_keys(model, quanto)
-
     state = dict(files.tensors(files.weight_files(variant)))
+    _check_state_keys(state, _expected_keys(model, quanto), model, f"{where}: stored tensors do not match the "
+                      f"quantized {model_cls.__name__}")
+    _realign_int8(state, target_dtype, where)
+    if target_dtype is not None:
+        _cast_floating(state, target_dtype, set(getattr(model, "_keep_in_fp32_modules", None) or []))
+    # assign=True: quanto's QModuleMixin._load_from_state_dict wraps the stored `_data`/`_scale` views
+    # into its weight tensors and assigns them; every other tensor is assigned as is (no copy).
+    model.load_state_dict(state, strict=False, assign=True)
+    return _finish(model, where, device)
+
+
+def _read_qmap(files: Any, where: str) -> Any:
+    try:
+        return files.read_json(QMAP_NAME)
+    except Exception as e:  # the protocol's own errors: missing entry, bad JSON
+        raise DDUFLoadError(f"{where}: cannot read {QMAP_NAME}: {e}") from e
+
+
+def _check_state_keys(state: Mapping[str, Any], expected: set[str], model: torch.nn.Module, problem: str) -> None:
+    """The stored tensors are exactly the quantized model's state-dict keys (tied ones may be absent)."""
     missing = expected - set(state) - _tied_keys(model)
     unexpected = set(state) - expected
     if missing or unexpected:
         shown = ", ".join(sorted(missing)[:5]) or "-"
         extra = ", ".join(sorted(unexpected)[:5]) or "-"
-        raise DDUFLoadError(f"{where}: stored tensors do not match the quantized {model_cls.__name__} "
-                            f"({len(missing)} missing: {shown}; {len(unexpected)} unexpected: {extra})")
+        raise DDUFLoadError(f"{problem} ({len(missing)} missing: {shown}; {len(unexpected)} unexpected: {extra})")
+
+
+def _realign_int8(state: dict[str, Any], target_dtype: torch.dtype | None, where: str) -> None:
+    """Copy the int8 weights quanto's bf16 CPU kernel would read misaligned.
+
+    quanto runs bf16 x int8 on CPU with torch._weight_int8pack_mm, which crashes (SIGSEGV) on int8 weights
+    that are not 16-byte aligned. Only that path needs them aligned; a file written in aligned_order()
+    order (save_quanto_component does) needs no copy."""
+    import torch
+
     realigned = 0
     for key, tensor in state.items():
-        # quanto runs bf16 x int8 on CPU with torch._weight_int8pack_mm, which crashes (SIGSEGV) on int8
-        # weights that are not 16-byte aligned. Only that path needs them aligned; a file written in
-        # aligned_order() order (save_quanto_component does) needs no copy.
         scale = state.get(key[: -len("_data")] + "_scale") if key.endswith("._data") else None
         if (tensor.dtype == torch.int8 and scale is not None and scale.dtype == torch.bfloat16
                 and (target_dtype in (None, torch.bfloat16)) and tensor.data_ptr() % KERNEL_ALIGNMENT):
@@ -356,19 +355,23 @@ def load_quanto_component(
             realigned += tensor.nbytes
     if realigned:
         logger.info("%s: copied %d bytes of int8 weights not aligned for quanto's bf16 kernel", where, realigned)
-    if target_dtype is not None:
-        keep = set(getattr(model, "_keep_in_fp32_modules", None) or [])
-        for key, tensor in state.items():
-            # Quantized values (`._data`) keep their integer/fp8 dtype; scales, shifts, biases and
-            # unquantized layers take the compute dtype, except modules the class keeps in fp32.
-            if (tensor.is_floating_point() and tensor.dtype != target_dtype and "._data" not in key
-                    and not any(m in key.split(".") for m in keep)):
-                state[key] = tensor.to(target_dtype)
-    # assign=True: quanto's QModuleMixin._load_from_state_dict wraps the stored `_data`/`_scale` views
-    # into its weight tensors and assigns them; every other tensor is assigned as is (no copy).
-    model.load_state_dict(state, strict=False, assign=True)
-    if _tied_keys(model) and hasattr(model, "tie_weights"):
-        model.tie_weights()
+
+
+def _cast_floating(state: dict[str, Any], target_dtype: torch.dtype, keep_fp32: set[str]) -> None:
+    """Quantized values (`._data`) keep their integer/fp8 dtype; scales, shifts, biases and unquantized
+    layers take the compute dtype, except modules the class keeps in fp32."""
+    for key, tensor in state.items():
+        if (tensor.is_floating_point() and tensor.dtype != target_dtype and "._data" not in key
+                and not any(m in key.split(".") for m in keep_fp32)):
+            state[key] = tensor.to(target_dtype)
+
+
+def _finish(model: torch.nn.Module, where: str, device: Any) -> torch.nn.Module:
+    """Tie weights, check nothing is left on the meta device, freeze, move to ``device``."""
+    import torch
+
+    if _tied_keys(model) and callable(tie_weights := getattr(model, "tie_weights", None)):
+        tie_weights()
     on_meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if on_meta:
         raise DDUFLoadError(f"{where}: {len(on_meta)} tensors were not loaded (first: {on_meta[0]})")
@@ -399,7 +402,7 @@ def quanto_qmap_from_config(model: torch.nn.Module, quantization_config: Mapping
 
 
 def load_with_diffusers_quantizer(
-    model_cls: type,
+    model_cls: type[Any],
     config: Mapping[str, Any],
     files: Any,
     *,
@@ -417,7 +420,7 @@ def load_with_diffusers_quantizer(
     Raises:
         DDUFLoadError: the quantizer's library is missing or refuses this machine (the message says which).
     """
-    where = getattr(files, "description", None) or getattr(files, "name", "component")
+    where = str(getattr(files, "description", None) or getattr(files, "name", "component"))
     method = quantization_method(config)
     if method is None:
         raise DDUFLoadError(f"{where}: config.json has no quantization_config.quant_method")
@@ -441,10 +444,10 @@ def load_with_diffusers_quantizer(
     folder = files.local_dir(files.listdir())  # a folder component: its own path, nothing is copied
     # A verified local folder: nothing is fetched and no code from the files runs.
     kwargs: dict[str, Any] = {"local_files_only": True}
-    if not _is_diffusers_class(model_cls):
+    if not is_diffusers_model(model_cls):
         kwargs["trust_remote_code"] = False
     if target_dtype is not None:
-        kwargs["torch_dtype" if _is_diffusers_class(model_cls) else "dtype"] = target_dtype
+        kwargs["torch_dtype" if is_diffusers_model(model_cls) else "dtype"] = target_dtype
     if device is not None:
         kwargs["device_map"] = str(device)
     if variant is not None:
