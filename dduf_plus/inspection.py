@@ -7,7 +7,6 @@ numbers are the ones the archive index and ``dduf info`` show: both use
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Callable, Iterable
@@ -17,9 +16,9 @@ from typing import Any, TypedDict
 from .errors import DDUFError
 from .format import spec
 from .format.index import summarize
-from .format.safetensors_header import SafetensorsHeader, TensorInfo, read_safetensors_header
-from .format.source import LocalSource, is_url
-from .format.structure import component_specs
+from .format.safetensors_header import SafetensorsHeader, TensorInfo, read_file_header
+from .format.source import is_url
+from .format.structure import component_specs, model_index_object
 from .format.weights import select_weights, tensor_files
 
 logger = logging.getLogger(__name__)
@@ -121,22 +120,11 @@ def _from_folder(root: Path, variant: str | None) -> dict[str, ComponentDtypes]:
 def _read_model_index(raw: bytes | None, where: str) -> dict[str, Any]:
     if raw is None:
         raise DDUFError(f"{where}: no model_index.json (is this a diffusers pipeline?)")
-    try:
-        value = json.loads(raw)
-    except ValueError as e:
-        raise DDUFError(f"{where}: model_index.json is not valid JSON ({e})") from None
-    if not isinstance(value, dict):
-        raise DDUFError(f"{where}: model_index.json must hold a JSON object")
-    return value
+    return model_index_object(raw, f"{where}/{spec.MODEL_INDEX}", DDUFError)
 
 
 def _file_header(path: Path, entry: str) -> SafetensorsHeader:
-    with LocalSource(path) as source:
-        header, problems = read_safetensors_header(source.read_at, 0, source.size, entry)
-    errors = [p for p in problems if p.severity == "error"]
-    if header is None or errors:
-        raise DDUFError(f"{path}: not a valid safetensors file: {(errors or problems)[0]}")
-    return header
+    return read_file_header(path, entry, DDUFError)
 
 
 # --- the Hub -----------------------------------------------------------------------------------------

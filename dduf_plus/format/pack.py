@@ -15,8 +15,8 @@ from .._version import __version__
 from ..errors import DDUFNotFoundError, DDUFPackError
 from . import spec
 from .index import build_index
-from .safetensors_header import SafetensorsHeader, read_safetensors_header
-from .structure import component_specs
+from .safetensors_header import SafetensorsHeader, read_file_header
+from .structure import component_specs, model_index_object
 from .weights import classify, select_weights
 from .writer import DDUFWriter, check_entry_name
 
@@ -84,12 +84,7 @@ def plan_folder(folder: str | os.PathLike, *, variant: str | None = None, exclud
     if not mi_path.is_file():
         raise DDUFPackError(f"{root}: no model_index.json (is this a diffusers pipeline folder?)")
     raw = mi_path.read_bytes()
-    try:
-        model_index = json.loads(raw)
-    except ValueError as e:
-        raise DDUFPackError(f"{mi_path}: not valid JSON ({e})") from None
-    if not isinstance(model_index, dict):
-        raise DDUFPackError(f"{mi_path}: must hold a JSON object")
+    model_index = model_index_object(raw, str(mi_path), DDUFPackError)
     specs = component_specs(model_index)
     unknown = sorted(set(exclude) - set(specs))
     if unknown:
@@ -178,17 +173,7 @@ def _plan_component(root: Path, component: str, variant: str | None) -> tuple[li
 
 
 def _read_header(path: Path, entry: str) -> SafetensorsHeader:
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        def read_at(offset: int, length: int) -> bytes:
-            f.seek(offset)
-            return f.read(length)
-
-        header, problems = read_safetensors_header(read_at, 0, size, entry)
-    errors = [p for p in problems if p.severity == "error"]
-    if header is None or errors:
-        raise DDUFPackError(f"{path}: not a valid safetensors file: {(errors or problems)[0]}")
-    return header
+    return read_file_header(path, entry, DDUFPackError)
 
 
 class _NoProgress:

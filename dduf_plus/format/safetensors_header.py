@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
 from itertools import chain, compress, repeat
 from math import prod
 from operator import attrgetter, itemgetter, methodcaller, mul, not_, sub
 from typing import NamedTuple
 
+from ..errors import DDUFFormatError
 from . import spec
 from .findings import Finding, finding
 from .json_budget import depth_of, skeleton, value_bound
@@ -246,3 +248,27 @@ def read_safetensors_header(read_at, entry_offset: int, entry_size: int, entry: 
         return None, [finding("S001", entry, f"header length {header_length} exceeds the entry or 100 MB")]
     raw = read_at(entry_offset + 8, header_length)
     return parse_header(raw, header_length, entry_size, entry, max_tensors=max_tensors)
+
+
+def checked(header: SafetensorsHeader | None, problems: list[Finding], where: str,
+            error: type[Exception] | None = None) -> SafetensorsHeader:
+    """The header a :func:`read_safetensors_header` / :func:`parse_header` result holds, or ``error``
+    (default :class:`DDUFFormatError`) saying ``where`` is not a valid safetensors file and why."""
+    errors = [p for p in problems if p.severity == "error"]
+    if header is None or errors:
+        raise (error or DDUFFormatError)(f"{where} is not a valid safetensors file: {(errors or problems)[0]}")
+    return header
+
+
+def read_file_header(path: str | os.PathLike, entry: str, error: type[Exception] | None = None) -> SafetensorsHeader:
+    """The checked header of the safetensors file at ``path`` (``entry``: its name in findings); reads the
+    header only (positioned reads), never the tensor data."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+
+        def read_at(offset: int, length: int) -> bytes:
+            f.seek(offset)
+            return f.read(length)
+
+        header, problems = read_safetensors_header(read_at, 0, size, entry)
+    return checked(header, problems, os.fspath(path), error)

@@ -18,15 +18,37 @@ def parse_json(raw: bytes, entry: str, *, code: str = "D007") -> tuple[object, l
     budget of its kind (:func:`spec.json_budget`: model_index.json, the dduf_plus index, configs) and, for
     every entry, nesting depth (spec.MAX_JSON_DEPTH), so the parser's memory and stack stay bounded whatever
     the recursion limit. ``code`` names a parse failure."""
-    budget = spec.json_budget(entry)
-    problem = check_json(bytes(raw), max_bytes=budget.bytes if budget else None,
-                         max_values=budget.values if budget else None, max_depth=spec.MAX_JSON_DEPTH)
+    problem = _over_budget(raw, entry)
     if problem is not None:
-        return None, [finding("D013", entry, problem.message)]
+        return None, [finding("D013", entry, problem)]
     try:
         return json.loads(raw), []
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
         return None, [finding(code, entry, f"does not parse as JSON: {e}")]
+
+
+def _over_budget(raw: bytes, entry: str) -> str | None:
+    """Why ``raw`` is over the JSON budget of its kind (:func:`spec.json_budget`) or too deep; None if not."""
+    budget = spec.json_budget(entry)
+    problem = check_json(bytes(raw), max_bytes=budget.bytes if budget else None,
+                         max_values=budget.values if budget else None, max_depth=spec.MAX_JSON_DEPTH)
+    return None if problem is None else problem.message
+
+
+def model_index_object(raw: bytes, where: str, error: type[Exception]) -> dict[str, Any]:
+    """The one model_index.json parser outside an archive's validation (``dduf pack``, ``inspect_dtypes``):
+    its object, budget-checked as an archive's is (so a pack never writes what validate refuses), or
+    ``error`` naming ``where`` (the file) and the rule."""
+    problem = _over_budget(raw, spec.MODEL_INDEX)
+    if problem is not None:
+        raise error(f"{where}: {problem}")
+    try:
+        value = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise error(f"{where}: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise error(f"{where}: must hold a JSON object")
+    return value
 
 
 def component_specs(model_index: Mapping[str, Any]) -> dict[str, tuple[str | None, str | None]]:

@@ -27,7 +27,7 @@ from ..format import cache_dirs, spec
 from ..format.archive import DDUFArchive, tensor_view
 from ..format.cache_dirs import CACHE_ENV
 from ..format.confined import Confined, plain_name
-from ..format.safetensors_header import SafetensorsHeader, TensorInfo, read_safetensors_header
+from ..format.safetensors_header import SafetensorsHeader, TensorInfo, checked, read_safetensors_header
 from ..format.weights import classify, select_weights, tensor_files
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -374,10 +374,7 @@ class FolderComponentFiles:
                 if size == 0:
                     raise DDUFFormatError(f"{where} is empty, not a safetensors file")
                 mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-            header, problems = read_safetensors_header(lambda o, n: mm[o : o + n], 0, size, filename)
-            errors = [p for p in problems if p.severity == "error"]
-            if header is None or errors:
-                raise DDUFFormatError(f"{where} is not a valid safetensors file: {(errors or problems)[0]}")
+            header = checked(*read_safetensors_header(lambda o, n: mm[o : o + n], 0, size, filename), where)
             self._maps[filename] = (mm, header)
         return self._maps[filename]
 
