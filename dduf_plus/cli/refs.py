@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
             echo(f"      -> {r['how']}: {r['resolves_to']}{member}  [{state}]")
         elif r["status"] == "download":
             echo("      -> not on this machine: only its entries will be fetched from the hosted archive when loaded"
-                 if r.get("remote") == "url" else "      -> not on this machine: will be downloaded from the Hub when loaded")
+                 if r.get("source_kind") == "url" else "      -> not on this machine: will be downloaded from the Hub when loaded")
         else:
             lines = r["reason"].splitlines()
             echo("      -> DIFFERS: a copy is here but its content is not the referenced one:"

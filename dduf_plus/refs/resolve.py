@@ -647,11 +647,12 @@ def check_references(
             where = loc.archive if loc.archive is not None else loc.folder
             row.update(status="ok", how=loc.how, resolves_to=str(where), verified=loc.verified,
                        member=loc.member, reason=None)
-        row["remote"] = "url" if spec_kind(reference) == "url" else "hub"
+        row["source_kind"] = spec_kind(reference)  # "hub", "url", "folder", "dduf" or None (no source)
         out.append(row)
     return out
 
 
 def spec_kind(reference: Any) -> str | None:
+    """The kind of source a reference records (see :class:`Spec`), None when it records none or is malformed."""
     spec = reference_spec(reference) if isinstance(reference, Mapping) else None
     return spec.kind if spec is not None else None
