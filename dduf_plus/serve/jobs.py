@@ -15,6 +15,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from ..errors import DDUFIOError
 from ..format.archive import DDUFArchive
 from ..format.describe import describe, describe_archive
 from ..format.validate import validate
@@ -113,10 +114,12 @@ def check_url_source(url: str, verify: bool, strict: bool, settings: Settings, u
     """The response for a URL: range reads over one connection, within the time and byte limits. The Hub
     token goes with the requests only when ``use_token`` (the webhook's own reads of the configured hub)."""
     check_url(url, settings)
-    max_bytes = settings.max_url_bytes * (2 if verify else 1)
-    source = PeerCheckedSource(url, settings, deadline=settings.time_limit, max_bytes=max_bytes,
+    # byte budget: the format layer's default (twice the size plus slack); the size itself is capped here
+    source = PeerCheckedSource(url, settings, deadline=settings.time_limit,
                                headers=auth_headers(url, settings) if use_token else {})
     try:
+        if source.size > settings.max_url_bytes:
+            raise DDUFIOError(f"{url}: {source.size} bytes is over the limit of {settings.max_url_bytes} for a URL")
         report = validate(source, verify=verify, strict=strict).as_dict()
         info = None
         if report["valid"]:

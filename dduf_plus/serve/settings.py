@@ -24,7 +24,7 @@ class Settings:
         allow_url_prefixes: URLs to validate must start with one of these; empty: only ``endpoint``.
         allow_private: also fetch from loopback, private and link-local addresses (tests, an internal hub).
         max_upload: largest upload in bytes (413 past it).
-        max_url_bytes: byte budget of one URL validation (range reads; twice this with verify).
+        max_url_bytes: largest archive validated by URL (502 past it; reads stay within twice its size).
         workers: validations running at once (threads); queue: how many more may wait for one (503 past it).
         time_limit: seconds one validation may take (504 past it; URL reads also stop at this deadline).
         webhook_secret: the shared secret of ``POST /v1/webhook`` (None: the webhook is disabled, 404).
