@@ -297,7 +297,7 @@ def _assemble(ctx: _Context, plan: _Plan) -> DiffusionPipeline:
         raise
     except Exception as e:
         raise DDUFLoadError(f"{ctx.path}: cannot create {pipeline_class.__name__}: {type(e).__name__}: {e}") from e
-    pipe.register_to_config(_name_or_path=ctx.path)
+    pipe.register_to_config(_name_or_path=ctx.path)  # type: ignore[attr-defined]
     bridged = install_bridge(pipe)
     if bridged:
         logger.info("%s: components in different dtypes, precision bridge on %s", ctx.path, ", ".join(bridged))

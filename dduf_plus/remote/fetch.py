@@ -118,7 +118,8 @@ class RemoteFetch:
         files = self.tail.file_records()
         ranges = []
         for record in self.tail.records:
-            info = files.get(record.name) if isinstance(files.get(record.name), dict) else {}
+            found = files.get(record.name)
+            info: dict[str, Any] = found if isinstance(found, dict) else {}
             data_at = info.get("offset")
             if not isinstance(data_at, int) or data_at < record.header_offset:
                 continue
@@ -246,6 +247,7 @@ class RemoteFetch:
                         break
                     while entry.upto < reach:
                         n = min(_HASH_BLOCK, reach - entry.upto)
+                        block: bytes | memoryview
                         if start <= entry.upto < start + len(data):  # the piece just received: no re-read
                             block = memoryview(data)[entry.upto - start:min(reach, start + len(data)) - start]
                         else:

@@ -31,13 +31,13 @@ class Tail(NamedTuple):
     data: bytes  # bytes [start, size)
     cd_offset: int
     records: list[CentralRecord]
-    index: dict[str, Any] | None
+    dduf_index: dict[str, Any] | None  # the parsed dduf_plus index (None: none, or unreadable)
     key: str  # sha256 of the size and the tail bytes
     fetched_at: int = 0  # every byte read, from here to the end (the first guess may reach before ``start``)
     fetched: bytes = b""
 
     def file_records(self) -> dict[str, dict[str, Any]]:
-        files = (self.index or {}).get("files")
+        files = (self.dduf_index or {}).get("files")
         return files if isinstance(files, dict) else {}
 
 
