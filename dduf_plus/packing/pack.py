@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..format.pack import PackResult, plan_folder, write_archive
+from ..format.quantization import QMAP_NAME, quanto_index_record
 
 
 def pack(
@@ -94,8 +95,7 @@ def _quanto_records(sources: Sequence[Any]) -> dict[str, Any] | None:
     records = {}
     for source in sources:
         component, _, filename = source.name.partition("/")
-        if filename == "quanto_qmap.json" and source.path is not None:
-            from ..format.quantization import quanto_index_record
+        if filename == QMAP_NAME and source.path is not None:
 
             try:
                 records[component] = quanto_index_record(json.loads(source.path.read_text()))

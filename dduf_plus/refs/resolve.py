@@ -28,6 +28,7 @@ from ..assignments import parse_assignments
 from ..errors import DDUFError, DDUFIntegrityError, DDUFReferenceError
 from ..format.confined import Confined, component_name_problem, plain_name
 from ..format.references import reference_problem
+from ..format.spec import CONFIG_FILES
 from . import cache as _cache
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -40,7 +41,6 @@ SpecLike = str | os.PathLike
 # --- SPEC syntax ---------------------------------------------------------------------------------------
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*(/[A-Za-z0-9_.\-]+)?$")
 _SUBFOLDER = re.compile(r"^[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*$")
-_CONFIG_FILES = ("config.json", "tokenizer_config.json", "preprocessor_config.json", "scheduler_config.json")
 
 
 class Spec(NamedTuple):
@@ -295,7 +295,7 @@ def _folder_candidate(how: str, spec: Spec, name: str, fallback_subfolder: str |
             if (root / sub).is_dir():
                 return "folder", root / sub
         if spec.subfolder is None and not (root / "model_index.json").is_file() and any(
-                (root / c).is_file() for c in _CONFIG_FILES):
+                (root / c).is_file() for c in CONFIG_FILES):
             return "folder", root
         raise _Skip(f"no {' or '.join(subs)} folder in {root}")
 
