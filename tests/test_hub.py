@@ -205,6 +205,8 @@ def test_pack_repo_variant_and_revision(hub: HubServer, tmp_path: Path) -> None:
     assert main(["pack", f"diffusers-org/tiny-sd@{commit}", "-o", str(out), "--variant", "fp16", "-q"]) == 0
     assert "vae/diffusion_pytorch_model.fp16.safetensors" in hub.downloads()
     assert "vae/diffusion_pytorch_model.safetensors" not in hub.downloads()
+    # no fp16 unet: its default weights, as from_pretrained(variant=) falls back
+    assert "unet/diffusion_pytorch_model-00001-of-00002.safetensors" in hub.downloads()
     with DDUFArchive(out) as archive:
         assert archive.components["vae"].files == ("config.json", "diffusion_pytorch_model.fp16.safetensors")
 
