@@ -106,6 +106,58 @@ async def spool_raw(chunks: AsyncIterator[bytes], folder: Path, name: str, limit
     return upload
 
 
+class _FormSink:
+    """python-multipart callbacks: the part named ``file`` (with a file name) into a spool, short text
+    fields into ``upload.fields``."""
+
+    def __init__(self, folder: Path, limit: int, upload: Upload):
+        self.folder, self.limit, self.upload = folder, limit, upload
+        self.headers: dict[bytes, bytes] = {}
+        self.field, self.value = b"", b""
+        self.text: tuple[str, bytearray] | None = None
+        self.spool: _Spool | None = None  # the file, once its part began
+        self.writing = False  # inside the file part now
+
+    def callbacks(self) -> Any:
+        return {"on_header_field": self._header_field, "on_header_value": self._header_value,
+                "on_header_end": self._header_end, "on_headers_finished": self._headers_done,
+                "on_part_data": self._data, "on_part_end": self._part_end}
+
+    def _header_field(self, buf: bytes, start: int, end: int) -> None:
+        self.field += buf[start:end]
+
+    def _header_value(self, buf: bytes, start: int, end: int) -> None:
+        self.value += buf[start:end]
+
+    def _header_end(self) -> None:
+        self.headers[self.field.lower()] = self.value
+        self.field, self.value = b"", b""
+
+    def _headers_done(self) -> None:
+        _, disposition = parse_options_header(self.headers.get(b"content-disposition", b""))
+        part = disposition.get(b"name", b"").decode("utf-8", "replace")
+        filename = disposition.get(b"filename")
+        if part == "file" and filename and self.spool is None:  # a form without a file sends filename=""
+            self.spool = _Spool(self.folder, display_name(filename.decode("utf-8", "replace")), self.limit, self.upload)
+            self.writing = True
+        else:
+            self.text = (part, bytearray())
+        self.headers = {}
+
+    def _data(self, buf: bytes, start: int, end: int) -> None:
+        if self.writing and self.spool is not None:
+            self.spool.add(buf[start:end])
+        elif self.text is not None:
+            self.text[1].extend(buf[start:end])
+            if len(self.text[1]) > MAX_FIELD:
+                raise BadForm(f"form field {self.text[0]!r} is over {MAX_FIELD} bytes")
+
+    def _part_end(self) -> None:
+        if self.text is not None:
+            self.upload.fields[self.text[0]] = self.text[1].decode("utf-8", "replace")
+        self.text, self.writing = None, False
+
+
 async def spool_form(chunks: AsyncIterator[bytes], content_type: str, folder: Path, limit: int) -> Upload:
     """A ``multipart/form-data`` body: the part named ``file`` into a temporary file, short text fields kept."""
     _, params = parse_options_header(content_type)
@@ -113,55 +165,19 @@ async def spool_form(chunks: AsyncIterator[bytes], content_type: str, folder: Pa
     if not boundary:
         raise BadForm("multipart body without a boundary")
     upload = Upload()
-    state: dict[str, Any] = {"headers": {}, "field": b"", "value": b"", "text": None, "spool": None}
-    spools: list[_Spool] = []
-
-    def header_end() -> None:
-        state["headers"][state["field"].lower()] = state["value"]
-        state["field"], state["value"] = b"", b""
-
-    def headers_done() -> None:
-        _, disposition = parse_options_header(state["headers"].get(b"content-disposition", b""))
-        part = disposition.get(b"name", b"").decode("utf-8", "replace")
-        if part == "file" and disposition.get(b"filename") and not spools:  # a form without a file sends filename=""
-            spools.append(_Spool(folder, display_name(disposition[b"filename"].decode("utf-8", "replace")), limit, upload))
-            state["spool"] = spools[0]
-        else:
-            state["text"], state["spool"] = (part, bytearray()), None
-        state["headers"] = {}
-
-    def data(buf: bytes, start: int, end: int) -> None:
-        if state["spool"] is not None:
-            state["spool"].add(buf[start:end])
-        elif state["text"] is not None:
-            state["text"][1].extend(buf[start:end])
-            if len(state["text"][1]) > MAX_FIELD:
-                raise BadForm(f"form field {state['text'][0]!r} is over {MAX_FIELD} bytes")
-
-    def part_end() -> None:
-        if state["text"] is not None:
-            key, value = state["text"]
-            upload.fields[key] = value.decode("utf-8", "replace")
-        state["text"], state["spool"] = None, None
-
-    callbacks: Any = {
-        "on_header_field": lambda b, s, e: state.__setitem__("field", state["field"] + b[s:e]),
-        "on_header_value": lambda b, s, e: state.__setitem__("value", state["value"] + b[s:e]),
-        "on_header_end": header_end, "on_headers_finished": headers_done,
-        "on_part_data": data, "on_part_end": part_end,
-    }
-    parser = MultipartParser(boundary, callbacks, max_size=limit + FORM_SLACK)
+    sink = _FormSink(folder, limit, upload)
+    parser = MultipartParser(boundary, sink.callbacks(), max_size=limit + FORM_SLACK)
     try:
         async for chunk in chunks:
             parser.write(chunk)
-            if spools:
-                await spools[0].flush()
+            if sink.spool is not None:
+                await sink.spool.flush()
         parser.finalize()
-        if spools:
-            await spools[0].flush(final=True)
+        if sink.spool is not None:
+            await sink.spool.flush(final=True)
     except BaseException as e:
-        for spool in spools:
-            spool.close()
+        if sink.spool is not None:
+            sink.spool.close()
         upload.discard()
         if isinstance(e, (TooLarge, BadForm)) or not isinstance(e, Exception):
             raise
