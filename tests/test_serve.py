@@ -322,6 +322,7 @@ def test_page_without_javascript(service):
     client = service[0]
     page = client.get("/")
     assert page.status_code == 200 and 'action="/check"' in page.text and "/static/app.js" in page.text
+    assert "default-src 'self'" in page.headers["content-security-policy"]
     assert client.get("/static/app.js").status_code == 200 and client.get("/static/../app.py").status_code == 404
     bad = client.post("/check", files={"file": ("absolute-name.dduf", (HOSTILE / "absolute-name.dduf").read_bytes())})
     assert bad.status_code == 200 and "INVALID" in bad.text and "Z008" in bad.text and "/etc/evil.json" in bad.text

@@ -42,6 +42,9 @@ logger = logging.getLogger(__name__)
 MAX_JSON_BODY = 64 << 10
 MAX_WEBHOOK_BODY = 1 << 20
 TRUE = ("1", "true", "yes", "on")
+# the page loads only its own script and style; archive content is rendered as text, and cannot be framed
+PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; frame-ancestors 'none'; form-action 'self'",
+                "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer"}
 
 
 class _Failure(Exception):
@@ -165,7 +168,7 @@ def _routes(service: Service) -> list[Route]:
         except Exception as e:  # noqa: BLE001
             status = _status(e)
             html = page.render_result(None, str(e))
-        return HTMLResponse(page.render_page(html), status_code=status)
+        return HTMLResponse(page.render_page(html), status_code=status, headers=PAGE_HEADERS)
 
     async def rules(_request: Request) -> Response:
         return JSONResponse({"rules": [
@@ -173,13 +176,13 @@ def _routes(service: Service) -> list[Route]:
              "meaning": r.meaning, "why": r.why, "fix": r.fix} for r in RULES.values()]})
 
     async def index(_request: Request) -> Response:
-        return HTMLResponse(page.render_page())
+        return HTMLResponse(page.render_page(), headers=PAGE_HEADERS)
 
     async def static(request: Request) -> Response:
         name = request.path_params["name"]
         if name not in page.STATIC:
             return Response(status_code=404)
-        return Response(page.static_text(name), media_type=page.STATIC[name])
+        return Response(page.static_text(name), media_type=page.STATIC[name], headers=PAGE_HEADERS)
 
     async def webhook(request: Request) -> Response:
         return await _webhook(service, request)
