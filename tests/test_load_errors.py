@@ -21,6 +21,7 @@ from dduf_plus.errors import (  # noqa: E402
     DDUFError,
     DDUFIntegrityError,
     DDUFLoadError,
+    DDUFNotFoundError,
     DDUFReferenceError,
     DDUFValidationError,
 )
@@ -164,7 +165,7 @@ def test_bad_arguments(tmp_path):
     if not torch.cuda.is_available():
         with pytest.raises(DDUFLoadError, match="CUDA is not available"):
             load_dduf(path, device="cuda")
-    with pytest.raises(DDUFLoadError, match="local files"):
+    with pytest.raises(DDUFNotFoundError, match="not in the remote cache"):  # offline (conftest): no request
         load_dduf("https://example.invalid/model.dduf")
 
 
