@@ -202,3 +202,22 @@ def test_s3_through_moto_server(served, expected, monkeypatch):
         assert np.array_equal(run(pipe), expected)
     finally:
         server.stop()
+
+
+def test_archive_without_index_is_crc_checked(served, packed, tmp_path):
+    """huggingface_hub's writer records no dduf_plus index: the fetch checks every entry's CRC-32 instead."""
+    from huggingface_hub import export_folder_as_dduf
+
+    plain = served / "hub.dduf"
+    export_folder_as_dduf(plain, Path(__file__).resolve().parent.parent / "fixtures" / "pipelines" / "tiny-sd")
+    with FileServer(served) as srv:
+        path = fetch_archive(srv.url("hub.dduf"), SMALL)
+        assert path.read_bytes() == plain.read_bytes()
+        with DDUFArchive(plain) as archive:
+            entry = archive.entry("vae/diffusion_pytorch_model.safetensors")
+        data = bytearray(plain.read_bytes())
+        data[entry.offset + entry.length - 10] ^= 0xFF
+        (served / "hub-bad.dduf").write_bytes(bytes(data))
+        # (Another cache: without an index the key covers the central directory, whose CRCs are the good ones.)
+        with pytest.raises(DDUFIntegrityError, match=r"vae/diffusion_pytorch_model.safetensors.*CRC-32"):
+            fetch_archive(srv.url("hub-bad.dduf"), {**SMALL, "cache_dir": tmp_path / "other-cache"})
