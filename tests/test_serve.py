@@ -290,8 +290,9 @@ def payload(sha: str = NEW) -> dict:
 
 def test_webhook(tmp_path, capsys):
     fake_hub(tmp_path / "hub")
-    with FileServer(tmp_path / "hub") as hub, running(Settings(
-            endpoint=hub.url(), allow_private=True, webhook_secret="s3cret", reports_dir=tmp_path / "reports")) as (base, _):
+    with FileServer(tmp_path / "hub") as hub, running(Settings(  # the hub is read whatever the URL prefixes
+            endpoint=hub.url(), allow_private=True, webhook_secret="s3cret", reports_dir=tmp_path / "reports",
+            allow_url_prefixes=("https://example.org/",))) as (base, _):
         assert httpx.post(f"{base}/v1/webhook", json=payload()).status_code == 401
         assert httpx.post(f"{base}/v1/webhook", json=payload(), headers={"X-Webhook-Secret": "wrong"}).status_code == 401
         assert httpx.get(f"{base}/v1/reports/org/pipe/{NEW}").status_code == 404

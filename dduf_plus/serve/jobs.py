@@ -111,9 +111,9 @@ def check_file(path: str, name: str, verify: bool, strict: bool) -> dict[str, An
 
 
 def check_url_source(url: str, verify: bool, strict: bool, settings: Settings, use_token: bool) -> dict[str, Any]:
-    """The response for a URL: range reads over one connection, within the time and byte limits. The Hub
-    token goes with the requests only when ``use_token`` (the webhook's own reads of the configured hub)."""
-    check_url(url, settings)
+    """The response for a URL: range reads over one connection, within the time and byte limits.
+    ``use_token``: the webhook's own read of the configured hub (its token sent, its endpoint allowed)."""
+    check_url(url, settings, hub=use_token)
     # byte budget: the format layer's default (twice the size plus slack); the size itself is capped here
     source = PeerCheckedSource(url, settings, deadline=settings.time_limit,
                                headers=auth_headers(url, settings) if use_token else {})

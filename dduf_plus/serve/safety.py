@@ -47,8 +47,9 @@ def address_problem(address: str) -> str | None:
     return None
 
 
-def check_url(url: str, settings: Settings) -> str:
-    """``url`` if ``settings`` allow fetching it, else :class:`URLRefused` (before any request is sent)."""
+def check_url(url: str, settings: Settings, *, hub: bool = False) -> str:
+    """``url`` if ``settings`` allow fetching it, else :class:`URLRefused` (before any request is sent).
+    ``hub``: the server's own read of its configured endpoint (the webhook), allowed whatever the prefixes."""
     if not isinstance(url, str) or len(url) > 4096:
         raise URLRefused("the URL must be a string of at most 4096 characters")
     parts = urlsplit(url)
@@ -56,7 +57,8 @@ def check_url(url: str, settings: Settings) -> str:
         raise URLRefused(f"{url}: only http(s) URLs with a host are validated here")
     if parts.username or parts.password:
         raise URLRefused(f"{url}: credentials in the URL are not accepted")
-    if not any(url.startswith(p) and _origin(url) == _origin(p) for p in settings.prefixes):
+    prefixes = (*settings.prefixes, settings.endpoint) if hub else settings.prefixes
+    if not any(url.startswith(p) and _origin(url) == _origin(p) for p in prefixes):
         raise URLRefused(f"{url}: not under an allowed prefix ({', '.join(settings.prefixes)})")
     if not settings.allow_private:
         scheme, host, port = _origin(url)
@@ -103,7 +105,7 @@ def auth_headers(url: str, settings: Settings) -> dict[str, str]:
 
 def fetch_json(url: str, settings: Settings, timeout: float = 10.0) -> Any:
     """GET a small JSON document (the Hub API) under the same policy: no redirects, at most MAX_API_JSON."""
-    check_url(url, settings)
+    check_url(url, settings, hub=True)
     scheme, host, port = _origin(url)
     conn: http.client.HTTPConnection = (http.client.HTTPSConnection(host, port, timeout=timeout, context=_tls_context())
                                         if scheme == "https" else http.client.HTTPConnection(host, port, timeout=timeout))
