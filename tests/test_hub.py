@@ -219,6 +219,8 @@ def test_pack_repo_errors(hub: HubServer, tmp_path: Path, capsys: pytest.Capture
     assert "no Hub repo diffusers-org/missing" in capsys.readouterr().err
     assert main(["pack", "diffusers-org/tiny-sd@nope", "-o", str(tmp_path / "x.dduf")]) == 2
     assert "no revision 'nope'" in capsys.readouterr().err
+    assert main(["pack", "diffusers-org/tiny-sd@../../x", "-o", str(tmp_path / "x.dduf")]) == 2
+    assert "not a branch, tag or commit name" in capsys.readouterr().err
     with pytest.raises(DDUFPackError, match="only pickle weights"):
         pack_selection(["unet/config.json", "unet/diffusion_pytorch_model.bin"], ["unet"], None)
 

@@ -65,6 +65,16 @@ def _offline(local_files_only: bool) -> bool:
     return bool(constants.HF_HUB_OFFLINE) or os.environ.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}
 
 
+def _check_args(repo_id: str, revision: str | None) -> None:
+    """Refuse what is no repo id or revision before it reaches a URL or a cache path."""
+    from ..format.references import revision_problem
+
+    if not is_repo_id(repo_id):
+        raise DDUFUsageError(f"{repo_id!r} is neither a local path nor a Hub repo id (org/name)")
+    if revision is not None and (why := revision_problem(revision)) is not None:
+        raise DDUFUsageError(f"{repo_id}: {why}")
+
+
 def _where(repo_id: str, revision: str | None) -> str:
     return repo_id + (f"@{revision}" if revision else "")
 
@@ -183,8 +193,7 @@ def hub_archive(repo_id: str, dduf_file: str | None = None, *, revision: str | N
         DDUFUsageError: ``dduf_file`` not given and the repo holds zero or several archives (listed).
         DDUFIOError: the Hub cannot be reached or refuses (gated, private without a token).
     """
-    if not is_repo_id(repo_id):
-        raise DDUFUsageError(f"{repo_id!r} is neither a local path nor a Hub repo id (org/name)")
+    _check_args(repo_id, revision)
     if dduf_file is None:
         files = list_repo_files(repo_id, revision=revision, token=token, cache_dir=cache_dir,
                                 local_files_only=local_files_only)
@@ -253,6 +262,7 @@ def hub_folder_for_pack(repo_id: str, *, revision: str | None = None, variant: s
     """
     from huggingface_hub import hf_hub_download, snapshot_download
 
+    _check_args(repo_id, revision)
     offline = _offline(local_files_only)
     where = _where(repo_id, revision)
     mi_path = Path(_hub_call(where, repo_id, revision, lambda: hf_hub_download(
