@@ -247,3 +247,23 @@ def test_hf_url_reference_fetches_only_the_component(hub: HubServer, tmp_path: P
     go_offline(monkeypatch)
     assert locate_component("vae", ref).verified  # by content from the cache
     assert hub.requests == []
+
+
+def test_ref_to_a_hub_repo_pins_the_commit_and_resolves(hub: HubServer, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from dduf_plus.packing import pack
+    from dduf_plus.refs.resolve import locate_component
+
+    commit = hub.repos["diffusers-org/tiny-sd"].refs["main"]
+    _, partial = pack(PIPELINES / "tiny-sd-finetune", tmp_path / "ft.dduf", exclude=["vae"],
+                      refs={"vae": "diffusers-org/tiny-sd"}, quiet=True)
+    ref = partial.references["vae"]
+    assert ref["pretrained_model_name_or_path"] == "diffusers-org/tiny-sd" and ref["revision"] == commit
+    hub.reset()
+    located = locate_component("vae", ref)  # not cached: only the recorded files are downloaded
+    assert located.how == "hub download" and located.verified
+    assert sorted(hub.downloads()) == sorted(f"vae/{f}" for f in ref["files"])
+    go_offline(monkeypatch)
+    hub.reset()
+    assert locate_component("vae", ref).how == "hf cache"
+    assert hub.requests == []
