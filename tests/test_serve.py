@@ -242,19 +242,26 @@ def test_load_uploads_and_urls_bounded(corpus):
             for n in names:
                 want[n] = client.post(f"/v1/validate?name={n}", content=(HOSTILE / n).read_bytes()).json()
 
+            latencies: dict[str, list[float]] = {"upload": [], "url": []}
+
             def upload(i: int) -> tuple[str, int, dict]:
-                n = names[i % len(names)]
+                n, started = names[i % len(names)], time.perf_counter()
                 r = client.post(f"/v1/validate?name={n}", content=(HOSTILE / n).read_bytes())
+                latencies["upload"].append(time.perf_counter() - started)
                 return n, r.status_code, r.json()
 
             def by_url(i: int) -> tuple[str, int, dict]:
-                n = names[i % len(names)]
+                n, started = names[i % len(names)], time.perf_counter()
                 r = client.post("/v1/validate", json={"url": corpus.url(n)})
+                latencies["url"].append(time.perf_counter() - started)
                 return n, r.status_code, r.json()
 
             with ThreadPoolExecutor(64) as pool:
                 uploads = list(pool.map(upload, range(32)))
                 urls = list(pool.map(by_url, range(32)))
+        for mode, values in latencies.items():
+            values.sort()
+            print(f"{mode}: p50 {1000 * values[len(values) // 2]:.1f} ms, p99 {1000 * values[-1]:.1f} ms (32 concurrent)")
         assert [s for _, s, _ in uploads + urls] == [200] * 64
         assert all(body == want[n] for n, _, body in uploads)
         assert all(body["files"][0]["errors"] == want[n]["files"][0]["errors"] for n, _, body in urls)
