@@ -21,7 +21,7 @@ KNOWN_LIBRARIES = ("diffusers", "transformers")
 _INSTALL = {"transformers": "transformers", "diffusers": "diffusers"}
 
 
-def resolve_class(component: str, library: str, class_name: str) -> type:
+def resolve_class(component: str, library: str, class_name: str) -> type[Any]:
     """The class ``[library, class_name]`` names, found where diffusers looks: ``diffusers``,
     ``transformers``, a pipeline module of diffusers (``["stable_diffusion", "StableDiffusionSafetyChecker"]``),
     or a module the caller has already imported (the archive never makes us import a module by name).
@@ -71,7 +71,7 @@ def _library(component: str, library: str) -> Any:
                         f"import it before load_dduf, or pass the component: load_dduf(..., {component}=...)")
 
 
-def kind_of(cls: type) -> str:
+def kind_of(cls: type[Any]) -> str:
     """``diffusers_model``, ``transformers_model``, ``config`` (a known weightless diffusers kind: schedulers,
     guiders, image processors), ``files`` (transformers tokenizers / processors / feature extractors),
     ``pipeline``, or ``unknown``. Only the model kinds get weights; an archive can make nothing else
@@ -123,7 +123,7 @@ def _check_weightless_config(config: Any, where: str, class_name: str) -> None:
                                 f"component; at most {MAX_WEIGHTLESS_CONFIG_INTEGER})")
 
 
-def build_component(cls: type, files: ComponentFiles, request: ModelRequest) -> Any:
+def build_component(cls: type[Any], files: ComponentFiles, request: ModelRequest) -> Any:
     """Build one component. Every failure comes out as a :class:`DDUFError` naming the component."""
     kind = kind_of(cls)
     try:

@@ -78,7 +78,7 @@ def requested_for(request: torch.dtype | str | Mapping[str, Any], component: str
 
 
 # --- keep-in-fp32 declarations ---------------------------------------------------------------------------
-def keep_fp32_matcher(model_cls: type | None, library: str, dtype: torch.dtype) -> Callable[[str], bool]:
+def keep_fp32_matcher(model_cls: type[Any] | None, library: str, dtype: torch.dtype) -> Callable[[str], bool]:
     """Whether a tensor name belongs to a module ``model_cls`` keeps in fp32 when loaded in ``dtype``,
     matched the way the class's library matches it."""
     import torch
@@ -105,7 +105,7 @@ def keep_fp32_matcher(model_cls: type | None, library: str, dtype: torch.dtype) 
     return lambda name: not wanted.isdisjoint(name.split("."))  # diffusers: a module name in the path
 
 
-def declared_fp32(model_cls: type | None, library: str) -> Callable[[str], bool]:
+def declared_fp32(model_cls: type[Any] | None, library: str) -> Callable[[str], bool]:
     """Every module the class might keep in fp32, whatever the dtype (used to pick "auto"'s dtype)."""
     import torch
 
@@ -139,7 +139,7 @@ def plan_dtypes(
     request: torch.dtype | str,
     metadata: Mapping[str, tuple[str, tuple[int, ...], int]],
     *,
-    model_cls: type | None,
+    model_cls: type[Any] | None,
     library: str,
     declared: Mapping[str, Any] | None = None,
     where: str = "component",

@@ -139,7 +139,7 @@ def pread_tensor(fd: int, offset: int, info: TensorInfo, where: str) -> torch.Te
     if info.nbytes == 0:
         return torch.empty(info.shape, dtype=torch_dtype)
     buffer = torch.empty(info.nbytes, dtype=torch.uint8)
-    view = memoryview(buffer.numpy()).cast("B")
+    view = memoryview(buffer.numpy()).cast("B")  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ only on Python >= 3.12
     done = 0
     while done < info.nbytes:  # preadv may return short counts (Linux caps one call near 2 GiB)
         n = os.preadv(fd, [view[done:]], offset + done)
@@ -472,6 +472,8 @@ def resolve_component(
 
     located = locate_component(name, reference, refs=refs, local_files_only=local_files_only, token=token,
                                revision=revision, cache_dir=cache_dir, verify=verify)
-    if located.archive is not None:
+    if located.archive is not None and located.member is not None:
         return ArchiveComponentFiles(DDUFArchive(located.archive), located.member)
+    if located.folder is None:  # pragma: no cover - a Located is a folder or an archive member
+        raise DDUFLoadError(f"component {name!r}: {located.source} resolved to neither a folder nor an archive")
     return FolderComponentFiles(located.folder, name)

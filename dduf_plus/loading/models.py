@@ -72,7 +72,7 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 # --- diffusers -------------------------------------------------------------------------------------------
-def diffusers_class_for(cls: type, config: Mapping[str, Any]) -> type:
+def diffusers_class_for(cls: type[Any], config: Mapping[str, Any]) -> type[Any]:
     """Legacy classes (``Transformer2DModel``) resolve to the class the config really describes."""
     try:
         from diffusers.configuration_utils import LegacyConfigMixin
@@ -84,7 +84,7 @@ def diffusers_class_for(cls: type, config: Mapping[str, Any]) -> type:
     return cls
 
 
-def build_diffusers_model(cls: type, files: ComponentFiles, request: ModelRequest) -> torch.nn.Module:
+def build_diffusers_model(cls: type[Any], files: ComponentFiles, request: ModelRequest) -> torch.nn.Module:
     from accelerate import init_empty_weights
     from diffusers.models.modeling_utils import no_init_weights
 
@@ -135,7 +135,7 @@ def _move_buffers(model: torch.nn.Module, device: torch.device) -> None:
 
 
 # --- transformers ------------------------------------------------------------------------------------------
-def transformers_config(cls: type, config_dict: Mapping[str, Any], where: str) -> Any:
+def transformers_config(cls: type[Any], config_dict: Mapping[str, Any], where: str) -> Any:
     """The config object ``cls.from_pretrained(folder)`` would build from ``config.json``, in memory:
     same sub-config selection (``base_config_key``, nested ``model_type``) as ``PreTrainedConfig.from_pretrained``."""
     config_class = getattr(cls, "config_class", None)
@@ -185,7 +185,7 @@ def _no_allocator_warmup() -> Iterator[None]:
         modeling_utils.caching_allocator_warmup = original
 
 
-def build_transformers_model(cls: type, files: ComponentFiles, request: ModelRequest) -> torch.nn.Module:
+def build_transformers_model(cls: type[Any], files: ComponentFiles, request: ModelRequest) -> torch.nn.Module:
     config_dict = files.read_json("config.json")
     if not isinstance(config_dict, dict):
         raise DDUFLoadError(f"{files.description}: config.json is not a JSON object")
@@ -232,7 +232,7 @@ def build_transformers_model(cls: type, files: ComponentFiles, request: ModelReq
 
 
 # --- quantized -----------------------------------------------------------------------------------------------
-def build_with_quantizer(cls: type, config: dict, files: ComponentFiles, request: ModelRequest) -> torch.nn.Module:
+def build_with_quantizer(cls: type[Any], config: dict, files: ComponentFiles, request: ModelRequest) -> torch.nn.Module:
     """Components whose config.json holds a ``quantization_config`` (diffusers' / transformers' quantizers):
     ``quanto`` is rebuilt zero-copy; other backends go through the quantizer's own ``from_pretrained``."""
     import torch
@@ -242,13 +242,13 @@ def build_with_quantizer(cls: type, config: dict, files: ComponentFiles, request
     dtype = request.dtype if isinstance(request.dtype, torch.dtype) else None
     model = quant.load_with_diffusers_quantizer(cls, config, files, device=request.device, dtype=dtype,
                                                 variant=request.variant)
-    if hasattr(model, "register_to_config"):
-        model.register_to_config(_name_or_path=request.name_or_path)
+    if callable(register := getattr(model, "register_to_config", None)):  # diffusers models: record the source
+        register(_name_or_path=request.name_or_path)
     model.eval()
     return model
 
 
-def build_quanto(cls: type, config: dict, files: ComponentFiles, request: ModelRequest, library: str,
+def build_quanto(cls: type[Any], config: dict, files: ComponentFiles, request: ModelRequest, library: str,
                  stem: str) -> torch.nn.Module:
     """Components saved with optimum-quanto (``quanto_qmap.json`` beside the weights)."""
     try:
@@ -263,7 +263,7 @@ def build_quanto(cls: type, config: dict, files: ComponentFiles, request: ModelR
         model = quant.load_quanto_component(cls, config, files, device=request.device, dtype=plan.dtype)
     except ImportError as e:
         raise DDUFLoadError(f"{files.description} needs optimum-quanto ({e}); pip install \"dduf_plus[quanto]\"") from e
-    if hasattr(model, "register_to_config"):
-        model.register_to_config(_name_or_path=request.name_or_path)
+    if callable(register := getattr(model, "register_to_config", None)):  # diffusers models: record the source
+        register(_name_or_path=request.name_or_path)
     model.eval()
     return model

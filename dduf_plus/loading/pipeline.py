@@ -24,7 +24,7 @@ from .prefetch import Prefetcher
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
-    from diffusers import DiffusionPipeline
+    from diffusers.pipelines.pipeline_utils import DiffusionPipeline  # diffusers' root may type it as a dummy
 
 logger = logging.getLogger(__name__)
 
@@ -297,7 +297,7 @@ def _assemble(ctx: _Context, plan: _Plan) -> DiffusionPipeline:
         raise
     except Exception as e:
         raise DDUFLoadError(f"{ctx.path}: cannot create {pipeline_class.__name__}: {type(e).__name__}: {e}") from e
-    pipe.register_to_config(_name_or_path=ctx.path)  # type: ignore[attr-defined]
+    pipe.register_to_config(_name_or_path=ctx.path)
     bridged = install_bridge(pipe)
     if bridged:
         logger.info("%s: components in different dtypes, precision bridge on %s", ctx.path, ", ".join(bridged))
@@ -324,12 +324,13 @@ def _open_url(url: str, remote: Any, local_files_only: bool) -> tuple[DDUFArchiv
 
 def _pipeline_class(model_index: Mapping[str, Any], path: str) -> type[DiffusionPipeline]:
     import diffusers
+    from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 
     name = model_index.get("_class_name")
     if not isinstance(name, str):
         raise DDUFLoadError(f"{path}: model_index.json has no _class_name")
     cls = getattr(diffusers, name.removeprefix("Flax"), None) if name.isidentifier() else None
-    if not (isinstance(cls, type) and issubclass(cls, diffusers.DiffusionPipeline)):
+    if not (isinstance(cls, type) and issubclass(cls, DiffusionPipeline)):
         raise DDUFLoadError(f"{path}: model_index.json names the pipeline class {name!r}, which diffusers "
                             f"{diffusers.__version__} does not have (upgrade diffusers?)")
     return cls

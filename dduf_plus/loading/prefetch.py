@@ -107,14 +107,6 @@ class Prefetcher:
                 return False
         return True
 
-    def _resident_at(self, offset: int, length: int) -> bool:
-        """``_resident`` for a range of the map given by offset (for callers outside the thread)."""
-        anchor = ctypes.c_char.from_buffer(self._mm)
-        try:
-            return self._resident(ctypes.addressof(anchor) + offset, length, ctypes.create_string_buffer(1))
-        finally:
-            del anchor
-
     def _advise(self, address: int, length: int) -> None:
         assert self._libc is not None
         if self._libc.madvise(address, length, self._advice) == 0:
@@ -186,7 +178,7 @@ def prefetch(
                 continue  # empty or past the end
             start = max(0, offset) // PAGE * PAGE  # madvise wants a page-aligned start
             for advice in (MADV_WILLNEED, MADV_POPULATE_READ) if populate else (MADV_WILLNEED,):
-                if anchor is not None:
+                if anchor is not None and libc is not None:
                     libc.madvise(ctypes.addressof(anchor) + start, stop - start, advice)  # errors: hint lost
                 elif hasattr(mm, "madvise"):
                     try:

@@ -146,7 +146,8 @@ def _component_sources(
 ) -> tuple[list[EntrySource], list[Skipped], dict[str, Any] | None]:
     """The entries of one component, its skipped files and its extra index record (quanto), if any.
     ``explicit``: ``dtype`` was asked for this component by name (errors instead of skipping)."""
-    from diffusers import ModelMixin
+    # the real class: diffusers' root module is typed with torch-less dummies
+    from diffusers.models.modeling_utils import ModelMixin
 
     transformers_model = _transformers_model_class()
     record: dict[str, Any] | None = None
@@ -191,7 +192,7 @@ def _component_sources(
     return sources, skipped, record
 
 
-def _transformers_model_class() -> type | None:
+def _transformers_model_class() -> type[Any] | None:
     if "transformers" not in sys.modules:
         return None  # a pipeline without transformers components never imported it
     from transformers import PreTrainedModel
@@ -359,7 +360,12 @@ def transformers_checkpoint(model: Any) -> dict[str, torch.Tensor]:
         state = {k: state[k] for k in kept}
     else:  # transformers 4: drop exact aliases, keeping the first name
         seen: set[tuple[Any, ...]] = set()
-        state = {k: t for k, t in state.items() if not (_area(t) in seen or seen.add(_area(t)))}
+        unique: dict[str, Any] = {}
+        for k, t in state.items():
+            if _area(t) not in seen:
+                seen.add(_area(t))
+                unique[k] = t
+        state = unique
     revert = getattr(modeling_utils, "revert_weight_conversion", None)
     if revert is not None:
         state = revert(model, state)
@@ -466,7 +472,7 @@ def tensor_bytes(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> Iter
     if sys.byteorder != "little":  # pragma: no cover - safetensors is little-endian
         raise DDUFPackError("save_dduf needs a little-endian host")
     # uint8 view: bf16/fp8 have no numpy dtype, and bytes are bytes.
-    flat = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    flat = memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ only on Python >= 3.12
     for at in range(0, len(flat), PIECE_BYTES):
         yield flat[at : at + PIECE_BYTES]
 
