@@ -109,6 +109,9 @@ def test_bad_requests(service):
     assert client.post("/v1/validate", json=[1]).status_code == 400
     assert client.post("/v1/validate", content=b"{", headers={"Content-Type": "application/json"}).status_code == 400
     assert client.post("/v1/validate", json={}).status_code == 400
+    zst = client.post("/v1/validate?name=x.dduf.zst", content=b"\x28\xb5\x2f\xfd" + b"\0" * 64)
+    assert zst.status_code == 400 and "dduf decompress" in zst.json()["error"]
+    assert list(service[1].temp.iterdir()) == []
     assert client.post("/v1/validate", json={"url": "file:///etc/passwd"}).status_code == 403
     missing = client.post("/v1/validate", json={"url": service[2].url("nope.dduf")})
     assert missing.status_code == 502 and "404" in missing.json()["error"]

@@ -135,6 +135,9 @@ class Service:
                 raise _Failure(408, f"the request body took longer than {self.settings.time_limit:g} s") from None
             flags = {k: str(fields.get(k, request.query_params.get(k, ""))).lower() in TRUE
                      for k in ("verify", "strict")}
+            if upload is not None and upload.name.endswith(".zst"):
+                upload.discard()  # decompressing would write outside the app's folder, and lets bombs in
+                raise BadForm("a .zst upload is not validated here: upload the .dduf (dduf decompress X.dduf.zst)")
             if upload is not None:
                 path, name = upload.path, upload.name
                 assert path is not None

@@ -106,7 +106,7 @@ def _renamed(value: Any, old: str, new: str) -> Any:
 def check_file(path: str, name: str, verify: bool, strict: bool) -> dict[str, Any]:
     """The response for a local (uploaded) file: ``{"files": [report], "info": ...}``, named ``name``."""
     report = validate(path, verify=verify, strict=strict).as_dict()
-    info = describe(path) if report["valid"] and not path.endswith(".zst") else None
+    info = describe(path) if report["valid"] else None
     return _renamed({"files": [report], "info": info}, path, name)
 
 

@@ -58,8 +58,7 @@ class _Spool:
     """An exclusively created file in ``folder``, written in ~1 MiB batches off the event loop."""
 
     def __init__(self, folder: Path, name: str, limit: int, upload: Upload):
-        suffix = ".dduf.zst" if name.endswith(".zst") else ".dduf"
-        fd, path = tempfile.mkstemp(prefix="upload-", suffix=suffix, dir=folder)
+        fd, path = tempfile.mkstemp(prefix="upload-", suffix=".dduf", dir=folder)  # never .zst: see app.Service.check
         self.fd, self.limit, self.upload = fd, limit, upload
         upload.path, upload.name = path, name
         self.buffer = bytearray()
