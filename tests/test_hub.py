@@ -221,6 +221,8 @@ def test_pack_repo_errors(hub: HubServer, tmp_path: Path, capsys: pytest.Capture
     assert "no revision 'nope'" in capsys.readouterr().err
     assert main(["pack", "diffusers-org/tiny-sd@../../x", "-o", str(tmp_path / "x.dduf")]) == 2
     assert "not a branch, tag or commit name" in capsys.readouterr().err
+    assert main(["pack", "dduf-org/two", "-o", str(tmp_path / "x.dduf")]) == 2
+    assert "no diffusers folder (no model_index.json); it holds a.dduf, b.dduf" in capsys.readouterr().err
     with pytest.raises(DDUFPackError, match="only pickle weights"):
         pack_selection(["unet/config.json", "unet/diffusion_pytorch_model.bin"], ["unet"], None)
 

@@ -265,9 +265,19 @@ def hub_folder_for_pack(repo_id: str, *, revision: str | None = None, variant: s
     _check_args(repo_id, revision)
     offline = _offline(local_files_only)
     where = _where(repo_id, revision)
-    mi_path = Path(_hub_call(where, repo_id, revision, lambda: hf_hub_download(
-        repo_id, spec.MODEL_INDEX, revision=revision, token=token, cache_dir=cache_dir,
-        local_files_only=local_files_only), filename=spec.MODEL_INDEX, offline=offline))
+    try:
+        mi_path = Path(_hub_call(where, repo_id, revision, lambda: hf_hub_download(
+            repo_id, spec.MODEL_INDEX, revision=revision, token=token, cache_dir=cache_dir,
+            local_files_only=local_files_only), filename=spec.MODEL_INDEX, offline=offline))
+    except DDUFNotFoundError as e:
+        if offline or "has no file" not in str(e):
+            raise
+        archives = [f for f in list_repo_files(repo_id, revision=revision, token=token) if f.endswith(DDUF_SUFFIXES)]
+        if not archives:
+            raise
+        raise DDUFNotFoundError(f"{where} is no diffusers folder (no model_index.json); it holds "
+                                f"{', '.join(archives)}: load it with load_dduf({repo_id!r}, dduf_file="
+                                f"{archives[0]!r}), or download it", spec.MODEL_INDEX) from None
     if mi_path.stat().st_size > MAX_MODEL_INDEX_BYTES:
         raise DDUFIOError(f"{where}: model_index.json is {mi_path.stat().st_size} bytes "
                           f"(at most {MAX_MODEL_INDEX_BYTES}); not a diffusers pipeline")
