@@ -154,23 +154,28 @@ def main() -> None:
     try:
         urls = [f"http://127.0.0.1:{port}/{n}" for n in names]
         result["requests_per_archive"] = _requests_per_archive(folder, names[:100])
+        if not args.no_dask:  # first: the longest start-up, and the figure most likely to be missing
+            _dask(urls, max(args.jobs), args.repeat, rows, result)
+            _write(result, rows)
         for jobs in args.jobs:
             subset = urls[: args.serial] if jobs == 1 else urls
             measure("api-threads", run_api, subset, jobs, args.repeat, rows)
             measure("cli", run_cli, subset, jobs, args.repeat, rows, listing=folder / "_urls.txt")
-        if not args.no_dask:
-            _dask(urls, max(args.jobs), args.repeat, rows, result)
+            _write(result, rows)  # after each job count: a run cut short still leaves its figures
     finally:
         assert server.stdin is not None
         server.stdin.close()
         server.wait(10)
-    result["runs"] = rows
-    result["ratios"] = _ratios(rows)
     for key, value in result["ratios"].items():
         print(f"{key}: {value:.2f}x")
+    print(f"wrote {RESULTS / 'catalogue.json'}")
+
+
+def _write(result: dict, rows: list[dict]) -> None:
+    result["runs"] = rows
+    result["ratios"] = _ratios(rows)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "catalogue.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {RESULTS / 'catalogue.json'}")
 
 
 def _dask(urls: list[str], jobs: int, repeat: int, rows: list[dict], result: dict) -> None:
