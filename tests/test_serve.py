@@ -401,3 +401,21 @@ def test_hub_token_only_for_the_webhooks_own_reads(tmp_path, caplog):
 def test_urlencoded_form(service):
     got = service[0].post("/v1/validate", data={"url": service[2].url("valid.dduf"), "strict": "true"})
     assert got.status_code == 200 and got.json()["files"][0]["valid"]
+
+
+def test_webhook_over_the_time_limit_answers_202_and_reports_later(tmp_path):
+    fake_hub(tmp_path / "hub")
+    with FileServer(tmp_path / "hub", latency=0.25) as hub, running(Settings(
+            endpoint=hub.url(), allow_private=True, webhook_secret="s", time_limit=0.3)) as (base, _):
+        got = httpx.post(f"{base}/v1/webhook", json=payload(), headers={"X-Webhook-Secret": "s"}, timeout=30)
+        assert got.status_code == 202, got.text
+        (commit,) = got.json()["commits"]
+        assert commit["status"] == "pending"
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            record = httpx.get(f"{base}{commit['report_url']}").json()
+            if record["status"] == "done":
+                break
+            time.sleep(0.1)
+        assert record["status"] == "done" and record["sha"] == NEW
+        assert record["unreadable"] and record["valid"] is False  # each read ran into the 0.3 s deadline
