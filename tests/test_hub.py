@@ -126,6 +126,24 @@ def test_missing_revision_and_offline_uncached(hub: HubServer, monkeypatch: pyte
     assert hub.requests == []
 
 
+def test_unreachable_hub_is_a_clear_error(hub: HubServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    import huggingface_hub.constants as constants
+
+    from dduf_plus.errors import DDUFError
+    from dduf_plus.remote.hub import hub_archive
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    monkeypatch.setattr(constants, "ENDPOINT", dead)
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", dead + "/{repo_id}/resolve/{revision}/{filename}")
+    with pytest.raises(DDUFError, match="listing: dduf-org/tiny-sd-dduf: ConnectError"):
+        hub_archive("dduf-org/tiny-sd-dduf")
+    # (with dduf_file, huggingface_hub retries for ~26 s before "cannot be reached": not run here)
+
+
 def test_revision_selects_the_branch(hub: HubServer) -> None:
     from dduf_plus.remote.hub import hub_archive, list_repo_files
 

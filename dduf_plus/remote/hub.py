@@ -95,21 +95,22 @@ def _hub_call(what: str, repo_id: str, revision: str | None, call: Callable[[], 
     except hf_errors.RepositoryNotFoundError:
         raise DDUFNotFoundError(f"{what}: no Hub repo {repo_id} (or it is private: pass token= or run "
                                 f"`hf auth login`){_no_local(repo_id)}", repo_id) from None
-    except hf_errors.EntryNotFoundError:  # remote (not in the repo) and local (offline, not cached)
+    except (hf_errors.LocalEntryNotFoundError, hf_errors.OfflineModeIsEnabled) as e:
+        # (a subclass of EntryNotFoundError: caught first) not cached, and offline or the Hub unreachable
         if offline:
             raise DDUFNotFoundError(f"{what}: {filename or 'the files'} of the Hub repo {where} not in the Hugging "
                                     "Face cache and offline (HF_HUB_OFFLINE or local_files_only): download it once "
                                     f"online{_no_local(repo_id)}", filename) from None
-        raise DDUFNotFoundError(f"{what}: {where} has no file {filename}", filename) from None
-    except (hf_errors.LocalEntryNotFoundError, hf_errors.OfflineModeIsEnabled) as e:
         raise DDUFNotFoundError(f"{what}: {filename or where} of the Hub repo {where} is not in the Hugging Face "
                                 f"cache and the Hub cannot be reached ({_first_line(e)}){_no_local(repo_id)}",
                                 filename) from None
+    except hf_errors.EntryNotFoundError:  # the repo has no such file at that revision
+        raise DDUFNotFoundError(f"{what}: {where} has no file {filename}", filename) from None
     except hf_errors.HfHubHTTPError as e:
         raise DDUFIOError(f"{what}: the Hub answered for {where}: {_first_line(e)}") from None
     except DDUFError:
         raise
-    except (OSError, ValueError) as e:  # connection errors (httpx), disk full, a cache that cannot be written
+    except Exception as e:  # connection errors (the HTTP client's own classes), disk full, an unwritable cache
         raise DDUFIOError(f"{what}: {where}: {type(e).__name__}: {_first_line(e)}") from None
 
 
