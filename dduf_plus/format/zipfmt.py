@@ -6,6 +6,7 @@ stops early only when nothing further can be trusted."""
 
 from __future__ import annotations
 
+import itertools
 import re
 import struct
 import unicodedata
@@ -99,17 +100,23 @@ class _Directory(NamedTuple):
 
 
 class _CentralRecord(NamedTuple):
-    """One central directory record as stored (ZIP64 values not yet applied)."""
+    """The fixed 46 bytes of a central directory record, as stored (ZIP64 values not yet applied)."""
 
+    sig: int
     made_by: int
+    needed: int
     flags: int
     method: int
+    time: int
+    date: int
     crc32: int
     csize: int
     usize: int
-    name_bytes: bytes
-    extra: bytes
+    name_len: int
+    extra_len: int
+    comment_len: int
     disk_start: int
+    int_attr: int
     ext_attr: int
     header_offset: int
 
@@ -250,23 +257,20 @@ def _parse_central_directory(cd: bytes, count: int, findings: list[Finding]) -> 
         if at + spec.CENTRAL_HEADER_SIZE > len(cd):
             findings.append(finding("Z005", None, f"central directory ends inside record {i}"))
             return None
-        (sig, made_by, _needed, flags, method, _time, _date, crc, csize, usize, nlen, xlen, clen, disk_start,
-         _int_attr, ext_attr, header_offset) = struct.unpack_from(spec.CENTRAL_HEADER_FMT, cd, at)
-        if sig != spec.SIG_CENTRAL:
+        record = _CentralRecord._make(struct.unpack_from(spec.CENTRAL_HEADER_FMT, cd, at))
+        if record.sig != spec.SIG_CENTRAL:
             findings.append(finding("Z006", None, f"central directory record {i} has a bad signature"))
             return None
-        end = at + spec.CENTRAL_HEADER_SIZE + nlen + xlen + clen
-        if end > len(cd):
+        name_at = at + spec.CENTRAL_HEADER_SIZE
+        extra_at = name_at + record.name_len
+        at = extra_at + record.extra_len + record.comment_len
+        if at > len(cd):
             findings.append(finding("Z005", None, f"central directory record {i} runs past the directory"))
             return None
-        name_at = at + spec.CENTRAL_HEADER_SIZE
-        at = end
-        if nlen > spec.MAX_NAME_BYTES:
-            findings.append(finding("Z007", None, f"entry {i} has a {nlen}-byte name"))
+        if record.name_len > spec.MAX_NAME_BYTES:
+            findings.append(finding("Z007", None, f"entry {i} has a {record.name_len}-byte name"))
             continue
-        record = _CentralRecord(made_by, flags, method, crc, csize, usize, cd[name_at : name_at + nlen],
-                                cd[name_at + nlen : name_at + nlen + xlen], disk_start, ext_attr, header_offset)
-        entry = _vet_central_record(record, findings)
+        entry = _vet_central_record(record, cd[name_at:extra_at], cd[extra_at : extra_at + record.extra_len], findings)
         if entry is not None and _is_new_name(entry.name, seen, folded, findings):
             entries.append(entry)
     if at != len(cd):
@@ -274,17 +278,19 @@ def _parse_central_directory(cd: bytes, count: int, findings: list[Finding]) -> 
     return entries
 
 
-def _vet_central_record(record: _CentralRecord, findings: list[Finding]) -> ZipEntry | None:
-    """The entry ``record`` describes, after the name, ZIP64, disk and DDUF-rule checks; None when it has
-    no usable name or its sizes/offset cannot be known."""
-    name, problems = check_name(record.name_bytes, record.flags)
+def _vet_central_record(record: _CentralRecord, name_bytes: bytes, extra: bytes,
+                        findings: list[Finding]) -> ZipEntry | None:
+    """The entry ``record`` (with its name and extra field) describes, after the name, ZIP64, disk and
+    DDUF-rule checks; None when it has no usable name or its sizes/offset cannot be known."""
+    flags = record.flags
+    name, problems = check_name(name_bytes, flags)
     findings.extend(problems)
-    if name is not None and not record.flags & spec.FLAG_UTF8 and not name.isascii():
+    if name is not None and not flags & spec.FLAG_UTF8 and not name.isascii():
         # zipfile (so huggingface_hub) decodes such a name as CP437: readers would disagree on it.
         findings.append(finding("Z020", name, "non-ASCII name without the UTF-8 flag (bit 11): other "
-                                f"readers see {record.name_bytes.decode('cp437')!r}"))
-    label = name or record.name_bytes.decode("utf-8", "backslashreplace")
-    fields = parse_extra(record.extra)
+                                f"readers see {name_bytes.decode('cp437')!r}"))
+    label = name or name_bytes.decode("utf-8", "backslashreplace")
+    fields = parse_extra(extra)
     if fields is None:
         findings.append(finding("Z006", label, "extra field is malformed"))
         return None
@@ -293,12 +299,21 @@ def _vet_central_record(record: _CentralRecord, findings: list[Finding]) -> ZipE
         return None
     usize, csize, header_offset = sizes
     _check_dduf_rules(record, csize, usize, label, findings)
-    if spec.EXTRA_ZIP64 not in fields:
+    zip64 = spec.EXTRA_ZIP64 in fields
+    if not zip64:
         findings.append(finding("Z018", label, "entry has no ZIP64 extra field"))
     if name is None:
         return None
-    return ZipEntry(name, header_offset, -1, usize, record.crc32, record.method, record.flags,
-                    spec.EXTRA_ZIP64 in fields)
+    return ZipEntry(name, header_offset, -1, usize, record.crc32, record.method, flags, zip64)
+
+
+# The ZIP64 extra field holds, in this order, those values whose 32-bit (disk: 16-bit) slot is full:
+# {(usize full, csize full, offset full, disk full): the keys to read}.
+# A table, not a list built per record: the central directory may hold 10,000 of them.
+_ZIP64_SLOTS = {
+    full: [key for key, is_full in zip(("usize", "csize", "offset", "disk"), full, strict=True) if is_full]
+    for full in itertools.product((False, True), repeat=4)
+}
 
 
 def _central_zip64(record: _CentralRecord, fields: dict[int, bytes], label: str,
@@ -306,9 +321,8 @@ def _central_zip64(record: _CentralRecord, fields: dict[int, bytes], label: str,
     """(usize, csize, header offset) with full 32-bit slots taken from the ZIP64 extra field; None (reported)
     when that field is missing or short, or the entry starts on another disk."""
     usize, csize, header_offset, disk_start = record.usize, record.csize, record.header_offset, record.disk_start
-    wanted = [k for k, v in (("usize", usize), ("csize", csize), ("offset", header_offset)) if v == spec.U32_MAX]
-    if disk_start == spec.U16_MAX:
-        wanted.append("disk")
+    wanted = _ZIP64_SLOTS[usize == spec.U32_MAX, csize == spec.U32_MAX, header_offset == spec.U32_MAX,
+                          disk_start == spec.U16_MAX]
     if wanted:
         values = _zip64_values(fields.get(spec.EXTRA_ZIP64, b""), wanted)
         if values is None:
