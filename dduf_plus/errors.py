@@ -52,7 +52,10 @@ class DDUFLoadError(DDUFError):
 
 
 class DDUFReferenceError(DDUFError):
-    """An external component reference cannot be resolved or does not match its recorded content."""
+    """An external component reference cannot be resolved or does not match its recorded content.
+    ``mismatch`` is True when a copy was found but its content differs from the recorded hashes."""
+
+    mismatch: bool = False
 
 
 class DDUFIntegrityError(DDUFFormatError):

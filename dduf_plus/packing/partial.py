@@ -203,7 +203,7 @@ class _Source:
                 if sub not in archive.components or not archive.components[sub].files:
                     return None
                 names = _pack_selection(list(archive.components[sub].files), self.variant)
-                records: FileRecords = {}
+                records = {}  # FileRecords, as declared by the hosted branch above
                 for n in names:
                     view = archive.view(f"{sub}/{n}")
                     try:

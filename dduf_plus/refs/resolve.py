@@ -405,8 +405,8 @@ def _download_candidate(spec: Spec, name: str, recorded: Mapping[str, Mapping[st
             raise _Skip("not downloaded: huggingface_hub is not installed") from None
         patterns = [f"{_glob_escape(sub)}/{_glob_escape(f)}" for f in recorded] or [f"{_glob_escape(sub)}/*"]
         try:
-            path = snapshot_download(spec.location, revision=rev, allow_patterns=patterns, cache_dir=cache_dir,
-                                     token=token)
+            path = snapshot_download(spec.location, revision=rev, allow_patterns=patterns, token=token,
+                                     cache_dir=Path(cache_dir) if cache_dir is not None else None)
         except Exception as e:  # every hub/network error: report it, never retry here
             raise _Skip(f"download failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
         return "folder", Path(path) / sub
@@ -579,12 +579,13 @@ def _try(name: str, cand: _Candidate, kind: str, value: Any, recorded: Mapping[s
             return None
         result = Located(name, cand.how, str(path), None, path, member, {}, known)
     else:
+        folder: Path | None = None
         if kind == "folder":
-            folder: Path = value
-            files = {f: folder / f for f in recorded} if recorded else {f: folder / f for f in _visible_files(folder)}
-            source = f"{cand.how} {cand.source} ({folder})" if str(folder) not in cand.source else f"{cand.how} {folder}"
+            folder = root = Path(value)
+            files = {f: root / f for f in recorded} if recorded else {f: root / f for f in _visible_files(root)}
+            source = f"{cand.how} {cand.source} ({root})" if str(root) not in cand.source else f"{cand.how} {root}"
         else:
-            folder, files = None, dict(value)  # type: ignore[assignment]
+            files = dict(value)
             source = f"{cand.how} ({', '.join(sorted({str(p.parent.parent) for p in files.values()}))})"
         known, problems = _check_folder_files(name, files, recorded, source, opts)
         if folder is None or _visible_files(folder) != set(files):
