@@ -179,7 +179,7 @@ def save_quanto_component(module: torch.nn.Module, folder: str | os.PathLike, *,
         out.file.write(len(raw).to_bytes(8, "little") + raw)
         for key in order:  # little-endian hosts, as safetensors requires
             out.file.write(tensors[key].reshape(-1).view(torch.uint8).numpy().data)
-    (folder / QMAP_NAME).write_bytes(qmap)
+    Confined(folder).write_bytes(folder / QMAP_NAME, qmap, mode=0o644)
     return folder
 
 

@@ -34,6 +34,7 @@ import torch
 
 from ..errors import DDUFPackError
 from ..format import spec
+from ..format.confined import Confined
 from ..format.pack import EntrySource, PackResult, Skipped, write_archive
 from ..format.safetensors_header import parse_header
 
@@ -259,7 +260,7 @@ def _quanto_sources(
         return target
 
     weights = weight_source(entry, tensors, dtype_for=rule, what=name, aligned=True)
-    (folder / QMAP_NAME).write_bytes(qmap)
+    Confined(folder).write_bytes(folder / QMAP_NAME, qmap, mode=0o644)
     return weights, quanto_index_record(json.loads(qmap)), converted
 
 
