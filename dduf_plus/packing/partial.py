@@ -110,6 +110,19 @@ def _pack_selection(filenames: Sequence[str], variant: str | None) -> list[str]:
     return sorted(f for f in allowed if classify(f) is None or f in weights)
 
 
+def _sibling_record(sibling: Any) -> dict[str, Any]:
+    """{size, sha256 (LFS files) or git_sha1} of one ``model_info(files_metadata=True)`` sibling."""
+    lfs = sibling.lfs
+    sha = (getattr(lfs, "sha256", None) or (lfs.get("sha256") if isinstance(lfs, dict) else None)) \
+        if lfs is not None else None
+    rec: dict[str, Any] = {"size": sibling.size}
+    if sha:
+        rec["sha256"] = sha
+    elif sibling.blob_id:
+        rec["git_sha1"] = sibling.blob_id
+    return rec
+
+
 class _Source:
     """A SPEC's side of the comparison: per component, {filename: record} (records may lack sha256 when
     only the Hub's git id is known) and the revision the records were read at."""
@@ -131,39 +144,42 @@ class _Source:
         """{repo path: record} from the Hub's file metadata, or from the local HF cache when offline."""
         if self._hub is not None:
             return self._hub
-        repo, rev = self.spec.location, self.spec.revision
-        problems = []
+        problems: list[str] = []
         if not (self.local_files_only or _cache.is_offline()):
             try:
-                from huggingface_hub import HfApi
-
-                info = HfApi().model_info(repo, revision=rev, files_metadata=True, token=self.token)
-                files: dict[str, dict[str, Any]] = {}
-                for s in info.siblings or []:
-                    lfs = s.lfs
-                    sha = (getattr(lfs, "sha256", None) or (lfs.get("sha256") if isinstance(lfs, dict) else None)) \
-                        if lfs is not None else None
-                    rec: dict[str, Any] = {"size": s.size}
-                    if sha:
-                        rec["sha256"] = sha
-                    elif s.blob_id:
-                        rec["git_sha1"] = s.blob_id
-                    files[s.rfilename] = rec
-                self._hub, self.revision, self.hub_from = files, info.sha or rev, "the Hub's file metadata"
-                return files
+                return self._files_from_hub()
             except Exception as e:  # network, auth, not found: say so; the cache may still know it
                 problems.append(f"Hub metadata unavailable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+        found = self._files_from_cache(problems)
+        if found is not None:
+            return found
+        rev = self.spec.revision
+        problems.append(f"{self.spec.location}" + (f"@{rev}" if rev else "") + " is not in the Hugging Face cache")
+        raise DDUFPackError(f"cannot read the file list of {self.spec}: " + "; ".join(problems))
+
+    def _files_from_hub(self) -> dict[str, dict[str, Any]]:
+        from huggingface_hub import HfApi
+
+        info = HfApi().model_info(self.spec.location, revision=self.spec.revision, files_metadata=True,
+                                  token=self.token)
+        files = {s.rfilename: _sibling_record(s) for s in info.siblings or []}
+        self._hub, self.revision, self.hub_from = files, info.sha or self.spec.revision, "the Hub's file metadata"
+        return files
+
+    def _files_from_cache(self, problems: list[str]) -> dict[str, dict[str, Any]] | None:
+        """Records of the cached snapshot: blob names give the hashes (sha256 for LFS files, git blob id
+        for the others); files of a cache without links are kept in ``cache_paths``, hashed when compared."""
         for cache in _cache.hf_cache_dirs(None):
-            snap = _cache.snapshot_dir(cache, repo, rev)
+            snap = _cache.snapshot_dir(cache, self.spec.location, self.spec.revision)
             if snap is None:
                 continue
-            files = {}
+            files: dict[str, dict[str, Any]] = {}
             for path in sorted(snap.rglob("*")):
                 if not path.is_file():
                     continue
                 rel = path.relative_to(snap).as_posix()
                 name = _cache.blob_name_of(path, snap.parent.parent) or ""  # only a link into its own blobs/
-                rec = {"size": path.stat().st_size}
+                rec: dict[str, Any] = {"size": path.stat().st_size}
                 if len(name) == 64:
                     rec["sha256"] = name
                 elif len(name) == 40:
@@ -174,8 +190,7 @@ class _Source:
             why = f"; {problems[0]}" if problems else ""
             self._hub, self.revision, self.hub_from = files, snap.name, f"the Hugging Face cache ({snap}{why})"
             return files
-        problems.append(f"{repo}" + (f"@{rev}" if rev else "") + " is not in the Hugging Face cache")
-        raise DDUFPackError(f"cannot read the file list of {self.spec}: " + "; ".join(problems))
+        return None
 
     def component_files(self, sub: str) -> tuple[FileRecords, dict[str, Path]] | None:
         """({filename: record}, {filename: local path}) of the source's component folder, None if absent."""
