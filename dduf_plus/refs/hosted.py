@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -84,13 +83,15 @@ def _fetch_entry(archive: Any, url: str, member: str, component: str, fname: str
     cid = plain_name(content_id(rec), "content id")
     store = Confined(entries_dir())
     sha, git = hashlib.sha256(), hashlib.sha1(b"blob %d\0" % entry.length)
-    with store.temp_file(prefix=f".{cid}.") as (fd, tmp):
-        with os.fdopen(fd, "wb") as f:
-            for offset in range(0, entry.length, CHUNK):
-                data = archive.read_bytes(name, offset, min(CHUNK, entry.length - offset))
-                sha.update(data)
-                git.update(data)
-                f.write(data)
+    final = store.path(cid)
+    # the one atomic writer: appears at ``final`` only when every check below passes (mode: mkstemp's 0600
+    # as before; fsync off: a cache entry is re-verified by content, a lost one is fetched again)
+    with store.atomic(final, fsync=False) as out:
+        for offset in range(0, entry.length, CHUNK):
+            data = archive.read_bytes(name, offset, min(CHUNK, entry.length - offset))
+            sha.update(data)
+            git.update(data)
+            out.file.write(data)
         got_sha, got_git = sha.hexdigest(), git.hexdigest()
         if rec.get("sha256") and got_sha != rec["sha256"]:
             raise DDUFIntegrityError(f"{where}: sha256 {got_sha} differs from the recorded {rec['sha256']}; "
@@ -98,8 +99,6 @@ def _fetch_entry(archive: Any, url: str, member: str, component: str, fname: str
         if not rec.get("sha256") and rec.get("git_sha1") and got_git != rec["git_sha1"]:
             raise DDUFIntegrityError(f"{where}: git blob sha1 {got_git} differs from the recorded "
                                      f"{rec['git_sha1']}; refused")
-        final = store.path(cid)
-        store.replace(tmp, final)
     _cache.verified_hashes().remember(final, got_sha)  # hashed as it arrived: the check does not read it again
     logger.info("%s: fetched %d bytes", where, entry.length)
     return final
