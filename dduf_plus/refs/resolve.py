@@ -134,8 +134,8 @@ def reference_spec(reference: Mapping[str, Any]) -> Spec | None:
     location = str(location)
     sub = reference.get("subfolder") or None
     rev = reference.get("revision") or None
-    if "://" in location:
-        return Spec("url", location, None, sub)
+    if "://" in location and location.endswith(".dduf") and not location.startswith("file://"):
+        return Spec("url", location, None, sub)  # a hosted archive; any other URL is never fetched
     if location.endswith(".dduf"):
         return Spec("dduf", location, None, sub)
     if os.path.isabs(location) or location.startswith((".", "~")) or not _REPO_ID.match(location):
