@@ -105,21 +105,18 @@ def measure(url: str, archive: Path, args: argparse.Namespace) -> dict[str, list
     remote = {"concurrency": args.concurrency, "chunk_size": args.chunk_size}
     touch(load_dduf(archive))  # warm-up: imports (not the link's cost); the served file is in the page cache
     rows: dict[str, list[float]] = {"first": [], "second": [], "download_then_load": []}
-    for _ in range(args.runs):
+    target = WORK / "remote-bench-download.dduf"
+    for _ in range(args.runs):  # interleaved: the other processes' load drifts, every row sees the same drift
         shutil.rmtree(CACHE, ignore_errors=True)
         rows["first"].append(load_and_touch(url, remote=remote))
-        print(f"first load + touch: {rows['first'][-1]:.2f} s", flush=True)
-    for _ in range(args.runs):
         rows["second"].append(load_and_touch(url, remote=remote))
-        print(f"second load + touch: {rows['second'][-1]:.2f} s", flush=True)
-    target = WORK / "remote-bench-download.dduf"
-    for _ in range(args.runs):
         target.unlink(missing_ok=True)
         started = time.perf_counter()
         download(url, target)
-        took = time.perf_counter() - started + load_and_touch(str(target))
-        rows["download_then_load"].append(took)
-        print(f"download then load + touch: {took:.2f} s", flush=True)
+        rows["download_then_load"].append(time.perf_counter() - started + load_and_touch(str(target)))
+        print(f"first load + touch {rows['first'][-1]:.2f} s, second {rows['second'][-1]:.2f} s, "
+              f"download then load + touch {rows['download_then_load'][-1]:.2f} s "
+              f"(load average {os.getloadavg()[0]:.1f})", flush=True)
     target.unlink(missing_ok=True)
     shutil.rmtree(CACHE, ignore_errors=True)
     return rows
@@ -129,7 +126,8 @@ def report(rows: dict[str, list[float]], size: int, args: argparse.Namespace) ->
     limit = size / args.bandwidth
     first, second, download_load = (median(rows[k]) for k in ("first", "second", "download_then_load"))
     print(f"\nSD-1.5-shaped archive, {size / 1e9:.2f} GB; link: {args.latency * 1e3:.0f} ms round trip, "
-          f"{args.bandwidth / 1e6:.0f} MB/s cap; {os.cpu_count()} CPU cores; medians of {args.runs}")
+          f"{args.bandwidth / 1e6:.0f} MB/s cap; {os.cpu_count()} CPU cores (load average "
+          f"{os.getloadavg()[0]:.1f}); medians of {args.runs}")
     print(f"{'row':34} {'seconds':>8} {'x link limit':>13}")
     for label, value in (("link limit (bytes / cap)", limit), ("load_dduf(URL) first load + touch", first),
                          ("load_dduf(URL) second load + touch", second),
@@ -141,6 +139,7 @@ def report(rows: dict[str, list[float]], size: int, args: argparse.Namespace) ->
     RESULTS.write_text(json.dumps({
         "archive_bytes": size, "latency_s": args.latency, "bandwidth_Bps": args.bandwidth,
         "concurrency": args.concurrency, "chunk_size": args.chunk_size, "cpu_count": os.cpu_count(),
+        "load_average_after": os.getloadavg(),  # other processes sharing the cores while it ran
         "runs": rows, "median_s": {"link_limit": limit, "first": first, "second": second,
                                    "download_then_load": download_load},
         "ratios": {"first_vs_link_limit": first / limit, "download_then_load_vs_first": download_load / first},
