@@ -165,3 +165,29 @@ def test_writer_refuses_entries_once_closed(tmp_path: Path, ending: str) -> None
     assert writer.close() == writer.path  # closing twice stays harmless
     assert (tmp_path / "out.dduf").exists() == (ending == "close")
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_local_dir_refuses_a_tokenizer_file_over_max_local_file(tmp_path: Path, hf_env: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """MAX_LOCAL_FILE is enforced: tokenizer/processor files are copied out of an archive into the cache only
+    up to it, checked on the entry's size before any byte is read."""
+    from dduf_plus.errors import DDUFLoadError
+    from dduf_plus.format.archive import DDUFArchive
+    from dduf_plus.format.writer import DDUFWriter
+    from dduf_plus.loading import files as files_mod
+
+    archive_path = tmp_path / "tok.dduf"
+    with DDUFWriter(archive_path) as w:
+        w.add_bytes("model_index.json", b'{"_class_name": "X", "tokenizer": ["transformers", "CLIPTokenizer"]}')
+        w.add_bytes("tokenizer/tokenizer_config.json", b"{}")
+        w.add_bytes("tokenizer/vocab.json", b'{"a": 0}' + b" " * 4000)
+    monkeypatch.setattr(files_mod, "MAX_LOCAL_FILE", 1024)
+    read: list[str] = []
+    with DDUFArchive(archive_path) as archive:
+        component = files_mod.ArchiveComponentFiles(archive, "tokenizer")
+        monkeypatch.setattr(component, "read_bytes", lambda name: read.append(name) or archive.read_bytes(f"tokenizer/{name}"))
+        with pytest.raises(DDUFLoadError, match=r"tokenizer.*vocab\.json is 4008 bytes.*at most 0 MiB"):
+            component.local_dir()
+        assert "vocab.json" not in read  # refused on its recorded size, never read
+        folder = Path(component.local_dir(["tokenizer_config.json"]))
+        assert (folder / "tokenizer_config.json").read_bytes() == b"{}"

@@ -18,7 +18,7 @@ import tempfile
 import uuid
 import weakref
 import zlib
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -37,7 +37,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 logger = logging.getLogger(__name__)
 
-MAX_LOCAL_FILE = 64 << 20  # local_dir serves tokenizer/processor files, never weights
+# local_dir copies tokenizer/processor files out of an archive into the cache: a hostile archive must not get
+# gigabytes written there under a tokenizer's name (real ones are at most a few tens of MB)
+MAX_LOCAL_FILE = 64 << 20
 
 
 @runtime_checkable
@@ -246,14 +248,23 @@ def _complete(folder: Path, digests: Mapping[str, str]) -> bool:
         return False
 
 
-def _small_files(files: ComponentFiles, filenames: Iterable[str] | None) -> dict[str, bytes]:
+def _small_files(files: ComponentFiles, filenames: Iterable[str] | None,
+                 size_of: Callable[[str], int] | None = None) -> dict[str, bytes]:
+    """The bytes of non-weight files to materialise; each at most MAX_LOCAL_FILE (checked by ``size_of``
+    before it is read, where given)."""
     listing = files.listdir()
     wanted = [f for f in listing if not f.endswith(".safetensors")] if filenames is None else list(filenames)
     out = {}
     for name in wanted:
         if name.endswith(".safetensors"):
             raise DDUFLoadError(f"{files.description}: weights ({name}) are never extracted to disk")
-        out[name] = files.read_bytes(name)
+        size = size_of(name) if size_of is not None else 0
+        if size <= MAX_LOCAL_FILE:
+            out[name] = files.read_bytes(name)
+            size = len(out[name])
+        if size > MAX_LOCAL_FILE:
+            raise DDUFLoadError(f"{files.description}: {name} is {size} bytes; a tokenizer/processor file written "
+                                f"to the cache may be at most {MAX_LOCAL_FILE >> 20} MiB")
     return out
 
 
@@ -333,7 +344,7 @@ class ArchiveComponentFiles:
             self._prefetcher.add(self.byte_ranges(filenames))
 
     def local_dir(self, filenames: Iterable[str] | None = None) -> str:
-        return materialize_files(_small_files(self, filenames))
+        return materialize_files(_small_files(self, filenames, lambda f: self.archive.entry(self._entry(f)).length))
 
     def weight_files(self, variant: str | None = None) -> list[str]:
         return choose_weight_files(self, variant)
