@@ -191,3 +191,20 @@ def test_local_dir_refuses_a_tokenizer_file_over_max_local_file(tmp_path: Path, 
         assert "vocab.json" not in read  # refused on its recorded size, never read
         folder = Path(component.local_dir(["tokenizer_config.json"]))
         assert (folder / "tokenizer_config.json").read_bytes() == b"{}"
+
+
+def test_apply_fp8_storage_casts_exactly_the_recorded_layers() -> None:
+    """docs/precision.md documents packing.convert.apply_fp8_storage as API: kept, and tested here."""
+    import torch
+
+    from dduf_plus.packing.convert import apply_fp8_storage
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    record = {"storage_dtype": "float8_e4m3fn", "compute_dtype": "float32",
+              "layerwise_casting": {"skip_modules_pattern": [r"^1$"]}}
+    assert apply_fp8_storage(model, record) is model
+    assert model[0].weight.dtype == torch.float8_e4m3fn  # stored fp8
+    assert model[1].weight.dtype == torch.float32  # skipped by the recorded pattern
+    out = model(torch.ones(2, 4))
+    assert out.dtype == torch.float32 and torch.isfinite(out).all()
+    assert model[0].weight.dtype == torch.float8_e4m3fn  # back to fp8 after the forward

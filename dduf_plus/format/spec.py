@@ -69,10 +69,6 @@ TENSOR_ALIGNMENT = 4096  # safetensors data sections start on a page boundary: m
 ENTRY_ALIGNMENT = 64  # every other entry
 
 
-def align_up(value: int, alignment: int) -> int:
-    return (value + alignment - 1) // alignment * alignment
-
-
 # --- safetensors -------------------------------------------------------------------------------------
 SAFETENSORS_MAX_HEADER = 100_000_000  # safetensors' own limit
 SAFETENSORS_METADATA_KEY = "__metadata__"
