@@ -208,3 +208,11 @@ def test_apply_fp8_storage_casts_exactly_the_recorded_layers() -> None:
     out = model(torch.ones(2, 4))
     assert out.dtype == torch.float32 and torch.isfinite(out).all()
     assert model[0].weight.dtype == torch.float8_e4m3fn  # back to fp8 after the forward
+
+
+def test_every_cli_command_has_its_module() -> None:
+    from dduf_plus.cli import COMMANDS
+
+    for name, (module, _help) in COMMANDS.items():
+        assert importlib.util.find_spec(f"dduf_plus.cli.{module}") is not None, name
+        assert "def register(" in (ROOT / "dduf_plus" / "cli" / f"{module}.py").read_text(encoding="utf-8"), name

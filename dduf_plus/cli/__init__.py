@@ -53,12 +53,7 @@ def build_parser(command: str | None) -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         if name == command:
-            try:
-                importlib.import_module(f"{__name__}.{module}").register(subparsers)
-            except ModuleNotFoundError as e:  # a command whose module is not written yet
-                if e.name != f"{__name__}.{module}":
-                    raise
-                subparsers.add_parser(name, help=help_text)
+            importlib.import_module(f"{__name__}.{module}").register(subparsers)
         else:
             subparsers.add_parser(name, help=help_text, add_help=False)
     return parser
