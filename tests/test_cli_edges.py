@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import re
 import subprocess
 import sys
@@ -305,3 +306,17 @@ def test_one_parser_for_every_assignment_option():
         parse_ref_args(["vae=a/b", "vae=c/d"])
     with pytest.raises(DDUFPackError, match="--dtype given twice for 'unet'"):
         parse_dtype_args(["unet=bf16", "unet=bf16"])
+
+
+def test_relative_outputs_in_a_subfolder(tmp_path: Path) -> None:
+    """Outputs named relative to the working directory, inside a subfolder (the folder must not be joined
+    twice: a regression of the one-atomic-writer change)."""
+    (tmp_path / "w").mkdir()
+    src = str(ROOT / "fixtures" / "pipelines" / "tiny-sd")
+    for argv in (["pack", src, "-o", "w/a.dduf", "-q"], ["compress", "w/a.dduf", "-o", "w/a.dduf.zst"],
+                 ["decompress", "w/a.dduf.zst", "-o", "w/b.dduf"], ["unpack", "w/b.dduf", "-o", "w/u"]):
+        done = subprocess.run([sys.executable, "-m", "dduf_plus.cli", *argv], cwd=tmp_path, capture_output=True,
+                              text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        assert done.returncode == 0, (argv, done.stderr)
+    assert (tmp_path / "w" / "a.dduf").read_bytes() == (tmp_path / "w" / "b.dduf").read_bytes()
+    assert (tmp_path / "w" / "u" / "model_index.json").is_file() and not (tmp_path / "w" / "w").exists()

@@ -133,7 +133,7 @@ def _pwrite_all(fd: int, data: Any, offset: int) -> None:
 def _atomic_output(dst: Path) -> Iterator[int]:
     """An exclusively created temporary file beside ``dst``, renamed over it after fsync when the block
     succeeds, removed otherwise (also on Ctrl-C): readers never see a half-written archive."""
-    with Confined(dst.parent).atomic(dst, mode=0o644) as out:
+    with Confined(dst.parent).atomic(dst.name, mode=0o644) as out:
         yield out.fd
 
 

@@ -191,7 +191,7 @@ class VerifiedHashes:
                 merged = dict(list(merged.items())[-MAX_VERIFIED:])
             data = json.dumps({"version": VERIFIED_VERSION, "entries": merged}, separators=(",", ":"))
             try:
-                Confined(self.path.parent).write_bytes(self.path, data.encode())
+                Confined(self.path.parent).write_bytes(self.path.name, data.encode())
             except (OSError, DDUFError) as e:  # DDUFPathError: its folder is a link out of the cache  # a read-only home must not break loading: we just hash again next time
                 logger.debug("cannot save verified hashes to %s: %s", self.path, e)
                 return
