@@ -33,6 +33,8 @@ def hosted(tmp_path: Path, hf_env: Path, monkeypatch: pytest.MonkeyPatch):
     # online (HF_HUB_OFFLINE / local_files_only also keep hosted archives from being fetched)
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    # the test server is on loopback, which a URL recorded in an archive may not reach by default
+    monkeypatch.setenv("DDUF_PLUS_ALLOW_PRIVATE_URLS", "1")
     www = tmp_path / "www"
     www.mkdir()
     pack_folder(PIPELINES / "tiny-sd", www / "base.dduf", quiet=True)
@@ -124,6 +126,21 @@ def test_unreachable_host_names_the_component(hosted, monkeypatch: pytest.Monkey
     with pytest.raises(DDUFReferenceError) as info:
         load_dduf(archive)
     assert "'vae'" in str(info.value) and url in str(info.value)
+
+
+def test_recorded_private_host_is_not_contacted(hosted, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An archive's recorded URL on loopback is refused before any request (a stranger's archive must not
+    make the loader reach the intranet); the same URL passed by the caller in refs= is used."""
+    from dduf_plus import load_dduf
+
+    server, url, archive, _ = hosted
+    monkeypatch.delenv("DDUF_PLUS_ALLOW_PRIVATE_URLS")
+    with pytest.raises(DDUFReferenceError) as info:
+        load_dduf(archive)
+    assert "'vae'" in str(info.value) and "loopback" in str(info.value) and "DDUF_PLUS_ALLOW_PRIVATE_URLS" in str(info.value)
+    assert server.gets == 0 and server.heads == 0
+    assert load_dduf(archive, refs={"vae": url}) is not None
+    assert server.gets > 0
 
 
 def test_dduf_refs_shows_hosted_status(hosted, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:

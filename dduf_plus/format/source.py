@@ -603,6 +603,38 @@ def check_url(url: str) -> str:
     return scheme
 
 
+def address_problem(address: str) -> str | None:
+    """Why a connection to ``address`` is refused (loopback, private, link-local...), or None if public."""
+    import ipaddress
+
+    ip = ipaddress.ip_address(address.split("%", 1)[0])
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    for kind in ("loopback", "private", "link_local", "multicast", "reserved", "unspecified"):
+        if getattr(ip, f"is_{kind}"):
+            return f"{ip} is a {kind.replace('_', '-')} address"
+    if not ip.is_global:
+        return f"{ip} is not a public address"
+    return None
+
+
+def host_problem(url: str) -> str | None:
+    """Why ``url``'s host is not a public one (it resolves to a loopback/private/link-local... address, or
+    does not resolve), or None. Used where a URL comes from an archive rather than from the user."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    try:
+        infos = socket.getaddrinfo(host, parts.port or (443 if parts.scheme == "https" else 80),
+                                   type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+        return f"{host!r} does not resolve ({e})"
+    for info in infos:
+        why = address_problem(str(info[4][0]))
+        if why:
+            return f"{host} resolves to {why}"
+    return None
+
+
 def open_source(source: str | os.PathLike, *, deadline: float | None = None, max_bytes: int | None = None,
                 **storage_options: Any) -> ByteSource:
     """A ByteSource for a local path, ``file://PATH``, or an allowed URL.

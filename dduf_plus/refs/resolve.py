@@ -351,6 +351,24 @@ def _content_candidate(recorded: Mapping[str, Mapping[str, Any]], cache_dir: str
     return _Candidate("hf cache by content", "", get)
 
 
+ALLOW_PRIVATE_ENV = "DDUF_PLUS_ALLOW_PRIVATE_URLS"
+
+
+def _check_recorded_host(url: str) -> None:
+    """A URL the archive recorded (not one the caller passed in ``refs=``) is fetched only from a public
+    host: an archive from a stranger must not make the loader reach loopback, private or link-local
+    addresses (the intranet, cloud metadata services). ``$DDUF_PLUS_ALLOW_PRIVATE_URLS=1`` or a ``refs=``
+    override lifts it. ``hf://`` goes to the configured Hub endpoint, like a Hub reference."""
+    from ..format.source import host_problem
+
+    if url.lower().startswith("hf://") or _cache._is_true(os.environ.get(ALLOW_PRIVATE_ENV)):
+        return
+    why = host_problem(url)
+    if why:
+        raise _Skip(f"the archive records {url}, and {why}: a recorded URL is fetched only from a public host "
+                    f"(pass it as refs={{...}} or set {ALLOW_PRIVATE_ENV}=1 to allow it)")
+
+
 def _hosted_candidate(how: str, spec: Spec, name: str, recorded: Mapping[str, Mapping[str, Any]], *,
                       fetch: bool, offline: bool, token: str | bool | None) -> _Candidate:
     """A component inside a hosted archive: the files already fetched (by content, no request), else only
@@ -368,6 +386,8 @@ def _hosted_candidate(how: str, spec: Spec, name: str, recorded: Mapping[str, Ma
         except DDUFError as e:
             raise _Skip(str(e)) from None
         found, missing = hosted.cached_files(recorded)
+        if missing and fetch and how.startswith("recorded"):
+            _check_recorded_host(spec.location)
         if not missing:
             return "files", found
         if not fetch:

@@ -9,7 +9,6 @@ is refused too. Redirects are followed by the format layer's client within the s
 from __future__ import annotations
 
 import http.client
-import ipaddress
 import json
 import logging
 import socket
@@ -17,7 +16,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ..errors import DDUFIOError, DDUFUsageError
-from ..format.source import HTTPSource, _tls_context
+from ..format.source import HTTPSource, _tls_context, address_problem  # noqa: F401 (address_problem re-exported)
 from .settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -32,19 +31,6 @@ def _origin(url: str) -> tuple[str, str, int]:
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
     return scheme, (parts.hostname or "").lower(), parts.port or (443 if scheme == "https" else 80)
-
-
-def address_problem(address: str) -> str | None:
-    """Why a connection to ``address`` is refused (loopback, private, link-local...), or None if public."""
-    ip = ipaddress.ip_address(address.split("%", 1)[0])
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    for kind in ("loopback", "private", "link_local", "multicast", "reserved", "unspecified"):
-        if getattr(ip, f"is_{kind}"):
-            return f"{ip} is a {kind.replace('_', '-')} address"
-    if not ip.is_global:
-        return f"{ip} is not a public address"
-    return None
 
 
 def check_url(url: str, settings: Settings, *, hub: bool = False) -> str:
