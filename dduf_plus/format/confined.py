@@ -51,10 +51,6 @@ def name_problem(name: object) -> str | None:
     return None
 
 
-def is_plain_name(name: object) -> bool:
-    return name_problem(name) is None
-
-
 def component_name_problem(name: object) -> str | None:
     """A pipeline component name must also be what diffusers accepts as an attribute name."""
     why = name_problem(name)

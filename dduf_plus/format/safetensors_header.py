@@ -20,7 +20,6 @@ MAX_ELEMENTS = 1 << 62
 # A header may hold at most HEADER_VALUES_PER_TENSOR JSON values per tensor it may declare, plus this many
 # for __metadata__ (bounded from its bytes before it is parsed, see json_budget.value_bound).
 HEADER_METADATA_VALUES = 4096
-MAX_HEADER_VALUES = spec.MAX_TENSORS_PER_FILE * spec.HEADER_VALUES_PER_TENSOR + HEADER_METADATA_VALUES
 MAX_HEADER_DEPTH = spec.MAX_JSON_DEPTH  # valid headers nest 3 deep ({record: {"shape": [...]}})
 
 
