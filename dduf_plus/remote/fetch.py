@@ -92,6 +92,11 @@ class RemoteFetch:
         self._queue: deque[tuple[int, int]] = deque()
         self._threads: list[threading.Thread] = []
         self._saved_at = 0.0
+        # Pieces that arrived before their entry's hash reached them, kept (bounded) so that hashing does not
+        # read them back from the file: {start: bytes}, only pieces lying inside one entry's data.
+        self._pending: dict[int, bytes] = {}
+        self._pending_bytes = 0
+        self._pending_cap = 2 * options.concurrency * options.chunk_size
         self._entries = self._verifiable_entries()
         self._starts = [e.offset for e in self._entries]
 
@@ -207,6 +212,7 @@ class RemoteFetch:
                     self.timeline.append((t0, t1, start, end - start))
                     self._done.add(start, end)
                     self._cond.notify_all()
+                self._keep(start, end, data)
                 self._entries_touched(start, end, data)
                 self._save_progress()
             except BaseException as e:  # noqa: BLE001 - handed to whoever waits
@@ -226,6 +232,22 @@ class RemoteFetch:
             self._cond.notify_all()
 
     # --- verification as bytes arrive ----------------------------------------------------------------------------
+    def _keep(self, start: int, end: int, data: bytes) -> None:
+        i = bisect_right(self._starts, start) - 1
+        if i < 0 or self._entries[i].end < end or self._entries[i].upto >= end:
+            return
+        with self._cond:
+            if self._pending_bytes + len(data) <= self._pending_cap:
+                self._pending[start] = data
+                self._pending_bytes += len(data)
+
+    def _take(self, start: int) -> bytes | None:
+        with self._cond:
+            data = self._pending.pop(start, None)
+            if data is not None:
+                self._pending_bytes -= len(data)
+            return data
+
     def _entries_touched(self, start: int, end: int, data: bytes) -> None:
         i = max(0, bisect_right(self._starts, start) - 1)
         while i < len(self._entries) and self._entries[i].offset < end:
@@ -251,7 +273,11 @@ class RemoteFetch:
                         if start <= entry.upto < start + len(data):  # the piece just received: no re-read
                             block = memoryview(data)[entry.upto - start:min(reach, start + len(data)) - start]
                         else:
-                            block = os.pread(self.fd, n, entry.upto)
+                            kept = self._take(entry.upto) if self._pending else None
+                            if kept is not None and entry.upto + len(kept) <= reach:
+                                block = kept
+                            else:
+                                block = os.pread(self.fd, n, entry.upto)
                         if entry.hasher is not None:
                             entry.hasher.update(block)
                         else:
