@@ -10,6 +10,8 @@ import json
 import multiprocessing
 import shutil
 import socket
+import subprocess
+import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
@@ -211,6 +213,26 @@ def test_bad_lines_do_not_stop_the_batch(tmp_path, capsys):
     assert sum(1 for x in lines if x["valid"]) == 2
     assert all(x["io_error"] and x["path"] in bad for x in lines if not x["valid"])
     assert "Traceback" not in err
+
+
+def test_json_lines_stream_as_each_archive_finishes(tmp_path):
+    """A real process and a pipe (not a terminal): the fast archive's line arrives while the slow one runs."""
+    shutil.copy(HOSTILE / "valid.dduf", tmp_path / "slow.dduf")
+    with FileServer(tmp_path, latency=0.15) as slow:  # ~29 requests: the slow archive takes ~4 s
+        listing = write_list(tmp_path / "l.txt", [slow.url("slow.dduf"), str(HOSTILE / "valid.dduf")])
+        started = time.perf_counter()
+        proc = subprocess.Popen([sys.executable, "-m", "dduf_plus.cli", "validate", "--from-file", str(listing),
+                                 "--jobs", "2", "--json-lines"], stdout=subprocess.PIPE, text=True)
+        try:
+            first = json.loads(proc.stdout.readline())
+            first_at = time.perf_counter() - started
+            assert proc.poll() is None  # still validating the slow one
+            second = json.loads(proc.stdout.readline())
+        finally:
+            proc.stdout.close()
+            proc.wait(60)
+    assert first["path"] == str(HOSTILE / "valid.dduf") and second["path"] == slow.url("slow.dduf")
+    assert first_at < time.perf_counter() - started - 1.0 and proc.returncode == 0
 
 
 def test_jobs_8_is_concurrent(tmp_path, capsys):
