@@ -64,7 +64,7 @@ class DDUFWriter:
         # The caller chose the output; the temp file beside it is created exclusively and only it is removed
         # on failure (a planted link at any name is never followed).
         self._out = Confined(self.path.parent).atomic(self.path.name, fsync=fsync, mode=0o644)
-        self._fd, self._tmp = self._out.fd, self._out.tmp
+        self._fd = self._out.fd
         self._position = 0
         self._central: list[bytes] = []
         self._names: set[str] = set()

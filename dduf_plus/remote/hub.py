@@ -216,7 +216,7 @@ def hub_archive(repo_id: str, dduf_file: str | None = None, *, revision: str | N
     offline = _offline(local_files_only)
     with _bars(quiet):  # quiet=None: bars on a terminal only
         path = _hub_call(f"{repo_id}/{dduf_file}", repo_id, revision, lambda: hf_hub_download(
-            repo_id, dduf_file, revision=revision, token=token, cache_dir=cache_dir,
+            repo_id, dduf_file, revision=revision, token=token, cache_dir=_as_path(cache_dir),
             local_files_only=local_files_only), filename=dduf_file, offline=offline)
     logger.info("%s/%s: %s", _where(repo_id, revision), dduf_file, path)
     return Path(path)
@@ -268,7 +268,7 @@ def hub_folder_for_pack(repo_id: str, *, revision: str | None = None, variant: s
     where = _where(repo_id, revision)
     try:
         mi_path = Path(_hub_call(where, repo_id, revision, lambda: hf_hub_download(
-            repo_id, spec.MODEL_INDEX, revision=revision, token=token, cache_dir=cache_dir,
+            repo_id, spec.MODEL_INDEX, revision=revision, token=token, cache_dir=_as_path(cache_dir),
             local_files_only=local_files_only), filename=spec.MODEL_INDEX, offline=offline))
     except DDUFNotFoundError as e:
         if offline or "has no file" not in str(e):
@@ -296,9 +296,14 @@ def hub_folder_for_pack(repo_id: str, *, revision: str | None = None, variant: s
     logger.info("%s: %d of %d files are packed (%s)", where, len(wanted), len(files), ", ".join(components))
     with _bars(quiet):
         folder = _hub_call(where, repo_id, revision, lambda: snapshot_download(
-            repo_id, revision=revision, token=token, cache_dir=cache_dir, local_files_only=local_files_only,
+            repo_id, revision=revision, token=token, cache_dir=_as_path(cache_dir), local_files_only=local_files_only,
             allow_patterns=[_glob_escape(f) for f in wanted]), offline=offline)
     return Path(folder)
 
 
 __all__ = ["hub_archive", "hub_folder_for_pack", "is_repo_id", "list_repo_files", "pack_selection", "split_revision"]
+
+
+def _as_path(folder: str | os.PathLike | None) -> Path | None:
+    """diffusers' ``cache_dir`` (str or PathLike) as huggingface_hub's functions declare it."""
+    return Path(folder) if folder is not None else None
