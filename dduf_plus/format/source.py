@@ -223,8 +223,8 @@ class HTTPSource:
             self.size = self._probe()
         except _HTTPFailure as e:
             self.close()
-            error = DDUFNotFoundError if e.not_found else DDUFIOError
-            raise error(f"cannot open {url}: {e.why}", url if e.not_found else None) from None
+            message = f"cannot open {url}: {e.why}"
+            raise (DDUFNotFoundError(message, url) if e.not_found else DDUFIOError(message)) from None
         except DDUFError:
             self.close()
             raise
