@@ -95,7 +95,7 @@ def _listed(name: str) -> Iterator[str]:
     return lines()
 
 
-def _catalogue(args: argparse.Namespace):
+def _catalogue(args: argparse.Namespace) -> Iterator[tuple[str, dict[str, Any] | None, str | None]]:
     """--from-file / --json-lines: every source through validate_many on threads, as each finishes."""
     import itertools
 
@@ -107,7 +107,7 @@ def _catalogue(args: argparse.Namespace):
         yield r["source"], (r["report"] if r["error"] is None else None), r["error"]
 
 
-def _results(args: argparse.Namespace):
+def _results(args: argparse.Namespace) -> Iterator[tuple[str, dict[str, Any] | None, str | None]]:
     if args.from_file is not None or args.json_lines:
         yield from _catalogue(args)
         return

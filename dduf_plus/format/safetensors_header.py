@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Callable
 from itertools import chain, compress, repeat
 from math import prod
 from operator import attrgetter, itemgetter, methodcaller, mul, not_, sub
@@ -236,7 +237,7 @@ def _cap_name(max_tensors: int) -> str:
     return f"what the per-archive cap of {spec.MAX_TENSORS_PER_ARCHIVE} leaves for this file"
 
 
-def read_safetensors_header(read_at, entry_offset: int, entry_size: int, entry: str, *,
+def read_safetensors_header(read_at: Callable[[int, int], bytes], entry_offset: int, entry_size: int, entry: str, *,
                             max_tensors: int = spec.MAX_TENSORS_PER_FILE) -> tuple[SafetensorsHeader | None, list[Finding]]:
     """Read and check the header of a safetensors file that occupies ``entry_size`` bytes at ``entry_offset``
     of a source whose ``read_at(offset, length)`` returns bytes; ``max_tensors`` as for :func:`parse_header`."""

@@ -26,7 +26,7 @@ import os
 import re
 import sys
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -269,7 +269,10 @@ def _keep_in_fp32(model: Any) -> tuple[str, ...]:
     return tuple(sorted(keep))
 
 
-def _dtype_rule(dtype: torch.dtype | None, keep_fp32: tuple[str, ...]):
+DtypeRule = Callable[[str, torch.Tensor], "torch.dtype | None"]  # (tensor name, tensor) -> dtype to store
+
+
+def _dtype_rule(dtype: torch.dtype | None, keep_fp32: tuple[str, ...]) -> DtypeRule:
     """(name, tensor) -> dtype to store, or None to keep. Same keep-in-fp32 test as diffusers' loader:
     a module name appearing as a component of the tensor's dotted name."""
     def rule(name: str, tensor: torch.Tensor) -> torch.dtype | None:
@@ -392,7 +395,7 @@ def weight_source(
     entry: str,
     state: Mapping[str, torch.Tensor],
     *,
-    dtype_for=None,
+    dtype_for: DtypeRule | None = None,
     metadata: Mapping[str, str] | None = None,
     what: str = "",
     aligned: bool = False,
