@@ -150,6 +150,11 @@ class _Budget:
         if self.fixed_max_bytes is None:
             self.max_bytes = 2 * size + BUDGET_SLACK_BYTES
 
+    def affords(self, length: int) -> bool:
+        """Whether ``length`` more bytes fit the byte budget."""
+        with self._lock:
+            return self.max_bytes is None or self.fetched + length <= self.max_bytes
+
     def remaining(self) -> float:
         left = self.ends_at - time.monotonic()
         if left <= 0:
@@ -186,12 +191,18 @@ def _origin(parts: Any) -> tuple[str, str, int]:
     return scheme, (parts.hostname or "").lower(), parts.port or (443 if scheme == "https" else 80)
 
 
+# Files up to this size are read whole by the first read (one request instead of one per header: validating
+# a 16 KB archive took ~30 round trips); larger ones by exact ranges.
+WHOLE_FILE_BELOW = 512 << 10
+
+
 class HTTPSource:
     """An ``http://`` or ``https://`` URL read by range requests over one kept-alive connection.
 
     Opening sends one ``Range: bytes=0-0`` request: the ``206`` answer gives the size and proves range
     support; a ``200`` (the server ignores ``Range``) is refused without reading its body. Each later
-    ``read_at`` is exactly one range request. Redirects are followed within the same origin only.
+    ``read_at`` is exactly one range request, except in a file of at most :data:`WHOLE_FILE_BELOW` bytes, which
+    the first read fetches whole. Redirects are followed within the same origin only.
 
     ``size`` (already known, e.g. from another connection) skips the opening request; ``budget`` shares
     one deadline and byte budget between several connections to the same URL (``remote.fetch``). Every
@@ -214,6 +225,7 @@ class HTTPSource:
         self._lock = threading.Lock()  # one connection: one request at a time
         self._conn: http.client.HTTPConnection | None = None
         self._expired = False
+        self._whole: bytes | None = None  # the whole file, once read (files up to WHOLE_FILE_BELOW only)
         self.bytes_read = 0
         self.size = 0
         if size is not None:
@@ -236,6 +248,8 @@ class HTTPSource:
             raise DDUFError(f"{self.name}: read of {length} bytes at {offset} is outside the file")
         if length == 0:
             return b""
+        if self._whole is not None or (self.size <= WHOLE_FILE_BELOW and self._budget.affords(self.size)):
+            return self._whole_file()[offset : offset + length]  # a small file: one request, then memory
         with self._lock:
             self._budget.spend(length)
             try:
@@ -249,6 +263,18 @@ class HTTPSource:
         conn, self._conn = self._conn, None
         if conn is not None:
             conn.close()
+
+    def _whole_file(self) -> bytes:
+        with self._lock:
+            if self._whole is None:
+                self._budget.spend(self.size)
+                try:
+                    _, _, body = self._request(0, self.size - 1, expect=self.size)
+                except _HTTPFailure as e:
+                    raise DDUFIOError(f"{self.name}: read of the whole {self.size}-byte file failed: {e.why}") from None
+                self._whole = body
+                self.bytes_read += len(body)
+            return self._whole
 
     # -- requests --------------------------------------------------------------------------------------------
     def _probe(self) -> int:
