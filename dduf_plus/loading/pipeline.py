@@ -102,24 +102,11 @@ def load_dduf(
         DDUFReferenceError: an external component cannot be resolved.
     """
     started = time.perf_counter()
-    path_str = os.fspath(path)
-    if dduf_file is not None and os.path.isdir(path_str):  # diffusers 0.35: a local folder and the file in it
-        path_str = os.path.join(path_str, dduf_file)
-    elif dduf_file is not None or _is_hub_repo(path_str):  # a Hub repo id: the cached archive, downloaded if need be
-        from ..remote.hub import hub_archive
-
-        path_str = os.fspath(hub_archive(path_str, dduf_file, revision=revision, token=token, cache_dir=cache_dir,
-                                         local_files_only=local_files_only))
+    path_str, archive, fetch = _open_source(os.fspath(path), dduf_file, revision=revision, token=token,
+                                            cache_dir=cache_dir, local_files_only=local_files_only,
+                                            remote=remote, max_decompressed=max_decompressed)
     request = resolve_request(torch_dtype, dtype)
     device_for = _device_resolver(device, device_map)
-    fetch = None
-    if is_url(path_str):  # fetched into the remote cache; components are built as their bytes arrive
-        archive, fetch = _open_url(path_str, remote, local_files_only)
-    else:
-        local = path_str
-        if is_zst(path_str):  # a transport-compressed archive: decompressed once into a content-keyed cache
-            local = str(cached_decompress(path_str, max_decompressed=max_decompressed))
-        archive = DDUFArchive(local)
     prefetcher = Prefetcher(archive.mmap) if prefetch and use_mmap and fetch is None else None
     ctx = _Context(archive, path_str, request, device_for, variant, prefetcher,
                    resolve_options={"refs": refs, "local_files_only": local_files_only, "token": token,
@@ -146,6 +133,28 @@ def load_dduf(
         archive.close()  # the tensors keep the mapping alive; the file descriptor is not needed any more
     logger.info("loaded %s in %.2f s", path_str, time.perf_counter() - started)
     return pipe
+
+
+def _open_source(path_str: str, dduf_file: str | None, *, revision: str | None, token: str | bool | None,
+                 cache_dir: str | os.PathLike | None, local_files_only: bool, remote: Any,
+                 max_decompressed: Any) -> tuple[str, DDUFArchive, Any]:
+    """The archive ``load_dduf``'s first argument names: (path or URL, open archive, the remote fetch or None).
+
+    A local folder plus ``dduf_file`` is the file in it (diffusers 0.35); a Hub repo id is its cached archive,
+    downloaded if need be; a URL is fetched into the remote cache (components are built as their bytes
+    arrive); a ``.dduf.zst`` is decompressed once into a content-keyed cache."""
+    if dduf_file is not None and os.path.isdir(path_str):
+        path_str = os.path.join(path_str, dduf_file)
+    elif dduf_file is not None or _is_hub_repo(path_str):
+        from ..remote.hub import hub_archive
+
+        path_str = os.fspath(hub_archive(path_str, dduf_file, revision=revision, token=token, cache_dir=cache_dir,
+                                         local_files_only=local_files_only))
+    if is_url(path_str):
+        archive, fetch = _open_url(path_str, remote, local_files_only)
+        return path_str, archive, fetch
+    local = str(cached_decompress(path_str, max_decompressed=max_decompressed)) if is_zst(path_str) else path_str
+    return path_str, DDUFArchive(local), None
 
 
 def _is_hub_repo(path: str) -> bool:
