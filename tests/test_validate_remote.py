@@ -3,14 +3,11 @@ validation of a multi-MB archive transfers kilobytes, in exact range requests.""
 
 from __future__ import annotations
 
-import http.server
 import json
 import os
-import re
-import threading
-from pathlib import Path
 
 import pytest
+from servers import FileServer
 
 from conftest import HOSTILE, load_make_hostile
 from dduf_plus.cli import main as cli_main
@@ -23,72 +20,6 @@ pytest.importorskip("fsspec")
 
 
 mh = load_make_hostile()
-
-
-class RangeServer(http.server.ThreadingHTTPServer):
-    """Serves files of ``root``; honours ``Range: bytes=a-b`` (206) and counts body bytes and requests."""
-
-    daemon_threads = True
-
-    def __init__(self, root: Path, ranges: bool = True):
-        self.root, self.ranges_supported = root, ranges
-        self.lock = threading.Lock()
-        self.reset()
-        super().__init__(("127.0.0.1", 0), RangeHandler)
-
-    def reset(self) -> None:
-        with getattr(self, "lock", threading.Lock()):
-            self.body_bytes, self.gets, self.heads, self.ranges = 0, 0, 0, []
-
-    def url(self, name: str) -> str:
-        return f"http://127.0.0.1:{self.server_port}/{name}"
-
-
-class RangeHandler(http.server.BaseHTTPRequestHandler):
-    server: RangeServer
-    protocol_version = "HTTP/1.1"
-    disable_nagle_algorithm = True  # else each small response waits ~40 ms for a delayed ACK
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-    def _file(self) -> bytes | None:
-        path = self.server.root / self.path.lstrip("/")
-        return path.read_bytes() if path.is_file() else None
-
-    def do_HEAD(self) -> None:  # noqa: N802
-        data = self._file()
-        with self.server.lock:
-            self.server.heads += 1
-        if data is None:
-            self.send_error(404)
-            return
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(data)))
-        self.send_header("Accept-Ranges", "bytes" if self.server.ranges_supported else "none")
-        self.end_headers()
-
-    def do_GET(self) -> None:  # noqa: N802
-        data = self._file()
-        if data is None:
-            self.send_error(404)
-            return
-        match = re.fullmatch(r"bytes=(\d+)-(\d+)", self.headers.get("Range", ""))
-        if match and self.server.ranges_supported:
-            start, end = int(match[1]), min(int(match[2]), len(data) - 1)
-            body = data[start : end + 1]
-            self.send_response(206)
-            self.send_header("Content-Range", f"bytes {start}-{end}/{len(data)}")
-        else:
-            start, body = 0, data
-            self.send_response(200)
-        with self.server.lock:  # counted before sending: the client may finish before this thread resumes
-            self.server.gets += 1
-            self.server.body_bytes += len(body)
-            self.server.ranges.append((start, len(body)))
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
 
 
 @pytest.fixture(scope="module")
@@ -104,12 +35,8 @@ def site(tmp_path_factory):
     mh.write_valid(root / "big.dduf", mh.base_entries() | big, model_index=mi)
     for name in ("polyglot-suffix.dduf", "st-hole.dduf", "crc-mismatch.dduf"):
         (root / name).write_bytes((HOSTILE / name).read_bytes())
-    server = RangeServer(root)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server
-    server.shutdown()
-    server.server_close()
+    with FileServer(root) as server:
+        yield server
 
 
 def test_structural_validation_transfers_kilobytes(site):
@@ -192,14 +119,8 @@ def test_a_server_that_stops_answering_times_out(monkeypatch):
 
 def test_server_without_ranges_is_refused_not_downloaded(tmp_path):
     mh.write_valid(tmp_path / "a.dduf")
-    server = RangeServer(tmp_path, ranges=False)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        with pytest.raises(DDUFError):
-            validate(server.url("a.dduf"))
-    finally:
-        server.shutdown()
-        server.server_close()
+    with FileServer(tmp_path, ranges=False) as server, pytest.raises(DDUFError):
+        validate(server.url("a.dduf"))
 
 
 def test_cli_jobs_with_urls(site, capsys):
