@@ -222,6 +222,7 @@ def test_verify_tensor_data_and_foreign_archive(tmp_path):
 
 
 def test_verify_many_entries_in_parallel(tmp_path):
+    before = threading.active_count()  # daemon threads of earlier tests (servers, clusters) may still be alive
     entries = mh.base_entries() | {f"tokenizer/part{i}.txt": os.urandom(50_000 + i) for i in range(12)}
     path = build(tmp_path, entries=entries)
     assert validate(path, verify=True).valid
@@ -232,7 +233,7 @@ def test_verify_many_entries_in_parallel(tmp_path):
     assert sorted((f.code, f.entry) for f in report.errors) == [
         ("H001", "tokenizer/part3.txt"), ("H001", "tokenizer/part7.txt"),
         ("H002", "tokenizer/part3.txt"), ("H002", "tokenizer/part7.txt")]
-    assert threading.active_count() < 5  # the hashing pool is gone
+    assert threading.active_count() <= before  # the hashing pool is gone
 
 
 def test_verify_hashes_over_mmap_match_hashlib(tmp_path):

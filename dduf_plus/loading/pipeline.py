@@ -253,6 +253,13 @@ def _plan(ctx: _Context, kwargs: dict[str, Any]) -> _Plan:
     if unused:
         logger.warning("keyword arguments %s are not expected by %s and are ignored",
                        sorted(unused), pipeline_class.__name__)
+    # Smallest stored components first (diffusers' init dict comes in set order, which changes from process
+    # to process): one order every run, and the small ones are built while a remote fetch still brings weights.
+    stored: dict[str, int] = {}
+    for entry in ctx.archive.entries.values():
+        component = entry.name.partition("/")[0]
+        stored[component] = stored.get(component, 0) + entry.length
+    to_build = dict(sorted(to_build.items(), key=lambda kv: (stored.get(kv[0], 0), kv[0])))
     return _Plan(pipeline_class, set(expected_modules), passed_components, init_kwargs, to_build)
 
 
