@@ -44,7 +44,7 @@ print(json.dumps({"seconds": time.perf_counter() - t, "codes": report.codes, **_
 _CACHED = _STATS + """
 import json, os, sys, time
 t = time.perf_counter()
-from dduf_plus.format import zst
+from dduf_plus.storage import zst
 mode = sys.argv[2]
 if mode == "touch":  # the entry's stat changes, its bytes do not (a restored backup, a copied cache)
     entry = zst.cached_decompress(sys.argv[1])
@@ -61,7 +61,7 @@ def bomb(path: Path) -> Path:
     of zeros writes)."""
     import zstandard
 
-    from dduf_plus.format import zst
+    from dduf_plus.storage import zst
 
     if not path.exists():
         cobj = zstandard.ZstdCompressor(level=1, write_checksum=True).compressobj(size=256 * MiB)
@@ -107,7 +107,7 @@ def main() -> int:
         results["bomb"][label] = {k: median([r[k] for r in runs]) for k in ("seconds", "written", "peak_rss",
                                                                             "left_on_disk")}
         results["bomb"][label]["codes"] = runs[0]["codes"]
-    from dduf_plus.format import zst
+    from dduf_plus.storage import zst
 
     archive = sd15_archive()
     stream = WORK / "sd15.dduf.zst"

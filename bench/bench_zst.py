@@ -26,7 +26,7 @@ from _common import RESULTS, WORK, median, sd15_archive  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 _CHILD = """
 import json, sys
-from dduf_plus.format import zst
+from dduf_plus.storage import zst
 op, src, dst, level, threads = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
 if op == "compress":
     r = zst.compress(src, dst, level=level, threads=threads, quiet=True)

@@ -46,7 +46,7 @@ def validate_one(source: str | os.PathLike, verify: bool = False, strict: bool =
                  storage_options: dict[str, Any] | None = None) -> Result:
     """Validate one archive and return its result dict (see the module docstring); never raises for a
     source. ``timeout`` is the deadline of a remote source in seconds (``deadline=`` of
-    :func:`~dduf_plus.format.source.open_source`); local files are bounded by the validator's own budgets."""
+    :func:`~dduf_plus.storage.source.open_source`); local files are bounded by the validator's own budgets."""
     from .errors import DDUFError
     from .format.validate import validate
 
@@ -65,7 +65,7 @@ def validate_one(source: str | os.PathLike, verify: bool = False, strict: bool =
 
 
 def _is_url(name: str) -> bool:
-    from .format.source import is_url
+    from .storage.urls import is_url
 
     return bool(is_url(name))
 

@@ -86,7 +86,7 @@ class DDUFNotFoundError(DDUFIOError, FileNotFoundError):
 
 class DDUFPathError(DDUFError):
     """A write, rename, link or removal would reach outside the folder it belongs to (an output folder, one
-    of dduf_plus' caches): refused whatever the archive says (see :mod:`dduf_plus.format.confined`)."""
+    of dduf_plus' caches): refused whatever the archive says (see :mod:`dduf_plus.storage.confined`)."""
 
 
 def io_error(message: str, error: OSError, filename: str | os.PathLike | None = None) -> DDUFIOError:

@@ -22,7 +22,7 @@ from fsspec.spec import AbstractFileSystem
 
 from .errors import DDUFError
 from .format.archive import DDUFArchive
-from .format.source import is_url
+from .storage.urls import is_url
 
 
 class _FileObjectSource:

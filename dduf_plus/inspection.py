@@ -17,9 +17,9 @@ from .errors import DDUFError
 from .format import spec
 from .format.index import summarize
 from .format.safetensors_header import SafetensorsHeader, TensorInfo, read_file_header
-from .format.source import is_url
 from .format.structure import component_specs, model_index_object
 from .format.weights import select_weights, tensor_files
+from .storage.urls import is_url
 
 logger = logging.getLogger(__name__)
 

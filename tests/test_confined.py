@@ -1,4 +1,4 @@
-"""dduf_plus.format.confined: the one place writes and removals go through."""
+"""dduf_plus.storage.confined: the one place writes and removals go through."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from dduf_plus.errors import DDUFError, DDUFFormatError, DDUFPathError
-from dduf_plus.format.confined import (
+from dduf_plus.storage.confined import (
     Confined,
     component_name_problem,
     name_problem,

@@ -13,8 +13,8 @@ import pytest
 from dduf_plus.errors import DDUFError
 from dduf_plus.format.archive import DDUFArchive
 from dduf_plus.format.safetensors_header import read_safetensors_header
-from dduf_plus.format.source import LocalSource
 from dduf_plus.inspection import inspect_dtypes
+from dduf_plus.storage.source import LocalSource
 
 ROOT = Path(__file__).resolve().parent.parent
 

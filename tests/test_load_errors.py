@@ -182,7 +182,7 @@ def test_unresolvable_reference_names_the_component(tmp_path):
 
 def test_zst_decompression_budget_is_a_load_argument(tmp_path, packed, monkeypatch):
     from dduf_plus.errors import DDUFError
-    from dduf_plus.format.zst import compress
+    from dduf_plus.storage.zst import compress
 
     monkeypatch.setenv("DDUF_PLUS_CACHE", str(tmp_path / "cache"))
     zst = compress(packed["tiny-dit"], tmp_path / "tiny.dduf.zst", quiet=True).path

@@ -15,8 +15,8 @@ import pytest
 from conftest import load_make_hostile
 from dduf_plus.cli import main as cli_main
 from dduf_plus.errors import DDUFError, DDUFIOError, DDUFNotFoundError, DDUFUsageError
-from dduf_plus.format.source import FsspecSource, HTTPSource, open_source
 from dduf_plus.format.validate import validate
+from dduf_plus.storage.source import FsspecSource, HTTPSource, open_source
 
 mh = load_make_hostile()
 
@@ -139,7 +139,7 @@ def test_range_server_validates_and_reuses_one_connection(site):
     site.requests.clear()
     report = validate(site.url("/a.dduf"))
     assert report.valid, report
-    # a file this small (under format.source.WHOLE_FILE_BELOW) is read whole by one request after the probe,
+    # a file this small (under storage.http_range.WHOLE_FILE_BELOW) is read whole by one request after the probe,
     # instead of one request per record and header; larger files: exact ranges (tests/test_validate_remote.py)
     assert report.bytes_read == len(site.data) + 1 and len(site.requests) == 2, site.requests
 

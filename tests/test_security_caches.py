@@ -27,9 +27,9 @@ import zstandard
 from conftest import ROOT
 from dduf_plus.cli import main as cli_main
 from dduf_plus.errors import DDUFError
-from dduf_plus.format import zst, zst_cache
 from dduf_plus.format.validate import validate
-from dduf_plus.format.zst import DecompressionBudget, DecompressionBudgetError, decompression_budget
+from dduf_plus.storage import zst, zst_cache
+from dduf_plus.storage.zst import DecompressionBudget, DecompressionBudgetError, decompression_budget
 
 MiB = 1 << 20
 GiB = 1 << 30

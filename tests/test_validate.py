@@ -20,8 +20,8 @@ from dduf_plus.errors import DDUFError
 from dduf_plus.format import spec
 from dduf_plus.format import validate as validate_module
 from dduf_plus.format.findings import RULES
-from dduf_plus.format.source import LocalSource
 from dduf_plus.format.validate import ValidationReport, validate
+from dduf_plus.storage.source import LocalSource
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -442,7 +442,7 @@ def test_every_rule_is_documented():
 def test_bytes_in_memory_validate_and_open():
     """An upload still in memory: BytesSource is a ByteSource over bytes."""
     from dduf_plus.format.archive import DDUFArchive
-    from dduf_plus.format.source import BytesSource
+    from dduf_plus.storage.source import BytesSource
 
     data = (HOSTILE / "valid.dduf").read_bytes()
     report = validate(BytesSource(data, "upload.dduf"))

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from conftest import HOSTILE, load_make_hostile
 from dduf_plus.errors import DDUFError
 from dduf_plus.format.archive import DDUFArchive
-from dduf_plus.format.source import BytesSource
 from dduf_plus.format.validate import ValidationReport, validate
+from dduf_plus.storage.source import BytesSource
 
 mh = load_make_hostile()
 BASE = (HOSTILE / "valid.dduf").read_bytes()

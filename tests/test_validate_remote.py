@@ -12,8 +12,8 @@ from servers import FileServer
 from conftest import HOSTILE, load_make_hostile
 from dduf_plus.cli import main as cli_main
 from dduf_plus.errors import DDUFError
-from dduf_plus.format.source import HTTPSource, open_source
 from dduf_plus.format.validate import validate
+from dduf_plus.storage.source import HTTPSource, open_source
 
 pytest.importorskip("fsspec")
 

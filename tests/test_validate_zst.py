@@ -14,9 +14,9 @@ import pytest
 from conftest import ROOT
 from dduf_plus.cli import main as cli_main
 from dduf_plus.errors import DDUFError
-from dduf_plus.format import zst
 from dduf_plus.format.findings import RULES
 from dduf_plus.format.validate import validate
+from dduf_plus.storage import zst
 
 HOSTILE = ROOT / "fixtures" / "hostile"
 CASES = json.loads((HOSTILE / "cases.json").read_text())

@@ -15,8 +15,8 @@ import zstandard
 
 from dduf_plus.cli import main as cli_main
 from dduf_plus.errors import DDUFError, DDUFFormatError, DDUFIntegrityError
-from dduf_plus.format import zst, zst_cache
 from dduf_plus.format.archive import DDUFArchive
+from dduf_plus.storage import zst, zst_cache
 
 MiB = 1 << 20
 

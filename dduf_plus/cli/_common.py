@@ -160,7 +160,7 @@ def budget_arg(text: str) -> str:
     import argparse
 
     from ..errors import DDUFError
-    from ..format.zst import DecompressionBudget
+    from ..storage.zst import DecompressionBudget
 
     try:
         DecompressionBudget.parse(text)

@@ -35,7 +35,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..format.zst import compress
+    from ..storage.zst import compress
     from ._common import echo, human_bytes, input_file, output_file
 
     input_file(args.archive)

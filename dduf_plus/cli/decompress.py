@@ -27,7 +27,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..format.zst import decompress
+    from ..storage.zst import decompress
     from ._common import echo, human_bytes, input_file, output_file
 
     input_file(args.archive)

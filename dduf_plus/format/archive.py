@@ -14,11 +14,11 @@ from operator import add, attrgetter, methodcaller, mod
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..errors import DDUFEntryNotFoundError, DDUFError, DDUFFormatError, DDUFValidationError
+from ..storage.source import ByteSource, is_url, open_source
 from . import spec
 from .findings import Finding, finding
 from .index import FileRecord, build_index, check_index
 from .safetensors_header import SafetensorsHeader, read_safetensors_header
-from .source import ByteSource, is_url, open_source
 from .structure import check_structure, component_specs, parse_json
 from .weights import select_weights, tensor_files
 from .zipfmt import ZipEntry, parse_layout

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -13,6 +12,7 @@ from typing import Any, NamedTuple
 
 from .._version import __version__
 from ..errors import DDUFNotFoundError, DDUFPackError
+from ..storage.progress import progress_bar
 from . import spec
 from .index import build_index
 from .safetensors_header import SafetensorsHeader, read_file_header
@@ -174,25 +174,6 @@ def _plan_component(root: Path, component: str, variant: str | None) -> tuple[li
 
 def _read_header(path: Path, entry: str) -> SafetensorsHeader:
     return read_file_header(path, entry, DDUFPackError)
-
-
-class _NoProgress:
-    def update(self, n: int = 1) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def progress_bar(total: int, desc: str, quiet: bool) -> Any:
-    """huggingface_hub's tqdm (honours HF_HUB_DISABLE_PROGRESS_BARS), silent off a TTY or when quiet
-    (then not even imported: ~50 ms of a scripted pack)."""
-    if quiet or not sys.stderr.isatty():
-        return _NoProgress()
-    from huggingface_hub.utils import tqdm
-
-    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc,
-                disable=quiet or not sys.stderr.isatty())
 
 
 HASH_AHEAD_FILES = 64  # the largest files are hashed ahead; the rest (small) as they are copied

@@ -12,8 +12,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from ..storage.confined import component_name_problem, name_problem
 from . import spec
-from .confined import component_name_problem, name_problem
 from .findings import Finding, finding
 
 SHA256 = re.compile(r"[0-9a-f]{64}")

@@ -6,8 +6,8 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ..storage.confined import component_name_problem
 from . import spec
-from .confined import component_name_problem
 from .findings import Finding, finding
 from .json_budget import check_json
 from .references import reference_findings

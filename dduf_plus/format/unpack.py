@@ -6,9 +6,9 @@ import os
 from pathlib import Path
 
 from ..errors import DDUFFormatError, DDUFUsageError
+from ..storage.confined import Confined
 from . import spec
 from .archive import DDUFArchive
-from .confined import Confined
 
 
 def safe_target(root: Path, name: str) -> Path:

@@ -29,11 +29,11 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DDUFError, DDUFFormatError, DDUFIOError
+from ..storage.source import ByteSource, is_url, open_source
 from . import spec
 from .archive import DDUFArchive, Entry
 from .findings import Finding, finding
 from .references import SHA256
-from .source import ByteSource, is_url, open_source
 from .structure import component_specs, parse_json
 
 # Structural validation parses every config and every JSON entry up to this size (tokenizer configs,
@@ -118,7 +118,7 @@ def validate(source: str | os.PathLike | ByteSource, verify: bool = False, stric
         verify: also hash every entry: CRC-32 vs the ZIP records (H001), sha256 vs the index (H002).
         strict: count warnings (e.g. "not mmap-aligned") as errors.
         max_decompressed: the decompression budget for a ``.zst`` (see
-            :func:`dduf_plus.format.zst.decompression_budget`; default ``$DDUF_PLUS_MAX_DECOMPRESSED``,
+            :func:`dduf_plus.storage.zst.decompression_budget`; default ``$DDUF_PLUS_MAX_DECOMPRESSED``,
             else 256 GiB and 16x the compressed size above 256 MiB); over it is a ``Z022`` error.
         storage_options: passed to fsspec for URLs.
 
@@ -129,7 +129,7 @@ def validate(source: str | os.PathLike | ByteSource, verify: bool = False, stric
         DDUFError: the source cannot be opened or read (missing file, unreachable URL, I/O error).
 
     A local path ending in ``.zst`` (``X.dduf.zst``) is decompressed into a private temporary file first,
-    removed after the verdict (see :func:`dduf_plus.format.zst_cache.validation_archive`; the persistent
+    removed after the verdict (see :func:`dduf_plus.storage.zst_cache.validation_archive`; the persistent
     cache is never written); its report carries the ``.zst`` path, a stream that cannot be decompressed
     (truncated, corrupted, not zstd, zstandard missing) is a ``Z021`` error, one over the budget or the
     free disk space a ``Z022`` error.
@@ -174,8 +174,8 @@ def _validate_zst(source: str | os.PathLike, verify: bool, strict: bool, max_dec
     local = open_source(name)  # the same checks and messages as for a plain archive (missing, not a file)
     size = local.size
     local.close()
-    from . import zst  # lazy: plain archives never import it (nor zstandard)
-    from .zst_cache import validation_archive
+    from ..storage import zst  # lazy: plain archives never import it (nor zstandard)
+    from ..storage.zst_cache import validation_archive
 
     def failed(code: str, message: str) -> ValidationReport:
         return _report(name, [finding(code, None, message)], strict, size, time.perf_counter() - started)

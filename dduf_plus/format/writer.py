@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DDUFPackError, DDUFUsageError
+from ..storage.confined import Confined
 from . import spec
-from .confined import Confined
 from .index import FileRecord
 from .safetensors_header import read_header_length
 from .zipfmt import central_header, check_name, end_records, local_header, local_header_padding

@@ -12,9 +12,9 @@ import struct
 import unicodedata
 from typing import NamedTuple
 
+from ..storage.source import ByteSource
 from . import spec
 from .findings import Finding, finding
-from .source import ByteSource
 
 
 class ZipEntry(NamedTuple):

@@ -23,12 +23,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from ..errors import DDUFError, DDUFFormatError, DDUFIntegrityError, DDUFLoadError, DDUFPathError
-from ..format import cache_dirs, spec
+from ..format import spec
 from ..format.archive import DDUFArchive, tensor_view
-from ..format.cache_dirs import CACHE_ENV
-from ..format.confined import Confined, plain_name
 from ..format.safetensors_header import SafetensorsHeader, TensorInfo, checked, read_safetensors_header
 from ..format.weights import classify, select_weights, tensor_files
+from ..storage import cache_dirs
+from ..storage.cache_dirs import CACHE_ENV
+from ..storage.confined import Confined, plain_name
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -153,7 +154,7 @@ def pread_tensor(fd: int, offset: int, info: TensorInfo, where: str) -> torch.Te
 
 # --- local materialisation of small files -----------------------------------------------------------
 def cache_root() -> Path:
-    """Where tokenizer/processor files are materialised: ``cache_dir("files")`` (see :mod:`dduf_plus.format.cache_dirs`)."""
+    """Where tokenizer/processor files are materialised: ``cache_dir("files")`` (see :mod:`dduf_plus.storage.cache_dirs`)."""
     return cache_dirs.cache_dir("files")
 
 

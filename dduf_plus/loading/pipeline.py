@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import DDUFError, DDUFLoadError, DDUFReferenceError, DDUFUsageError
 from ..format.archive import DDUFArchive
-from ..format.source import is_url
 from ..format.weights import variants
-from ..format.zst import cached_decompress, is_zst
 from ..remote.fetch import RemoteFetch
+from ..storage.urls import is_url
+from ..storage.zst import cached_decompress, is_zst
 from .bridge import install_bridge
 from .components import build_component, resolve_class
 from .dtypes import AUTO, requested_for, resolve_request

@@ -36,9 +36,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import DDUFLoadError, DDUFPackError
-from ..format.confined import Confined
 from ..format.quantization import QMAP_NAME, quantization_method, quanto_index_record  # noqa: F401 (re-exported)
 from ..packing.meta_model import is_diffusers_model, meta_model
+from ..storage.confined import Confined
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch

@@ -34,9 +34,9 @@ import torch
 
 from ..errors import DDUFPackError
 from ..format import spec
-from ..format.confined import Confined
 from ..format.pack import EntrySource, PackResult, Skipped, write_archive
 from ..format.safetensors_header import parse_header
+from ..storage.confined import Confined
 
 logger = logging.getLogger(__name__)
 

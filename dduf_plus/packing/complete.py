@@ -19,9 +19,9 @@ from typing import Any
 from ..errors import DDUFReferenceError
 from ..format import spec
 from ..format.archive import DDUFArchive
-from ..format.confined import Confined
 from ..format.pack import EntrySource, PackResult, _read_header, write_archive
 from ..refs.resolve import Located, SpecLike, locate_component
+from ..storage.confined import Confined
 from .partial import ORIGINAL_MODEL_INDEX_KEY, canonical_model_index_bytes
 
 CHUNK = 64 << 20

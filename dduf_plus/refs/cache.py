@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from ..errors import DDUFError
-from ..format import cache_dirs
-from ..format.cache_dirs import hf_hub_cache
-from ..format.confined import Confined
+from ..storage import cache_dirs
+from ..storage.cache_dirs import hf_hub_cache
+from ..storage.confined import Confined
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ class VerifiedHashes:
     inode, device) stay the same: a second load of a partial archive hashes nothing.
 
     Entries are also keyed ``<archive>#<entry>`` for members of other .dduf archives. The JSON file is
-    rewritten atomically (through :class:`~dduf_plus.format.confined.Confined`, rooted at its folder)
+    rewritten atomically (through :class:`~dduf_plus.storage.confined.Confined`, rooted at its folder)
     and merged with what other processes wrote meanwhile."""
 
     def __init__(self, path: Path | None = None):
@@ -291,7 +291,7 @@ def add_to_hf_cache(
     ``"copy"`` or ``"hardlink"`` (how blobs are made; a hard link falls back to a copy across file
     systems), or ``"none"``: real files in ``snapshots/`` and no blobs, what huggingface_hub writes on a
     machine without symlinks (Windows without developer mode, some containers). Every write goes through
-    :class:`~dduf_plus.format.confined.Confined` rooted at the cache. Returns the snapshot folder.
+    :class:`~dduf_plus.storage.confined.Confined` rooted at the cache. Returns the snapshot folder.
 
     Example:
         >>> add_to_hf_cache("sd15-local", "stable-diffusion-v1-5/stable-diffusion-v1-5", link="hardlink")

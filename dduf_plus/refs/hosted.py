@@ -1,10 +1,10 @@
 """Components referenced inside a hosted archive (``--ref vae=https://host/base.dduf``, ``hf://org/repo/x.dduf``).
 
-Only that component's entries are fetched, by range reads through :mod:`dduf_plus.format.source` (its
+Only that component's entries are fetched, by range reads through :mod:`dduf_plus.storage.source` (its
 deadlines, byte budgets and same-origin redirects); each is checked against the sha256 (or git blob id) the
 *referencing* archive records, since the hosted archive's own index is only its writer's claim, and kept in
 ``cache_dir("remote")/entries/<content id>``. A second load finds every file there by content and makes no
-request. Writes stay inside that folder (:class:`~dduf_plus.format.confined.Confined`) and are atomic."""
+request. Writes stay inside that folder (:class:`~dduf_plus.storage.confined.Confined`) and are atomic."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DDUFError, DDUFIntegrityError, DDUFReferenceError
-from ..format.cache_dirs import cache_dir
-from ..format.confined import Confined, plain_name
+from ..storage.cache_dirs import cache_dir
+from ..storage.confined import Confined, plain_name
 from . import cache as _cache
 
 logger = logging.getLogger("dduf_plus.refs.hosted")
@@ -57,7 +57,7 @@ def fetch_component(url: str, member: str, component: str, recorded: Mapping[str
     Raises:
         DDUFIntegrityError: an entry's bytes are not the recorded ones (size or hash); nothing is kept.
         DDUFReferenceError: the hosted archive has no such component or entry.
-        DDUFIOError: the URL cannot be read (see :mod:`dduf_plus.format.source`).
+        DDUFIOError: the URL cannot be read (see :mod:`dduf_plus.storage.source`).
     """
     from ..format.archive import DDUFArchive
 

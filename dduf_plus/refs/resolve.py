@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..assignments import parse_assignments
 from ..errors import DDUFError, DDUFIntegrityError, DDUFReferenceError
-from ..format.confined import Confined, component_name_problem, plain_name
 from ..format.references import reference_problem
 from ..format.spec import CONFIG_FILES
+from ..storage.confined import Confined, component_name_problem, plain_name
 from . import cache as _cache
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -99,7 +99,7 @@ def parse_spec(spec: SpecLike) -> Spec:
 def _url_spec(text: str) -> Spec:
     """``URL[:SUBFOLDER]``: a ``:`` suffix is a subfolder only after ``.dduf`` (``http://h:8080/x.dduf`` has
     a port, not a subfolder)."""
-    from ..format.source import check_url, is_url
+    from ..storage.urls import check_url, is_url
 
     url, subfolder = text, None
     head, sep, tail = text.rpartition(":")
@@ -359,7 +359,7 @@ def _check_recorded_host(url: str) -> None:
     host: an archive from a stranger must not make the loader reach loopback, private or link-local
     addresses (the intranet, cloud metadata services). ``$DDUF_PLUS_ALLOW_PRIVATE_URLS=1`` or a ``refs=``
     override lifts it. ``hf://`` goes to the configured Hub endpoint, like a Hub reference."""
-    from ..format.source import host_problem
+    from ..storage.urls import host_problem
 
     if url.lower().startswith("hf://") or _cache._is_true(os.environ.get(ALLOW_PRIVATE_ENV)):
         return
@@ -376,7 +376,7 @@ def _hosted_candidate(how: str, spec: Spec, name: str, recorded: Mapping[str, Ma
     sub = spec.subfolder or name
 
     def get() -> tuple[str, Any]:
-        from ..format.source import check_url
+        from ..storage.urls import check_url
         from . import hosted
 
         if not recorded:
@@ -486,7 +486,7 @@ def _visible_files(folder: Path) -> set[str]:
 def view_folder(component: str, files: Mapping[str, Path]) -> Path:
     """A folder named ``component`` holding exactly ``files`` (symlinks), under dduf_plus' cache: the
     loader then sees the recorded files and nothing else (no unverified variant or extra file). Every
-    name is checked to be plain and every write stays inside the cache (:mod:`dduf_plus.format.confined`)."""
+    name is checked to be plain and every write stays inside the cache (:mod:`dduf_plus.storage.confined`)."""
     targets = {f: os.path.realpath(p) for f, p in sorted(files.items())}
     digest = hashlib.sha256(json.dumps(targets, sort_keys=True).encode()).hexdigest()[:24]
     cache = Confined(_cache.dduf_cache_dir())

@@ -22,7 +22,7 @@ With ``local_files_only`` (or ``HF_HUB_OFFLINE``) the record alone finds the fil
 
 Every failure is a :class:`~dduf_plus.errors.DDUFError` naming the URL and the range: a server that
 ignores ``Range``, reports another size, stalls (``timeout``), trickles (``deadline``) or sends other bytes
-(sha256 mismatch). All writes go through :class:`~dduf_plus.format.confined.Confined`."""
+(sha256 mismatch). All writes go through :class:`~dduf_plus.storage.confined.Confined`."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DDUFError, DDUFIntegrityError, DDUFIOError, DDUFNotFoundError
-from ..format.confined import Confined
+from ..storage.confined import Confined
 from .intervals import Intervals
 from .readers import RangeReader, RemoteOptions, open_reader
 from .tail import Tail, read_tail
@@ -499,7 +499,7 @@ def fetch_archive(url: str, options: RemoteOptions | dict[str, Any] | None = Non
 
 
 class CacheSource:
-    """A :class:`~dduf_plus.format.source.ByteSource` over a fetch in progress: each read waits until its
+    """A :class:`~dduf_plus.storage.source.ByteSource` over a fetch in progress: each read waits until its
     bytes have arrived, then reads the local file (``fd``: the archive maps it)."""
 
     def __init__(self, fetch: RemoteFetch):

@@ -23,8 +23,8 @@ from typing import Any, TypeVar
 
 from ..errors import DDUFError, DDUFIOError, DDUFNotFoundError, DDUFPackError, DDUFUsageError
 from ..format import spec
-from ..format.cache_dirs import hf_hub_cache
 from ..format.weights import classify, select_weights
+from ..storage.cache_dirs import hf_hub_cache
 
 logger = logging.getLogger("dduf_plus.remote.hub")
 

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ..errors import DDUFError, DDUFIOError, DDUFNotFoundError, DDUFUsageError
-from ..format.source import DEFAULT_DEADLINE_S, HTTPSource, _Budget, _short, check_url
+from ..storage.http_range import DEFAULT_DEADLINE_S, HTTPSource, _Budget, _short
+from ..storage.urls import check_url
 
 DEFAULT_CONCURRENCY = 16
 DEFAULT_CHUNK_SIZE = 16 << 20
@@ -67,7 +68,7 @@ class RemoteOptions:
         return options
 
     def folder(self) -> Path:
-        from ..format.cache_dirs import cache_dir
+        from ..storage.cache_dirs import cache_dir
 
         return Path(self.cache_dir) if self.cache_dir is not None else cache_dir("remote")
 

@@ -16,7 +16,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ..errors import DDUFIOError, DDUFUsageError
-from ..format.source import HTTPSource, _tls_context, address_problem  # noqa: F401 (address_problem re-exported)
+from ..storage.http_range import HTTPSource, _tls_context
+from ..storage.urls import address_problem  # noqa: F401 (address_problem re-exported)
 from .settings import Settings
 
 logger = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ from typing import Any
 from urllib.parse import quote
 
 from ..errors import DDUFError
-from ..format.confined import Confined
+from ..storage.confined import Confined
 from .jobs import check_url_source
 from .safety import fetch_json
 from .settings import Settings

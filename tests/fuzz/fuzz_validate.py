@@ -23,8 +23,8 @@ sys.path.insert(0, str(ROOT))
 with atheris.instrument_imports(include=["dduf_plus"]):
     from dduf_plus.errors import DDUFError
     from dduf_plus.format.archive import DDUFArchive
-    from dduf_plus.format.source import BytesSource
     from dduf_plus.format.validate import validate
+    from dduf_plus.storage.source import BytesSource
 
 
 

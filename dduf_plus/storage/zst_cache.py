@@ -13,7 +13,7 @@ read from a signed memo whose stat key (size, mtime_ns, inode, device) is the fi
 served only with a signed record for K whose stat key is the entry's (or, when the stat changed, whose
 sha256 the entry still hashes to). Anything else (no record, a record or memo planted by someone without
 the secret, a modified entry) means: decompress again, atomically over it. Every write and removal goes
-through :class:`~dduf_plus.format.confined.Confined`.
+through :class:`~dduf_plus.storage.confined.Confined`.
 
 Validation never writes here: :func:`validation_archive` decompresses into a private temporary folder
 that is removed after the verdict (also on errors and Ctrl-C), unless a verified entry already exists."""
@@ -267,7 +267,7 @@ def cached_decompress(
     and a changed file gets a new one. The key of each path is remembered (signed) with the file's stat
     key, so an unchanged file is hashed once; a hit is served only when the entry's signed record vouches
     for its content (see the module docstring). ``cache_dir`` defaults to :func:`cache_root`; decompression
-    is bounded like :func:`~dduf_plus.format.zst.decompress` (``max_decompressed``). Delete the folder to
+    is bounded like :func:`~dduf_plus.storage.zst.decompress` (``max_decompressed``). Delete the folder to
     reclaim space; concurrent processes at worst decompress twice.
 
     Example:
@@ -275,7 +275,7 @@ def cached_decompress(
         >>> archive_path = cached_decompress("sd15.dduf.zst")   # later calls: two stats, two small JSON reads
 
     Raises:
-        DDUFFormatError / DDUFIntegrityError / DecompressionBudgetError: as :func:`~dduf_plus.format.zst.decompress`.
+        DDUFFormatError / DDUFIntegrityError / DecompressionBudgetError: as :func:`~dduf_plus.storage.zst.decompress`.
         DDUFError: the file is missing, or the cache cannot be written.
     """
     _zstd()

@@ -19,7 +19,7 @@ A ``.zst`` is untrusted like the archive inside: decompression has a budget (:cl
 an absolute cap, a ratio cap above a floor, and the free disk space), checked before writing when the
 stream announces its size and enforced while decoding when it does not.
 
-:func:`cached_decompress` (in :mod:`dduf_plus.format.zst_cache`, importable from here) decompresses once
+:func:`cached_decompress` (in :mod:`dduf_plus.storage.zst_cache`, importable from here) decompresses once
 into a cache keyed by the sha256 of the ``.zst`` file and returns the plain archive, which loaders then
 mmap as usual; every hit is verified against content.
 
@@ -45,6 +45,7 @@ from typing import Any, NamedTuple
 from ..errors import DDUFError, DDUFFormatError, DDUFIntegrityError, io_error
 from .cache_dirs import CACHE_ENV  # noqa: F401 (re-exported: tests and zst_cache name it here)
 from .confined import Confined
+from .progress import progress_bar  # huggingface_hub's tqdm, silent off a TTY
 
 logger = logging.getLogger(__name__)
 
@@ -153,8 +154,6 @@ def _open_input(src: Path) -> tuple[int, int]:
 
 
 def _progress(total: int, desc: str, quiet: bool) -> Any:
-    from .pack import progress_bar  # huggingface_hub's tqdm, silent off a TTY
-
     return progress_bar(total, desc, quiet)
 
 
@@ -736,7 +735,7 @@ def _walk_frames(zstd: Any, fd: int, size: int, name: str) -> list[tuple[int, in
     return frames
 
 
-# --- the cache (dduf_plus.format.zst_cache; names kept here, imported on first use) ------------------
+# --- the cache (dduf_plus.storage.zst_cache; names kept here, imported on first use) ------------------
 _CACHE_NAMES = ("cache_root", "content_key", "cached_decompress", "validation_archive")
 
 
