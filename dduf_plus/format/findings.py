@@ -4,7 +4,8 @@ The codes are public API: hubs key on them. Never renumber; add new codes at the
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Iterable, Mapping
+from typing import Any, NamedTuple
 
 
 class Rule(NamedTuple):
@@ -323,6 +324,52 @@ class Finding(NamedTuple):
 
 def finding(code: str, entry: str | None, message: str) -> Finding:
     return Finding(code, entry, message, RULES[code].severity)
+
+
+class FindingGroup(NamedTuple):
+    """Findings of one rule and severity, for people to read: an archive written without ZIP64 extras has
+    the same Z018 warning on every entry, shown once with the entries listed (JSON keeps every finding)."""
+
+    code: str
+    severity: str
+    message: str  # the shared message; the rule's title when the messages differ (then see ``findings``)
+    entries: list[str]  # the entries named, in order, once each (empty: archive-wide findings)
+    findings: list[Finding]  # every finding of the group, in order
+
+    @property
+    def same_message(self) -> bool:
+        return len({f.message for f in self.findings}) <= 1
+
+
+def _as_finding(item: Finding | Mapping[str, Any]) -> Finding:
+    if isinstance(item, Finding):
+        return item
+    code = str(item["code"])
+    rule = RULES.get(code)
+    severity = item.get("severity") or (rule.severity if rule else "error")
+    return Finding(code, item.get("entry"), str(item.get("message", "")), str(severity))
+
+
+def group_findings(findings: Iterable[Finding | Mapping[str, Any]]) -> list[FindingGroup]:
+    """Group findings (:class:`Finding` records or their ``as_dict()`` / report dicts, whose ``severity`` is
+    taken from the rule when absent) by (severity, code), groups in order of first appearance.
+
+    Example:
+        >>> [(g.code, g.entries) for g in group_findings([finding("Z018", "a", "m"), finding("Z018", "b", "m")])]
+        [('Z018', ['a', 'b'])]
+    """
+    groups: dict[tuple[str, str], list[Finding]] = {}
+    for item in findings:
+        f = _as_finding(item)
+        groups.setdefault((f.severity, f.code), []).append(f)
+    out = []
+    for (severity, code), members in groups.items():
+        messages = {f.message for f in members}
+        rule = RULES.get(code)
+        message = members[0].message if len(messages) == 1 or rule is None else rule.title
+        entries = list(dict.fromkeys(f.entry for f in members if f.entry))
+        out.append(FindingGroup(code, severity, message, entries, members))
+    return out
 
 
 RULES_TABLE_BEGIN = "<!-- rules table: generated from dduf_plus/format/findings.py; do not edit by hand -->"
