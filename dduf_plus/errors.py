@@ -13,7 +13,20 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 class DDUFError(Exception):
-    """Base class of every error dduf_plus raises for bad input or bad usage."""
+    """Base class of every error dduf_plus raises for bad input or bad usage. ``code`` is the rule code
+    (:mod:`dduf_plus.format.findings`, e.g. ``"D013"``) when a rule refused the input, else None; ``codes``
+    lists it (a :class:`DDUFValidationError` lists every error's code)."""
+
+    code: str | None = None
+
+    def __init__(self, *args: object, code: str | None = None):
+        super().__init__(*args)
+        if code is not None:
+            self.code = code
+
+    @property
+    def codes(self) -> list[str]:
+        return [self.code] if self.code else []
 
 
 class DDUFFormatError(DDUFError):
@@ -29,7 +42,7 @@ class DDUFValidationError(DDUFFormatError):
         errors = [f for f in self.findings if f.severity == "error"]
         shown = "\n".join(f"  {f}" for f in errors[:10])
         more = f"\n  ... and {len(errors) - 10} more" if len(errors) > 10 else ""
-        super().__init__(f"{source} is not a valid DDUF archive:\n{shown}{more}")
+        super().__init__(f"{source} is not a valid DDUF archive:\n{shown}{more}", code=errors[0].code if errors else None)
 
     @property
     def codes(self) -> list[str]:
