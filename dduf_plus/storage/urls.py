@@ -4,12 +4,16 @@ before any I/O."""
 from __future__ import annotations
 
 import os
+import re
 import socket
 from urllib.parse import urlsplit
 
 from ..errors import DDUFUsageError
 
 ALLOWED_URL_SCHEMES = ("https", "http", "hf", "s3", "gs", "gcs", "az", "abfs", "abfss")
+# the bracketed IPv6 literal host of a URL (RFC 3986 IP-literal, with an optional zone id): only at the
+# start of the authority, after a plain scheme and optional user info, so a chain cannot hide in it
+_IPV6_HOST = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://(?:[^/?#@\[\]]*@)?)\[[0-9A-Fa-f:.]+(?:%25[\w.~-]+)?\]")
 
 
 def is_url(source: str | os.PathLike) -> bool:
@@ -21,8 +25,9 @@ def check_url(url: str) -> str:
     """The scheme of ``url``, lower-cased, or :class:`DDUFUsageError` when it is not allowed (before any I/O).
 
     Refused: fsspec chains (``::``, e.g. ``simplecache::https://...``, which downloads whole files), and
-    every scheme outside :data:`ALLOWED_URL_SCHEMES` (``local://`` and ``memory://`` among them)."""
-    if "::" in url:
+    every scheme outside :data:`ALLOWED_URL_SCHEMES` (``local://`` and ``memory://`` among them). A bracketed
+    IPv6 literal host (``http://[::1]:8000/x.dduf``) is not a chain: its ``::`` is ignored, nothing else's."""
+    if "::" in _IPV6_HOST.sub(r"\1[v6]", url, count=1):
         raise DDUFUsageError(f"{url}: chained fsspec URLs ('::') are not allowed; give the URL itself")
     scheme = url.split("://", 1)[0].lower()
     if scheme not in ALLOWED_URL_SCHEMES:
