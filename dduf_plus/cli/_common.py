@@ -95,22 +95,40 @@ def as_usage(call: Callable[[], T]) -> T:
         raise DDUFUsageError(str(e)) from None
 
 
-def output_file(path: str | os.PathLike, force: bool) -> Path:
-    """The one rule for commands that write a file: an existing file is replaced only with ``--force``;
-    a folder is never a file's output."""
-    out = Path(path)
+def output_file(path: str | os.PathLike, force: bool, name: str | None = None) -> Path:
+    """The one rule for commands that write a file, as ``cp``'s: an existing file is replaced only with
+    ``--force``; a folder is never a file's output, but a trailing slash names the folder to write ``name``
+    into (``-o out/``); the folder must exist (none is created)."""
+    text = os.fspath(path)
+    if text.endswith(("/", os.sep)):
+        folder = Path(text)
+        if not folder.is_dir():
+            raise DDUFNotFoundError(f"cannot write into {text}: no such folder", text)
+        if name is None:
+            raise DDUFUsageError(f"{text} is a folder; give the file to write")
+        text = os.path.join(text, name)
+    out = Path(text)
     if out.is_dir():
-        raise DDUFUsageError(f"{out} is a folder; give the file to write (e.g. {out / 'NAME.dduf'})")
+        raise DDUFUsageError(f"{out} is a folder; give the file to write (e.g. {out / (name or 'NAME.dduf')}, "
+                             f"or {out}/ to write {name or 'it'} inside)")
+    parent = out.absolute().parent
+    if not parent.is_dir():
+        raise DDUFNotFoundError(f"cannot write {out}: {'no such folder' if not parent.exists() else 'not a folder:'} "
+                                f"{parent}", str(parent))
     if (out.exists() or out.is_symlink()) and not force:
         raise DDUFUsageError(f"{out} exists (use --force to overwrite)")
     return out
 
 
 def output_folder(path: str | os.PathLike) -> Path:
-    """Commands that write a folder (unpack): the target may exist, but only as a folder."""
+    """Commands that write a folder (unpack): the target may exist, but only as a folder; its parent must
+    exist (as ``mkdir`` without ``-p``)."""
     out = Path(path)
     if (out.exists() or out.is_symlink()) and not out.is_dir():
         raise DDUFUsageError(f"{out} exists and is not a folder; give a folder to unpack into")
+    parent = out.absolute().parent
+    if not out.is_dir() and not parent.is_dir():
+        raise DDUFNotFoundError(f"cannot create {out}: no such folder {parent}", str(parent))
     return out
 
 
