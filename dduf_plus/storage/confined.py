@@ -27,7 +27,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import BinaryIO
 
-from ..errors import DDUFFormatError, DDUFPathError
+from ..errors import DDUFFormatError, DDUFIOError, DDUFPathError
 
 MAX_PLAIN_NAME = 255  # one path component on every common file system
 
@@ -241,7 +241,10 @@ class AtomicFile:
         self.path = box._check_link(path)
         self._box, self._fsync, self._mode = box, fsync, mode
         folder = box.mkdir(self.path.parent)
-        fd, tmp = tempfile.mkstemp(prefix=prefix or f".{self.path.name}.", suffix=suffix, dir=folder)
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=prefix or f".{self.path.name}.", suffix=suffix, dir=folder)
+        except OSError as e:  # name the file asked for, never the temporary name beside it
+            raise DDUFIOError(f"cannot write {self.path}: {e.strerror or e}") from None
         self.fd, self.tmp = fd, Path(tmp)
         self._file: BinaryIO | None = None
         self._finished = False
