@@ -3,8 +3,11 @@ and range support are ours to decide, not a library's)."""
 
 from __future__ import annotations
 
+import functools
 import http.client
+import io
 import os
+import select
 import socket
 import ssl
 import threading
@@ -19,6 +22,10 @@ BUDGET_SLACK_BYTES = 16 << 20
 MAX_REDIRECTS = 5
 DEFAULT_READ_TIMEOUT_S = 10.0
 _HTTP_BODY_CHUNK = 1 << 20
+# What one answer may bring besides the bytes asked for: the status line and headers (of a redirect, a 1xx or
+# the 206), and chunked framing. Every byte received from the socket counts; past this the answer is refused.
+HEADER_ALLOWANCE = 64 << 10
+FRAMING_ALLOWANCE = 64  # chunked framing: one byte per 64 of the range (real chunks are KBs: < 0.2 %)
 
 
 # --- budgets shared by the remote sources ----------------------------------------------------------------
@@ -83,6 +90,12 @@ class _Budget:
         return DDUFIOError(f"{self.name}: took longer than its deadline of {self.deadline_s:g} s "
                            "(deadline=, DDUF_REMOTE_DEADLINE)")
 
+    def settle(self, reserved: int, received: int) -> None:
+        """A request that reserved ``reserved`` bytes (:meth:`spend`) received ``received`` from the socket
+        (headers included): the budget counts what was received."""
+        with self._lock:
+            self.fetched += received - reserved
+
     def spend(self, length: int) -> None:
         """Refuse, before it is requested, a read that would go over the byte budget."""
         with self._lock:
@@ -102,6 +115,68 @@ class _HTTPFailure(Exception):
     def __init__(self, why: str, not_found: bool = False):
         super().__init__(why)
         self.why, self.not_found = why, not_found
+
+
+class _Overrun(Exception):
+    """An answer brought more bytes than it may (raised from under http.client, caught by the exchange)."""
+
+
+class _Tally:
+    """Bytes received from the socket by one answer, and the most it may bring (``cap``)."""
+
+    def __init__(self, cap: int):
+        self.cap, self.received = cap, 0
+
+
+class _Meter(io.RawIOBase):
+    """The raw socket stream under one response: every byte http.client reads (status line, headers, 1xx
+    answers, chunk framing, trailers, body) passes here and is counted; no read asks the socket for more
+    than the answer's cap, and a read past the cap raises :class:`_Overrun`. ``no_wait`` answers "nothing
+    available" instead of reading (to see what is already buffered without blocking)."""
+
+    def __init__(self, raw: Any, tally: _Tally):
+        super().__init__()
+        self.raw, self.tally, self.no_wait = raw, tally, False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int | None:  # type: ignore[override]
+        if self.no_wait:
+            return None
+        left = self.tally.cap - self.tally.received
+        if left <= 0:
+            raise _Overrun(f"the answer went past {self.tally.cap} bytes")
+        got = self.raw.readinto(memoryview(buffer)[:left])
+        if got:
+            self.tally.received += got
+        return got
+
+    def close(self) -> None:
+        if not self.closed:
+            self.raw.close()
+        super().close()
+
+
+class _MeteredResponse(http.client.HTTPResponse):
+    """http.client's response reading through a :class:`_Meter`. ``leftover``: bytes already received past
+    the end of the answer when it closed (a server that sent more than it framed)."""
+
+    def __init__(self, sock: Any, *args: Any, tally: _Tally, **kwargs: Any):
+        super().__init__(sock, *args, **kwargs)
+        self.meter = _Meter(self.fp.detach(), tally)
+        self.fp = io.BufferedReader(self.meter)
+        self.leftover = 0
+
+    def _close_conn(self) -> None:
+        fp = self.fp
+        if fp is not None:
+            self.meter.no_wait = True
+            try:
+                self.leftover = len(fp.peek())
+            except (OSError, ValueError):
+                pass
+        super()._close_conn()  # type: ignore[misc]
 
 
 def _origin(parts: Any) -> tuple[str, str, int]:
@@ -144,7 +219,8 @@ class HTTPSource:
         self._conn: http.client.HTTPConnection | None = None
         self._expired = False
         self._whole: bytes | None = None  # the whole file, once read (files up to WHOLE_FILE_BELOW only)
-        self.bytes_read = 0
+        self.bytes_read = 0  # body bytes delivered
+        self.bytes_received = 0  # every byte received from the server (headers, framing, refused answers)
         self.size = 0
         if size is not None:
             self.size = int(size)
@@ -236,14 +312,24 @@ class HTTPSource:
         return conn, False
 
     def _request(self, start: int, end: int, expect: int | None) -> tuple[int, int | None, bytes]:
-        """GET bytes ``start..end`` (inclusive): (status, total size from Content-Range, body)."""
+        """GET bytes ``start..end`` (inclusive): (status, total size from Content-Range, body). The budget
+        reserved the range's length; it is settled with what every exchange (hops, a retry) received."""
+        received = [0]
+        try:
+            return self._request_hops(start, end, expect, received)
+        finally:
+            self.bytes_received += received[0]
+            self._budget.settle(end - start + 1, received[0])
+
+    def _request_hops(self, start: int, end: int, expect: int | None,
+                      received: list[int]) -> tuple[int, int | None, bytes]:
         for _attempt in range(2):  # one retry when a kept-alive connection was closed by the server
             reused = False
             try:
                 url = self._url
                 for _hop in range(MAX_REDIRECTS + 1):
                     conn, reused = self._connection()
-                    result = self._exchange(conn, url, start, end, expect)
+                    result = self._exchange(conn, url, start, end, expect, received)
                     if isinstance(result, str):  # a same-origin redirect
                         url = result
                         continue
@@ -259,8 +345,11 @@ class HTTPSource:
         raise _HTTPFailure("the server closed the connection twice")
 
     def _exchange(self, conn: http.client.HTTPConnection, url: str, start: int, end: int,
-                  expect: int | None) -> tuple[int, int | None, bytes] | str:
+                  expect: int | None, received: list[int]) -> tuple[int, int | None, bytes] | str:
         parts = urlsplit(url)
+        length = end - start + 1
+        tally = _Tally(HEADER_ALLOWANCE + length + length // FRAMING_ALLOWANCE)
+        conn.response_class = functools.partial(_MeteredResponse, tally=tally)  # type: ignore[misc]
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         remaining = self._budget.remaining()
         if conn.sock is not None:
@@ -273,12 +362,19 @@ class HTTPSource:
             conn.request("GET", target, headers={**self._headers, "Range": f"bytes={start}-{end}"})
             response = conn.getresponse()
             return self._answer(response, url, start, end, expect)
+        except _Overrun:
+            self.close()
+            raise _HTTPFailure(f"the server sent more than {tally.cap} bytes for a range of {length} bytes "
+                               "(headers, framing or data past the range); connection closed") from None
         except TimeoutError:
             self.close()
             if self._expired:
                 raise self._budget.expired() from None
             raise _HTTPFailure(f"the server sent nothing for {self._timeout:g} s (HF_HUB_DOWNLOAD_TIMEOUT)") from None
         except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
+            if tally.received:  # the server said something, then hung up: not a stale kept-alive connection
+                self.close()
+                raise _HTTPFailure("the server closed the connection in the middle of its answer") from None
             raise
         except (http.client.HTTPException, OSError) as e:
             self.close()
@@ -287,6 +383,7 @@ class HTTPSource:
             raise _HTTPFailure(f"the connection failed ({type(e).__name__}: {e})") from None
         finally:
             watchdog.cancel()
+            received[0] += tally.received
 
     def _answer(self, response: http.client.HTTPResponse, url: str, start: int, end: int,
                 expect: int | None) -> tuple[int, int | None, bytes] | str:
@@ -333,7 +430,39 @@ class HTTPSource:
             self.close()
             raise _HTTPFailure(f"Content-Length {_short(declared)} for a range of {length} bytes")
         body = self._read_body(response, length)
+        self._check_end(response, start, end)
         return status, span[2], body
+
+    def _check_end(self, response: http.client.HTTPResponse, start: int, end: int) -> None:
+        """The answer must end where the range does: a body framed by Content-Length was read exactly, and
+        nothing may follow it; a chunked or close-delimited one must end now. Bytes past the range are a
+        protocol error: the connection is closed, never drained."""
+        if not response.chunked and response.length == 0:
+            response.close()  # framed and read to its end: done (the connection stays open for the next range)
+        elif not response.isclosed():  # chunked or close-delimited: one more byte must be the end
+            if response.read1(1):
+                self.close()
+                raise _HTTPFailure(f"the server sent more than bytes={start}-{end} (data past the range); "
+                                   "connection closed")
+        leftover = getattr(response, "leftover", 0) or self._waiting()
+        if leftover:
+            self.close()
+            raise _HTTPFailure(f"the server sent bytes after its answer to bytes={start}-{end} (past the "
+                               "length it declared); connection closed")
+
+    def _waiting(self) -> bool:
+        """Whether the server already sent more on this kept-alive connection (nothing was asked)."""
+        sock = self._conn.sock if self._conn is not None else None
+        if sock is None or isinstance(sock, ssl.SSLSocket):
+            return False  # closed; or TLS, whose socket cannot be peeked (the next answer's parse fails)
+        try:
+            poller = select.poll()  # a timeout socket's recv would wait for data first: ask the kernel instead
+            poller.register(sock, select.POLLIN)
+            if not poller.poll(0):
+                return False
+            return bool(sock.recv(1, socket.MSG_PEEK))  # readable: data, or b"" for a closed connection
+        except (OSError, ValueError):
+            return False
 
     def _read_body(self, response: http.client.HTTPResponse, length: int) -> bytes:
         parts, got = [], 0
@@ -347,7 +476,6 @@ class HTTPSource:
                 raise _HTTPFailure(f"the connection closed after {got} of {length} bytes")
             parts.append(chunk)
             got += len(chunk)
-        response.read()  # nothing is left: this marks the response done, so the connection can be reused
         return b"".join(parts)
 
     def _expire(self, conn: http.client.HTTPConnection) -> None:
