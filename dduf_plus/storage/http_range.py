@@ -12,6 +12,7 @@ import socket
 import ssl
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urljoin, urlsplit
 
@@ -141,7 +142,7 @@ class _Meter(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
-    def readinto(self, buffer: Any) -> int | None:  # type: ignore[override]
+    def readinto(self, buffer: Any) -> int | None:
         if self.no_wait:
             return None
         left = self.tally.cap - self.tally.received
@@ -349,7 +350,7 @@ class HTTPSource:
         parts = urlsplit(url)
         length = end - start + 1
         tally = _Tally(HEADER_ALLOWANCE + length + length // FRAMING_ALLOWANCE)
-        conn.response_class = functools.partial(_MeteredResponse, tally=tally)  # type: ignore[misc]
+        conn.response_class = functools.partial(_MeteredResponse, tally=tally)  # type: ignore[assignment]
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         remaining = self._budget.remaining()
         if conn.sock is not None:
@@ -486,6 +487,62 @@ class HTTPSource:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+
+
+def get_document(url: str, *, max_bytes: int, deadline: float, timeout: float | None = None,
+                 headers: dict[str, str] | None = None,
+                 check: Callable[[http.client.HTTPConnection], None] | None = None) -> tuple[int, bytes]:
+    """GET a whole small document (a JSON API answer): (status, body), under the accounting of a range read.
+
+    At most ``max_bytes`` of body, and every byte received capped as for a range (headers, 1xx answers, chunk
+    framing and trailers included); the whole exchange ends by ``deadline`` seconds (the socket is shut
+    down under a trickling server), each read waits at most ``timeout``. No redirects. ``check(conn)`` runs
+    once connected (a peer-address policy). Every failure is a :class:`DDUFIOError` naming the URL."""
+    parts = urlsplit(url)
+    scheme, host, port = _origin(parts)
+    wait = min(float(timeout) if timeout else _read_timeout(), deadline)
+    conn: http.client.HTTPConnection = (
+        http.client.HTTPSConnection(host, port, timeout=wait, context=_tls_context()) if scheme == "https"
+        else http.client.HTTPConnection(host, port, timeout=wait))
+    tally = _Tally(HEADER_ALLOWANCE + max_bytes + max_bytes // FRAMING_ALLOWANCE)
+    conn.response_class = functools.partial(_MeteredResponse, tally=tally)  # type: ignore[assignment]
+    expired = threading.Event()
+
+    def expire() -> None:
+        expired.set()
+        sock = conn.sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    watchdog = threading.Timer(deadline, expire)
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        conn.connect()
+        if check is not None:
+            check(conn)
+        conn.request("GET", (parts.path or "/") + (f"?{parts.query}" if parts.query else ""),
+                     headers={"User-Agent": "dduf_plus", "Accept-Encoding": "identity", **(headers or {})})
+        response = conn.getresponse()
+        body = bytearray()
+        while chunk := response.read1(min(_HTTP_BODY_CHUNK, max_bytes + 1 - len(body))):
+            body += chunk
+            if len(body) > max_bytes:
+                raise DDUFIOError(f"{url}: more than {max_bytes} bytes (the most this document may have)")
+        return response.status, bytes(body)
+    except _Overrun:
+        raise DDUFIOError(f"{url}: the server sent more than {tally.cap} bytes (headers, framing or a body over "
+                          f"{max_bytes} bytes); connection closed") from None
+    except (OSError, http.client.HTTPException) as e:
+        if expired.is_set():
+            raise DDUFIOError(f"{url}: took longer than its deadline of {deadline:g} s") from None
+        raise DDUFIOError(f"{url}: the connection failed ({type(e).__name__}: {_short(e)})") from None
+    finally:
+        watchdog.cancel()
+        conn.close()
 
 
 _TLS: list[ssl.SSLContext] = []
