@@ -194,10 +194,10 @@ _RULES = (
          meaning="a component name is not a Python identifier, or a reference name, `subfolder`, `variant` or `revision` is not a plain name (path separator, `.`/`..`, control or format characters, `:`)",
          why="names become paths in caches and views: `../..` or `/abs` made `dduf refs` remove and recreate folders outside its cache",
          fix="use plain names; components are identifiers"),
-    Rule("D013", "error", "a JSON entry is larger or deeper than the cap (model_index.json, configs, the index)",
+    Rule("D013", "error", "a JSON entry is over the budget of its kind (size, values, depth, numbers)",
          checked_by="open",
-         meaning="a JSON entry every command parses (model_index.json, the dduf_plus index, component configs) is larger, holds more values or nests deeper than its cap (docs/security.md)",
-         why="a 60 MB model_index.json took 56 s and 1.3 GB to validate; deep nesting is a stack bomb",
+         meaning="a JSON entry is larger, holds more values, nests deeper or holds a longer or non-finite number literal than the budget of its kind allows (model_index.json, the dduf_plus index, configs, shard indexes, other JSON: docs/security.md); the loader refuses the same entries with the same code",
+         why="a 60 MB model_index.json took 56 s and 1.3 GB to validate; a 60 MB config loaded in 157 s and 4.3 GB; deep nesting is a stack bomb",
          fix="keep configs small and flat"),
     # safetensors
     Rule("S001", "error", "safetensors header length runs past the entry or over 100 MB",

@@ -2,50 +2,36 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..storage.confined import component_name_problem
 from . import spec
 from .findings import Finding, finding
-from .json_budget import check_json
+from .json_budget import parse_json_entry
 from .references import reference_findings
 
 
 def parse_json(raw: bytes, entry: str, *, code: str = "D007") -> tuple[object, list[Finding]]:
-    """Parse a JSON entry of an untrusted archive. Checked on its bytes first (D013): the size and value
-    budget of its kind (:func:`spec.json_budget`: model_index.json, the dduf_plus index, configs) and, for
-    every entry, nesting depth (spec.MAX_JSON_DEPTH), so the parser's memory and stack stay bounded whatever
-    the recursion limit. ``code`` names a parse failure."""
-    problem = _over_budget(raw, entry)
-    if problem is not None:
-        return None, [finding("D013", entry, problem)]
-    try:
-        return json.loads(raw), []
-    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
-        return None, [finding(code, entry, f"does not parse as JSON: {e}")]
-
-
-def _over_budget(raw: bytes, entry: str) -> str | None:
-    """Why ``raw`` is over the JSON budget of its kind (:func:`spec.json_budget`) or too deep; None if not."""
-    budget = spec.json_budget(entry)
-    problem = check_json(bytes(raw), max_bytes=budget.bytes if budget else None,
-                         max_values=budget.values if budget else None, max_depth=spec.MAX_JSON_DEPTH)
-    return None if problem is None else problem.message
+    """Parse a JSON entry of an untrusted archive through the one archive JSON reader
+    (:func:`~dduf_plus.format.json_budget.parse_json_entry`): the budget of its kind is checked on its bytes
+    first (D013: size, values, nesting depth, numbers), so the parser's memory and stack stay bounded
+    whatever the recursion limit. ``code`` names a parse failure."""
+    value, problem_code, why = parse_json_entry(raw, entry, parse_code=code)
+    if problem_code is not None:
+        return None, [finding(problem_code, entry, why or "")]
+    return value, []
 
 
 def model_index_object(raw: bytes, where: str, error: type[Exception]) -> dict[str, Any]:
     """The one model_index.json parser outside an archive's validation (``dduf pack``, ``inspect_dtypes``):
     its object, budget-checked as an archive's is (so a pack never writes what validate refuses), or
     ``error`` naming ``where`` (the file) and the rule."""
-    problem = _over_budget(raw, spec.MODEL_INDEX)
-    if problem is not None:
-        raise error(f"{where}: {problem}")
-    try:
-        value = json.loads(raw)
-    except (ValueError, RecursionError) as e:
-        raise error(f"{where}: not valid JSON ({e})") from None
+    value, code, why = parse_json_entry(raw, spec.MODEL_INDEX, parse_code="D002")
+    if code == "D013":
+        raise error(f"{where}: {why}")
+    if code is not None:
+        raise error(f"{where}: not valid JSON ({(why or '').removeprefix('does not parse as JSON: ')})")
     if not isinstance(value, dict):
         raise error(f"{where}: must hold a JSON object")
     return value

@@ -9,7 +9,6 @@ tensors that view a memory map (no copy), or, with ``use_mmap=False``, read tens
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import mmap
 import os
@@ -25,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from ..errors import DDUFError, DDUFFormatError, DDUFIntegrityError, DDUFLoadError, DDUFPathError
 from ..format import spec
 from ..format.archive import DDUFArchive, tensor_view
+from ..format.json_budget import json_budget_problem, over_size, read_json
 from ..format.safetensors_header import SafetensorsHeader, TensorInfo, checked, read_safetensors_header
 from ..format.weights import classify, select_weights, tensor_files
 from ..storage import cache_dirs
@@ -81,22 +81,35 @@ def choose_weight_files(files: ComponentFiles, variant: str | None) -> list[str]
         index = files.read_json(index_name)
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise DDUFLoadError(f"{files.description}: {index_name} has no valid 'weight_map'")
+            raise DDUFLoadError(f"{files.description}: {index_name} has no valid 'weight_map' (D011)", code="D011")
         shards.update(weight_map.values())
     missing = sorted(shards - set(listing))
     if missing:
         raise DDUFLoadError(
             f"{files.description}: the shard index names {', '.join(missing)}, which is missing "
-            f"(has: {', '.join(listing)}); re-pack the component with all its shards"
+            f"(has: {', '.join(listing)}); re-pack the component with all its shards (D011)", code="D011"
         )
     return sorted(shards)
 
 
-def json_from_bytes(raw: bytes, where: str) -> Any:
-    try:
-        return json.loads(raw)
-    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
-        raise DDUFFormatError(f"{where} is not valid JSON: {e}") from None
+def json_from_bytes(raw: bytes, entry: str, where: str) -> Any:
+    """``entry`` ("unet/config.json") of ``where`` (the archive or folder) through the one archive JSON reader
+    (:func:`~dduf_plus.format.json_budget.read_json`): refused as ``validate`` refuses it, with its code."""
+    return read_json(raw, entry, where=where)
+
+
+def _refuse_over_size(length: int, entry: str, where: str) -> None:
+    """A JSON entry over its kind's byte budget is refused (D013) before it is read."""
+    why = over_size(length, entry)
+    if why is not None:
+        raise DDUFFormatError(f"{where}: D013 [{entry}]: {why}", code="D013")
+
+
+def _check_small_json(data: bytes, entry: str, where: str) -> None:
+    """A JSON file handed to a library by path (tokenizers, processors) passes the same budget first (D013)."""
+    found = json_budget_problem(data, entry)
+    if found is not None:
+        raise DDUFFormatError(f"{where}: {found[0]} [{entry}]: {found[1]}", code=found[0])
 
 
 def _check_name(files: ComponentFiles, filename: str, listing: Sequence[str]) -> None:
@@ -260,9 +273,13 @@ def _small_files(files: ComponentFiles, filenames: Iterable[str] | None,
         if name.endswith(".safetensors"):
             raise DDUFLoadError(f"{files.description}: weights ({name}) are never extracted to disk")
         size = size_of(name) if size_of is not None else 0
+        if name.endswith(".json"):
+            _refuse_over_size(size, f"{files.name}/{name}", files.description)
         if size <= MAX_LOCAL_FILE:
             out[name] = files.read_bytes(name)
             size = len(out[name])
+            if name.endswith(".json"):
+                _check_small_json(out[name], f"{files.name}/{name}", files.description)
         if size > MAX_LOCAL_FILE:
             raise DDUFLoadError(f"{files.description}: {name} is {size} bytes; a tokenizer/processor file written "
                                 f"to the cache may be at most {MAX_LOCAL_FILE >> 20} MiB")
@@ -299,12 +316,21 @@ class ArchiveComponentFiles:
     def read_bytes(self, filename: str) -> bytes:
         entry = self._entry(filename)
         data = self.archive.read_bytes(entry)
-        if self.verify and zlib.crc32(data) != self.archive.entry(entry).crc32:
-            raise DDUFIntegrityError(f"{self.archive.path}: entry {entry!r} does not match its CRC-32 (damaged archive)")
+        if self.verify:
+            record = self.archive.entry(entry)
+            if zlib.crc32(data) != record.crc32:
+                raise DDUFIntegrityError(f"{self.archive.path}: H001 [{entry}]: does not match its CRC-32 (damaged "
+                                         "archive)", code="H001")
+            # CRC-32 is forged with 4 bytes: where the index records a sha256, that is what the bytes must match
+            if record.sha256 is not None and hashlib.sha256(data).hexdigest() != record.sha256:
+                raise DDUFIntegrityError(f"{self.archive.path}: H002 [{entry}]: does not match the sha256 the index "
+                                         "records (altered archive)", code="H002")
         return data
 
     def read_json(self, filename: str) -> Any:
-        return json_from_bytes(self.read_bytes(filename), f"{self.description}/{filename}")
+        entry = self._entry(filename)
+        _refuse_over_size(self.archive.entry(entry).length, entry, self.archive.path)
+        return json_from_bytes(self.read_bytes(filename), entry, self.archive.path)
 
     def tensor_infos(self, filenames: Sequence[str]) -> dict[str, tuple[int, TensorInfo]]:
         """{tensor name: (absolute offset in the archive, info)}: metadata only, nothing read."""
@@ -375,7 +401,10 @@ class FolderComponentFiles:
         return (self.path / filename).read_bytes()
 
     def read_json(self, filename: str) -> Any:
-        return json_from_bytes(self.read_bytes(filename), str(self.path / filename))
+        _check_name(self, filename, self.listdir())
+        entry = f"{self.name}/{filename}"
+        _refuse_over_size(os.stat(self.path / filename).st_size, entry, str(self.path.parent))
+        return json_from_bytes(self.read_bytes(filename), entry, str(self.path.parent))
 
     def _open(self, filename: str) -> tuple[mmap.mmap, SafetensorsHeader]:
         if filename not in self._maps:
@@ -412,7 +441,13 @@ class FolderComponentFiles:
         pass  # per-file maps: the kernel's own read-ahead on sequential faults does well enough
 
     def local_dir(self, filenames: Iterable[str] | None = None) -> str:
-        return str(self.path)  # already on disk
+        # already on disk; its JSON files pass the archive JSON budget first, as an archive's would
+        names = [f for f in self.listdir() if f.endswith(".json")] if filenames is None else list(filenames)
+        for name in (n for n in names if n.endswith(".json")):
+            entry = f"{self.name}/{name}"
+            _refuse_over_size(os.stat(self.path / name).st_size, entry, str(self.path.parent))
+            _check_small_json(self.read_bytes(name), entry, str(self.path.parent))
+        return str(self.path)
 
     def weight_files(self, variant: str | None = None) -> list[str]:
         return choose_weight_files(self, variant)

@@ -90,7 +90,7 @@ def build_diffusers_model(cls: type[Any], files: ComponentFiles, request: ModelR
 
     config = files.read_json(getattr(cls, "config_name", None) or "config.json")
     if not isinstance(config, dict):
-        raise DDUFLoadError(f"{files.description}: config.json is not a JSON object")
+        raise DDUFLoadError(f"{files.description}: config.json is not a JSON object (D007)", code="D007")
     cls = diffusers_class_for(cls, config)
     if config.get("quantization_config") is not None:
         return build_with_quantizer(cls, config, files, request)
@@ -188,7 +188,7 @@ def _no_allocator_warmup() -> Iterator[None]:
 def build_transformers_model(cls: type[Any], files: ComponentFiles, request: ModelRequest) -> torch.nn.Module:
     config_dict = files.read_json("config.json")
     if not isinstance(config_dict, dict):
-        raise DDUFLoadError(f"{files.description}: config.json is not a JSON object")
+        raise DDUFLoadError(f"{files.description}: config.json is not a JSON object (D007)", code="D007")
     if QUANTO_QMAP in files.listdir():
         return build_quanto(cls, config_dict, files, request, "transformers", "model")
     if config_dict.get("quantization_config") is not None:
