@@ -8,10 +8,11 @@ from html import escape
 from importlib.resources import files
 from typing import Any
 
-from ..format.findings import RULES
+from ..format.findings import RULES, group_findings
 
 RESULT_MARKER = "<!-- result -->"
 STATIC = {"app.css": "text/css; charset=utf-8", "app.js": "text/javascript; charset=utf-8"}
+MAX_LISTED = 50  # entries named in one findings row; past that "and N more" (an archive may have 10,000)
 
 
 @cache
@@ -19,38 +20,72 @@ def static_text(name: str) -> str:
     return files(__package__).joinpath("static").joinpath(name).read_text(encoding="utf-8")
 
 
+def rich(text: str) -> str:
+    """A rule's text as HTML: escaped, its `backquoted` spans as <code> (the rule data is Markdown-ish)."""
+    parts = text.split("`")
+    if len(parts) % 2 == 0:  # an unpaired backquote stays a character
+        parts[-2:] = [parts[-2] + "`" + parts[-1]]
+    return "".join(f"<code>{escape(p)}</code>" if i % 2 else escape(p) for i, p in enumerate(parts))
+
+
 def _reference(component: dict[str, Any]) -> str:
     ref = component.get("external")
     if not ref:
         return "in archive"
     where = ref.get("pretrained_model_name_or_path") or "(passed by the caller)"
-    return where + (f"/{ref['subfolder']}" if ref.get("subfolder") else "")
+    where += f"/{ref['subfolder']}" if ref.get("subfolder") else ""
+    return where + (f"@{ref['revision']}" if ref.get("revision") else "")
+
+
+def _sizes(component: dict[str, Any]) -> tuple[str, str]:
+    """(parameters, bytes) cells: a referenced component has no tensors in the archive, so it shows the
+    size its reference records, not 0."""
+    ref = component.get("external")
+    if not ref:
+        return f"{component.get('parameters') or 0:,}", f"{component.get('bytes') or 0:,}"
+    files = ref.get("files") if isinstance(ref.get("files"), dict) else {}
+    size = sum(r["size"] for r in files.values() if isinstance(r, dict) and type(r.get("size")) is int)
+    return "referenced", (f"{size:,} (referenced)" if files else "referenced")
+
+
+def _entries(entries: list[str]) -> str:
+    shown = ", ".join(entries[:MAX_LISTED])
+    return shown + (f" and {len(entries) - MAX_LISTED} more" if len(entries) > MAX_LISTED else "")
 
 
 def _findings(report: dict[str, Any]) -> str:
-    rows = [("error", f) for f in report["errors"]] + [("warning", f) for f in report["warnings"]]
-    if not rows:
+    """One row per rule (findings grouped, entries listed once); JSON keeps every finding."""
+    groups = group_findings([{**f, "severity": "error"} for f in report["errors"]]
+                            + [{**f, "severity": "warning"} for f in report["warnings"]])
+    if not groups:
         return "<p>No findings.</p>"
-    body = "".join(
-        f"<tr class='{sev}'><td><code>{escape(f['code'])}</code></td><td>{sev}</td>"
-        f"<td>{escape(f['entry'] or '')}</td><td>{escape(f['message'])}</td>"
-        f"<td>{escape(RULES[f['code']].fix if f['code'] in RULES else '')}</td></tr>" for sev, f in rows)
+    rows = []
+    for g in groups:
+        message = escape(g.message)
+        if not g.same_message:
+            message += "<ul>" + "".join(f"<li>{escape(f.entry or '')}: {escape(f.message)}</li>"
+                                        for f in g.findings[:MAX_LISTED]) + "</ul>"
+        count = f" ({len(g.findings)})" if len(g.findings) > 1 else ""
+        fix = rich(RULES[g.code].fix) if g.code in RULES else ""
+        rows.append(f"<tr class='{g.severity}'><td><code>{escape(g.code)}</code>{count}</td><td>{g.severity}</td>"
+                    f"<td>{escape(_entries(g.entries))}</td><td>{message}</td><td>{fix}</td></tr>")
     return ("<table id='findings'><caption>Findings</caption><thead><tr><th scope='col'>Rule</th>"
-            "<th scope='col'>Severity</th><th scope='col'>Entry</th><th scope='col'>Message</th>"
-            f"<th scope='col'>Fix</th></tr></thead><tbody>{body}</tbody></table>")
+            "<th scope='col'>Severity</th><th scope='col'>Entries</th><th scope='col'>Message</th>"
+            f"<th scope='col'>Fix</th></tr></thead><tbody>{''.join(rows)}</tbody></table>")
 
 
 def _components(info: dict[str, Any] | None) -> str:
     if not info:
         return ""
-    body = "".join(
-        f"<tr><th scope='row'>{escape(name)}</th><td>{escape(str(c.get('class')))}</td>"
-        f"<td>{escape(str(c.get('dtype') or '-'))}</td><td>{c.get('parameters', 0):,}</td>"
-        f"<td>{c.get('bytes', 0):,}</td><td>{escape(_reference(c))}</td></tr>"
-        for name, c in info.get("components", {}).items())
+    rows = []
+    for name, c in info.get("components", {}).items():
+        parameters, size = _sizes(c)
+        rows.append(f"<tr><th scope='row'>{escape(name)}</th><td>{escape(str(c.get('class')))}</td>"
+                    f"<td>{escape(str(c.get('dtype') or '-'))}</td><td>{parameters}</td>"
+                    f"<td>{size}</td><td>{escape(_reference(c))}</td></tr>")
     return ("<table id='components'><caption>Components</caption><thead><tr><th scope='col'>Component</th>"
             "<th scope='col'>Class</th><th scope='col'>Dtype</th><th scope='col'>Parameters</th>"
-            f"<th scope='col'>Bytes</th><th scope='col'>References</th></tr></thead><tbody>{body}</tbody></table>")
+            f"<th scope='col'>Bytes</th><th scope='col'>References</th></tr></thead><tbody>{''.join(rows)}</tbody></table>")
 
 
 def render_result(result: dict[str, Any] | None, error: str | None = None) -> str:

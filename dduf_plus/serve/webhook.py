@@ -5,7 +5,11 @@ A ``repo.content`` event names the repo (``repo.type``, ``repo.name``) and the r
 (``updatedRefs``: ``ref``, ``oldSha``, ``newSha``; ``repo.headSha`` otherwise). The files of a commit come
 from the Hub API (``/api/{models,datasets,spaces}/{repo}/revision/{sha}?blobs=true``); a file is touched when
 it is new or its blob differs from the one at ``oldSha``. Each is validated by range reads of
-``{endpoint}/{repo}/resolve/{sha}/{file}``, under the same URL policy as ``POST /v1/validate``."""
+``{endpoint}/{repo}/resolve/{sha}/{file}``, under the same URL policy as ``POST /v1/validate``.
+
+A report records whether its repo is private (``repo.private`` of the payload; missing counts as private):
+the server reads private repos with its own token, so their reports are shown only to requests carrying
+the webhook secret (``GET /v1/reports/...`` answers 404 otherwise)."""
 
 from __future__ import annotations
 
@@ -34,8 +38,8 @@ def is_repo(name: object) -> bool:
     return isinstance(name, str) and bool(REPO.fullmatch(name)) and ".." not in name
 
 
-def commits(payload: Any) -> list[dict[str, str | None]]:
-    """The commits a webhook payload announces: [{type, repo, sha, old_sha}] (empty: nothing to check)."""
+def commits(payload: Any) -> list[dict[str, Any]]:
+    """The commits a webhook payload announces: [{type, repo, sha, old_sha, private}] (empty: nothing to check)."""
     if not isinstance(payload, dict):
         return []
     event, repo = payload.get("event"), payload.get("repo")
@@ -44,16 +48,17 @@ def commits(payload: Any) -> list[dict[str, str | None]]:
     repo_type, name = repo.get("type", "model"), repo.get("name")
     if repo_type not in REPO_TYPES or not is_repo(name):
         return []
-    found: list[dict[str, str | None]] = []
+    found: list[dict[str, Any]] = []
+    private = repo.get("private") is not False  # fail closed: only an explicit false makes reports public
     refs = payload.get("updatedRefs")
     for ref in refs if isinstance(refs, list) else []:
         new, old = (ref.get("newSha"), ref.get("oldSha")) if isinstance(ref, dict) else (None, None)
         if isinstance(new, str) and SHA.fullmatch(new) and all(c["sha"] != new for c in found):
-            found.append({"type": repo_type, "repo": name, "sha": new,
+            found.append({"type": repo_type, "repo": name, "sha": new, "private": private,
                           "old_sha": old if isinstance(old, str) and SHA.fullmatch(old) else None})
     head = repo.get("headSha")
     if not found and isinstance(head, str) and SHA.fullmatch(head):
-        found.append({"type": repo_type, "repo": name, "sha": head, "old_sha": None})
+        found.append({"type": repo_type, "repo": name, "sha": head, "old_sha": None, "private": private})
     return found
 
 
@@ -87,7 +92,8 @@ def check_commit(settings: Settings, commit: dict[str, Any], verify: bool = Fals
     """The record kept for one commit: each touched file's ``validate --json`` report and ``info``."""
     files = touched(settings, commit)
     record: dict[str, Any] = {"repo": commit["repo"], "type": commit["type"], "sha": commit["sha"],
-                              "report_url": report_path(commit["repo"], commit["sha"]), "status": "done",
+                              "report_url": report_path(commit["repo"], commit["sha"]),
+                              "private": commit.get("private") is not False, "status": "done",
                               "valid": True, "truncated": len(files) > MAX_FILES,
                               "files": [], "info": {}, "unreadable": []}
     base = f"{settings.endpoint}{REPO_TYPES[commit['type']]}{commit['repo']}/resolve/{commit['sha']}/"

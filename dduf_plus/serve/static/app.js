@@ -6,7 +6,7 @@
   const result = document.getElementById("result");
   const drop = document.getElementById("drop");
   const fileInput = document.getElementById("file");
-  let fixes = null;
+  let rules = null; // code -> {title, fix}, from /v1/rules
 
   function el(tag, attrs, ...children) {
     const node = document.createElement(tag);
@@ -20,11 +20,54 @@
     return el("table", { id }, el("caption", {}, caption), el("thead", {}, head), el("tbody", {}, ...rows));
   }
 
+  const MAX_LISTED = 50; // as page.py: entries named in one findings row
+
   function reference(c) {
     const ref = c.external;
     if (!ref) return "in archive";
-    const where = ref.pretrained_model_name_or_path || "(passed by the caller)";
-    return where + (ref.subfolder ? "/" + ref.subfolder : "");
+    let where = ref.pretrained_model_name_or_path || "(passed by the caller)";
+    if (ref.subfolder) where += "/" + ref.subfolder;
+    return where + (ref.revision ? "@" + ref.revision : "");
+  }
+
+  function sizes(c) { // as page.py: a referenced component shows what its reference records, not 0
+    const n = (v) => (v || 0).toLocaleString("en-US");
+    const ref = c.external;
+    if (!ref) return [n(c.parameters), n(c.bytes)];
+    const files = ref.files && typeof ref.files === "object" ? Object.values(ref.files) : [];
+    const size = files.reduce((t, r) => t + (r && Number.isInteger(r.size) ? r.size : 0), 0);
+    return ["referenced", files.length ? n(size) + " (referenced)" : "referenced"];
+  }
+
+  function rich(text) { // a rule's `backquoted` spans as <code>, the rest as text
+    const parts = String(text).split("`");
+    if (parts.length % 2 === 0) parts.splice(-2, 2, parts[parts.length - 2] + "`" + parts[parts.length - 1]);
+    return parts.map((p, i) => (i % 2 ? el("code", {}, p) : document.createTextNode(p)));
+  }
+
+  function groups(report) { // as dduf_plus.format.findings.group_findings: one row per (severity, rule)
+    const found = new Map();
+    const all = report.errors.map((f) => ["error", f]).concat(report.warnings.map((f) => ["warning", f]));
+    for (const [sev, f] of all) {
+      const key = sev + " " + f.code;
+      if (!found.has(key)) found.set(key, { sev, code: f.code, findings: [] });
+      found.get(key).findings.push(f);
+    }
+    return [...found.values()];
+  }
+
+  function findingRow(g) {
+    const entries = [...new Set(g.findings.map((f) => f.entry).filter((e) => e))];
+    let listed = entries.slice(0, MAX_LISTED).join(", ");
+    if (entries.length > MAX_LISTED) listed += ` and ${entries.length - MAX_LISTED} more`;
+    const same = new Set(g.findings.map((f) => f.message)).size <= 1;
+    const rule = rules && rules[g.code];
+    const message = el("td", {}, same || !rule ? g.findings[0].message : rule.title);
+    if (!same) message.append(el("ul", {}, ...g.findings.slice(0, MAX_LISTED).map((f) => el("li", {}, `${f.entry || ""}: ${f.message}`))));
+    const code = el("td", {}, el("code", {}, g.code));
+    if (g.findings.length > 1) code.append(` (${g.findings.length})`);
+    return el("tr", { class: g.sev }, code, el("td", {}, g.sev), el("td", {}, listed), message,
+      el("td", {}, ...(rule ? rich(rule.fix) : [])));
   }
 
   function render(data) {
@@ -33,17 +76,14 @@
     const counts = `: ${report.errors.length} error(s), ${report.warnings.length} warning(s)`;
     const nodes = [el("p", { id: "verdict", class: verdict }, el("strong", {}, verdict.toUpperCase()), " ",
       el("span", { class: "path" }, report.path), counts)];
-    const rows = report.errors.map((f) => ["error", f]).concat(report.warnings.map((f) => ["warning", f]));
+    const rows = groups(report);
     if (rows.length === 0) nodes.push(el("p", {}, "No findings."));
-    else nodes.push(table("findings", "Findings", ["Rule", "Severity", "Entry", "Message", "Fix"],
-      rows.map(([sev, f]) => el("tr", { class: sev }, el("td", {}, el("code", {}, f.code)), el("td", {}, sev),
-        el("td", {}, f.entry || ""), el("td", {}, f.message), el("td", {}, (fixes && fixes[f.code]) || "")))));
+    else nodes.push(table("findings", "Findings", ["Rule", "Severity", "Entries", "Message", "Fix"], rows.map(findingRow)));
     if (data.info) {
       const comps = Object.entries(data.info.components || {});
       nodes.push(table("components", "Components", ["Component", "Class", "Dtype", "Parameters", "Bytes", "References"],
         comps.map(([name, c]) => el("tr", {}, el("th", { scope: "row" }, name), el("td", {}, String(c.class)),
-          el("td", {}, c.dtype || "-"), el("td", {}, (c.parameters || 0).toLocaleString("en-US")),
-          el("td", {}, (c.bytes || 0).toLocaleString("en-US")), el("td", {}, reference(c))))));
+          el("td", {}, c.dtype || "-"), ...sizes(c).map((v) => el("td", {}, v)), el("td", {}, reference(c))))));
     }
     result.replaceChildren(...nodes);
   }
@@ -52,10 +92,10 @@
     result.replaceChildren(el("p", { id: "verdict", class: "invalid", role: "alert" }, "Not checked: " + message));
   }
 
-  async function loadFixes() {
-    if (fixes) return;
+  async function loadRules() {
+    if (rules) return;
     const response = await fetch("/v1/rules");
-    fixes = Object.fromEntries((await response.json()).rules.map((r) => [r.code, r.fix]));
+    rules = Object.fromEntries((await response.json()).rules.map((r) => [r.code, r]));
   }
 
   form.addEventListener("submit", async (event) => {
@@ -77,7 +117,7 @@
     }
     result.replaceChildren(el("p", { role: "status" }, "Checking…"));
     try {
-      await loadFixes();
+      await loadRules();
       const response = await fetch("/v1/validate?" + params, init);
       const data = await response.json();
       if (!response.ok) failure(data.error || `HTTP ${response.status}`);
