@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from ._common import as_usage, echo, human_bytes, output_file, path_like_missing
 
@@ -28,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     refs = as_usage(lambda: parse_ref_args(args.ref))
     for spec in refs.values():
         path_like_missing(spec, "--ref")
-    output = output_file(args.output, args.force)
+    output = output_file(args.output, args.force, os.path.basename(args.partial))
     result = complete_archive(args.partial, output, refs=refs, local_files_only=args.local_files_only,
                               token=args.token, cache_dir=args.cache_dir, quiet=args.quiet)
     if not args.quiet:

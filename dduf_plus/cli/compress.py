@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
+import os
 
 
 def _size(text: str) -> int:
@@ -39,8 +39,8 @@ def run(args: argparse.Namespace) -> int:
     from ._common import echo, human_bytes, input_file, output_file
 
     input_file(args.archive)
-    output = Path(args.output) if args.output else Path(args.archive + ".zst")
-    output = output_file(output, args.force)
+    name = os.path.basename(args.archive) + ".zst"
+    output = output_file(args.output if args.output else args.archive + ".zst", args.force, name)
     result = compress(args.archive, output, level=args.level, threads=args.threads, frame_size=args.frame_size,
                       long=args.long, quiet=args.quiet)
     if not args.quiet:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
+import os
 
 from ..errors import DDUFUsageError
 from ._common import budget_arg
@@ -31,13 +31,13 @@ def run(args: argparse.Namespace) -> int:
     from ._common import echo, human_bytes, input_file, output_file
 
     input_file(args.archive)
+    name = os.path.basename(args.archive).removesuffix(".zst")
     if args.output:
-        output = Path(args.output)
+        output = output_file(args.output, args.force, name if args.archive.endswith(".zst") else None)
     elif args.archive.endswith(".zst"):
-        output = Path(args.archive[: -len(".zst")])
+        output = output_file(args.archive[: -len(".zst")], args.force)
     else:
         raise DDUFUsageError(f"{args.archive} does not end in .zst: say where to write with -o")
-    output = output_file(output, args.force)
     result = decompress(args.archive, output, threads=args.threads, quiet=args.quiet,
                         max_decompressed=args.max_decompressed)
     if not args.quiet:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from ._common import as_usage, echo, human_bytes, input_folder, output_file, path_like_missing, print_json
 
@@ -10,7 +11,8 @@ from ._common import as_usage, echo, human_bytes, input_folder, output_file, pat
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("pack", help="pack a diffusers pipeline folder into a .dduf archive")
     p.add_argument("source", help="diffusers pipeline folder (with model_index.json), or a Hub repo org/name[@revision]")
-    p.add_argument("-o", "--output", required=True, help="archive to write (atomically)")
+    p.add_argument("-o", "--output", required=True,
+                   help="archive to write (atomically); DIR/ writes DIR/NAME.dduf; the folder must exist")
     p.add_argument("-f", "--force", action="store_true", help="overwrite OUTPUT if it exists")
     p.add_argument("--variant", help="pack this weight variant (e.g. fp16), like from_pretrained(variant=...)")
     p.add_argument("--exclude", action="append", default=[], metavar="COMPONENT",
@@ -44,7 +46,9 @@ def run(args: argparse.Namespace) -> int:
         path_like_missing(spec, "--ref")
     if args.base:
         path_like_missing(args.base, "--base")
-    output = output_file(args.output, args.force)
+    hub = hub_source(args.source)
+    name = (hub[0].rsplit("/", 1)[-1] if hub else os.path.basename(os.path.abspath(args.source))) + ".dduf"
+    output = output_file(args.output, args.force, name)
     dtype = dtypes.pop(DEFAULT_KEY, None)
     dtype_arg = ({**({DEFAULT_KEY: dtype} if dtype else {}), **dtypes} if dtypes else dtype)
 

@@ -14,6 +14,7 @@ from .._version import __version__
 from ..errors import DDUFNotFoundError, DDUFPackError
 from ..storage.progress import progress_bar
 from . import spec
+from .chat_template import TEMPLATE_DIR, TOKENIZER_CONFIG, Fold, fold, is_template_name, template_files
 from .index import build_index
 from .safetensors_header import SafetensorsHeader, read_file_header
 from .structure import component_specs, model_index_object
@@ -33,6 +34,7 @@ class EntrySource(NamedTuple):
     chunks: Callable[[], Iterable[Any]] | None = None
     header: SafetensorsHeader | None = None  # parsed safetensors header, for the index
     source_sha256: str | None = None  # sha256 of the original when the bytes were transformed
+    folded: Fold | None = None  # tokenizer_config.json with chat templates folded in (format/chat_template.py)
 
     @property
     def nbytes(self) -> int:
@@ -112,12 +114,24 @@ def plan_folder(folder: str | os.PathLike, *, variant: str | None = None, exclud
                 skipped.extend(comp_skipped)
         else:
             skipped.append(Skipped(name, "only model_index.json is packed at the root"))
+    _check_variant(variant, sources, skipped, root)
     stored = {s.name.split("/")[0] for s in sources}
     for name, (library, _cls) in specs.items():
         if library is not None and name not in stored and name not in exclude:
             raise DDUFPackError(f"component {name!r} is named in model_index.json but {root / name} is missing "
                                 f"(exclude it with --exclude {name} and give a --ref)")
     return FolderPlan(model_index, raw, sources, skipped, root)
+
+
+def _check_variant(variant: str | None, sources: Sequence[EntrySource], skipped: Sequence[Skipped], root: Path) -> None:
+    """``variant`` must be some component's, as the loader requires (it refuses such an archive)."""
+    if not variant:
+        return
+    if any((w := classify(s.name.rsplit("/", 1)[-1])) and w.variant == variant for s in sources):
+        return
+    present = sorted({w.variant for item in skipped if (w := classify(item.path.rsplit("/", 1)[-1])) and w.variant})
+    raise DDUFPackError(f"--variant {variant}: no component of {root} has weights of variant {variant!r} "
+                        f"(variants present: {', '.join(present) or 'none'}; pack without --variant for the default)")
 
 
 def _check_utf8(name: str, where: Path) -> None:
@@ -139,6 +153,8 @@ def _plan_component(root: Path, component: str, variant: str | None) -> tuple[li
         _check_utf8(name, folder)
         if _is_hidden(name):
             skipped.append(Skipped(rel, "hidden file"))
+        elif name == TEMPLATE_DIR or is_template_name(name):
+            continue  # chat templates: folded into tokenizer_config.json below
         elif (folder / name).is_dir():
             raise DDUFPackError(f"{folder / name}: DDUF allows no sub-folders inside a component folder")
         elif name.endswith(spec.PICKLE_EXTENSIONS):
@@ -163,13 +179,46 @@ def _plan_component(root: Path, component: str, variant: str | None) -> tuple[li
             chosen.append(name)
     if not any(n in spec.CONFIG_FILES for n in chosen):
         raise DDUFPackError(f"{folder}: component folder has no config file (one of {', '.join(spec.CONFIG_FILES)})")
+    chosen, left_out = _fast_tokenizer_covers(chosen)
+    skipped.extend(Skipped(f"{component}/{n}", why) for n, why in left_out)
     sources = []
     for name in chosen:
         entry = f"{component}/{name}"
         check_entry_name(entry)
         header = _read_header(folder / name, entry) if name.endswith(".safetensors") else None
         sources.append(EntrySource(entry, path=folder / name, header=header))
-    return sources, skipped
+    sources, fold_skipped = fold_sources(component, folder, sources)
+    return sources, skipped + fold_skipped
+
+
+def _fast_tokenizer_covers(chosen: list[str]) -> tuple[list[str], list[tuple[str, str]]]:
+    """A sentencepiece ``.model`` beside ``tokenizer.json`` is left out: the fast tokenizer holds the same
+    vocabulary, and the npm checker (so ``--strict``) refuses ``.model`` (D009). Alone, it is kept
+    (the tokenizer needs it) and the writer's check warns."""
+    if "tokenizer.json" not in chosen:
+        return chosen, []
+    models = [n for n in chosen if n.endswith(".model")]
+    return ([n for n in chosen if n not in models],
+            [(n, "sentencepiece model: tokenizer.json (the fast tokenizer) covers it, and the npm checker "
+                 "refuses .model (D009)") for n in models])
+
+
+def fold_sources(component: str, folder: Path, sources: list[EntrySource]) -> tuple[list[EntrySource], list[Skipped]]:
+    """Chat template files of ``folder`` folded into its tokenizer_config.json entry (see
+    :mod:`dduf_plus.format.chat_template`); without a tokenizer_config.json they are left out, said so."""
+    templates = template_files(folder)
+    if not templates:
+        return sources, []
+    entry = f"{component}/{TOKENIZER_CONFIG}"
+    if not any(s.name == entry for s in sources):
+        logger.warning("%s: chat template not stored: no tokenizer_config.json to fold it into", component)
+        return sources, [Skipped(f"{component}/{rel}", "chat template: no tokenizer_config.json to fold it into")
+                         for rel in templates]
+    folded = fold(component, folder / TOKENIZER_CONFIG, templates)
+    out = [s if s.name != entry else EntrySource(entry, data=folded.data, source_sha256=folded.source_sha256,
+                                                 folded=folded) for s in sources]
+    return out, [Skipped(f"{component}/{rel}", "folded into tokenizer_config.json's chat_template")
+                 for rel in templates]
 
 
 def _read_header(path: Path, entry: str) -> SafetensorsHeader:
@@ -195,11 +244,12 @@ def write_archive(
     ``fsync=False`` skips flushing to disk before the atomic rename (see :class:`DDUFWriter`)."""
     started = time.perf_counter()
     ordered = sorted(sources, key=lambda s: s.name)
+    extra_components = _with_fold_records(extra_components, ordered)
     total = len(model_index_bytes) + sum(s.nbytes for s in ordered)
-    bar = progress_bar(total, Path(output).name, quiet)
     headers: dict[str, SafetensorsHeader] = {}
+    bar = progress_bar(total, Path(output).name, quiet)
     try:
-        with DDUFWriter(output, progress=bar.update, fsync=fsync) as writer:
+        with DDUFWriter(output, progress=bar.update, fsync=fsync, check=lambda tmp: check_written(tmp, output)) as writer:
             files = sorted((s for s in ordered if s.path is not None), key=lambda s: -s.nbytes)
             writer.hash_ahead([(s.name, s.path) for s in files[:HASH_AHEAD_FILES] if s.path is not None])  # bounded: open descriptors
             writer.add_bytes(spec.MODEL_INDEX, model_index_bytes)
@@ -225,6 +275,38 @@ def write_archive(
     for item in skipped:  # debug: callers report result.skipped themselves (`dduf pack` prints it once)
         logger.debug("skipped %s: %s", item.path, item.reason)
     return PackResult(Path(output), size, entries, time.perf_counter() - started, list(skipped), index)
+
+
+def _with_fold_records(extra: Mapping[str, Mapping[str, Any]] | None,
+                       sources: Sequence[EntrySource]) -> Mapping[str, Mapping[str, Any]] | None:
+    """``extra`` plus the index record of every folded chat template (:mod:`.chat_template`)."""
+    from .chat_template import INDEX_KEY
+
+    folds = {s.name.split("/")[0]: s.folded.record for s in sources if s.folded is not None}
+    if not folds:
+        return extra
+    merged = {name: dict(record) for name, record in (extra or {}).items()}
+    for name, record in folds.items():
+        merged.setdefault(name, {})[INDEX_KEY] = record
+    return merged
+
+
+def check_written(tmp: Path, output: str | os.PathLike) -> None:
+    """Every structural rule, run on the finished temporary file before it is renamed into place: pack never
+    publishes an archive ``dduf validate`` refuses. Warnings are logged (``--strict`` would refuse them).
+
+    Raises:
+        DDUFPackError: naming each error's rule code and entry; nothing is written.
+    """
+    from .validate import validate
+
+    report = validate(tmp)
+    for f in report.warnings:
+        logger.warning("%s: %s %s: %s", output, f.code, f.entry or "archive", f.message)
+    if report.errors:
+        listed = "; ".join(f"{f.code} {f.entry or 'archive'}: {f.message}" for f in report.errors[:5])
+        more = f" (and {len(report.errors) - 5} more)" if len(report.errors) > 5 else ""
+        raise DDUFPackError(f"not writing {output}: dduf validate would refuse it: {listed}{more}")
 
 
 def pack_folder(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -9,6 +10,9 @@ from ..errors import DDUFFormatError, DDUFUsageError
 from ..storage.confined import Confined
 from . import spec
 from .archive import DDUFArchive
+from .chat_template import INDEX_KEY, TOKENIZER_CONFIG, unfold
+
+logger = logging.getLogger(__name__)
 
 
 def safe_target(root: Path, name: str) -> Path:
@@ -34,6 +38,8 @@ def unpack(archive_path: str | os.PathLike, output: str | os.PathLike, *, force:
     written: list[Path] = []
     with DDUFArchive(archive_path, check=check) as archive:
         names = [n for n in archive.entries if keep_index or n != spec.INDEX_NAME]
+        originals = restored_originals(archive)  # chat templates folded at pack time, as the source had them
+        names += [n for n in originals if n not in archive.entries]
         targets = {n: safe_target(root, n) for n in names}  # vet every name before writing anything
         if not force:
             clash = [str(t) for t in targets.values() if t.exists() or t.is_symlink()]
@@ -41,14 +47,41 @@ def unpack(archive_path: str | os.PathLike, output: str | os.PathLike, *, force:
                 raise DDUFUsageError(f"{clash[0]} exists (use --force to overwrite)")
         out_root = Confined(root)
         for name, target in targets.items():
-            entry = archive.entry(name)
             folder = out_root.mkdir(target.parent)
             # exclusive temp file (a planted ".x.partial" symlink is never followed), renamed over the target;
             # 0644 less the umask, as unzip leaves files (mkstemp's 0600 made unpacked configs private)
             with out_root.atomic(folder / target.name, fsync=False, mode=0o644) as out:
-                _copy_range(archive, entry.offset, entry.length, out.fd)
+                if name in originals:
+                    out.file.write(originals[name])
+                else:
+                    entry = archive.entry(name)
+                    _copy_range(archive, entry.offset, entry.length, out.fd)
             written.append(target)
+        if archive.references:  # the folder lacks them: say so, and what gives a usable folder
+            logger.warning("%s is a partial archive: %s (referenced, not stored) %s missing from %s, so diffusers "
+                           "and dduf pack cannot use that folder as it is; run `dduf complete %s -o FULL.dduf` "
+                           "and unpack FULL.dduf", archive_path, ", ".join(sorted(archive.references)),
+                           "is" if len(archive.references) == 1 else "are", output, archive_path)
     return written
+
+
+def restored_originals(archive: DDUFArchive) -> dict[str, bytes]:
+    """``{entry name: bytes}`` of the files a pack folded (chat templates into tokenizer_config.json), each
+    checked against the index record; a component whose record does not check out keeps its stored entry."""
+    components = archive.index.get("components") if isinstance(archive.index, dict) else None
+    out: dict[str, bytes] = {}
+    for component, record in (components or {}).items():
+        fold = record.get(INDEX_KEY) if isinstance(record, dict) else None
+        entry = f"{component}/{TOKENIZER_CONFIG}"
+        if fold is None or entry not in archive.entries or archive.entry(entry).length > spec.CONFIG_JSON_BUDGET.bytes:
+            continue  # (a config over its budget is refused by validation; with check=False it is not read)
+        files = unfold(archive.read_bytes(entry), fold)
+        if files is None:
+            logger.warning("%s: the chat template record does not match the archive; %s is written as stored",
+                           component, entry)
+            continue
+        out.update({f"{component}/{rel}": data for rel, data in files.items()})
+    return out
 
 
 def _copy_range(archive: DDUFArchive, offset: int, length: int, dst: int) -> None:

@@ -18,7 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from ..errors import DDUFPackError, DDUFUsageError
+from ..errors import DDUFIOError, DDUFPackError, DDUFUsageError
 from ..storage.confined import Confined
 from . import spec
 from .index import FileRecord
@@ -58,12 +58,18 @@ class DDUFWriter:
     atomic rename but skips flushing to disk (as ``cp`` does): faster, but a power cut soon after may
     leave a truncated archive at ``path``."""
 
-    def __init__(self, path: str | os.PathLike, *, progress: ProgressFn | None = None, fsync: bool = True):
+    def __init__(self, path: str | os.PathLike, *, progress: ProgressFn | None = None, fsync: bool = True,
+                 check: Callable[[Path], Any] | None = None):
         self.path = Path(path)
         self._fsync = fsync
-        # The caller chose the output; the temp file beside it is created exclusively and only it is removed
+        self._check = check  # called with the finished temporary file before the rename; raising aborts
+        # The caller chose the output (the CLI has checked its folder exists, as cp does; the Python API creates
+        # it, as save_pretrained does); the temp file beside it is created exclusively and only it is removed
         # on failure (a planted link at any name is never followed).
-        self._out = Confined(self.path.parent).atomic(self.path.name, fsync=fsync, mode=0o644)
+        parent = self.path.absolute().parent
+        if parent.exists() and not parent.is_dir():
+            raise DDUFIOError(f"cannot write {self.path}: {parent} is not a folder")
+        self._out = Confined(parent).atomic(self.path.name, fsync=fsync, mode=0o644)
         self._fd = self._out.fd
         self._position = 0
         self._central: list[bytes] = []
@@ -247,6 +253,8 @@ class DDUFWriter:
         self._pwrite(directory + end_records(len(self._central), cd_offset, len(directory)), cd_offset)
         os.ftruncate(self._fd, cd_offset + len(directory) + spec.EOCD64_SIZE + spec.LOCATOR_SIZE + spec.EOCD_SIZE)
         self._shutdown()
+        if self._check is not None:
+            self._check(self._out.tmp)
         self._fd = -1
         self._out.commit()  # fsync, close, chmod 0644 less umask, rename, fsync the folder
         self._closed = True

@@ -148,7 +148,7 @@ def save_quanto_component(module: torch.nn.Module, folder: str | os.PathLike, *,
     """
     import torch
 
-    folder = Path(folder)
+    folder = Path(folder).absolute()  # Confined resolves a relative path against its root: anchor it here
     state = quanto_state(module)
     if state is None:
         raise DDUFPackError(f"{type(module).__name__} holds no optimum-quanto layer (quantize + freeze it first)")

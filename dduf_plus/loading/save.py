@@ -34,7 +34,8 @@ import torch
 
 from ..errors import DDUFPackError
 from ..format import spec
-from ..format.pack import EntrySource, PackResult, Skipped, write_archive
+from ..format.chat_template import TEMPLATE_DIR, is_template_name
+from ..format.pack import EntrySource, PackResult, Skipped, fold_sources, write_archive
 from ..format.safetensors_header import parse_header
 from ..storage.confined import Confined
 
@@ -328,9 +329,13 @@ def _save_method_name(component: Any) -> str | None:
 
 
 def _collect_small_files(name: str, folder: Path) -> tuple[list[EntrySource], list[Skipped]]:
+    """What a save method wrote, as ``dduf pack`` would store it (chat templates folded into
+    tokenizer_config.json, :func:`~dduf_plus.format.pack.fold_sources`)."""
     sources, skipped = [], []
     for path in sorted(folder.iterdir()):
         rel = f"{name}/{path.name}"
+        if path.name == TEMPLATE_DIR or is_template_name(path.name):
+            continue  # folded below
         if path.is_dir():
             raise DDUFPackError(f"component {name!r}: its save method wrote a sub-folder {path.name!r}, "
                                 "which DDUF cannot hold")
@@ -340,6 +345,7 @@ def _collect_small_files(name: str, folder: Path) -> tuple[list[EntrySource], li
         if path.name.endswith(".safetensors"):  # a small component with weights we did not plan for
             raise DDUFPackError(f"component {name!r}: unexpected weights file {path.name}")
         sources.append(EntrySource(rel, data=path.read_bytes()))
+    sources, _folded = fold_sources(name, folder, sources)  # (a template it cannot fold: fold_sources warns)
     return sources, skipped
 
 

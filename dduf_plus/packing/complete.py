@@ -19,6 +19,7 @@ from typing import Any
 from ..errors import DDUFReferenceError
 from ..format import spec
 from ..format.archive import DDUFArchive
+from ..format.chat_template import INDEX_KEY, TOKENIZER_CONFIG, fold, is_template_name
 from ..format.pack import EntrySource, PackResult, _read_header, write_archive
 from ..refs.resolve import Located, SpecLike, locate_component
 from ..storage.confined import Confined
@@ -136,9 +137,16 @@ def _referenced_sources(name: str, loc: Located, files: Iterable[str], others: l
         others.append(other)
         return [_stream(other, f"{loc.member}/{fname}", f"{name}/{fname}") for fname in sorted(files)]
     sources = []
+    templates = {f: loc.files[f] for f in sorted(files) if is_template_name(f)}
     for fname in sorted(files):
         path = loc.files[fname]
         entry = f"{name}/{fname}"
+        if fname in templates:
+            continue  # folded into tokenizer_config.json below, as pack does
+        if fname == TOKENIZER_CONFIG and templates:
+            folded = fold(name, path, templates)
+            sources.append(EntrySource(entry, data=folded.data, source_sha256=folded.source_sha256, folded=folded))
+            continue
         header = _read_header(path, entry) if fname.endswith(".safetensors") else None
         sources.append(EntrySource(entry, path=path, header=header))
     return sources
@@ -158,9 +166,12 @@ def _check_copied(result: PackResult, references: Mapping[str, Any], located: Ma
     and the archive this call just wrote is removed."""
     written = result.index["files"]
     for name in references:
+        folded = result.index["components"].get(name, {}).get(INDEX_KEY, {}).get("files", {})
         for fname, rec in references[name]["files"].items():
-            got = written.get(f"{name}/{fname}", {}).get("sha256")
+            got_rec = folded.get(fname) or written.get(f"{name}/{fname}", {})  # a template: its fold record
+            got = got_rec.get("source_sha256") or got_rec.get("sha256")  # folded tokenizer_config: the original's
             if rec.get("sha256") and got != rec["sha256"]:
-                Confined(Path(output).parent).unlink(output)
+                out = Path(output).absolute()  # a relative path would be taken relative to the Confined root
+                Confined(out.parent).unlink(out)
                 raise DDUFReferenceError(f"component {name!r}: {fname} from {located[name].source} changed while it was "
                                          f"copied (sha256 {got}, recorded {rec['sha256']}); nothing was written")

@@ -4,12 +4,17 @@ Torch is imported only when a dtype conversion is asked for."""
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ..errors import DDUFPackError
 from ..format.pack import PackResult, plan_folder, write_archive
 from ..format.quantization import QMAP_NAME, quanto_index_record
+from .class_names import ClassCheck
+
+logger = logging.getLogger(__name__)
 
 
 def pack(
@@ -37,6 +42,22 @@ def pack(
     refs = dict(refs or {})
     folder = pack_source(folder, variant=variant, token=token, local_files_only=local_files_only, quiet=quiet)
     plan = plan_folder(folder, variant=variant, exclude=[n for n in exclude])
+    # a typo'd class name: a warning, checked while the archive is written (before, when --dtype imports libraries)
+    classes = ClassCheck(plan.model_index, background=not dtype)
+    try:
+        done = _pack_plan(plan, output, variant=variant, exclude=exclude, refs=refs, base=base, dtype=dtype,
+                          token=token, local_files_only=local_files_only, quiet=quiet, fsync=fsync)
+    except Exception:  # (Ctrl-C is not waited for: the thread is a daemon)
+        classes.report()
+        raise
+    classes.report()
+    return done
+
+
+def _pack_plan(plan: Any, output: str | os.PathLike, *, variant: str | None, exclude: Sequence[str],
+               refs: dict[str, str], base: str | None, dtype: str | Mapping[str, str] | None,
+               token: str | bool | None, local_files_only: bool, quiet: bool, fsync: bool) -> tuple[PackResult, Any]:
+    """:func:`pack` once the folder is planned."""
     model_index, model_index_bytes, sources = plan.model_index, plan.model_index_bytes, plan.sources
     references = None
     partial = None
@@ -47,6 +68,7 @@ def pack(
                                   local_files_only=local_files_only, variant=variant)
         model_index, model_index_bytes = partial.model_index, partial.model_index_bytes
         sources, references = partial.sources, partial.references
+        _check_partial(partial, base=base, dtype=dtype)
     extra: dict[str, Any] | None = _quanto_records(sources)
     if dtype:
         from .convert import convert_sources
@@ -59,6 +81,36 @@ def pack(
     result = write_archive(output, model_index, model_index_bytes, sources, skipped=skipped,
                            references=references, extra_components=extra, quiet=quiet, fsync=fsync)
     return result, partial
+
+
+def _check_partial(partial: Any, *, base: str | None, dtype: str | Mapping[str, str] | None) -> None:
+    """What a partial pack must not do silently: hold no component at all (SRC is BASE), or leave a
+    ``--dtype`` unapplied because the component became a reference.
+
+    Raises:
+        DDUFPackError: nothing is stored, or ``--dtype`` names a component that is referenced.
+    """
+    from ..dtype_names import DEFAULT_KEY
+
+    referenced = sorted(partial.references)
+    stored = {s.name.split("/")[0] for s in partial.sources if "/" in s.name}
+    if base and referenced and not stored:
+        raise DDUFPackError(f"every component is identical to --base {base}: the archive would hold no component "
+                            "(nothing to ship); load or share BASE itself")
+    if not dtype or not referenced:
+        return
+    named = {k for k in dtype if k != DEFAULT_KEY} if isinstance(dtype, Mapping) else set()
+    clash = sorted(named & set(referenced))
+    if clash:
+        raise DDUFPackError(f"--dtype names {', '.join(clash)}, which {'is' if len(clash) == 1 else 'are'} stored "
+                            "as a reference (not in the archive), so cannot be converted; drop that --dtype, or "
+                            f"store {'it' if len(clash) == 1 else 'them'} (no --exclude/--ref for it; without --base)")
+    default = dtype.get(DEFAULT_KEY) if isinstance(dtype, Mapping) else dtype
+    left = [n for n in referenced if n not in named  # components with weights: a dtype means nothing to others
+            and any(f.endswith(".safetensors") for f in partial.references[n].get("files") or ())]
+    if default and left:
+        logger.warning("--dtype %s not applied to %s: referenced, not stored, so loaded as the source stores %s",
+                       default, ", ".join(left), "it" if len(left) == 1 else "them")
 
 
 def hub_source(source: str | os.PathLike) -> tuple[str, str | None] | None:
@@ -100,7 +152,5 @@ def _quanto_records(sources: Sequence[Any]) -> dict[str, Any] | None:
             try:
                 records[component] = quanto_index_record(json.loads(source.path.read_text()))
             except ValueError as e:
-                from ..errors import DDUFPackError
-
                 raise DDUFPackError(f"{source.path}: not valid JSON ({e})") from None
     return records or None

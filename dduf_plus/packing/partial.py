@@ -27,6 +27,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -34,6 +35,7 @@ from typing import Any, NamedTuple
 
 from ..errors import DDUFError, DDUFNotFoundError, DDUFPackError
 from ..format import spec
+from ..format.chat_template import TEMPLATE_FILE
 from ..format.pack import (
     EntrySource,
     FolderPlan,
@@ -46,7 +48,7 @@ from ..format.pack import (
 from ..format.structure import component_specs
 from ..format.weights import classify, select_weights
 from ..refs import cache as _cache
-from ..refs.resolve import Spec, parse_ref_args, parse_spec
+from ..refs.resolve import Spec, component_folder, parse_ref_args, parse_spec
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +60,7 @@ __all__ = ["ORIGINAL_MODEL_INDEX_KEY", "PartialPlan", "make_references", "pack_p
 ORIGINAL_MODEL_INDEX_KEY = "_dduf_plus_original_model_index"
 
 FileRecords = dict[str, dict[str, Any]]
+_COMMIT = re.compile(r"[0-9a-f]{40}")
 
 
 class PartialPlan(NamedTuple):
@@ -105,7 +108,8 @@ def hash_local_files(files: Mapping[str, Path]) -> FileRecords:
 
 def _pack_selection(filenames: Sequence[str], variant: str | None) -> list[str]:
     """The files a pack keeps from a component listing: allowed types, the chosen variant's weights."""
-    allowed = [f for f in filenames if f.endswith(spec.ALLOWED_EXTENSIONS) and not f.startswith(".") and "/" not in f]
+    allowed = [f for f in filenames if (f.endswith(spec.ALLOWED_EXTENSIONS) or f == TEMPLATE_FILE)
+               and not f.startswith(".") and "/" not in f]
     weights = set(select_weights(allowed, variant))
     return sorted(f for f in allowed if classify(f) is None or f in weights)
 
@@ -325,11 +329,40 @@ def make_references(
     planner.variant = variant if variant is not None else _infer_variant(plan)
     parsed, base_spec = _parse_sources(refs, base)
     for name in sorted(set(exclude) | (set(refs) - {"*"})):
-        planner.add_explicit(name, parsed.get(name) or parsed.get("*") or base_spec)
+        planner.add_explicit(name, _component_folder_spec(parsed.get(name) or parsed.get("*") or base_spec, name))
     if base_spec is not None:
         planner.add_identical_to_base(base_spec)
     planner.keep_previous_references()
     return planner.finish()
+
+
+def _component_folder_spec(src: Spec | None, name: str) -> Spec | None:
+    """A folder SOURCE that is the component folder itself (``--ref vae=/models/sd15/vae``), by the rule the
+    loader applies (:func:`~dduf_plus.refs.resolve.component_folder`), as its parent and subfolder."""
+    if src is None or src.kind != "folder" or src.subfolder is not None:
+        return src
+    root = Path(src.location)
+    if root.is_dir() and component_folder(root, [name], direct=True) == root:
+        return src._replace(location=str(root.parent), subfolder=root.name)
+    return src
+
+
+class Snapshot(NamedTuple):
+    repo: str
+    revision: str
+    subfolder: str | None  # the path inside the snapshot, when the SOURCE pointed into it
+
+
+def hf_snapshot(path: str | os.PathLike) -> Snapshot | None:
+    """``org/name@commit`` for a folder inside a Hugging Face cache snapshot
+    (``.../models--org--name/snapshots/<commit>[/sub]``, what ``snapshot_download`` returns), else None."""
+    parts = Path(os.path.abspath(path)).parts
+    for i in range(len(parts) - 2, 0, -1):
+        if parts[i] == "snapshots" and parts[i - 1].startswith("models--") and _COMMIT.fullmatch(parts[i + 1]):
+            repo = parts[i - 1][len("models--"):].replace("--", "/")
+            rest = "/".join(parts[i + 2:]) or None
+            return Snapshot(repo, parts[i + 1], rest) if repo and repo.count("/") <= 1 else None
+    return None
 
 
 def _parse_sources(refs: Mapping[str, str], base: str | None) -> tuple[dict[str, Spec], Spec | None]:
@@ -360,6 +393,7 @@ class _Planner:
         for s in plan.sources:
             self.stored.setdefault(s.name.split("/")[0], []).append(s)
         self.report: list[str] = []
+        self.local_paths: set[str] = set()  # machine-bound sources recorded (said so in the report)
         self.references: dict[str, dict[str, Any]] = {}
         self.local_bytes: dict[str, int] = {}
         self._sources: dict[Spec, _Source] = {}
@@ -380,19 +414,31 @@ class _Planner:
     def local_copy(self, name: str) -> dict[str, Path] | None:
         """{filename: path} of the component's files here (the ones the pack would store), None if absent."""
         if name in self.stored:
-            return {s.name.split("/", 1)[1]: s.path for s in self.stored[name] if s.path is not None}
-        if (self.root / name).is_dir():
+            chosen = self.stored[name]
+        elif (self.root / name).is_dir():
             chosen, _skipped = _plan_component(self.root, name, self.variant)
-            return {s.name.split("/", 1)[1]: s.path for s in chosen if s.path is not None}
-        return None
+        else:
+            return None
+        files = {s.name.split("/", 1)[1]: s.path for s in chosen if s.path is not None}
+        for s in chosen:  # a folded tokenizer_config.json: the files on disk are what a reference names
+            if s.folded is not None:
+                files.update(s.folded.originals)
+        return files
 
     def reference(self, name: str, src: Spec | None, files: FileRecords, revision: str | None) -> dict[str, Any]:
         library, cls = self.specs[name]
         sub = (src.subfolder if src else None) or name
         variant = self.variant
         has_variant = variant is not None and any((w := classify(f)) and w.variant == variant for f in files)
+        location = None if src is None else src.location
+        snap = hf_snapshot(src.location) if src is not None and src.kind == "folder" else None
+        if snap is not None and src is not None:  # a folder in the HF cache is its repo at its commit: it travels
+            location, revision = snap.repo, snap.revision
+            sub = "/".join(p for p in (snap.subfolder, src.subfolder) if p) or name
+        elif src is not None and src.kind in ("folder", "dduf"):
+            self.local_paths.add(src.location)
         return {
-            "pretrained_model_name_or_path": None if src is None else src.location,
+            "pretrained_model_name_or_path": location,
             "subfolder": sub,
             "revision": revision,
             "variant": variant if has_variant else None,
@@ -404,6 +450,9 @@ class _Planner:
     def add_explicit(self, name: str, src: Spec | None) -> None:
         paths = self.local_copy(name)
         revision = src.revision if src else None
+        if paths is not None and _nested(paths):
+            raise DDUFPackError(f"{name} cannot be referenced: {_nested(paths)[0]} is in a sub-folder, which a "
+                                "reference cannot name; store it (drop --exclude/--ref for it)")
         if paths is not None:
             files = hash_local_files(paths)
             self.local_bytes[name] = sum(r["size"] for r in files.values())
@@ -443,7 +492,9 @@ class _Planner:
             paths = self.local_copy(name)
             if paths is None:
                 continue
-            why = self._differs_from_base(name, paths, source, base_spec)
+            nested = _nested(paths)
+            why = (f"{nested[0]} is in a sub-folder, which a reference cannot name" if nested
+                   else self._differs_from_base(name, paths, source, base_spec))
             if why is not None:
                 self.report.append(f"stored {name}: {why}")
                 continue
@@ -494,8 +545,17 @@ class _Planner:
                                f"component{'s' if len(references) != 1 else ''}")
         else:
             self.report.append("nothing referenced: the archive is complete")
+        for path in sorted(self.local_paths):  # a warning (stderr), seen with --quiet and --json too
+            logger.warning("references record the local path %s: recipients need the same files (found by content "
+                           "in their Hugging Face cache, or given with --ref/refs=); for an archive that travels, "
+                           "reference the Hub repo this copy came from (--base org/repo)", path)
         model_index, raw = _model_index_with(plan, references)
         return PartialPlan(model_index, raw, sources, skipped, references, self.report, saved, self.root)
+
+
+def _nested(paths: Mapping[str, Path]) -> list[str]:
+    """Files of a component in a sub-folder (``additional_chat_templates/NAME.jinja``, folded when stored)."""
+    return sorted(f for f in paths if "/" in f)
 
 
 def _check_against_source(name: str, src: Spec, source: _Source, files: FileRecords, paths: Mapping[str, Path],
