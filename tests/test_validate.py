@@ -236,7 +236,7 @@ def test_verify_many_entries_in_parallel(tmp_path):
     assert threading.active_count() <= before  # the hashing pool is gone
 
 
-def test_verify_hashes_over_mmap_match_hashlib(tmp_path):
+def test_verify_hashes_of_a_local_file_match_hashlib(tmp_path):
     import hashlib
 
     path = build(tmp_path)
@@ -245,7 +245,7 @@ def test_verify_hashes_over_mmap_match_hashlib(tmp_path):
 
         archive = DDUFArchive(src, check=False)
         entries = [e for e in archive.entries.values() if e.length]
-        got = validate_module._hash_mapped(src.fd, entries, workers=2)
+        got = validate_module._hash_local(src.fd, entries, workers=2)
         data = path.read_bytes()
         for e in entries:
             chunk = data[e.offset : e.offset + e.length]

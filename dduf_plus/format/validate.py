@@ -5,9 +5,11 @@ safetensors headers: :class:`~dduf_plus.format.archive.DDUFArchive` ``.findings`
 more than records: component configs and other JSON entries parse, sharded-weight indexes name present
 files, ``_dduf_plus_references`` are well-formed, the dduf_plus index agrees with the archive. With
 ``verify=True`` it also hashes every entry (CRC-32 against the ZIP records, sha256 against the index),
-streamed over one read-only mmap by a thread per core (hashlib and zlib release the GIL).
+read with ``os.preadv`` by a thread per core (hashlib, zlib and preadv release the GIL); a file
+truncated meanwhile is a :class:`~dduf_plus.errors.DDUFIOError`, never a SIGBUS.
 
-Structural validation reads only records and headers: kilobytes, also over fsspec URLs (range requests).
+Structural validation reads records, headers, configs and tokenizer files (their budgets: D014): kilobytes
+to a few MB, also over fsspec URLs (range requests).
 Bad input never raises: it becomes findings. :class:`~dduf_plus.errors.DDUFError` means the source could
 not be read at all (missing file, unreachable URL).
 
@@ -22,7 +24,7 @@ import os
 import re
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -35,12 +37,14 @@ from .archive import DDUFArchive, Entry
 from .findings import Finding, finding
 from .references import SHA256
 from .structure import component_specs, parse_json
+from .tokenizer_budget import budget_findings
 
 # Structural validation parses every config and every JSON entry up to this size (tokenizer configs,
 # special tokens maps, shard indexes); bigger ones (vocab.json, tokenizer.json) only with ``verify``.
 STRUCTURAL_JSON_LIMIT = 256 << 10
 MAX_JSON_ENTRY = 64 << 20
 HASH_CHUNK = 8 << 20
+READ_CACHE = 64 << 20
 REMOTE_CHUNK = 16 << 20
 _CRC32 = re.compile(r"[0-9a-f]{8}")
 
@@ -92,6 +96,10 @@ class _GuardedSource:
         self.inner = inner
         self.name = inner.name
         self.size = inner.size
+        # Two rules may read the same entry (a config is parsed by the JSON rule, then budget-checked: D015):
+        # reads are kept up to READ_CACHE bytes in all, so validation fetches each byte once (remote sources).
+        self._kept: dict[tuple[int, int], bytes] = {}
+        self._kept_bytes = 0
 
     @property
     def bytes_read(self) -> int:
@@ -100,10 +108,17 @@ class _GuardedSource:
     def read_at(self, offset: int, length: int) -> bytes:
         if offset < 0 or length < 0 or offset + length > self.size:
             raise _OutOfBounds(f"read of {length} bytes at {offset} in a {self.size}-byte file")
+        data = self._kept.get((offset, length))
+        if data is not None:
+            return data
         try:
-            return self.inner.read_at(offset, length)
+            data = self.inner.read_at(offset, length)
         except DDUFError as e:
             raise _SourceFailure(str(e)) from None
+        if self._kept_bytes + length <= READ_CACHE:
+            self._kept[(offset, length)] = data
+            self._kept_bytes += length
+        return data
 
     def close(self) -> None:
         pass
@@ -151,7 +166,7 @@ def validate(source: str | os.PathLike | ByteSource, verify: bool = False, stric
         archive = _guard(findings, "archive", lambda: DDUFArchive(guarded, check=False))
         if archive is not None:
             findings.extend(archive.findings)
-            for rule in (_check_json_entries, _check_index):
+            for rule in (_check_json_entries, _check_index, _check_budgets):
                 findings.extend(_guard(findings, rule.__name__.strip("_"), rule, archive, guarded, verify) or ())
             if verify:
                 problems, hashed = _guard(findings, "verify", _verify_entries, archive, guarded) or ((), 0)
@@ -255,6 +270,15 @@ def _check_json_entries(archive: DDUFArchive, source: _GuardedSource, verify: bo
     return out
 
 
+def _check_budgets(archive: DDUFArchive, source: _GuardedSource, verify: bool) -> list[Finding]:
+    """D014: tokenizer files within their caps (vocabulary, pieces, merges, added tokens); D015: scheduler and
+    guider configs hold no number out of range (format/tokenizer_budget.py, the checks the loader runs too).
+    Tokenizer files are read whole: the few MB a real pipeline holds, what the loader reads anyway."""
+    entries = archive.entries
+    return budget_findings(((name, e.length) for name, e in entries.items()),
+                           lambda name: source.read_at(entries[name].offset, entries[name].length))
+
+
 def _check_shard_index(name: str, value: Any, entries: dict[str, Entry]) -> list[Finding]:
     weight_map = value.get("weight_map") if isinstance(value, dict) else None
     if not isinstance(weight_map, dict):
@@ -315,12 +339,15 @@ def _check_index(archive: DDUFArchive, source: _GuardedSource, verify: bool) -> 
 # --- verify: hash every entry ----------------------------------------------------------------------
 def _verify_entries(archive: DDUFArchive, source: _GuardedSource, workers: int | None = None) -> tuple[list[Finding], int]:
     """H001/H002 findings for every entry whose bytes don't match, and the number of bytes hashed from the
-    mmap (reads through the source count themselves)."""
+    local file's descriptor (reads through the source count themselves)."""
     entries = [e for e in archive.entries.values() if e.length]
     fd = getattr(source.inner, "fd", None)
-    mapped = isinstance(fd, int) and fd >= 0
-    if isinstance(fd, int) and mapped:
-        results = _hash_mapped(fd, entries, workers or min(8, max(2, os.cpu_count() or 2)))
+    local = isinstance(fd, int) and fd >= 0
+    if isinstance(fd, int) and local:
+        try:
+            results = _hash_local(fd, entries, workers or min(8, max(2, os.cpu_count() or 2)))
+        except _SourceFailure as e:  # name the archive: a --from-file batch reports it as that source's io_error
+            raise _SourceFailure(f"{source.name}: {e}") from None
     else:
         results = {e.name: _hash_read(source, e) for e in entries}
     out: list[Finding] = []
@@ -330,13 +357,17 @@ def _verify_entries(archive: DDUFArchive, source: _GuardedSource, workers: int |
             out.append(finding("H001", e.name, f"CRC-32 is {crc:08x}, the ZIP records say {e.crc32:08x}"))
         if sha is not None and sha != e.sha256:
             out.append(finding("H002", e.name, f"sha256 is {sha}, the index says {e.sha256}"))
-    return out, sum(e.length for e in entries) if mapped else 0
+    return out, sum(e.length for e in entries) if local else 0
 
 
-def _hash_mapped(fd: int, entries: list[Entry], workers: int) -> dict[str, tuple[int, str | None]]:
+def _hash_local(fd: int, entries: list[Entry], workers: int) -> dict[str, tuple[int, str | None]]:
     """CRC-32 and sha256 of each entry as separate jobs, longest first, over ``workers`` threads: on two
-    cores a 1.7 GB unet's sha256 runs on one while the other does every CRC and the smaller sha256s."""
-    import mmap
+    cores a 1.7 GB unet's sha256 runs on one while the other does every CRC and the smaller sha256s.
+
+    Read with ``os.preadv`` into a buffer per job, never through a memory map: a file truncated while it is
+    hashed (a listed archive rewritten by its owner, a download replaced) made a mapped read fault with
+    SIGBUS, which killed the whole ``--from-file`` batch with no line; here a short read is a
+    :class:`_SourceFailure` (an ``io_error`` result) and the batch goes on."""
     from concurrent.futures import ThreadPoolExecutor
 
     if not entries:
@@ -346,43 +377,67 @@ def _hash_mapped(fd: int, entries: list[Entry], workers: int) -> dict[str, tuple
     jobs = [(e.length // 4, "crc32", e) for e in entries]  # CRC-32 runs ~4x faster than sha256
     jobs += [(e.length, "sha256", e) for e in entries if e.sha256 is not None]
     jobs.sort(key=lambda job: -job[0])
-    with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as mm:
-        if hasattr(mmap, "MADV_SEQUENTIAL"):
-            mm.madvise(mmap.MADV_SEQUENTIAL)
-        view = memoryview(mm)
+    _advise_sequential(fd)
 
-        def run(kind: str, e: Entry) -> None:
-            with view[e.offset : e.offset + e.length] as part:
-                if kind == "crc32":
-                    crcs[e.name] = _crc32(part)
-                else:
-                    shas[e.name] = _sha256(part)
+    def run(kind: str, e: Entry) -> None:
+        if kind == "crc32":
+            crcs[e.name] = _crc32_file(fd, e)
+        else:
+            shas[e.name] = _sha256_file(fd, e)
 
-        try:
-            with ThreadPoolExecutor(min(workers, len(jobs)), thread_name_prefix="dduf-verify") as pool:
-                futures = [pool.submit(run, kind, e) for _, kind, e in jobs]
-            for future in futures:
-                future.result()
-        finally:
-            view.release()
+    with ThreadPoolExecutor(min(workers, len(jobs)), thread_name_prefix="dduf-verify") as pool:
+        futures = [pool.submit(run, kind, e) for _, kind, e in jobs]
+    for future in futures:
+        future.result()
     return {e.name: (crcs[e.name], shas[e.name]) for e in entries}
 
 
-def _crc32(view: memoryview) -> int:
+def _advise_sequential(fd: int) -> None:
+    advise = getattr(os, "posix_fadvise", None)
+    if advise is not None:
+        try:
+            advise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        except OSError:  # only a hint
+            pass
+
+
+def _entry_chunks(fd: int, e: Entry) -> Iterator[memoryview]:
+    """The bytes of ``e`` in HASH_CHUNK pieces, read with ``os.preadv`` into one reused buffer (the GIL is
+    released while the kernel copies). A read that ends early (the file was truncated meanwhile) or fails
+    is a :class:`_SourceFailure`, never a signal."""
+    buffer = bytearray(min(HASH_CHUNK, e.length))
+    view = memoryview(buffer)
+    done = 0
+    try:
+        while done < e.length:
+            want = min(len(buffer), e.length - done)
+            got = os.preadv(fd, [view[:want]], e.offset + done)
+            if got <= 0:
+                raise _SourceFailure(f"entry {e.name!r}: the file ended at byte {e.offset + done} while it was "
+                                     f"being hashed (it was truncated or replaced during validation)")
+            yield view[:got]
+            done += got
+    except OSError as err:
+        raise _SourceFailure(f"entry {e.name!r}: cannot read it to hash it: {err}") from None
+    finally:
+        view.release()
+
+
+def _crc32_file(fd: int, e: Entry) -> int:
     import zlib
 
     crc = 0
-    for at in range(0, len(view), HASH_CHUNK):
-        crc = zlib.crc32(view[at : at + HASH_CHUNK], crc)
+    for chunk in _entry_chunks(fd, e):
+        crc = zlib.crc32(chunk, crc)
     return crc
 
 
-def _sha256(view: memoryview) -> str:
+def _sha256_file(fd: int, e: Entry) -> str:
     import hashlib
 
     h = hashlib.sha256()
-    for at in range(0, len(view), HASH_CHUNK):
-        h.update(view[at : at + HASH_CHUNK])
+    for chunk in _entry_chunks(fd, e):
+        h.update(chunk)
     return h.hexdigest()
 
 

@@ -11,6 +11,7 @@ import sys
 from typing import Any
 
 from ..errors import DDUFError, DDUFLoadError
+from ..format.tokenizer_budget import config_number_problem
 from .files import ComponentFiles
 from .models import ModelRequest, build_diffusers_model, build_transformers_model
 
@@ -104,23 +105,16 @@ def _weightless_diffusers_kinds() -> tuple[type, ...]:
     return tuple(c for n in names if isinstance(c := getattr(diffusers, n, None), type))
 
 
-# Schedulers and other config-only components allocate in proportion to some of their integers
+# Schedulers and other config-only components allocate in proportion to some of their numbers
 # (``[None] * solver_order``, arrays of ``num_train_timesteps``): ``solver_order: 4294967296`` asked for
-# 32 GB. Real configs stay far below this (``num_train_timesteps`` 1000, ``max_image_seq_len`` 4096).
-MAX_WEIGHTLESS_CONFIG_INTEGER = 1 << 20
+# 32 GB, ``num_train_timesteps: 1e8`` (a float) 1.9 GB. Every number is checked, integers and floats alike,
+# by the rule ``validate`` applies to scheduler and guider configs (D015, format/tokenizer_budget.py).
 
 
 def _check_weightless_config(config: Any, where: str, class_name: str) -> None:
-    stack = [("", config)]
-    while stack:
-        key, value = stack.pop()
-        if isinstance(value, dict):
-            stack.extend((f"{key}.{k}" if key else str(k), v) for k, v in value.items())
-        elif isinstance(value, list):
-            stack.extend((f"{key}[{i}]", v) for i, v in enumerate(value))
-        elif type(value) is int and abs(value) > MAX_WEIGHTLESS_CONFIG_INTEGER:
-            raise DDUFLoadError(f"{where}: {key} = {value} is out of range for {class_name} (a config-only "
-                                f"component; at most {MAX_WEIGHTLESS_CONFIG_INTEGER})")
+    why = config_number_problem(config)
+    if why is not None:
+        raise DDUFLoadError(f"{where}: D015: {why} ({class_name})", code="D015")
 
 
 def build_component(cls: type[Any], files: ComponentFiles, request: ModelRequest) -> Any:

@@ -26,6 +26,8 @@ from ..format import spec
 from ..format.archive import DDUFArchive, tensor_view
 from ..format.json_budget import json_budget_problem, over_size, read_json
 from ..format.safetensors_header import SafetensorsHeader, TensorInfo, checked, read_safetensors_header
+from ..format.tokenizer_budget import applies as tokenizer_applies
+from ..format.tokenizer_budget import tokenizer_problem
 from ..format.weights import classify, select_weights, tensor_files
 from ..storage import cache_dirs
 from ..storage.cache_dirs import CACHE_ENV
@@ -103,6 +105,15 @@ def _refuse_over_size(length: int, entry: str, where: str) -> None:
     why = over_size(length, entry)
     if why is not None:
         raise DDUFFormatError(f"{where}: D013 [{entry}]: {why}", code="D013")
+
+
+def _check_tokenizer_file(data: bytes, entry: str, where: str) -> None:
+    """A tokenizer file (tokenizer.json, vocab.json, merges.txt, a SentencePiece .model, special tokens...)
+    within its budget before transformers, tokenizers or sentencepiece see it: the checks ``validate`` runs
+    (format/tokenizer_budget.py), refused with the same code (D014, or D013 for JSON over its budget)."""
+    found = tokenizer_problem(entry, data)
+    if found is not None:
+        raise DDUFFormatError(f"{where}: {found[0]} [{entry}]: {found[1]}", code=found[0])
 
 
 def _check_small_json(data: bytes, entry: str, where: str) -> None:
@@ -280,6 +291,7 @@ def _small_files(files: ComponentFiles, filenames: Iterable[str] | None,
             size = len(out[name])
             if name.endswith(".json"):
                 _check_small_json(out[name], f"{files.name}/{name}", files.description)
+            _check_tokenizer_file(out[name], f"{files.name}/{name}", files.description)
         if size > MAX_LOCAL_FILE:
             raise DDUFLoadError(f"{files.description}: {name} is {size} bytes; a tokenizer/processor file written "
                                 f"to the cache may be at most {MAX_LOCAL_FILE >> 20} MiB")
@@ -442,11 +454,16 @@ class FolderComponentFiles:
 
     def local_dir(self, filenames: Iterable[str] | None = None) -> str:
         # already on disk; its JSON files pass the archive JSON budget first, as an archive's would
-        names = [f for f in self.listdir() if f.endswith(".json")] if filenames is None else list(filenames)
+        names = self.listdir() if filenames is None else list(filenames)
         for name in (n for n in names if n.endswith(".json")):
             entry = f"{self.name}/{name}"
             _refuse_over_size(os.stat(self.path / name).st_size, entry, str(self.path.parent))
             _check_small_json(self.read_bytes(name), entry, str(self.path.parent))
+        for name in (n for n in names if tokenizer_applies(n)):  # tokenizer files: their own budgets (D014)
+            entry = f"{self.name}/{name}"
+            if os.stat(self.path / name).st_size > MAX_LOCAL_FILE:
+                raise DDUFFormatError(f"{self.path.parent}: D014 [{entry}]: over {MAX_LOCAL_FILE} bytes", code="D014")
+            _check_tokenizer_file(self.read_bytes(name), entry, str(self.path.parent))
         return str(self.path)
 
     def weight_files(self, variant: str | None = None) -> list[str]:

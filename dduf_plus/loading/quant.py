@@ -199,10 +199,15 @@ def _torch_dtype(dtype: Any) -> torch.dtype | None:
     return value
 
 
-def _empty_model(model_cls: type[Any], config: Mapping[str, Any], where: str) -> torch.nn.Module:
-    """The model on the meta device (:func:`~dduf_plus.packing.meta_model.meta_model`); a class that is
-    neither a diffusers nor a transformers model is refused."""
-    model = meta_model(model_cls, config, where)
+def _empty_model(model_cls: type[Any], config: Mapping[str, Any], where: str, files: Any,
+                 variant: str | None) -> torch.nn.Module:
+    """The model on the meta device (:func:`~dduf_plus.packing.meta_model.meta_model`), within the
+    construction budget of the tensors ``files`` stores for ``variant`` (a config asking for 3,000 layers
+    over a few stored ones ran 46 s here before it was refused); a class that is neither a diffusers nor a
+    transformers model is refused."""
+    from .files import tensor_metadata
+
+    model = meta_model(model_cls, config, where, tensor_metadata(files, files.weight_files(variant)))
     if model is None:
         raise DDUFLoadError(f"{where}: {model_cls.__name__} is neither a diffusers nor a transformers model")
     return model
@@ -307,7 +312,7 @@ def load_quanto_component(
     where = str(getattr(files, "description", None) or getattr(files, "name", "component"))
     qmap = _check_qmap(_read_qmap(files, where) if qmap is None else qmap, quanto, where)
     target_dtype = _torch_dtype(dtype)
-    model = _empty_model(model_cls, config, where)
+    model = _empty_model(model_cls, config, where, files, variant)
     _quantize_skeleton(model, qmap, quanto, where)
     state = dict(files.tensors(files.weight_files(variant)))
     _check_state_keys(state, _expected_keys(model, quanto), model, f"{where}: stored tensors do not match the "
@@ -426,7 +431,7 @@ def load_with_diffusers_quantizer(
         raise DDUFLoadError(f"{where}: config.json has no quantization_config.quant_method")
     if method == "quanto":
         _require_quanto()
-        skeleton = _empty_model(model_cls, config, where)
+        skeleton = _empty_model(model_cls, config, where, files, variant)
         qmap = quanto_qmap_from_config(skeleton, config["quantization_config"])
         del skeleton
         return load_quanto_component(model_cls, config, files, device=device, dtype=dtype, variant=variant,

@@ -32,6 +32,11 @@ quantized values (``*._data``) are left alone and only scales, biases and unquan
 other quantized components (diffusers ``quantization_config``) and fp8 targets for any quantized
 component are packed unchanged, or refused when ``--dtype`` names them.
 
+The model class's module tree comes from a skeleton built from the component's config on the meta device,
+within the construction budget of the weights the folder stores (:mod:`dduf_plus.packing.meta_model`): a
+config asking for far more (``num_layers: 3000`` over two stored layers) is a :class:`DDUFPackError`
+within a second or so, not a minute of construction; such an archive would not load anyway.
+
 Converted entries are no longer byte-identical to the source files: the index records the new sha256 and
 the source file's as ``source_sha256``. Shard indexes (``*.safetensors.index.json``) keep their
 ``weight_map`` and get ``metadata.total_size`` recomputed."""
@@ -69,7 +74,7 @@ from ..format.quantization import QMAP_NAME as QUANTO_QMAP
 from ..format.safetensors_header import SafetensorsHeader, TensorInfo, parse_header
 from ..format.structure import component_specs
 from ..format.weights import classify
-from .meta_model import is_diffusers_model, meta_model
+from .meta_model import ConstructionBudgetError, StoredTensors, is_diffusers_model, meta_model
 
 logger = logging.getLogger(__name__)
 
@@ -116,14 +121,20 @@ def parse_dtype_spec(dtype: str | torch.dtype | Mapping[str, Any]) -> dict[str, 
 class ComponentRules:
     """The dtype decisions for one component, derived from its model class (when it can be imported)."""
 
-    def __init__(self, component: str, library: str | None, class_name: str | None, config: dict[str, Any] | None):
+    def __init__(self, component: str, library: str | None, class_name: str | None, config: dict[str, Any] | None,
+                 stored: StoredTensors | None = None):
+        """``stored``: the tensors the component's weight files hold; the model is built within their
+        construction budget (a config asking for far more is refused: the archive would not load)."""
         self.component = component
         self.library, self.class_name = library, class_name
         self.cls = _import_class(library, class_name)
         self.model: torch.nn.Module | None = None
         if self.cls is not None and config is not None:
             try:
-                self.model = meta_model(self.cls, config, component)
+                self.model = meta_model(self.cls, config, component, stored or {})
+            except ConstructionBudgetError as e:
+                raise DDUFPackError(f"{e}; its weights do not fit its config, so the packed archive would not "
+                                    "load either") from None
             except DDUFLoadError as e:  # arbitrary model code; a failure only loses precision rules
                 logger.info("%s: precision rules from the class alone", e)
         source = self.model if self.model is not None else self.cls
@@ -413,11 +424,13 @@ def _convert_component(
     quanto = any(s.name == f"{component}/{QUANTO_QMAP}" for s in sources)
     if not _may_convert_quantized(component, config, target, quanto, explicit):
         return sources, {}
-    rules = ComponentRules(component, library, class_name, config)
+    weights = [s for s in sources if s.name.endswith(".safetensors") and s.header is not None]
+    stored = {name: (info.dtype, info.shape, info.nbytes) for s in weights if s.header is not None
+              for name, info in s.header.tensors.items()}
+    rules = ComponentRules(component, library, class_name, config, stored)
     resolved = _storage_target(component, rules, target, explicit)
     if resolved is None:
         return sources, {}
-    weights = [s for s in sources if s.name.endswith(".safetensors") and s.header is not None]
     dominant = summarize([s.header for s in weights if s.header is not None])["dtype"]
     choice = _choose(component, resolved, rules, dominant, quanto)
     counts = {"converted": 0, "kept_fp32": 0, "unchanged": 0}
