@@ -1,28 +1,35 @@
-"""Fetch a remote archive (``https://``, ``s3://``, ``gs://``, ``hf://``...) into a content-keyed local cache
-file, with concurrent range reads, verifying every entry as its bytes arrive.
+"""Fetch a remote archive (``https://``, ``s3://``, ``gs://``, ``hf://``...) into a local cache file, with
+concurrent range reads, verifying every entry as its bytes arrive.
 
 Steps:
 
-1. the **tail** (end records, central directory, dduf_plus index) in one or two range requests; its bytes
-   and the size give the content key (never the URL alone);
+1. the **tail** (end records, central directory, dduf_plus index) in one or two range requests, checked
+   by the validator's ZIP rules and proven to account for the whole file (:mod:`.tail`) before anything is
+   written; its bytes, the size and (unless the index pins every entry by sha256) the URL give the key;
 2. ``cache_dir("remote")/<key>.dduf`` already complete: done, the archive is local (see *second load*);
-3. else a preallocated ``<key>.dduf.partial`` is filled with ``os.pwrite`` by ``concurrency`` threads, each
-   reading ``chunk_size`` ranges: first the small *metadata* (local headers, configs, tokenizer files,
-   safetensors headers: what opening the archive reads), then the rest in archive order;
-4. each entry is hashed as its bytes arrive, in order, and checked against the index's sha256 (its CRC-32
-   where the index has none; an archive without an index is CRC-checked entry by entry once complete);
+3. else ``<key>.dduf.partial`` is preallocated (when it fits the free disk, :mod:`.partials`) and filled
+   with ``os.pwrite`` by ``concurrency`` threads, each reading ``chunk_size`` ranges: first the small
+   *metadata* (local headers, configs, tokenizer files, safetensors headers: what opening the archive
+   reads), then the rest in the loader's build order;
+4. every entry (the central directory lists them all) is placed by its local header and hashed as its
+   bytes arrive, in order: checked against the index's sha256, else against its CRC-32 (damage only: a
+   CRC-32 is forged with 4 bytes, which is why such an archive's key is bound to its URL), and its sha256
+   is recorded either way; a component is built only once all of its entries have arrived and matched;
 5. a progress record ``<key>.progress.json`` (completed byte ranges, written atomically, at most every
    half second) lets an interrupted fetch resume: the ranges it lists are re-hashed locally, never
-   re-fetched, unless their entry does not match;
-6. once everything has arrived and matched, the partial file is renamed to ``<key>.dduf`` (atomic).
+   re-fetched, unless their entry does not match; a refused archive leaves no partial, a kept one holds
+   only the bytes that arrived and counts against ``$DDUF_PLUS_REMOTE_PARTIALS_MAX``;
+6. once everything has arrived and matched, ``<key>.sha256.json`` (the URL when the key is bound to it,
+   every entry's sha256) is written and the partial file is renamed to ``<key>.dduf`` (atomic).
 
 Second load: a small record per URL (``urls/<sha256 of the URL>.json``: size, where the tail starts, the
 key) lets it read exactly the tail in **one** request with no size probe; equal key: no other request.
-With ``local_files_only`` (or ``HF_HUB_OFFLINE``) the record alone finds the file: no request at all.
+With ``local_files_only`` (or ``HF_HUB_OFFLINE``) the record finds the file, whose own tail must give the
+recorded key again for this URL: no request at all.
 
 Every failure is a :class:`~dduf_plus.errors.DDUFError` naming the URL and the range: a server that
 ignores ``Range``, reports another size, stalls (``timeout``), trickles (``deadline``) or sends other bytes
-(sha256 mismatch). All writes go through :class:`~dduf_plus.storage.confined.Confined`."""
+(sha256 or CRC-32 mismatch). All writes go through :class:`~dduf_plus.storage.confined.Confined`."""
 
 from __future__ import annotations
 
@@ -30,48 +37,76 @@ import hashlib
 import json
 import logging
 import os
+import struct
+import sys
 import threading
 import time
 import zlib
 from bisect import bisect_right
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..errors import DDUFError, DDUFIntegrityError, DDUFIOError, DDUFNotFoundError
+from ..errors import DDUFError, DDUFFormatError, DDUFIntegrityError, DDUFIOError, DDUFNotFoundError
+from ..format import spec
 from ..storage.confined import Confined
+from . import partials
 from .intervals import Intervals
 from .readers import RangeReader, RemoteOptions, open_reader
-from .tail import Tail, read_tail
+from .tail import MAX_LOCAL_SLACK, Tail, read_tail
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..format.zipfmt import ZipEntry
 
 logger = logging.getLogger("dduf_plus.remote.fetch")
 
 METADATA_MAX_ENTRY = 4 << 20  # other entries up to this size come with the metadata (configs, tokenizers)
 MERGE_GAP = 256 << 10  # metadata ranges closer than this are read as one request
 PROGRESS_EVERY_S = 0.5
+HEADER_GUESS = 1 << 20  # safetensors header bytes fetched with the metadata when no index says how many
+EXTRA_GUESS = 4096 + 64  # a local header's extra field when no index says where the data starts (alignment)
 _HASH_BLOCK = 8 << 20
 
 
-class _Entry:
-    """One entry being verified as its bytes arrive: hashed in order up to ``upto``."""
+class _EntryMismatch(DDUFIntegrityError):
+    """An entry's bytes do not match its hash: this transfer went wrong (a resume fetches the entry again);
+    the archive itself is not refused for it."""
 
-    def __init__(self, name: str, offset: int, size: int, sha256: str | None, crc32: int | None):
-        self.name, self.offset, self.end = name, offset, offset + size
-        self.sha256, self.crc32 = sha256, crc32
-        self.hasher = hashlib.sha256() if sha256 else None
+
+class _Entry:
+    """One central directory entry being verified as its bytes arrive: placed once its local header is
+    here, then hashed in order up to ``upto``. ``sha256`` is the index's (checked), else None (the CRC-32
+    is checked and the sha256 recorded)."""
+
+    def __init__(self, record: ZipEntry, sha256: str | None, index_offset: int | None):
+        self.name, self.size, self.crc32, self.header_offset = record.name, record.size, record.crc32, record.header_offset
+        self.name_bytes = record.name.encode("utf-8")
+        self.head_end = record.header_offset + spec.LOCAL_HEADER_SIZE + len(self.name_bytes)
+        self.offset: int | None = None  # the first data byte, once the local header has arrived
+        self.end = self.head_end + MAX_LOCAL_SLACK + record.size  # an upper bound until then
+        self.upto = self.end
+        self.sha256, self.index_offset = sha256, index_offset
+        self.hasher = hashlib.sha256()
         self.crc = 0
-        self.upto = offset
+        self.digest: str | None = None
         self.ok = False
         self.lock = threading.Lock()
+
+
+def _refused(error: BaseException | None) -> bool:
+    """The archive itself is refused (its tail, its structure once opened, a local header): nothing of it is
+    worth keeping. A mismatching entry, an I/O error or an interrupt keeps the partial for a resume."""
+    return isinstance(error, DDUFFormatError) and not isinstance(error, _EntryMismatch)
 
 
 class RemoteFetch:
     """One archive being fetched (or already complete) in the remote cache.
 
     ``path`` is the local file; while ``complete`` is False it is the partial file, filled by background
-    threads: :meth:`wait_range` / :meth:`wait_entries` block until bytes have arrived (and matched),
-    :meth:`finish` until all has and the file is renamed complete, :meth:`abort` stops and keeps the
-    progress for a later resume."""
+    threads: :meth:`wait_range` blocks until bytes have arrived, :meth:`wait_entries` /
+    :meth:`wait_component` until entries have arrived *and matched*, :meth:`finish` until all has and the
+    file is renamed complete, :meth:`abort` stops (keeping the progress for a resume unless the archive
+    was refused)."""
 
     def __init__(self, url: str, options: RemoteOptions, cache: Confined, tail: Tail, reader: RangeReader):
         self.url, self.options, self.cache, self.tail, self.reader = url, options, cache, tail, reader
@@ -79,6 +114,7 @@ class RemoteFetch:
         self.final = cache.path(f"{tail.key}.dduf")
         self.partial = cache.path(f"{tail.key}.dduf.partial")
         self.progress_path = cache.path(f"{tail.key}.progress.json")
+        self.manifest_path = manifest_path(cache, tail.key)
         self.complete = False
         self.path = self.partial
         self.fd = -1
@@ -89,6 +125,8 @@ class RemoteFetch:
         self._done = Intervals()
         self._error: BaseException | None = None
         self._stop = False
+        self._discarded = False
+        self._progress_lock = threading.Lock()  # a save in flight ends before a discard removes the files
         self._queue: deque[tuple[int, int]] = deque()
         self._threads: list[threading.Thread] = []
         self._saved_at = 0.0
@@ -97,44 +135,44 @@ class RemoteFetch:
         self._pending: dict[int, bytes] = {}
         self._pending_bytes = 0
         self._pending_cap = 2 * options.concurrency * options.chunk_size
-        self._entries = self._verifiable_entries()
-        self._starts = [e.offset for e in self._entries]
+        self._entries = self._make_entries()
+        self._starts = [e.header_offset for e in self._entries]
 
     # --- setting up ------------------------------------------------------------------------------------------
-    def _verifiable_entries(self) -> list[_Entry]:
+    def _make_entries(self) -> list[_Entry]:
+        """Every central directory entry, with what the index says of it (checked against the directory)."""
         files = self.tail.file_records()
-        by_name = {r.name: r for r in self.tail.records}
         out = []
-        for name, record in files.items():
-            if not isinstance(record, dict):
-                continue
-            offset, size, sha = record.get("offset"), record.get("size"), record.get("sha256")
-            central = by_name.get(name)
-            if not (isinstance(offset, int) and isinstance(size, int) and 0 <= offset <= offset + size
-                    <= self.tail.cd_offset and central is not None and central.size == size):
-                raise DDUFIntegrityError(f"{self.url}: the index places entry {name!r} outside the archive or "
-                                         "disagrees with the central directory about its size")
-            sha = sha.lower() if isinstance(sha, str) and len(sha) == 64 else None
-            out.append(_Entry(name, offset, size, sha, central.crc32))
-        return sorted(out, key=lambda e: e.offset)
+        for record in self.tail.records:
+            info = files.get(record.name)
+            info = info if isinstance(info, dict) else {}
+            offset, size = info.get("offset"), info.get("size", record.size)
+            if size != record.size or not (offset is None or isinstance(offset, int)):
+                raise DDUFIntegrityError(f"{self.url}: the index and the central directory disagree about entry "
+                                         f"{record.name!r} (I002)")
+            out.append(_Entry(record, self.tail.indexed_sha256(record.name), offset))
+        return sorted(out, key=lambda e: e.header_offset)
 
     def _metadata_ranges(self) -> list[tuple[int, int]]:
-        """What opening the archive reads: every local header, the small entries, each safetensors header."""
+        """What opening the archive reads: every local header, the small entries, each safetensors header
+        (where the index does not say where data and tensors start: a guess, the rest comes in order)."""
         files = self.tail.file_records()
         ranges = []
-        for record in self.tail.records:
-            found = files.get(record.name)
+        for e in self._entries:
+            found = files.get(e.name)
             info: dict[str, Any] = found if isinstance(found, dict) else {}
-            data_at = info.get("offset")
-            if not isinstance(data_at, int) or data_at < record.header_offset:
-                continue
-            end = data_at  # a weight file: its header only (below)
-            if not record.name.endswith(".safetensors") and record.size <= METADATA_MAX_ENTRY:
-                end = data_at + record.size
-            tensors_at = info.get("tensor_data_offset")
-            if isinstance(tensors_at, int) and data_at <= tensors_at <= data_at + record.size:
-                end = max(end, tensors_at)
-            ranges.append((record.header_offset, min(end, self.tail.cd_offset)))
+            indexed = e.index_offset is not None and e.index_offset >= e.head_end
+            data_at = e.index_offset if indexed and e.index_offset is not None else e.head_end + EXTRA_GUESS
+            end = data_at  # a large entry: its local header only
+            if not e.name.endswith(".safetensors") and e.size <= METADATA_MAX_ENTRY:
+                end = data_at + e.size
+            elif e.name.endswith(".safetensors"):
+                tensors_at = info.get("tensor_data_offset")
+                if indexed and isinstance(tensors_at, int) and data_at <= tensors_at <= data_at + e.size:
+                    end = tensors_at
+                elif not indexed:
+                    end = data_at + min(e.size, HEADER_GUESS)
+            ranges.append((e.header_offset, min(end, self.tail.cd_offset)))
         merged: list[tuple[int, int]] = []
         for start, end in sorted(ranges):
             if merged and start - merged[-1][1] <= MERGE_GAP:
@@ -154,7 +192,10 @@ class RemoteFetch:
                     self._queue.append((at, min(end, at + chunk)))
 
     def start(self) -> None:
-        """Open the partial file (resuming from the progress record), write the tail, start the workers."""
+        """Check the disk rules, open the partial file (resuming from the progress record), write the tail,
+        start the workers."""
+        partials.enforce_budget(self.cache, active=self.partial)
+        partials.check_room(self.url, self.cache.root, self.size, self.partial)
         flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
         self.cache.check(self.partial)
         self.fd = os.open(self.partial, flags, 0o644)
@@ -169,24 +210,29 @@ class RemoteFetch:
                         pass  # preallocation is an optimisation; a sparse file works as well
             self._write(self.tail.fetched_at, self.tail.fetched)  # the first guess may reach before the tail
             self._done.add(self.tail.fetched_at, self.size)
-        except BaseException:
+            self._plan()
+            for entry in self._entries:  # entries already here (a resume, the tail) are hashed locally
+                self._advance(entry)
+        except BaseException as e:
             os.close(self.fd)
             self.fd = -1
+            if _refused(e):
+                partials.discard(self.cache, self.partial)
             raise
-        self._plan()
         if resumed:
             logger.info("%s: resuming, %d of %d bytes already here", self.url, self._done.total(), self.size)
-        for entry in self._entries:  # entries already here (a resume) are re-hashed locally
-            self._advance(entry)
         for i in range(min(self.options.concurrency, max(1, len(self._queue)))):
             thread = threading.Thread(target=self._work, name=f"dduf-fetch-{i}", daemon=True)
             thread.start()
             self._threads.append(thread)
 
     def _resume(self) -> bool:
+        """Take over the ranges a progress record lists, when it is this archive's (same key: for an archive
+        whose key is bound to its URL, the same URL)."""
         try:
             record = json.loads(self.progress_path.read_text())
-            if record.get("size") != self.size or os.fstat(self.fd).st_size != self.size:
+            if (record.get("size") != self.size or record.get("key") != self.tail.key
+                    or os.fstat(self.fd).st_size != self.size):
                 return False
             done = [(int(a), int(b)) for a, b in record.get("done", []) if 0 <= int(a) < int(b) <= self.size]
         except (OSError, ValueError, TypeError, AttributeError):
@@ -234,7 +280,8 @@ class RemoteFetch:
     # --- verification as bytes arrive ----------------------------------------------------------------------------
     def _keep(self, start: int, end: int, data: bytes) -> None:
         i = bisect_right(self._starts, start) - 1
-        if i < 0 or self._entries[i].end < end or self._entries[i].upto >= end:
+        entry = self._entries[i] if i >= 0 else None
+        if entry is None or entry.offset is None or start < entry.offset or entry.end < end or entry.upto >= end:
             return
         with self._cond:
             if self._pending_bytes + len(data) <= self._pending_cap:
@@ -250,39 +297,23 @@ class RemoteFetch:
 
     def _entries_touched(self, start: int, end: int, data: bytes) -> None:
         i = max(0, bisect_right(self._starts, start) - 1)
-        while i < len(self._entries) and self._entries[i].offset < end:
-            if self._entries[i].end > start or self._entries[i].offset == self._entries[i].end:
-                self._advance(self._entries[i], start, data)
+        while i < len(self._entries) and self._entries[i].header_offset < end:
+            entry = self._entries[i]
+            if entry.end > start or entry.offset is None or entry.offset == entry.end:
+                self._advance(entry, start, data)
             i += 1
 
     def _advance(self, entry: _Entry, start: int = 0, data: bytes = b"") -> None:
-        """Hash ``entry`` forward over the bytes that have arrived. One thread hashes an entry at a time;
-        the others move on (the hashing thread looks again before it lets go)."""
+        """Place ``entry`` once its local header is here, then hash it forward over the bytes that have
+        arrived. One thread works on an entry at a time; the others move on (it looks again before it
+        lets go)."""
         while not entry.ok:
             if not entry.lock.acquire(blocking=False):
                 return
             try:
-                while entry.upto < entry.end:
-                    with self._cond:
-                        reach = min(entry.end, self._done.reach(entry.upto))
-                    if reach <= entry.upto:
-                        break
-                    while entry.upto < reach:
-                        n = min(_HASH_BLOCK, reach - entry.upto)
-                        block: bytes | memoryview
-                        if start <= entry.upto < start + len(data):  # the piece just received: no re-read
-                            block = memoryview(data)[entry.upto - start:min(reach, start + len(data)) - start]
-                        else:
-                            kept = self._take(entry.upto) if self._pending else None
-                            if kept is not None and entry.upto + len(kept) <= reach:
-                                block = kept
-                            else:
-                                block = os.pread(self.fd, n, entry.upto)
-                        if entry.hasher is not None:
-                            entry.hasher.update(block)
-                        else:
-                            entry.crc = zlib.crc32(block, entry.crc)
-                        entry.upto += len(block)
+                if entry.offset is None and not self._place(entry):
+                    return
+                self._hash_arrived(entry, start, data)
                 if entry.upto >= entry.end:
                     self._check(entry)
                     return
@@ -292,19 +323,63 @@ class RemoteFetch:
                 if self._done.reach(entry.upto) <= entry.upto:
                     return
 
+    def _place(self, entry: _Entry) -> bool:
+        """Read ``entry``'s local header (once it has arrived): where its data starts, checked against the
+        central directory's name and, where the index records one, the index's offset."""
+        with self._cond:
+            if not self._done.covers(entry.header_offset, entry.head_end):
+                return False
+        head = os.pread(self.fd, entry.head_end - entry.header_offset, entry.header_offset)
+        fields = struct.unpack_from(spec.LOCAL_HEADER_FMT, head) if len(head) >= spec.LOCAL_HEADER_SIZE else None
+        where = f"{self.url}: entry {entry.name!r}"
+        if (fields is None or fields[0] != spec.SIG_LOCAL or fields[9] != len(entry.name_bytes)
+                or head[spec.LOCAL_HEADER_SIZE:] != entry.name_bytes):
+            raise DDUFIntegrityError(f"{where}: no local header naming it at byte {entry.header_offset} (Z014)")
+        offset = entry.head_end + fields[10]
+        if offset + entry.size > self.tail.cd_offset:
+            raise DDUFIntegrityError(f"{where}: its data runs into the central directory (Z017)")
+        if entry.index_offset is not None and entry.index_offset != offset:
+            raise DDUFIntegrityError(f"{where}: the index places its data at {entry.index_offset}, its local "
+                                     f"header at {offset} (I002)")
+        entry.offset, entry.end, entry.upto = offset, offset + entry.size, offset
+        return True
+
+    def _hash_arrived(self, entry: _Entry, start: int, data: bytes) -> None:
+        """Hash ``entry`` from ``upto`` over every byte that has arrived (the piece just received, a kept
+        piece, else the file)."""
+        while entry.upto < entry.end:
+            with self._cond:
+                reach = min(entry.end, self._done.reach(entry.upto))
+            if reach <= entry.upto:
+                return
+            while entry.upto < reach:
+                block: bytes | memoryview
+                if start <= entry.upto < start + len(data):  # the piece just received: no re-read
+                    block = memoryview(data)[entry.upto - start:min(reach, start + len(data)) - start]
+                else:
+                    kept = self._take(entry.upto) if self._pending else None
+                    if kept is not None and entry.upto + len(kept) <= reach:
+                        block = kept
+                    else:
+                        block = os.pread(self.fd, min(_HASH_BLOCK, reach - entry.upto), entry.upto)
+                entry.hasher.update(block)
+                if entry.sha256 is None:  # no sha256 to check: the CRC-32 (damage), and the sha256 is recorded
+                    entry.crc = zlib.crc32(block, entry.crc)
+                entry.upto += len(block)
+
     def _check(self, entry: _Entry) -> None:
-        good = (entry.hasher.hexdigest() == entry.sha256 if entry.hasher is not None
-                else entry.crc32 is None or entry.crc == entry.crc32)
+        digest = entry.hasher.hexdigest()
+        good = digest == entry.sha256 if entry.sha256 is not None else entry.crc == entry.crc32
         if not good:
             with self._cond:
-                self._done.remove(entry.offset, entry.end)  # a resume fetches it again
-            what = "sha256 in the index" if entry.hasher is not None else "CRC-32"
-            self._fail(DDUFIntegrityError(
+                self._done.remove(entry.offset or entry.header_offset, entry.end)  # a resume fetches it again
+            what = "sha256 in the index" if entry.sha256 is not None else "CRC-32 in the central directory"
+            self._fail(_EntryMismatch(
                 f"{self.url}: entry {entry.name!r} (bytes {entry.offset}-{entry.end - 1}) does not match its "
-                f"{what}: the server sent other bytes than the archive's index records"))
+                f"{what}: the server sent other bytes than the archive records"))
             return
         with self._cond:
-            entry.ok = True
+            entry.digest, entry.ok = digest, True
             self._cond.notify_all()
 
     # --- waiting ---------------------------------------------------------------------------------------------------
@@ -323,6 +398,7 @@ class RemoteFetch:
                 self._cond.wait(min(left, 1.0))
 
     def wait_range(self, offset: int, length: int) -> None:
+        """Until bytes ``[offset, offset + length)`` have arrived (not yet checked: opening reads headers)."""
         self._wait(lambda: self._done.covers(offset, offset + length), f"bytes {offset}-{offset + length - 1}")
 
     def wait_entries(self, names: list[str] | None = None) -> None:
@@ -334,26 +410,33 @@ class RemoteFetch:
         """Fetch the components' entries in this order (the loader's build order), then the rest."""
         rank: list[tuple[int, int, int]] = []  # (start, end, rank)
         for i, name in enumerate(components):
-            rank += [(e.offset, e.end, i) for e in self._entries if e.name.startswith(name + "/")]
+            rank += [(e.header_offset, e.end, i) for e in self._entries if e.name.startswith(name + "/")]
         def key(piece: tuple[int, int]) -> tuple[int, int]:
             return min((r for a, b, r in rank if a < piece[1] and piece[0] < b), default=len(components)), piece[0]
         with self._cond:
             self._queue = deque(sorted(self._queue, key=key))
 
     def wait_component(self, component: str) -> None:
+        """Until every entry of ``component``'s folder has arrived and matched: its tensors view only
+        checked bytes (an archive without an index too: its entries come from the central directory)."""
         if not self.complete:
             prefix = component + "/"
             self.wait_entries([e.name for e in self._entries if e.name.startswith(prefix)])
 
+    def entry_sha256(self) -> dict[str, str]:
+        """{entry: sha256} of the entries checked so far (every entry once :meth:`finish` returned)."""
+        with self._cond:
+            return {e.name: e.digest for e in self._entries if e.ok and e.digest is not None}
+
     # --- ending ---------------------------------------------------------------------------------------------------------
     def finish(self) -> Path:
-        """Wait for everything, check what the index does not cover, rename the file complete."""
+        """Wait for everything, record every entry's sha256, rename the file complete."""
         if self.complete:
             return self.final
         self._wait(lambda: self._done.covers(0, self.size) and all(e.ok for e in self._entries), "the archive")
         for thread in self._threads:
             thread.join()
-        self._check_unindexed()
+        write_manifest(self.cache, self.tail, self.url, self.size, self.entry_sha256())
         try:
             self.cache.replace(self.partial, self.final)
         except FileNotFoundError:  # another process fetching the same archive finished first
@@ -366,40 +449,48 @@ class RemoteFetch:
                     self.final)
         return self.final
 
-    def _check_unindexed(self) -> None:
-        """Entries the index does not list (every entry, without an index): their CRC-32, now that all is here."""
-        from ..format.archive import DDUFArchive
-
-        covered = {e.name for e in self._entries}
-        with DDUFArchive(self.partial, check=False) as archive:
-            for name, entry in archive.entries.items():
-                if name in covered:
-                    continue
-                if zlib.crc32(archive.view(name)) != entry.crc32:
-                    self.cache.unlink(self.partial)
-                    self.cache.unlink(self.progress_path)
-                    raise DDUFIntegrityError(f"{self.url}: entry {name!r} (bytes {entry.offset}-"
-                                             f"{entry.offset + entry.length - 1}) does not match its CRC-32")
-
-    def abort(self) -> None:
-        """Stop the workers (their requests end within the timeout) and keep the progress for a resume."""
+    def abort(self, error: BaseException | None = None) -> None:
+        """Stop the workers (their requests end within the timeout). ``error`` (default: the exception
+        being handled) says why: a refused archive leaves nothing; otherwise the progress is kept for a
+        resume, the blocks nothing was written to are released, and the kept partials' budget applies."""
+        error = error if error is not None else sys.exc_info()[1]
         with self._cond:
             self._stop = True
+            self._discarded = _refused(error)
             self._cond.notify_all()
+        if self.complete:
+            return
+        if self._discarded:
+            self._discard()
+            self._close()
+            return
         self._save_progress(force=True)
+        with self._cond:
+            holes = list(Intervals([(0, self.size)]).minus(self._done))
+        if self.fd >= 0:
+            partials.release_unwritten(self.fd, holes)
         self._close()
+        if not partials.enforce_budget(self.cache, keep=self.partial):
+            self._discard()  # again, under the lock: a worker may have saved meanwhile
 
     def _save_progress(self, force: bool = False) -> None:
         now = time.monotonic()
+        with self._progress_lock:
+            with self._cond:
+                if self._discarded or (not force and now - self._saved_at < PROGRESS_EVERY_S):
+                    return
+                self._saved_at = now
+                record = {"url": self.url, "size": self.size, "key": self.tail.key, "done": self._done.spans()}
+            try:
+                self.cache.write_bytes(self.progress_path, json.dumps(record).encode())
+            except OSError as e:
+                logger.warning("%s: cannot save the fetch progress: %s", self.url, e)
+
+    def _discard(self) -> None:
         with self._cond:
-            if not force and now - self._saved_at < PROGRESS_EVERY_S:
-                return
-            self._saved_at = now
-            record = {"url": self.url, "size": self.size, "key": self.tail.key, "done": self._done.spans()}
-        try:
-            self.cache.write_bytes(self.progress_path, json.dumps(record).encode())
-        except OSError as e:
-            logger.warning("%s: cannot save the fetch progress: %s", self.url, e)
+            self._discarded = True
+        with self._progress_lock:
+            partials.discard(self.cache, self.partial)
 
     def _close(self) -> None:
         self.reader.close()
@@ -431,6 +522,69 @@ def _write_record(cache: Confined, url: str, size: int, tail: Tail) -> None:
     cache.write_bytes(path, json.dumps({"url": url, "size": size, "tail_start": tail.start, "key": tail.key}).encode())
 
 
+def manifest_path(cache: Confined, key: str) -> Path:
+    return cache.path(f"{key}.sha256.json")
+
+
+def write_manifest(cache: Confined, tail: Tail, url: str, size: int, digests: dict[str, str]) -> None:
+    """``<key>.sha256.json`` beside a completed archive: every entry's sha256 as fetched and checked, and the
+    URL it came from when the key is bound to it (no index sha256 for every entry)."""
+    record = {"key": tail.key, "size": size, "shared": tail.shared, "url": None if tail.shared else url,
+              "sha256": dict(sorted(digests.items()))}
+    cache.write_bytes(manifest_path(cache, tail.key), json.dumps(record, indent=1).encode())
+
+
+def cached_sha256(path: str | os.PathLike) -> dict[str, str] | None:
+    """{entry: sha256} recorded when the remote-cache file ``path`` was fetched and checked (None: no record).
+    For an archive without a complete index these are the only strong hashes of its entries."""
+    path = Path(path)
+    try:
+        record = json.loads(path.with_name(path.name.removesuffix(".dduf") + ".sha256.json").read_text())
+    except (OSError, ValueError):
+        return None
+    digests = record.get("sha256") if isinstance(record, dict) else None
+    return dict(digests) if isinstance(digests, dict) else None
+
+
+class _LocalRanges:
+    """A :class:`RangeReader` over a cached file, named by the URL it was fetched from (the key of an
+    archive bound to its URL covers the URL)."""
+
+    def __init__(self, url: str, path: Path):
+        self.url, self.path, self.size = url, path, path.stat().st_size
+
+    def read(self, offset: int, length: int) -> bytes:
+        with open(self.path, "rb") as f:
+            f.seek(offset)
+            data = f.read(length)
+        if len(data) != length:
+            raise DDUFIOError(f"{self.path}: short read at {offset}")
+        return data
+
+    def remaining(self) -> float:
+        return float("inf")
+
+    def close(self) -> None:
+        pass
+
+
+def _offline_hit(cache: Confined, url: str, record: dict[str, Any]) -> Path | None:
+    """The cached file the URL's record names, if its own tail gives the recorded key again for this URL: a
+    record written by an older dduf_plus (whose keys did not cover the URL) or pointing at another archive
+    finds nothing."""
+    key = record.get("key")
+    if not (isinstance(key, str) and len(key) == 64 and all(c in "0123456789abcdef" for c in key)):
+        return None
+    known = cache.path(f"{key}.dduf")
+    try:
+        if not known.is_file() or known.stat().st_size != record.get("size"):
+            return None
+        tail = read_tail(_LocalRanges(url, known), record.get("tail_start"))
+    except (DDUFError, OSError):
+        return None
+    return known if tail.key == key else None
+
+
 def open_remote(url: str, options: RemoteOptions | dict[str, Any] | None = None, *,
                 local_files_only: bool = False) -> RemoteFetch | Path:
     """The local file of ``url``'s archive (a :class:`Path` when it is complete in the cache) or a
@@ -439,14 +593,16 @@ def open_remote(url: str, options: RemoteOptions | dict[str, Any] | None = None,
     Raises:
         DDUFUsageError: a URL scheme that is not allowed; bad options.
         DDUFNotFoundError: not found (or, offline, not in the cache).
-        DDUFIOError, DDUFIntegrityError: the server misbehaves (see the module docstring).
+        DDUFValidationError: the archive's tail breaks a ZIP or DDUF rule (nothing is written).
+        DDUFIOError, DDUFIntegrityError: the server misbehaves (see the module docstring); the archive does
+            not fit the free disk space.
     """
     options = RemoteOptions.of(options)
     cache = Confined(options.folder())
     record = _read_record(cache, url)
-    known = cache.path(f"{record['key']}.dduf") if isinstance(record.get("key"), str) and len(record["key"]) == 64 else None
     if local_files_only or os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
-        if known is not None and known.is_file() and known.stat().st_size == record.get("size"):
+        known = _offline_hit(cache, url, record)
+        if known is not None:
             return known
         raise DDUFNotFoundError(f"{url}: not in the remote cache ({cache.root}) and local_files_only/HF_HUB_OFFLINE "
                                 "forbids fetching it", url)
@@ -517,4 +673,4 @@ class CacheSource:
         pass  # the fetch owns the file descriptor
 
 
-__all__ = ["CacheSource", "RemoteFetch", "RemoteOptions", "fetch_archive", "open_remote"]
+__all__ = ["CacheSource", "RemoteFetch", "RemoteOptions", "cached_sha256", "fetch_archive", "open_remote"]
