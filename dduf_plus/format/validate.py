@@ -35,14 +35,17 @@ from ..storage.source import ByteSource, is_url, open_source
 from . import spec
 from .archive import DDUFArchive, Entry
 from .findings import Finding, finding
+from .json_budget import SETTINGS_FILES, json_budget_problem, over_size
 from .references import SHA256
 from .structure import component_specs, parse_json
+from .tokenizer_budget import applies as tokenizer_applies
 from .tokenizer_budget import budget_findings
 
-# Structural validation parses every config and every JSON entry up to this size (tokenizer configs,
-# special tokens maps, shard indexes); bigger ones (vocab.json, tokenizer.json) only with ``verify``.
+# Structural validation parses what the loader parses itself (configs, shard indexes, generation_config.json,
+# quanto_qmap.json) and every other JSON entry up to this size; bigger ones only with ``verify``, else their
+# budget is checked on the bytes (D013: tokenizer files by _check_budgets), as the loader checks every JSON
+# file it hands a library by path (format/json_budget.py).
 STRUCTURAL_JSON_LIMIT = 256 << 10
-MAX_JSON_ENTRY = 64 << 20
 HASH_CHUNK = 8 << 20
 READ_CACHE = 64 << 20
 REMOTE_CHUNK = 16 << 20
@@ -240,15 +243,41 @@ def _report(path: str, findings: Iterable[Finding], strict: bool, bytes_read: in
 
 
 # --- rules the reader does not run on open ---------------------------------------------------------
-def _read_json(archive: DDUFArchive, source: _GuardedSource, e: Entry) -> tuple[Any, list[Finding]]:
-    if e.length > MAX_JSON_ENTRY:
-        return None, [finding("D007", e.name, f"{e.length} bytes is too large for a JSON entry")]
-    return parse_json(source.read_at(e.offset, e.length), e.name)
+def load_findings(archive: DDUFArchive) -> list[Finding]:
+    """What structural validation checks beyond opening the archive (every JSON entry within the budget of its
+    kind; sharded-weight indexes; the index against the archive; tokenizer and weightless-config budgets):
+    ``load_dduf`` runs it before it builds anything, so it refuses what ``validate`` (without ``verify``)
+    refuses, with the same codes."""
+    entries = archive.entries
+    return (json_entry_findings(archive, lambda e: archive.read_bytes(e.name), verify=False)
+            + _check_index(archive, None, False)
+            + budget_findings(((name, e.length) for name, e in entries.items()), archive.read_bytes))
+
+
+def _read_json(read: Callable[[Entry], bytes], e: Entry) -> tuple[Any, list[Finding]]:
+    """An entry through the one archive JSON reader; one over its kind's byte budget is not even read."""
+    why = over_size(e.length, e.name)
+    if why is not None:
+        return None, [finding("D013", e.name, why)]
+    return parse_json(read(e), e.name)
+
+
+def _bytes_within_budget(read: Callable[[Entry], bytes], e: Entry) -> list[Finding]:
+    """D013 for a large JSON entry nobody here parses (the loader hands it to a library by path and checks it
+    the same way): its budget on the bytes, no parse."""
+    why = over_size(e.length, e.name)
+    found = ("D013", why) if why is not None else json_budget_problem(read(e), e.name)
+    return [] if found is None else [finding(found[0], e.name, found[1])]
 
 
 def _check_json_entries(archive: DDUFArchive, source: _GuardedSource, verify: bool) -> list[Finding]:
+    return json_entry_findings(archive, lambda e: source.read_at(e.offset, e.length), verify=verify)
+
+
+def json_entry_findings(archive: DDUFArchive, read: Callable[[Entry], bytes], *, verify: bool) -> list[Finding]:
     """D007: configs (always) and other JSON entries (small ones, or all with verify) parse; configs are
-    objects. D011: a sharded-weights index names only files its folder holds."""
+    objects. D011: a sharded-weights index names only files its folder holds. D013: each within the JSON
+    budget of its kind (:func:`~dduf_plus.format.json_budget.budget_for`). ``read`` gives an entry's bytes."""
     out: list[Finding] = []
     entries = archive.entries
     for name, e in entries.items():
@@ -257,9 +286,13 @@ def _check_json_entries(archive: DDUFArchive, source: _GuardedSource, verify: bo
         basename = name.rsplit("/", 1)[-1]
         is_config = "/" in name and basename in spec.CONFIG_FILES
         shard_index = ".safetensors.index" in basename
-        if not (is_config or shard_index or verify or e.length <= STRUCTURAL_JSON_LIMIT):
+        # what the loader parses itself is always checked, whatever its size: configs, shard indexes, settings
+        parsed_by_loader = is_config or shard_index or basename in SETTINGS_FILES
+        if not (parsed_by_loader or verify or e.length <= STRUCTURAL_JSON_LIMIT):
+            if not tokenizer_applies(name):  # tokenizer files: _check_budgets (D013, D014)
+                out.extend(_bytes_within_budget(read, e))
             continue
-        value, problems = _read_json(archive, source, e)
+        value, problems = _read_json(read, e)
         out.extend(problems)
         if problems:
             continue
@@ -287,11 +320,11 @@ def _check_shard_index(name: str, value: Any, entries: dict[str, Entry]) -> list
     missing = sorted({f for f in weight_map.values() if not isinstance(f, str) or folder + f not in entries}, key=repr)
     if missing:
         shown = ", ".join(repr(f) for f in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        return [finding("D011", name, f"weight_map names {shown}, not in {folder or 'the archive root'}")]
+        return [finding("D011", name, f"weight_map names {shown}, missing from {folder or 'the archive root'}")]
     return []
 
 
-def _check_index(archive: DDUFArchive, source: _GuardedSource, verify: bool) -> list[Finding]:
+def _check_index(archive: DDUFArchive, source: _GuardedSource | None, verify: bool) -> list[Finding]:
     """What the reader's index check leaves out: digests well-formed, CRC-32 and tensor data offsets equal
     to the archive's, components equal to model_index.json's (stored files, references)."""
     index = archive.stored_index

@@ -9,8 +9,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..errors import DDUFError, DDUFLoadError, DDUFReferenceError, DDUFUsageError
+from ..errors import (
+    DDUFError,
+    DDUFLoadError,
+    DDUFReferenceError,
+    DDUFUsageError,
+    DDUFValidationError,
+)
 from ..format.archive import DDUFArchive
+from ..format.validate import load_findings
 from ..format.weights import variants
 from ..remote.fetch import RemoteFetch
 from ..storage.urls import is_url
@@ -215,6 +222,11 @@ class _Plan:
 
 
 def _load(ctx: _Context, kwargs: dict[str, Any]) -> DiffusionPipeline:
+    # The rules validate runs beyond opening (JSON entries within their budgets, shard indexes, the index):
+    # refused here with validate's codes, before any class is resolved or any library sees a byte.
+    problems = [f for f in load_findings(ctx.archive) if f.severity == "error"]
+    if problems:
+        raise DDUFValidationError(ctx.path, problems)
     plan = _plan(ctx, kwargs)
     _check_variant(ctx, plan)
     if ctx.build_order is not None:

@@ -330,7 +330,7 @@ def _read_qmap(files: Any, where: str) -> Any:
     try:
         return files.read_json(QMAP_NAME)
     except Exception as e:  # the protocol's own errors: missing entry, bad JSON
-        raise DDUFLoadError(f"{where}: cannot read {QMAP_NAME}: {e}") from e
+        raise DDUFLoadError(f"{where}: cannot read {QMAP_NAME}: {e}", code=getattr(e, "code", None)) from e
 
 
 def _check_state_keys(state: Mapping[str, Any], expected: set[str], model: torch.nn.Module, problem: str) -> None:
