@@ -345,7 +345,12 @@ async def _webhook(service: Service, request: Request) -> Response:
 
 
 def _check_and_store(service: Service, commit: dict[str, Any]) -> dict[str, Any]:
-    record = check_commit(service.settings, commit)
+    try:
+        record = check_commit(service.settings, commit)
+    except DDUFError as e:  # the hub could not be read: the report says so (after a 202 it was left "pending")
+        pending = service.reports.get(str(commit["repo"]), str(commit["sha"])) or {}
+        service.reports.put({**pending, "status": "failed", "error": str(e)})
+        raise
     service.reports.put(record)
     return record
 
