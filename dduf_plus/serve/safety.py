@@ -4,13 +4,21 @@ A URL is fetched only when it starts with an allowed prefix (same scheme, host a
 prefix without its trailing slash cannot be stretched to ``huggingface.co.evil.example``) and every address
 its host resolves to is public. The address actually connected to is checked again on every connection
 (:class:`PeerCheckedSource`), so a DNS answer that changes between the check and the connection (rebinding)
-is refused too. Redirects are followed by the format layer's client within the same origin only."""
+is refused too. Redirects are followed by the format layer's client within the same origin only.
+
+A URL that cannot be parsed (a port that is not a number from 1 to 65535, a broken IPv6 literal, a host name
+that is not valid IDNA) is a :class:`BadURL` (HTTP 400), never an exception of urllib. IPv6 literal hosts
+(``http://[2001:db8::1]/x.dduf``) are URLs like any other: allowed under a prefix, public addresses only.
+
+:func:`host_allowed` is the other direction: which ``Host`` headers the service answers (DNS rebinding)."""
 
 from __future__ import annotations
 
 import http.client
+import ipaddress
 import json
 import logging
+import re
 import socket
 from typing import Any
 from urllib.parse import urlsplit
@@ -28,10 +36,50 @@ class URLRefused(DDUFUsageError):
     """The URL is outside the allowed prefixes or points at a non-public address (HTTP 403)."""
 
 
+class BadURL(DDUFUsageError):
+    """The URL cannot be parsed: its port, its IPv6 literal, its host name (HTTP 400)."""
+
+
 def _origin(url: str) -> tuple[str, str, int]:
-    parts = urlsplit(url)
+    """(scheme, host, port) of ``url``; :class:`BadURL` when urllib cannot read its port or host."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as e:  # "Port out of range 0-65535", "Port could not be cast to integer", "Invalid IPv6 URL"
+        hint = "; a port is a number from 1 to 65535" if "Port" in str(e) else ""
+        raise BadURL(f"{url[:200]}: not a valid URL ({e}){hint}") from None
+    if port == 0:
+        raise BadURL(f"{url[:200]}: port 0 is not a port to connect to")
     scheme = parts.scheme.lower()
-    return scheme, (parts.hostname or "").lower(), parts.port or (443 if scheme == "https" else 80)
+    return scheme, (parts.hostname or "").lower(), port or (443 if scheme == "https" else 80)
+
+
+_PORT = re.compile(r":[0-9]{1,5}")
+
+
+def host_allowed(host: str, settings: Settings) -> bool:
+    """Whether the service answers a request whose ``Host`` header is ``host``: ``localhost``, an IP literal
+    (a page cannot rebind a literal: its origin is the service's own), a name in ``settings.allowed_hosts``
+    (the proxy's public name), or anything when that holds ``"*"``. Ports are not compared."""
+    if "*" in settings.allowed_hosts:
+        return True
+    name = host.strip().lower()
+    if name.startswith("["):
+        name, closed, port = name[1:].partition("]")
+        if not closed or (port and not _PORT.fullmatch(port)):
+            return False
+    elif name.count(":") == 1:
+        name, _, port = name.partition(":")
+        if not _PORT.fullmatch(":" + port):
+            return False
+    name = name.rstrip(".")
+    if name == "localhost" or name in {h.strip().lower().rstrip(".") for h in settings.allowed_hosts}:
+        return True
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
 
 
 def check_url(url: str, settings: Settings, *, hub: bool = False) -> str:
@@ -39,20 +87,25 @@ def check_url(url: str, settings: Settings, *, hub: bool = False) -> str:
     ``hub``: the server's own read of its configured endpoint (the webhook), allowed whatever the prefixes."""
     if not isinstance(url, str) or len(url) > 4096:
         raise URLRefused("the URL must be a string of at most 4096 characters")
+    if any(ord(c) < 0x21 or c == "\x7f" for c in url):
+        raise BadURL(f"{url[:200]!r}: a URL has no spaces or control characters")
+    origin = _origin(url)
     parts = urlsplit(url)
     if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
         raise URLRefused(f"{url}: only http(s) URLs with a host are validated here")
     if parts.username or parts.password:
         raise URLRefused(f"{url}: credentials in the URL are not accepted")
     prefixes = (*settings.prefixes, settings.endpoint) if hub else settings.prefixes
-    if not any(url.startswith(p) and _origin(url) == _origin(p) for p in prefixes):
+    if not any(url.startswith(p) and origin == _origin(p) for p in prefixes):
         raise URLRefused(f"{url}: not under an allowed prefix ({', '.join(settings.prefixes)})")
     if not settings.allow_private:
-        scheme, host, port = _origin(url)
+        scheme, host, port = origin
         try:
             infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         except socket.gaierror as e:
             raise DDUFIOError(f"{url}: cannot resolve host {host!r} (DNS: {e.strerror})") from None
+        except (UnicodeError, ValueError) as e:  # a label over 63 characters, not IDNA
+            raise BadURL(f"{url[:200]}: {host[:100]!r} is not a valid host name ({e})") from None
         for info in infos:
             why = address_problem(str(info[4][0]))
             if why:
