@@ -70,7 +70,7 @@ def test_dtype_spellings():
     for bad in ("int8", "bfloat16:float16", "float8_e4m3fn:float8_e5m2"):
         with pytest.raises(DDUFPackError):
             parse_dtype_spec(bad)
-    with pytest.raises(DDUFPackError, match="not components"):
+    with pytest.raises(DDUFPackError, match="--dtype transformer: not a component"):
         convert_sources(plan_folder(PIPELINES / "tiny-sd"), {"transformer": "bfloat16"})
 
 

@@ -152,7 +152,7 @@ def test_hub_ref_that_differs_from_the_local_copy_is_refused(tmp_path: Path, hf_
 
 
 def test_unknown_component_is_refused(tmp_path: Path, hf_env: Path) -> None:
-    with pytest.raises(DDUFPackError, match="not components"):
+    with pytest.raises(DDUFPackError, match="--ref text_encoder_3: not a component .*did you mean text_encoder"):
         pack_partial(TINY_SD, tmp_path / "x.dduf", refs={"text_encoder_3": "org/x"}, quiet=True)
 
 

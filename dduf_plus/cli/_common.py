@@ -68,11 +68,18 @@ def print_json(value: Any) -> None:
 
 
 def human_bytes(n: float) -> str:
+    """Decimal units, the one convention of every command's output (1 kB = 1000 bytes, as the Hub and
+    huggingface_hub show sizes): ``155.82 kB``, ``1.26 MB``."""
     for unit in ("B", "kB", "MB", "GB", "TB"):
         if abs(n) < 1000 or unit == "TB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1000
     return f"{n} B"
+
+
+def plural(n: int, word: str, words: str | None = None) -> str:
+    """``1 file``, ``2 files``, ``0 files`` (``words``: an irregular plural)."""
+    return f"{n} {word if n == 1 else (words or word + 's')}"
 
 
 def human_count(n: int) -> str:

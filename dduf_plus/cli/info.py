@@ -1,43 +1,120 @@
-"""``dduf info ARCHIVE|FOLDER [--json]``"""
+"""``dduf info ARCHIVE|FOLDER [--json]``: one row per component under column headers; sizes in decimal
+units (kB, MB, GB: 1 kB = 1000 bytes, as the Hub shows them), the same in every command's output."""
 
 from __future__ import annotations
 
 import argparse
+import os
+from collections.abc import Mapping
+from typing import Any
 
-from ._common import echo, human_bytes, human_count, print_json
+from ._common import budget_arg, echo, human_bytes, human_count, print_json
+
+HEADERS = ("COMPONENT", "CLASS", "DTYPE", "PARAMS", "SIZE", "NOTES")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("info", help="show components, dtypes, sizes and references of an archive or folder")
-    p.add_argument("source", help="a .dduf archive or a diffusers pipeline folder")
+    p.add_argument("source", help="a .dduf archive (or a local .dduf.zst) or a diffusers pipeline folder")
     p.add_argument("--variant", help="describe this weight variant (e.g. fp16)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--max-decompressed", type=budget_arg, default=None, metavar="SIZE",
+                   help="how far a .zst may expand (as dduf validate --max-decompressed)")
     p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
+def describe_source(source: str, variant: str | None, max_decompressed: str | None = None) -> dict[str, Any]:
+    """``describe`` of an archive or folder; a local ``.dduf.zst`` is decompressed as ``dduf validate`` does
+    (a private temporary file removed afterwards, or the verified cache entry), and described under its name."""
     from ..format.describe import describe
+    from ..storage.urls import is_url
+    from ..storage.zst import is_zst
 
-    info = describe(args.source, args.variant)
+    if not is_zst(source) or is_url(source) or os.path.isdir(source):
+        return describe(source, variant)
+    from ..storage.source import open_source
+    from ..storage.zst_cache import validation_archive
+
+    local = open_source(source)  # missing, a folder, unreadable: the same messages as a plain archive
+    compressed = local.size
+    local.close()
+    with validation_archive(source, max_decompressed=max_decompressed) as plain:
+        info = describe(str(plain), variant)
+    info.update(path=source, compressed_size=compressed)
+    return info
+
+
+def run(args: argparse.Namespace) -> int:
+    info = describe_source(args.source, args.variant, args.max_decompressed)
     if args.json:
         print_json(info)
         return 0
-    echo(f"{info['path']}: {info.get('pipeline')} ({info['kind']}"
-         + (f", {human_bytes(info['size'])}" if "size" in info else "") + ")")
-    for name, c in info["components"].items():
-        if c["external"]:
-            ref = c["external"]
-            where = ref.get("pretrained_model_name_or_path") or "(must be passed as an argument)"
-            sub = f"/{ref['subfolder']}" if ref.get("subfolder") else ""
-            echo(f"  {name:<20} {c['class']!s:<32} external: {where}{sub}")
-            continue
-        dtypes = ", ".join(f"{k} {human_bytes(v)}" for k, v in c["dtypes"].items()) or "no weights"
-        params = f"{human_count(c['parameters'])} params" if c["parameters"] else ""
-        aligned = "" if c.get("aligned", True) else "  [not page-aligned]"
-        extra = f"  [stored {c['storage_dtype']}, computes {c.get('compute_dtype')}]" if c.get("storage_dtype") else ""
-        echo(f"  {name:<20} {c['class']!s:<32} {c['dtype'] or '-':<10} {params:<14} {dtypes}{aligned}{extra}")
+    size = f", {human_bytes(info['size'])}" if "size" in info else ""
+    if "compressed_size" in info:
+        size += f"; {human_bytes(info['compressed_size'])} as .zst"
+    echo(f"{info['path']}: {info.get('pipeline')} ({info['kind']}{size})")
+    rows = [_row(name, c) for name, c in info["components"].items()]
+    for line in table([HEADERS, *rows]):
+        echo(f"  {line}")
     if info["null_components"]:
-        echo(f"  null: {', '.join(info['null_components'])}")
+        echo(f"  null (not used): {', '.join(info['null_components'])}")
     for s in info.get("skipped", []):
         echo(f"  would skip {s['path']}: {s['reason']}")
     return 0
+
+
+def table(rows: list[tuple[str, ...]]) -> list[str]:
+    """Rows as left-aligned columns sized to their widest cell (a long fp8 dtype name widens its column
+    instead of pushing the rest of its row out of line); the last column is not padded."""
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]) - 1)]
+    return ["  ".join([*(str(cell).ljust(w) for cell, w in zip(r, widths, strict=False)), str(r[-1])]).rstrip() for r in rows]
+
+
+def _row(name: str, c: Mapping[str, Any]) -> tuple[str, ...]:
+    if c["external"]:
+        return (name, str(c["class"]), "-", "-", "-", f"referenced: {reference_text(name, c['external'])}")
+    notes = []
+    tag = quantization_tag(c)
+    if tag:
+        notes.append(tag)
+    if c.get("storage_dtype"):
+        notes.append(f"stored {c['storage_dtype']}, computes {c.get('compute_dtype') or '?'}")
+    if len(c["dtypes"]) > 1:
+        notes.append(", ".join(f"{k} {human_bytes(v)}" for k, v in c["dtypes"].items()))
+    if not c.get("aligned", True):
+        notes.append("not page-aligned (loads by copy)")
+    if not c["dtypes"]:
+        notes.append("no weights")
+    params = human_count(c["parameters"]) if c["parameters"] else "-"
+    size = human_bytes(c["bytes"]) if c["bytes"] else "-"
+    return (name, str(c["class"]), c["dtype"] or "-", params, size, "; ".join(notes))
+
+
+def quantization_tag(c: Mapping[str, Any]) -> str | None:
+    """``quantized: optimum-quanto (qint8)`` from the index record, or from a ``quanto_qmap.json`` file."""
+    from ..format.quantization import QMAP_NAME
+
+    record = c.get("quantization")
+    if isinstance(record, Mapping):
+        weights = record.get("weights")
+        detail = f" ({', '.join(map(str, weights))})" if isinstance(weights, list) and weights else ""
+        return f"quantized: {record.get('method') or 'yes'}{detail}"
+    if any(str(f).endswith("/" + QMAP_NAME) for f in c.get("files", {})):
+        return "quantized: optimum-quanto"
+    return None
+
+
+def reference_text(name: str, ref: Mapping[str, Any]) -> str:
+    """Where a referenced component comes from, in words: ``org/repo@rev:vae (Hub)``, ``URL:vae (hosted
+    archive)``, or that no source is recorded (pass it when loading)."""
+    from ..refs.resolve import reference_spec
+
+    try:
+        spec = reference_spec(ref)
+    except Exception:  # noqa: BLE001 - an untrusted record of any shape: shown, never a crash
+        spec = None
+    if spec is None:
+        return f"no source recorded: pass it when loading (load_dduf(..., {name}=...) or --ref {name}=SPEC)"
+    rev = f"@{spec.revision}" if spec.revision else ""
+    kind = {"hub": "Hub repo", "url": "hosted archive", "dduf": "archive", "folder": "folder"}[spec.kind]
+    return f"{spec.location}{rev}:{spec.subfolder or name} ({kind})"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ._common import as_usage, echo, human_bytes, path_like_missing, print_json
+from ._common import as_usage, echo, human_bytes, path_like_missing, plural, print_json
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -22,13 +22,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Exit 0 when every reference resolves here (or can be downloaded), 1 otherwise."""
     from ..format.archive import DDUFArchive
-    from ..refs.resolve import check_references, parse_ref_args
+    from ..refs.resolve import check_ref_names, check_references, parse_ref_args
 
     refs = as_usage(lambda: parse_ref_args(args.ref))
     for spec in refs.values():
         path_like_missing(spec, "--ref")
     with DDUFArchive(args.archive) as archive:
         references = archive.references
+        check_ref_names(refs, archive.components, references, what="--ref", where=str(args.archive))
     rows = check_references(references, refs=refs, cache_dir=args.cache_dir, verify=args.verify)
     bad = [r for r in rows if r["status"] in ("unresolved", "differs")]
     if args.json:
@@ -37,9 +38,9 @@ def run(args: argparse.Namespace) -> int:
     if not rows:
         echo(f"{args.archive}: no references (self-contained)")
         return 0
-    echo(f"{args.archive}: {len(rows)} reference{'s' if len(rows) != 1 else ''}")
+    echo(f"{args.archive}: {plural(len(rows), 'reference')}")
     for r in rows:
-        echo(f"  {r['component']:<16} {r['source']}  ({r['files']} files, {human_bytes(r['bytes'])})")
+        echo(f"  {r['component']:<16} {r['source']}  ({plural(r['files'], 'file')}, {human_bytes(r['bytes'])})")
         if r["status"] == "ok":
             state = "verified" if r["verified"] else "sizes match, not hashed yet (--verify)"
             member = f" component {r['member']}" if r.get("member") and r["member"] != r["component"] else ""
@@ -48,9 +49,18 @@ def run(args: argparse.Namespace) -> int:
             echo("      -> not on this machine: only its entries will be fetched from the hosted archive when loaded"
                  if r.get("source_kind") == "url" else "      -> not on this machine: will be downloaded from the Hub when loaded")
         else:
-            lines = r["reason"].splitlines()
-            echo("      -> DIFFERS: a copy is here but its content is not the referenced one:"
-                 if r["status"] == "differs" else "      -> UNRESOLVED:")
-            for line in lines[1:]:  # the first line repeats the component and its source
-                echo(f"         {line.strip()}")
+            _print_unresolved(r)
     return 1 if bad else 0
+
+
+def _print_unresolved(r: dict) -> None:
+    """Why a reference does not resolve, and what to do. The reason's first line repeats the component and
+    its source (already on the row) when it lists the sources tried below it; a one-line reason (no source
+    recorded) is the whole story and is printed."""
+    lines = [line.strip() for line in (r["reason"] or "").splitlines() if line.strip()]
+    if r["status"] == "differs":
+        echo("      -> DIFFERS: a copy is here but its content is not the referenced one:")
+    else:
+        echo("      -> UNRESOLVED" + (":" if lines else ""))
+    for line in lines[1:] if len(lines) > 1 else lines:
+        echo(f"         {line}")

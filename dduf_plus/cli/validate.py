@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import json
 import sys
+import textwrap
 from collections.abc import Iterator
 from typing import Any
 
@@ -178,7 +179,25 @@ def _print_human(report: dict[str, Any], quiet: bool, out: Any) -> None:
         if warnings and not quiet:
             tail += f", {len(warnings)} warning{'s' * (len(warnings) != 1)}"
         echo(f"INVALID  {report['path']} ({tail})", file=out)
-    rows = [("error", f) for f in errors] + ([] if quiet else [("warning", f) for f in warnings])
-    for severity, f in rows:
-        where = f" {f['entry']}:" if f["entry"] else ""
-        echo(f"  {severity:<7} {f['code']}{where} {f['message']}", file=out)
+    _print_findings(errors + ([] if quiet else warnings), out)
+
+
+def _print_findings(findings: list[dict[str, Any]], out: Any) -> None:
+    """One line per finding, except that a rule found on several entries is one group: its message once and
+    the entries listed (huggingface_hub's writer gets Z018 on every entry). JSON keeps every finding."""
+    from ..format.findings import group_findings
+
+    for group in group_findings(findings):
+        if len(group.findings) == 1:
+            f = group.findings[0]
+            where = f" {f.entry}:" if f.entry else ""
+            echo(f"  {f.severity:<7} {f.code}{where} {f.message}", file=out)
+            continue
+        count = f"{len(group.entries)} entries" if group.entries else f"{len(group.findings)} times"
+        echo(f"  {group.severity:<7} {group.code} ({count}): {group.message}", file=out)
+        if group.same_message:
+            for line in textwrap.wrap(", ".join(group.entries), 100, break_long_words=False, break_on_hyphens=False):
+                echo(f"          {line}", file=out)
+        else:
+            for f in group.findings:
+                echo(f"          {f.entry + ': ' if f.entry else ''}{f.message}", file=out)

@@ -19,6 +19,7 @@ from . import spec
 from .findings import Finding, finding
 from .index import FileRecord, build_index, check_index
 from .safetensors_header import SafetensorsHeader, read_safetensors_header
+from .sniff import torch_zip_kind
 from .structure import check_structure, component_specs, parse_json
 from .weights import select_weights, tensor_files
 from .zipfmt import ZipEntry, parse_layout
@@ -88,6 +89,10 @@ class DDUFArchive:
             return
         self.layout = layout
         zip_entries: dict[str, ZipEntry] = {e.name: e for e in layout.entries}
+        torch_zip = None if spec.MODEL_INDEX in zip_entries else torch_zip_kind(list(zip_entries))
+        if torch_zip is not None:  # say what the file is, not a ZIP or DDUF error per pickle entry
+            self.findings[:] = [finding("D001", None, f"model_index.json is missing: the file is {torch_zip}")]
+            return
         first = min(layout.entries, key=lambda e: e.header_offset).name if layout.entries else None
         raw_model_index = self._read_small(zip_entries.get(spec.MODEL_INDEX))
         model_index, parsed = None, raw_model_index is not None

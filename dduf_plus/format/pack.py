@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from .._version import __version__
+from ..assignments import PackNameError, check_names
 from ..errors import DDUFNotFoundError, DDUFPackError
 from ..storage.progress import progress_bar
 from . import spec
@@ -88,9 +89,7 @@ def plan_folder(folder: str | os.PathLike, *, variant: str | None = None, exclud
     raw = mi_path.read_bytes()
     model_index = model_index_object(raw, str(mi_path), DDUFPackError)
     specs = component_specs(model_index)
-    unknown = sorted(set(exclude) - set(specs))
-    if unknown:
-        raise DDUFPackError(f"cannot exclude {', '.join(unknown)}: not components of {mi_path} (has: {', '.join(specs)})")
+    check_names(exclude, specs, what="--exclude", where=str(mi_path), error=PackNameError)
 
     sources: list[EntrySource] = []
     skipped: list[Skipped] = []

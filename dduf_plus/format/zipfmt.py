@@ -142,11 +142,20 @@ def parse_layout(source: ByteSource) -> tuple[ZipLayout | None, list[Finding]]:
 
 
 # --- end records -------------------------------------------------------------------------------------
+def _not_zip(source: ByteSource, jargon: str) -> str:
+    """Z001's message: what the file is instead (a safetensors checkpoint, JSON, an empty file...) and what
+    to do, when its first bytes say so (:mod:`.sniff`); else ``jargon``, the ZIP-level fact."""
+    from .sniff import HEAD_BYTES, non_zip_kind
+
+    what = non_zip_kind(source.read_at(0, min(HEAD_BYTES, source.size)), source.size)
+    return f"the file is {what}" if what else f"{jargon}: the file is truncated or not a DDUF archive"
+
+
 def _find_end_record(source: ByteSource, findings: list[Finding]) -> tuple[int, bytes] | None:
     """(offset, bytes) of the end-of-central-directory record; reports trailing bytes (Z002)."""
     size = source.size
     if size < spec.EOCD_SIZE:
-        findings.append(finding("Z001", None, f"file is {size} bytes: too small to be a ZIP archive"))
+        findings.append(finding("Z001", None, _not_zip(source, f"file is {size} bytes: too small to be a ZIP archive")))
         return None
     # The fast path is a comment-free archive, the only kind DDUF writers produce.
     eocd_offset = size - spec.EOCD_SIZE
@@ -156,7 +165,7 @@ def _find_end_record(source: ByteSource, findings: list[Finding]) -> tuple[int, 
         tail = source.read_at(size - window, window)
         at = tail.rfind(struct.pack("<I", spec.SIG_EOCD))
         if at < 0:
-            findings.append(finding("Z001", None, "no end-of-central-directory record in the last 64 KiB"))
+            findings.append(finding("Z001", None, _not_zip(source, "no end-of-central-directory record in the last 64 KiB")))
             return None
         eocd_offset = size - window + at
         record = tail[at : at + spec.EOCD_SIZE]

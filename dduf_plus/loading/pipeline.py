@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import (
     DDUFError,
+    DDUFIOError,
     DDUFLoadError,
     DDUFReferenceError,
     DDUFUsageError,
@@ -152,6 +153,12 @@ def _open_source(path_str: str, dduf_file: str | None, *, revision: str | None, 
     arrive); a ``.dduf.zst`` is decompressed once into a content-keyed cache."""
     if dduf_file is not None and os.path.isdir(path_str):
         path_str = os.path.join(path_str, dduf_file)
+    elif os.path.isdir(path_str):
+        raise DDUFIOError(
+            f"cannot open {path_str}: not a regular file but a folder; load_dduf reads a .dduf archive. A diffusers "
+            f"pipeline folder loads with diffusers (DiffusionPipeline.from_pretrained({path_str!r})), or pack it "
+            f"first: dduf pack {path_str} -o NAME.dduf (or dduf_plus.pack_folder); a folder holding one archive "
+            f"loads with load_dduf({path_str!r}, dduf_file='NAME.dduf')")
     elif dduf_file is not None or _is_hub_repo(path_str):
         from ..remote.hub import hub_archive
 
@@ -227,6 +234,7 @@ def _load(ctx: _Context, kwargs: dict[str, Any]) -> DiffusionPipeline:
     problems = [f for f in load_findings(ctx.archive) if f.severity == "error"]
     if problems:
         raise DDUFValidationError(ctx.path, problems)
+    _check_names(ctx)
     plan = _plan(ctx, kwargs)
     _check_variant(ctx, plan)
     if ctx.build_order is not None:
@@ -240,6 +248,20 @@ def _load(ctx: _Context, kwargs: dict[str, Any]) -> DiffusionPipeline:
             _queue_prefetch(files, ctx.variant)
     _build_components(ctx, plan, sources)
     return _assemble(ctx, plan)
+
+
+def _check_names(ctx: _Context) -> None:
+    """Component names in ``torch_dtype={...}`` and ``refs={...}`` are the archive's, never ignored: a typo
+    (``"unte"``) is an error naming it, the closest component and the components."""
+    from ..assignments import LoadNameError, check_names
+    from ..refs.resolve import check_ref_names
+
+    components = list(ctx.archive.components)
+    if isinstance(ctx.request, Mapping):
+        check_names(ctx.request, components, what="torch_dtype={...} key", where=ctx.path, error=LoadNameError,
+                    wildcards=("default",))
+    check_ref_names(ctx.resolve_options.get("refs"), components, ctx.archive.references, what="refs={...} key",
+                    where=ctx.path)
 
 
 def _plan(ctx: _Context, kwargs: dict[str, Any]) -> _Plan:

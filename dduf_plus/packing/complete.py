@@ -21,7 +21,7 @@ from ..format import spec
 from ..format.archive import DDUFArchive
 from ..format.chat_template import INDEX_KEY, TOKENIZER_CONFIG, fold, is_template_name
 from ..format.pack import EntrySource, PackResult, _read_header, write_archive
-from ..refs.resolve import Located, SpecLike, locate_component
+from ..refs.resolve import Located, SpecLike, check_ref_names, locate_component
 from ..storage.confined import Confined
 from .partial import ORIGINAL_MODEL_INDEX_KEY, canonical_model_index_bytes
 
@@ -82,6 +82,7 @@ def complete_archive(
     started = time.perf_counter()
     with DDUFArchive(partial) as archive:
         references = archive.references
+        check_ref_names(refs, archive.components, references, what="--ref", where=str(partial))  # typos: never ignored
         located = _locate_references(references, refs=refs, local_files_only=local_files_only, token=token,
                                      cache_dir=cache_dir)
         model_index, model_index_bytes = full_model_index(archive.model_index, archive.read_bytes(spec.MODEL_INDEX))

@@ -56,6 +56,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ..assignments import PackNameError, check_names
 from ..dtype_names import (  # noqa: F401 - re-exported: the dtype names and grammar live in a torch-free module
     ALIASES,
     COMPUTE_DTYPES,
@@ -379,10 +380,8 @@ def convert_sources(
     targets = parse_dtype_spec(dtype)
     specs = component_specs(plan.model_index)
     stored = {s.name.split("/")[0] for s in plan.sources if "/" in s.name}
-    unknown = sorted(k for k in targets if k != DEFAULT_KEY and k not in specs)
-    if unknown:
-        raise DDUFPackError(f"--dtype names {', '.join(unknown)}: not components of model_index.json "
-                            f"(has: {', '.join(sorted(specs))})")
+    check_names(targets, specs, what="--dtype", where=str(Path(plan.folder) / "model_index.json"), error=PackNameError,
+                wildcards=(DEFAULT_KEY,))
     by_component: dict[str, list[EntrySource]] = {}
     for source in plan.sources:
         by_component.setdefault(source.name.split("/")[0] if "/" in source.name else "", []).append(source)

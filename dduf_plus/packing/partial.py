@@ -33,6 +33,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from ..assignments import PackNameError, check_names
 from ..errors import DDUFError, DDUFNotFoundError, DDUFPackError
 from ..format import spec
 from ..format.chat_template import TEMPLATE_FILE
@@ -45,7 +46,7 @@ from ..format.pack import (
     plan_folder,
     write_archive,
 )
-from ..format.structure import component_specs
+from ..format.structure import component_specs, model_index_object
 from ..format.weights import classify, select_weights
 from ..refs import cache as _cache
 from ..refs.resolve import Spec, component_folder, parse_ref_args, parse_spec
@@ -325,7 +326,8 @@ def make_references(
     """
     refs = dict(refs or {})
     planner = _Planner(plan, token=token, local_files_only=local_files_only)
-    planner.check_names(set(exclude) | set(refs))
+    planner.check_names(set(exclude), "--exclude")
+    planner.check_names(set(refs), "--ref")
     planner.variant = variant if variant is not None else _infer_variant(plan)
     parsed, base_spec = _parse_sources(refs, base)
     for name in sorted(set(exclude) | (set(refs) - {"*"})):
@@ -398,11 +400,9 @@ class _Planner:
         self.local_bytes: dict[str, int] = {}
         self._sources: dict[Spec, _Source] = {}
 
-    def check_names(self, names: set[str]) -> None:
-        unknown = sorted(names - self.real - {"*"})
-        if unknown:
-            raise DDUFPackError(f"not components of {self.root / spec.MODEL_INDEX}: {', '.join(unknown)} "
-                                f"(has: {', '.join(sorted(self.real))})")
+    def check_names(self, names: set[str], what: str = "--exclude/--ref") -> None:
+        check_names(sorted(names), self.real, what=what, where=str(self.root / spec.MODEL_INDEX),
+                    error=PackNameError, wildcards=("*",))
 
     def source_for(self, s: Spec) -> _Source:
         key = s._replace(subfolder=None)
@@ -626,6 +626,10 @@ def pack_partial(
     """
     started = time.perf_counter()
     named = [n for n in (refs or {}) if n != "*"]
+    mi_path = Path(folder) / spec.MODEL_INDEX
+    if named and mi_path.is_file():  # a refs= typo is named as one (plan_folder would call it an --exclude)
+        specs = component_specs(model_index_object(mi_path.read_bytes(), str(mi_path), DDUFPackError))
+        check_names(named, specs, what="--ref", where=str(mi_path), error=PackNameError)
     plan = plan_folder(folder, variant=variant, exclude=sorted(set(exclude) | set(named)))
     partial = make_references(plan, exclude=exclude, refs=refs, base=base, token=token,
                               local_files_only=local_files_only, variant=variant)

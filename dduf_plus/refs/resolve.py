@@ -20,11 +20,11 @@ import json
 import logging
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from ..assignments import parse_assignments
+from ..assignments import ReferenceNameError, check_names, parse_assignments
 from ..errors import DDUFError, DDUFIntegrityError, DDUFReferenceError
 from ..format.references import reference_problem
 from ..format.spec import CONFIG_FILES
@@ -124,6 +124,24 @@ def parse_ref_args(values: list[str] | tuple[str, ...] | None) -> dict[str, str]
     (``NAME=`` when NAME is a component-like identifier, no ``/``); a name given twice is refused. One parser
     for ``--ref`` and ``--dtype``: :func:`dduf_plus.assignments.parse_assignments`."""
     return parse_assignments(values, "--ref", default_key="*", value_name="SPEC", error=DDUFReferenceError)
+
+
+def check_ref_names(refs: Mapping[str, Any] | None, components: Iterable[str], references: Iterable[str], *,
+                    what: str = "refs=", where: str = "the archive") -> None:
+    """Every name in ``refs`` (but ``"*"``) must be a referenced component: a typo (``vea``) is an error naming
+    it, the closest component and the components; a component the archive stores (or that is null) is
+    refused too: a source for it would be ignored. ``what`` is how the names were given (``"--ref"``)."""
+    if not refs:
+        return
+    names = [n for n in refs if n != "*"]
+    check_names(names, components, what=what, where=where, error=ReferenceNameError)
+    referenced = sorted(set(references))
+    stored = [n for n in names if n not in referenced]
+    if stored:
+        raise ReferenceNameError(
+            f"{what} {', '.join(stored)}: not referenced by {where} (stored in it, or null), so a source for "
+            f"{'it' if len(stored) == 1 else 'them'} would be ignored; referenced components: "
+            f"{', '.join(referenced) or 'none'}", names=stored, known=referenced)
 
 
 def reference_spec(reference: Mapping[str, Any]) -> Spec | None:
@@ -527,10 +545,10 @@ def _fix_hint(name: str, reference: Mapping[str, Any]) -> str:
     if spec is not None and spec.kind == "hub":
         rev = f" --revision {spec.revision}" if spec.revision else ""
         lines.append(f"download it where there is network: hf download {spec.location}{rev} --include '{sub}/*'")
-    lines.append(f"or point to a local copy: load_dduf(..., refs={{{name!r}: '/path/to/pipeline'}}) "
+    lines.append(f"point to a local copy: load_dduf(..., refs={{{name!r}: '/path/to/pipeline'}}) "
                  f"(CLI: --ref {name}=PATH)")
-    lines.append(f"or pass the component itself: load_dduf(..., {name}=...)")
-    return "; ".join(lines)
+    lines.append(f"pass the component itself: load_dduf(..., {name}=...)")
+    return "; or ".join(lines)  # "or" joins alternatives: the first keeps its words, whichever it is
 
 
 def locate_component(

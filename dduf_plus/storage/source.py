@@ -64,7 +64,9 @@ class LocalSource:
             raise io_error(f"cannot open {self.name}: {e.strerror}", e, self.name) from None
         if not stat.S_ISREG(info.st_mode):
             self.close()
-            kind = " (a folder)" if stat.S_ISDIR(info.st_mode) else ""
+            kind = (f" but a folder (a DDUF archive is one file; a diffusers pipeline folder is described by "
+                    f"`dduf info {self.name}` and packed by `dduf pack {self.name} -o NAME.dduf`)"
+                    if stat.S_ISDIR(info.st_mode) else "")
             raise DDUFIOError(f"cannot open {self.name}: not a regular file{kind}")
         self.size = info.st_size
         self.bytes_read = 0
