@@ -193,7 +193,9 @@ def _pins_every_entry(index: dict[str, Any] | None, records: list[ZipEntry]) -> 
         if record.name == spec.INDEX_NAME:
             continue
         rec = files.get(record.name)
-        sha = rec.get("sha256") if isinstance(rec, dict) else None
+        if not isinstance(rec, dict):
+            return False
+        sha = rec.get("sha256")
         if not (isinstance(sha, str) and _SHA256.match(sha.lower()) and rec.get("size") == record.size):
             return False
     return True
