@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 from ..errors import DDUFError, DDUFIOError, DDUFNotFoundError, DDUFUsageError
 from ..storage.http_range import DEFAULT_DEADLINE_S, HTTPSource, _Budget, _short
+from ..storage.source import check_length
 from ..storage.urls import check_url
 
 DEFAULT_CONCURRENCY = 16
@@ -172,9 +173,8 @@ class FsspecRanges:
         except Exception as e:
             raise DDUFIOError(f"{self.url}: read of {length} bytes at {offset} failed: "
                               f"{type(e).__name__}: {_short(e, 300)}") from None
-        if len(data) != length:
-            raise DDUFIOError(f"{self.url}: read of {length} bytes at {offset} returned {len(data)} bytes "
-                              "(a short read, or the file changed)")
+        self._budget.settle(length, len(data))  # what the backend handed over counts, not what was asked
+        check_length(self.url, offset, length, data)
         return data
 
     def remaining(self) -> float:

@@ -170,14 +170,15 @@ class _MeteredResponse(http.client.HTTPResponse):
         self.leftover = 0
 
     def _close_conn(self) -> None:
-        fp = self.fp
-        if fp is not None:
-            self.meter.no_wait = True
-            try:
-                self.leftover = len(fp.peek())
-            except (OSError, ValueError):
-                pass
-        super()._close_conn()  # type: ignore[misc]
+        fp, self.fp = self.fp, None  # type: ignore[assignment]  # may run in two threads at once (a close while a worker reads)
+        if fp is None:
+            return
+        self.meter.no_wait = True
+        try:
+            self.leftover = len(fp.peek())
+        except (OSError, ValueError):
+            pass
+        fp.close()
 
 
 def _origin(parts: Any) -> tuple[str, str, int]:

@@ -31,7 +31,7 @@ from .http_range import DEFAULT_DEADLINE_S, HTTPSource, _Budget, _short
 from .urls import ALLOWED_URL_SCHEMES, check_url, is_url
 
 __all__ = ["ALLOWED_URL_SCHEMES", "DEFAULT_DEADLINE_S", "ByteSource", "BytesSource", "FsspecSource", "HTTPSource",
-           "LocalSource", "check_url", "is_url", "open_source"]
+           "LocalSource", "check_length", "check_url", "is_url", "open_source"]
 
 T = TypeVar("T")
 
@@ -194,8 +194,8 @@ class FsspecSource:
                 raise
             except Exception as e:
                 raise DDUFIOError(f"{self.name}: read failed at {offset}: {type(e).__name__}: {_short(e, 300)}") from None
-        if len(data) != length:
-            raise DDUFIOError(f"{self.name}: short read at {offset}")
+            self._budget.settle(length, len(data))  # what the backend handed over counts, not what was asked
+        check_length(self.name, offset, length, data)
         self.bytes_read += len(data)
         return data
 
@@ -206,6 +206,18 @@ class FsspecSource:
                 file.close()
             except Exception:
                 pass
+
+
+def check_length(name: str, offset: int, length: int, data: bytes) -> None:
+    """A backend's answer to a range read must be exactly the range. fsspec backends (hf://, s3://...) read
+    each answer whole before returning it, so bytes past the range cannot be refused before they arrive, only
+    here; http(s) never goes through them (:class:`HTTPSource` stops at the range)."""
+    if len(data) < length:
+        raise DDUFIOError(f"{name}: read of {length} bytes at {offset} returned {len(data)} bytes (a short read, "
+                          "or the file changed)")
+    if len(data) > length:
+        raise DDUFIOError(f"{name}: read of {length} bytes at {offset} returned {len(data)} bytes: the server "
+                          "sent more than the range it was asked for; refused")
 
 
 class BytesSource:
