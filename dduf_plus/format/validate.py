@@ -379,8 +379,8 @@ def _verify_entries(archive: DDUFArchive, source: _GuardedSource, workers: int |
     if isinstance(fd, int) and local:
         try:
             results = _hash_local(fd, entries, workers or min(8, max(2, os.cpu_count() or 2)))
-        except _SourceFailure as e:  # name the archive: a --from-file batch reports it as that source's io_error
-            raise _SourceFailure(f"{source.name}: {e}") from None
+        except _SourceFailure as failure:  # name the archive: a --from-file batch reports it as that source's io_error
+            raise _SourceFailure(f"{source.name}: {failure}") from None
     else:
         results = {e.name: _hash_read(source, e) for e in entries}
     out: list[Finding] = []
