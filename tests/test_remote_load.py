@@ -222,6 +222,6 @@ def test_archive_without_index_is_crc_checked(served, packed, tmp_path):
         data = bytearray(plain.read_bytes())
         data[entry.offset + entry.length - 10] ^= 0xFF
         (served / "hub-bad.dduf").write_bytes(bytes(data))
-        # (Another cache: without an index the key covers the central directory, whose CRCs are the good ones.)
+        # (Without an index the key is bound to the URL: hub-bad.dduf never reuses hub.dduf's file, same tail or not.)
         with pytest.raises(DDUFIntegrityError, match=r"vae/diffusion_pytorch_model.safetensors.*CRC-32"):
-            fetch_archive(srv.url("hub-bad.dduf"), {**SMALL, "cache_dir": tmp_path / "other-cache"})
+            fetch_archive(srv.url("hub-bad.dduf"), SMALL)
