@@ -254,3 +254,26 @@ def test_bombs_are_refused_in_bounded_time_and_memory(ddpm: dict[str, bytes], tm
         assert seconds < 10, (path, seconds)  # ~1 s here; the parse it replaces took several
     print(result)
     assert result["rss_mb"] < 150, result  # 15 MB of bytes and a copy; the parse it replaces: ~400 MB
+
+
+@pytest.mark.parametrize("name", ["config-values", "shard-index-values", "shard-index-valid"])
+def test_remote_load_refuses_with_the_same_code(name: str, ddpm: dict[str, bytes], tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """load_dduf(URL) runs the same checks once the fetch brings what they read (in build order)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from servers import FileServer
+
+    from dduf_plus import load_dduf
+
+    monkeypatch.setenv("DDUF_PLUS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    edit, refused_entry = VARIANTS[name]
+    (tmp_path / "www").mkdir()
+    write(tmp_path / "www" / f"{name}.dduf", edit(ddpm))
+    with FileServer(tmp_path / "www") as server:
+        if refused_entry is None:
+            assert load_dduf(server.url(f"{name}.dduf")).unet is not None
+            return
+        with pytest.raises(DDUFError) as info:
+            load_dduf(server.url(f"{name}.dduf"))
+    assert info.value.codes == ["D013"] and refused_entry in str(info.value), info.value

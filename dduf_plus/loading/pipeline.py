@@ -229,16 +229,14 @@ class _Plan:
 
 
 def _load(ctx: _Context, kwargs: dict[str, Any]) -> DiffusionPipeline:
-    # The rules validate runs beyond opening (JSON entries within their budgets, shard indexes, the index):
-    # refused here with validate's codes, before any class is resolved or any library sees a byte.
-    problems = [f for f in load_findings(ctx.archive) if f.severity == "error"]
-    if problems:
-        raise DDUFValidationError(ctx.path, problems)
+    if ctx.build_order is None:
+        _refuse_what_validate_refuses(ctx)
     _check_names(ctx)
     plan = _plan(ctx, kwargs)
     _check_variant(ctx, plan)
     if ctx.build_order is not None:
         ctx.build_order([name for name in plan.to_build if name not in plan.passed_components])
+        _refuse_what_validate_refuses(ctx)  # reads tokenizer files: once the fetch brings them in build order
     sources = {name: _component_files(ctx.archive, name, ctx.archive.components, ctx.archive.references,
                                       ctx.resolve_options, use_mmap=ctx.use_mmap, verify=ctx.verify,
                                       prefetcher=ctx.prefetcher)
@@ -262,6 +260,15 @@ def _check_names(ctx: _Context) -> None:
                     wildcards=("default",))
     check_ref_names(ctx.resolve_options.get("refs"), components, ctx.archive.references, what="refs={...} key",
                     where=ctx.path)
+
+
+def _refuse_what_validate_refuses(ctx: _Context) -> None:
+    """The rules validate runs beyond opening (JSON entries within their budgets, shard indexes, the index,
+    tokenizer and weightless-config budgets), with validate's codes: before any component is built or any
+    library sees a byte of the archive; for a local archive before the pipeline class is even resolved."""
+    problems = [f for f in load_findings(ctx.archive) if f.severity == "error"]
+    if problems:
+        raise DDUFValidationError(ctx.path, problems)
 
 
 def _plan(ctx: _Context, kwargs: dict[str, Any]) -> _Plan:
