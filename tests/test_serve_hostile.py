@@ -31,7 +31,7 @@ from dduf_plus.errors import DDUFUsageError  # noqa: E402
 from dduf_plus.serve import Settings  # noqa: E402
 from dduf_plus.serve import page as page_module  # noqa: E402
 from dduf_plus.serve.safety import host_allowed  # noqa: E402
-from dduf_plus.serve.uploads import BadForm, spool_form  # noqa: E402
+from dduf_plus.serve.uploads import BadForm, SlowBody, spool_form, timed  # noqa: E402
 from dduf_plus.storage.urls import check_url as storage_check_url  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -178,6 +178,26 @@ def test_silent_body_cut_off_at_the_deadline():
         assert time.monotonic() - started < 4
         assert answer.startswith(b"HTTP/1.1 408 Request Timeout") and b"took longer than 1 s" in answer
         assert b"connection: close" in answer.lower()
+
+
+def test_timed_reads_leave_the_task_usable():
+    """The deadline interrupts the read itself (a timer, no task per chunk); the request's task goes on."""
+    async def stalls() -> AsyncIterator[bytes]:
+        yield b"ab"
+        await asyncio.sleep(30)
+        yield b"never"
+
+    async def main() -> tuple[list[bytes], float, int]:
+        got, started = [], time.monotonic()
+        with pytest.raises(SlowBody, match="too slowly"):
+            async for chunk in timed(stalls(), 10, 1024, 0.2):
+                got.append(chunk)
+        await asyncio.sleep(0)  # not cancelled any more
+        task = asyncio.current_task()
+        return got, time.monotonic() - started, task.cancelling() if hasattr(task, "cancelling") else 0
+
+    got, took, cancelling = asyncio.run(main())
+    assert got == [b"ab"] and took < 2 and cancelling == 0
 
 
 # --- URLs ---------------------------------------------------------------------------------------------------

@@ -64,15 +64,47 @@ class Crowded(Exception):
 
 class Ticket:
     """One body being received: who sends it, since when, how much arrived; ``evicted`` once the intake
-    gave its place to a newcomer."""
+    gave its place to a newcomer (the read in progress, if any, is interrupted then)."""
 
     def __init__(self, client: str):
         self.client, self.start, self.received = client, time.monotonic(), 0
         self.evicted = False
-        self.waiting: asyncio.Future[bytes] | None = None  # the read in progress, cancelled on eviction
+        self.interrupted = False  # the current read was cancelled by us (deadline or eviction), not from outside
+        self._reader: asyncio.Task[Any] | None = None  # the task blocked in a read now
 
     def rate(self, now: float) -> float:
         return self.received / max(now - self.start, 1e-3)
+
+    def interrupt(self) -> None:
+        """Cancel the read in progress (called on the event loop)."""
+        if self._reader is not None and not self.interrupted:
+            self.interrupted = True
+            self._reader.cancel()
+
+    async def read(self, iterator: AsyncIterator[bytes], due: float) -> bytes:
+        """The next chunk, or :class:`_Interrupted` at ``due`` (monotonic time) or on eviction. One timer per
+        read (no task per chunk: ~1 us instead of ~80 us, at 16k chunks per GiB)."""
+        if self.evicted:
+            raise _Interrupted
+        loop = asyncio.get_running_loop()
+        self._reader, self.interrupted = asyncio.current_task(), False
+        timer = loop.call_later(max(0.0, due - time.monotonic()), self.interrupt)
+        try:
+            return await iterator.__anext__()
+        except asyncio.CancelledError:
+            if not self.interrupted:
+                raise  # cancelled from outside (the server shutting down): not ours to swallow
+            uncancel = getattr(self._reader, "uncancel", None)  # Python 3.11+: the task is not cancelled any more
+            if uncancel is not None:
+                uncancel()
+            raise _Interrupted from None
+        finally:
+            timer.cancel()
+            self._reader = None
+
+
+class _Interrupted(Exception):
+    """A read stopped by its deadline or by eviction."""
 
 
 class Intake:
@@ -111,8 +143,7 @@ class Intake:
                 raise Crowded(f"{self.total} uploads are arriving already; try again shortly")
             victim.evicted = True
             self._drop(victim)
-            if victim.waiting is not None:
-                victim.waiting.cancel()
+            victim.interrupt()
         ticket = Ticket(client)
         self._tickets.add(ticket)
         self._clients[client] += 1
@@ -134,19 +165,12 @@ async def timed(chunks: AsyncIterator[bytes], deadline: float, min_rate: int, gr
         due = start + deadline
         if min_rate > 0:
             due = min(due, start + grace + (ticket.received + 1) / min_rate)
-        ticket.waiting = read = asyncio.ensure_future(iterator.__anext__())
         try:
-            await asyncio.wait({read}, timeout=max(0.0, due - time.monotonic()))
-        finally:
-            ticket.waiting = None
-            if not read.done():
-                read.cancel()
-        if ticket.evicted or not read.done() or read.cancelled():
-            raise _slow(ticket, deadline, min_rate, grace)
-        try:
-            chunk = read.result()
+            chunk = await ticket.read(iterator, due)
         except StopAsyncIteration:
             return
+        except _Interrupted:
+            raise _slow(ticket, deadline, min_rate, grace) from None
         ticket.received += len(chunk)
         yield chunk
 
