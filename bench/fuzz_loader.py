@@ -7,6 +7,14 @@ reference source / canary folders.
     python bench/fuzz_loader.py --seconds 600              # the long run (figures in the notes)
     python bench/fuzz_loader.py --count 200 --seed 3       # a fixed set
     python bench/fuzz_loader.py --replay bench/results/fuzz/X.dduf   # run the targets on one saved input
+    python bench/fuzz_loader.py --remote --seconds 600     # through the hostile server (tests/hostile_server.py)
+
+``--remote`` serves each input from tests/hostile_server.py on 127.0.0.1 in a mode drawn from the seed and the
+input's number (honest a third of the time, so mutants get loaded through the remote path too; otherwise any
+hostile mode, from the first request or from a later one) and runs ``validate(URL)``, ``dduf info URL`` and
+``load_dduf(URL)`` under a short deadline. Besides the outcomes above, a finding is: more bytes sent by the
+server than :data:`REMOTE_SENT_BOUND` allows, a target slower than the deadline allows, or a loaded pipeline
+from a server that broke the protocol.
 
 Inputs run in a forked worker (torch etc. imported once, before the fork) under a per-input deadline and an
 address-space limit; a worker that hangs or dies is replaced and its input saved. Each finding's input is
@@ -36,6 +44,16 @@ SAVE_PER_SIGNATURE = 3
 SLOW_FORMAT_S = 3.0  # issue 10: info/refs/opening an archive answer within 3 s
 SLOW_LOAD_S = 10.0  # no budget is written down for load_dduf; the tiny fixture loads in 0.1 s
 BIG_RSS_MB = 500  # issue 10: 500 MB peak for the format-level commands; reported for load too
+REMOTE_DEADLINE_S = 1.0  # DDUF_REMOTE_DEADLINE in --remote: a trickle or a stall ends here
+REMOTE_READ_TIMEOUT_S = 1  # HF_HUB_DOWNLOAD_TIMEOUT in --remote (huggingface_hub reads it as an int)
+REMOTE_EXTRA = 32 << 20  # what an overrunning answer offers past each range
+
+
+def REMOTE_SENT_BOUND(size: int) -> int:  # noqa: N802 - a bound, named like the constants above
+    """Bytes the server may have sent for an input of ``size`` bytes over the three remote targets: each
+    reads it about once (load: once; validate and info: headers, or whole below 512 KiB), plus headers and
+    what the kernel buffers for a reader that stopped (a 64 KiB send buffer and the receive window)."""
+    return 4 * size + (16 << 20)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -51,12 +69,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--work", type=Path, help="scratch folder (default: a new temporary one)")
     p.add_argument("--out", type=Path, default=OUT, help="where findings and summary.json go")
     p.add_argument("--replay", type=Path, nargs="+", help="run the targets on these archives and print the outcomes")
+    p.add_argument("--remote", action="store_true", help="serve each input from the hostile server (random modes)")
     return p.parse_args(argv)
 
 
-def setup_environment(work: Path) -> None:
-    """Offline, private caches; set before huggingface_hub reads its constants."""
-    os.environ["HF_HUB_OFFLINE"] = "1"
+def setup_environment(work: Path, remote: bool = False) -> None:
+    """Offline (but for the loopback server in --remote), private caches; set before huggingface_hub reads
+    its constants."""
+    os.environ["HF_HUB_OFFLINE"] = "0" if remote else "1"
+    if remote:
+        os.environ["DDUF_REMOTE_DEADLINE"] = str(REMOTE_DEADLINE_S)
+        os.environ["HF_HUB_DOWNLOAD_TIMEOUT"] = str(REMOTE_READ_TIMEOUT_S)
     os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     os.environ["DDUF_PLUS_CACHE"] = str(work / "dduf-cache")
@@ -108,11 +131,14 @@ def reset_peak_rss() -> None:
 class Fuzzer:
     """Generates input N and runs the targets on it, in whichever process calls :meth:`run_one`."""
 
-    def __init__(self, work: Path, seed: int, limit: float):
+    def __init__(self, work: Path, seed: int, limit: float, remote: bool = False):
         import mutations
 
         self.m = mutations
-        self.work, self.seed, self.limit = work, seed, limit
+        self.work, self.seed, self.limit, self.remote = work, seed, limit, remote
+        self.server: Any = None  # the hostile server (--remote), started in the process that runs inputs
+        self.served = work / "served"
+        self.served.mkdir(exist_ok=True)
         self.bases, self.ctx = mutations.make_bases(work / "bases")
         self.canary = work / "canary"
         self.canary.mkdir(exist_ok=True)
@@ -138,10 +164,13 @@ class Fuzzer:
         if inp.data is None:
             result["unwritable"] = True
             return result
-        path = self.work / f"input-{os.getpid()}.dduf"
+        path = (self.served if self.remote else self.work) / f"input-{os.getpid()}.dduf"
         path.write_bytes(inp.data)
         reset_peak_rss()
-        outcomes = self.m.run_targets(path, limit_s=self.limit)
+        if self.remote:
+            result["server_mode"], result["server_sent"], outcomes = self.run_remote(path, number)
+        else:
+            outcomes = self.m.run_targets(path, limit_s=self.limit)
         after = self.m.snapshot(*self.watched)
         if after != self.before:
             changed = sorted(set(after.items()) ^ set(self.before.items()))[:10]
@@ -151,6 +180,88 @@ class Fuzzer:
         result["peak_rss_mb"] = peak_rss_mb()
         result["seconds"] = time.perf_counter() - started
         return result
+
+
+    def _server(self) -> Any:
+        from hostile_server import HostileServer
+
+        if self.server is None or self.server.pid != os.getpid():  # a forked worker starts its own
+            self.server = HostileServer(self.served, extra=REMOTE_EXTRA).__enter__()
+            self.server.pid = os.getpid()
+        return self.server
+
+    def run_remote(self, path: Path, number: int) -> tuple[str, int, list[Any]]:
+        """The remote targets on ``path`` served in a mode drawn from (seed, number): see :func:`run_remote`."""
+        return run_remote(self.m, self._server(), path, self.seed, number, self.limit)
+
+
+def run_remote(m: Any, server: Any, path: Path, seed: int, number: int, limit: float | None
+               ) -> tuple[str, int, list[Any]]:
+    """The remote targets on ``path`` (a file ``server`` serves) in a mode drawn from (seed, number): (mode,
+    bytes the server sent, outcomes), the bounds checked as findings. The remote cache is emptied first."""
+    import random
+    import shutil
+
+    from hostile_server import MODES, wait_idle
+
+    rng = random.Random(f"{seed}-{number}-remote")
+    mode = "honest" if rng.random() < 1 / 3 else rng.choice(sorted(MODES))
+    honest_first = rng.choice((0, 0, 1, 2, 3, 5))
+    wait_idle(server)
+    shutil.rmtree(Path(os.environ["DDUF_PLUS_CACHE"]) / "remote", ignore_errors=True)  # fetched afresh
+    server.mode, server.honest_first = mode, honest_first
+    server.reset()
+    try:
+        outcomes = remote_targets(m, server.url(path.name), limit, before_each=server.restart_count)
+    finally:
+        server.mode, server.honest_first = "honest", 0
+    wait_idle(server)
+    label = f"{mode}@{honest_first}" if honest_first else mode
+    size = path.stat().st_size
+    if server.sent > REMOTE_SENT_BOUND(size):
+        outcomes.append(m.Outcome("server", "finding", "unbounded-bytes", 0,
+                                  f"{label}: the server sent {server.sent} bytes for a {size}-byte input"))
+    for o in list(outcomes):
+        if o.seconds > REMOTE_DEADLINE_S + 2 * REMOTE_READ_TIMEOUT_S + 3 and o.status != "finding":
+            outcomes.append(m.Outcome(o.target, "finding", "past-the-deadline", o.seconds,
+                                      f"{label}: {o.target} took {o.seconds:.1f} s"))
+        if mode != "honest" and o.target == "remote-load" and o.status == "ok":
+            outcomes.append(m.Outcome(o.target, "finding", "loaded-from-a-broken-server", o.seconds,
+                                      f"{label}: load_dduf succeeded"))
+    return label, server.sent, outcomes
+
+
+def remote_targets(m: Any, url: str, limit: float | None, before_each: Any = None) -> list[Any]:
+    """``validate(URL)``, ``dduf info URL`` and ``load_dduf(URL)``, each classified as mutations.run_targets
+    does; ``before_each()`` runs before each (the server counts each target's requests from 1)."""
+    from dduf_plus import load_dduf
+    from dduf_plus.format.validate import validate
+
+    def validating() -> None:
+        validate(url)
+
+    def loading() -> None:
+        load_dduf(url)
+
+    outcomes = []
+    for target, call in (("remote-validate", validating), ("remote-info", lambda: m._cli(["info", url], human=True)),
+                         ("remote-load", loading)):
+        started = time.perf_counter()
+        error: BaseException | None = None
+        extra = None
+        if before_each is not None:
+            before_each()
+        try:
+            with m.time_limit(limit):
+                extra = call()
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # noqa: BLE001 - classifying every exception is the point
+            error = e
+        seconds = time.perf_counter() - started
+        outcomes.append(extra._replace(target=target, seconds=seconds) if extra is not None
+                        else m.classify(target, error, seconds))
+    return outcomes
 
 
 def _worker(conn: Any, fuzzer: Fuzzer, memory_gb: float) -> None:
@@ -228,6 +339,7 @@ class Report:
         self.slow: list[tuple[float, int, str]] = []
         self.big: list[tuple[int, int]] = []
         self.baseline_rss = 0  # peak RSS of a warm process before any input
+        self.by_mode: dict[str, dict[str, Any]] = {}  # --remote: server mode -> outcomes and worst figures
         self.started = time.perf_counter()
 
     def add(self, result: dict[str, Any], fuzzer: Fuzzer) -> None:
@@ -237,8 +349,9 @@ class Report:
             return
         outcomes = result["outcomes"]
         status = {o[0]: o for o in outcomes}
-        reach = ("loaded" if status.get("load", [None, None])[1] == "ok" else
-                 "load refused" if "load" in status else
+        load = "remote-load" if "remote-load" in status else "load"
+        reach = ("loaded" if status.get(load, [None, None])[1] == "ok" else
+                 "load refused" if load in status else
                  "archive refused" if status.get("archive", [None, None])[1] == "error" else "other")
         for kind in {k for k, _ in result["mutations"]}:
             self.by_kind.setdefault(kind, Counter())[reach] += 1
@@ -251,6 +364,18 @@ class Report:
                 self._save(o, result, fuzzer)
         if result.get("peak_rss_mb", 0) > BIG_RSS_MB + self.baseline_rss:
             self.big.append((result["peak_rss_mb"], result["number"]))
+        if "server_mode" in result:
+            self._add_mode(result, status)
+
+    def _add_mode(self, result: dict[str, Any], status: dict[str, Any]) -> None:
+        mode = result["server_mode"].split("@")[0]
+        row = self.by_mode.setdefault(mode, {"inputs": 0, "load": Counter(), "max_sent_bytes": 0,
+                                             "max_seconds": 0.0, "max_peak_rss_mb": 0})
+        row["inputs"] += 1
+        row["load"][str(status.get("remote-load", [None, None, "not run"])[2]).split(":")[0]] += 1
+        row["max_sent_bytes"] = max(row["max_sent_bytes"], result.get("server_sent", 0))
+        row["max_seconds"] = max(row["max_seconds"], round(max((o[3] for o in result["outcomes"]), default=0), 2))
+        row["max_peak_rss_mb"] = max(row["max_peak_rss_mb"], result.get("peak_rss_mb", 0))
 
     def _save(self, outcome: list, result: dict[str, Any], fuzzer: Fuzzer) -> None:
         sig = self.m.signature(self.m.Outcome(*outcome))
@@ -272,7 +397,8 @@ class Report:
         (self.out / f"{name}.json").write_text(json.dumps(
             {"seed": self.seed, "number": result["number"], "signature": sig, "base": result["base"],
              "mutations": result["mutations"], "outcomes": result["outcomes"],
-             "regenerate": f"python bench/fuzz_loader.py --seed {self.seed} --start {result['number']} --count 1"},
+             "regenerate": f"python bench/fuzz_loader.py --seed {self.seed} --start {result['number']} --count 1"
+                           + (" --remote" if "server_mode" in result else ""), "server_mode": result.get("server_mode")},
             indent=1))
         record["saved"].append(f"{name}.dduf")
 
@@ -283,7 +409,9 @@ class Report:
                 "outcomes": {t: dict(c.most_common()) for t, c in sorted(self.by_target.items())},
                 "reach_by_mutation": {k: dict(c) for k, c in sorted(self.by_kind.items())},
                 "findings": self.findings,
-                "slow": sorted(self.slow, reverse=True)[:20], "big_rss_mb": sorted(self.big, reverse=True)[:20]}
+                "slow": sorted(self.slow, reverse=True)[:20], "big_rss_mb": sorted(self.big, reverse=True)[:20],
+                **({"by_server_mode": {k: {**v, "load": dict(v["load"])} for k, v in sorted(self.by_mode.items())}}
+                   if self.by_mode else {})}
 
     def print(self) -> None:
         s = self.summary()
@@ -307,6 +435,12 @@ class Report:
             print(f"  slow: {target} {seconds:.1f} s on input {number}")
         for mb, number in s["big_rss_mb"][:10]:
             print(f"  big: {mb} MB peak RSS on input {number}")
+        if s.get("by_server_mode"):
+            print("  by server mode: inputs, worst bytes sent / seconds / peak RSS, load_dduf(URL) outcomes")
+            for mode, row in s["by_server_mode"].items():
+                print(f"      {mode:<17} {row['inputs']:>5}  {row['max_sent_bytes'] / 2**20:>7.2f} MiB "
+                      f"{row['max_seconds']:>6.2f} s {row['max_peak_rss_mb']:>5} MB  "
+                      + ", ".join(f"{k} {v}" for k, v in sorted(row["load"].items())))
 
 
 def replay(paths: list[Path], limit: float) -> int:
@@ -326,12 +460,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     work = args.work or Path(tempfile.mkdtemp(prefix="dduf-fuzz-loader-"))
     work.mkdir(parents=True, exist_ok=True)
-    setup_environment(work)
+    setup_environment(work, args.remote)
     quiet_libraries()
     if args.replay:
         return replay(args.replay, args.limit)
     preload()
-    fuzzer = Fuzzer(work, args.seed, args.limit)
+    fuzzer = Fuzzer(work, args.seed, args.limit, args.remote)
     fuzzer.m.run_targets(fuzzer.ctx.archive_paths[0])  # warm: the first load imports what loading needs
     report = Report(args.out, args.seed)
     report.baseline_rss = peak_rss_mb()

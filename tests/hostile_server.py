@@ -83,6 +83,11 @@ class HostileServer(http.server.ThreadingHTTPServer):
             self.requests = self.sent = self.connections = 0
             self.active = getattr(self, "active", 0)  # answers being written now (not reset: threads still run)
 
+    def restart_count(self) -> None:
+        """Number the next request 1 again (``honest_first`` and the per-request modes count from there)."""
+        with self.lock:
+            self.requests = 0
+
     def url(self, name: str = "") -> str:
         return f"http://127.0.0.1:{self.server_port}/{name}"
 

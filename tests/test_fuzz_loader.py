@@ -3,7 +3,9 @@ through ``DDUFArchive`` + ``describe``, ``dduf info [--json]``, ``dduf refs [--j
 command must succeed or raise a ``DDUFError``; nothing else, no hang, no control characters in human output,
 no change to the reference source folder. The long run is ``python bench/fuzz_loader.py --seconds 600``.
 
-``DDUF_FUZZ_LOADER_INPUTS`` raises the number of inputs (default 120: about 20 s here)."""
+``DDUF_FUZZ_LOADER_INPUTS`` raises the number of inputs (default 120: about 20 s here); ``DDUF_FUZZ_REMOTE_INPUTS``
+those served through the hostile server (default 12: a few seconds; ``bench/fuzz_loader.py --remote`` is the
+long run)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import pytest
 
 SEED = 0
 INPUTS = int(os.environ.get("DDUF_FUZZ_LOADER_INPUTS", "120"))
+REMOTE_INPUTS = int(os.environ.get("DDUF_FUZZ_REMOTE_INPUTS", "12"))
 PER_TARGET_S = 15  # one target on one tiny input: far above the 0.1-0.5 s they take
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -214,3 +217,78 @@ def test_a_scheduler_config_cannot_ask_for_gigabytes(fuzz, key: str, value: int)
     path.write_bytes(m.write_draft(draft, path))
     (outcome,) = m.run_targets(path, targets=("load",))
     assert outcome.label == "DDUFLoadError" and outcome.seconds < 5, outcome
+
+
+def _bench() -> object:
+    spec = importlib.util.spec_from_file_location("bench_fuzz_loader", ROOT / "bench" / "fuzz_loader.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_remote_mutants_through_the_hostile_server(fuzz, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutants served by tests/hostile_server.py in modes drawn from the seed (bench/fuzz_loader.py --remote):
+    validate(URL), dduf info URL and load_dduf(URL) end in DDUFErrors only, within the bytes and the time
+    bench.run_remote allows; nothing loads from a server that broke the protocol."""
+    import huggingface_hub.constants as constants
+    from hostile_server import HostileServer
+
+    bench = _bench()
+    work, bases, ctx = fuzz
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("DDUF_REMOTE_DEADLINE", str(bench.REMOTE_DEADLINE_S))
+    monkeypatch.setenv("HF_HUB_DOWNLOAD_TIMEOUT", str(bench.REMOTE_READ_TIMEOUT_S))
+    served = work / "served"
+    served.mkdir(exist_ok=True)
+    findings, modes = [], Counter()
+    started = time.perf_counter()
+    with HostileServer(served, extra=bench.REMOTE_EXTRA) as server:
+        for number in range(REMOTE_INPUTS):
+            inp = m.generate(bases, ctx, SEED, number, work)
+            if inp.data is None:
+                continue
+            path = served / "mutant.dduf"
+            path.write_bytes(inp.data)
+            label, sent, outcomes = bench.run_remote(m, server, path, SEED, number, PER_TARGET_S)
+            modes[label.split("@")[0]] += 1
+            findings += [f"input {number} ({label}): {o.target} -> {o.label}\n{o.detail}" for o in outcomes if o.bad]
+    assert not findings, f"{len(findings)} findings:\n\n" + "\n\n".join(findings[:5])
+    assert modes["honest"] >= 2 and len(modes) >= 6, modes  # the draw covers honest and several hostile modes
+    print(f"{REMOTE_INPUTS} remote inputs in {time.perf_counter() - started:.1f} s: {dict(modes)}")
+
+
+def test_remote_fuzz_catches_an_unbounded_client(fuzz, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The remote fuzzer's byte bound is a real check: a client that drains answers (as before issue 18)
+    makes it report ``unbounded-bytes``."""
+    import http.client
+    import random
+
+    import huggingface_hub.constants as constants
+    from hostile_server import MODES, HostileServer
+
+    from dduf_plus.storage import http_range
+
+    bench = _bench()
+    work, bases, ctx = fuzz
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("DDUF_REMOTE_DEADLINE", "5")
+
+    def draining(self, response, start: int, end: int) -> None:  # the old client: read what is left
+        if isinstance(response, http.client.HTTPResponse) and not response.isclosed():
+            response.meter.tally.cap = 1 << 40
+            response.read()
+
+    monkeypatch.setattr(http_range.HTTPSource, "_check_end", draining)
+    served = work / "served-drain"
+    served.mkdir(exist_ok=True)
+    (served / "mutant.dduf").write_bytes(ctx.archive_paths[0].read_bytes())
+    with HostileServer(served, extra=bench.REMOTE_EXTRA) as server:
+        for number in range(200):  # the first input whose drawn mode is overrun-close (run_remote's draw)
+            rng = random.Random(f"{SEED}-{number}-remote")
+            if rng.random() >= 1 / 3 and rng.choice(sorted(MODES)) == "overrun-close":
+                break
+        label, sent, outcomes = bench.run_remote(m, server, served / "mutant.dduf", SEED, number, PER_TARGET_S)
+    assert label.startswith("overrun-close") and sent > bench.REMOTE_SENT_BOUND(ctx.archive_paths[0].stat().st_size)
+    assert "unbounded-bytes" in {o.label for o in outcomes}, outcomes
