@@ -87,7 +87,7 @@ def tokenizer_problem(entry: str, raw: bytes) -> tuple[str, str] | None:
         lines = raw.count(b"\n") + (1 if raw and not raw.endswith(b"\n") else 0)
         why = f"holds {lines} lines ({what}), more than the {cap} allowed" if lines > cap + 1 else None
     else:
-        why = sentencepiece_problem(raw)
+        why = sentencepiece_problem(raw, MAX_VOCAB)
     return None if why is None else ("D014", why)
 
 

@@ -121,10 +121,13 @@ def build_component(cls: type[Any], files: ComponentFiles, request: ModelRequest
     """Build one component. Every failure comes out as a :class:`DDUFError` naming the component."""
     kind = kind_of(cls)
     try:
-        if kind == "diffusers_model":
-            return build_diffusers_model(cls, files, request)
-        if kind == "transformers_model":
-            return build_transformers_model(cls, files, request)
+        if kind in ("diffusers_model", "transformers_model"):
+            build = build_diffusers_model if kind == "diffusers_model" else build_transformers_model
+            model = build(cls, files, request)
+            check = getattr(files, "check_unchanged", None)  # archive files: not truncated while building
+            if check is not None:
+                check()
+            return model
         if kind == "config":
             config_name = getattr(cls, "config_name", None)
             if not config_name:

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from ..errors import DDUFError, DDUFFormatError, DDUFIntegrityError, DDUFLoadError, DDUFPathError
+from ..errors import DDUFError, DDUFFormatError, DDUFIntegrityError, DDUFIOError, DDUFLoadError, DDUFPathError
 from ..format import spec
 from ..format.archive import DDUFArchive, tensor_view
 from ..format.json_budget import json_budget_problem, over_size, read_json
@@ -365,8 +365,28 @@ class ArchiveComponentFiles:
             return LazyTensors(self.archive.path, records)
         import torch
 
+        self.check_unchanged()
         mm = self.archive.mmap
         return {name: tensor_view(mm, offset, info, torch) for name, (offset, info) in records.items()}
+
+    def check_unchanged(self) -> None:
+        """Refuse (:class:`DDUFIOError`) when the archive file is shorter than when it was opened: it was
+        truncated or rewritten under the loader. Checked before tensors view the file's mapping and after a
+        model is built (``build_component``): touching a mapped page past the new end of the file would
+        kill the process with SIGBUS, which Python cannot catch. A truncation between this check and a page
+        access cannot be caught at all (docs/security.md, "Truncation while reading"); ``use_mmap=False``
+        reads with ``preadv``, where a short read is an error."""
+        source = getattr(self.archive, "_source", None)  # the archive's own ByteSource: its size at open
+        fd, size = getattr(source, "fd", None), getattr(source, "size", None)
+        if not (isinstance(fd, int) and fd >= 0 and isinstance(size, int)):
+            return
+        try:
+            now = os.fstat(fd).st_size
+        except OSError as e:
+            raise DDUFIOError(f"{self.archive.path}: cannot check the file while loading {self.name}: {e}") from None
+        if now < size:
+            raise DDUFIOError(f"{self.archive.path}: the file shrank from {size} to {now} bytes while {self.name} was "
+                              "loading (truncated or replaced); its weights can no longer be read")
 
     def byte_ranges(self, filenames: Sequence[str]) -> list[tuple[int, int]]:
         """(offset, length) of each file's tensor data in the archive, for read-ahead."""

@@ -1,0 +1,124 @@
+"""The construction budget on every path that builds a model from an untrusted config (issue 18 item 7): the
+quanto paths (``quanto_qmap.json``, a ``quantization_config``) and ``dduf pack --dtype``'s conversion skeleton
+built models with no budget: a 3,000-layer config over a 2-layer checkpoint ran 25-60 s of CPU (and 600+ MB)
+before failing on missing weights. Now each is refused as soon as construction passes a small multiple of the
+stored weights (dduf_plus/packing/meta_model.py), in well under a second of construction."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import PIPELINES
+from dduf_plus.errors import DDUFError, DDUFPackError
+from dduf_plus.loading.files import FolderComponentFiles
+from dduf_plus.packing.meta_model import ConstructionBudgetError, construction_budget, meta_model
+
+pytest.importorskip("optimum.quanto")
+from diffusers import PixArtTransformer2DModel, QuantoConfig  # noqa: E402
+from optimum.quanto import freeze, qint8, quantize  # noqa: E402
+
+from dduf_plus.loading import quant  # noqa: E402
+
+LAYERS = 3000
+BOUND_S = 5.0  # construction of the few layers the budget allows: a fraction of a second; the old runs: 25-60 s
+
+
+def _grow(folder: Path, key: str = "num_layers", value: int = LAYERS) -> dict:
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    config[key] = value
+    path.write_text(json.dumps(config))
+    return config
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory) -> dict[str, Path]:
+    """The tiny DiT's transformer quantized two ways (quanto_qmap.json; diffusers' quantization_config), each a
+    component folder; the stored weights are those of its 2 layers."""
+    root = tmp_path_factory.mktemp("quantized")
+    model = PixArtTransformer2DModel.from_pretrained(PIPELINES / "tiny-dit", subfolder="transformer",
+                                                     torch_dtype=torch.bfloat16)
+    quantize(model, weights=qint8)
+    freeze(model)
+    (root / "qmap").mkdir()
+    quant.save_quanto_component(model, root / "qmap")
+    shutil.copy(PIPELINES / "tiny-dit" / "transformer" / "config.json", root / "qmap" / "config.json")
+    model = PixArtTransformer2DModel.from_pretrained(PIPELINES / "tiny-dit", subfolder="transformer",
+                                                     quantization_config=QuantoConfig(weights_dtype="int8"),
+                                                     torch_dtype=torch.bfloat16)
+    model.save_pretrained(root / "qconfig")
+    return {"qmap": root / "qmap", "qconfig": root / "qconfig"}
+
+
+@pytest.mark.parametrize("key", ["num_layers", "num_attention_heads"])
+def test_quanto_qmap_component_asking_for_a_huge_model_is_refused(quantized, tmp_path, key) -> None:
+    folder = tmp_path / "transformer"
+    shutil.copytree(quantized["qmap"], folder)
+    config = _grow(folder, key, LAYERS if key == "num_layers" else 4096)
+    started = time.perf_counter()
+    with pytest.raises(ConstructionBudgetError, match="far bigger than the weights stored"):
+        quant.load_quanto_component(PixArtTransformer2DModel, config, FolderComponentFiles(folder))
+    assert time.perf_counter() - started < BOUND_S
+
+
+def test_quantization_config_component_asking_for_a_huge_model_is_refused(quantized, tmp_path) -> None:
+    folder = tmp_path / "transformer"
+    shutil.copytree(quantized["qconfig"], folder)
+    config = _grow(folder)
+    started = time.perf_counter()
+    with pytest.raises(ConstructionBudgetError, match="PixArtTransformer2DModel far bigger"):
+        quant.load_with_diffusers_quantizer(PixArtTransformer2DModel, config, FolderComponentFiles(folder))
+    assert time.perf_counter() - started < BOUND_S
+
+
+def test_quantized_components_within_budget_still_load(quantized) -> None:
+    for kind, load in (("qmap", quant.load_quanto_component), ("qconfig", quant.load_with_diffusers_quantizer)):
+        files = FolderComponentFiles(quantized[kind])
+        model = load(PixArtTransformer2DModel, files.read_json("config.json"), files)
+        assert len(model.transformer_blocks) == 2
+
+
+def test_pack_dtype_of_a_huge_config_is_refused(tmp_path) -> None:
+    from dduf_plus.packing.convert import pack_converted
+
+    folder = tmp_path / "pipe"
+    shutil.copytree(PIPELINES / "tiny-dit", folder)
+    _grow(folder / "transformer")
+    started = time.perf_counter()
+    with pytest.raises(DDUFPackError, match="transformer: its config makes PixArtTransformer2DModel far bigger"):
+        pack_converted(folder, tmp_path / "out.dduf", dtype="float16", quiet=True)
+    assert time.perf_counter() - started < BOUND_S + 10  # planning the pack hashes files too
+    assert not (tmp_path / "out.dduf").exists()
+
+
+def test_pack_dtype_within_budget_still_converts(tmp_path) -> None:
+    from dduf_plus.format.archive import DDUFArchive
+    from dduf_plus.packing.convert import pack_converted
+
+    out = pack_converted(PIPELINES / "tiny-dit", tmp_path / "out.dduf", dtype="float16", quiet=True).path
+    with DDUFArchive(out) as archive:
+        dtypes = {info.dtype for info in archive.headers["transformer/diffusion_pytorch_model.safetensors"].tensors.values()}
+    assert "float16" in dtypes
+
+
+def test_meta_model_refuses_past_the_budget_and_names_where() -> None:
+    config = json.loads((PIPELINES / "tiny-dit" / "transformer" / "config.json").read_text())
+    stored = {"w": ("float32", (4, 4), 64)}
+    with pytest.raises(ConstructionBudgetError, match=r"here/transformer: .* \(over 264 modules; 1 tensors"):
+        meta_model(PixArtTransformer2DModel, {**config, "num_layers": LAYERS}, "here/transformer", stored)
+    assert isinstance(ConstructionBudgetError("x"), DDUFError)
+
+
+def test_budgets_nest_and_end_with_their_block() -> None:
+    with construction_budget("outer", "Outer", {"w": ("float32", (1,), 4)}):
+        with pytest.raises(ConstructionBudgetError, match="inner"):
+            with construction_budget("inner", "Inner", {}):
+                torch.nn.Sequential(*[torch.nn.Identity() for _ in range(300)])
+        torch.nn.Sequential(*[torch.nn.Identity() for _ in range(100)])  # the outer budget counts again
+    torch.nn.Sequential(*[torch.nn.Identity() for _ in range(1000)])  # no budget outside the block
