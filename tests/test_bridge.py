@@ -65,14 +65,14 @@ def test_single_dtype_pipelines_are_not_bridged(archives):
 def test_cast_rules():
     latents = torch.zeros(1, 4, 8, 8)
     mask = torch.ones(1, 7, dtype=torch.int64)
-    timestep = torch.tensor([999.0])
+    timestep = torch.tensor(999.0)  # SD's loop `t`: 0-d
     args, kwargs, caller = cast_inputs((latents, timestep), {"encoder_hidden_states": torch.zeros(1, 7, 32),
                                                               "attention_mask": mask,
                                                               "added_cond_kwargs": {"time_ids": torch.zeros(1, 6)},
                                                               "scale": 1.0}, torch.float16)
     assert caller is torch.float32
     assert args[0].dtype is torch.float16 and kwargs["encoder_hidden_states"].dtype is torch.float16
-    assert args[1] is timestep  # 1-d: timesteps/guidance stay fp32, as in single-dtype pipelines
+    assert args[1] is timestep  # 0-d: stays fp32, as in single-dtype pipelines (1-d: tests/test_bridge_1d.py)
     assert kwargs["attention_mask"] is mask and kwargs["scale"] == 1.0
     assert kwargs["added_cond_kwargs"]["time_ids"].dtype is torch.float16
     same = torch.zeros(2, 2, dtype=torch.float16)

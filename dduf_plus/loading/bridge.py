@@ -4,14 +4,23 @@ fp32...) with stock diffusers pipelines, which assume one dtype, without convert
 Each bridged component casts the *activations* it receives to its own dtype and casts its outputs back to
 the dtype the caller used, so to the pipeline every component looks like it runs in the pipeline's dtype:
 
+- the caller's dtype: the dtype of the call's main activation, the first floating tensor of two or more
+  dimensions (positional first, then keyword, also one level inside tuples/lists/dicts): the latents, the
+  sample, the pixel values. Not the first tensor that happens to need a cast: Hunyuan-DiT passes its fp32
+  rotary embeddings beside fp16 latents, and taking their dtype cast the fp16 transformer's output to fp32.
 - what is cast: floating tensors with two or more dimensions (latents, hidden states, embeddings, pixel
   values, SDXL's ``time_ids``...), positional or keyword, also one level inside tuples/lists/dicts
-  (``added_cond_kwargs``). 0-d and 1-d tensors (timesteps, guidance scales) are left as they are: stock
-  pipelines create them in fp32 whatever the model dtype and the models cast them internally, so the
-  bridge behaves as a single-dtype pipeline would.
-- outputs: when an input was cast, floating outputs of two or more dimensions in the component's dtype
-  are cast back to the caller's dtype (tensors, tuples, ``BaseOutput``/``ModelOutput``); objects such as
-  ``DiagonalGaussianDistribution`` are returned as they are (type promotion handles their use).
+  (``added_cond_kwargs``); and 1-d floating tensors in the caller's dtype: per-sample timesteps and
+  guidance that the pipeline built from the latents (Hunyuan-DiT's ``t_expand``, Flux/Chroma's
+  ``timestep.to(latents.dtype)``), which models such as Hunyuan-DiT, HunyuanVideo 1.5, Chroma and
+  QwenImage take as their compute dtype (``hidden_dtype=timestep.dtype``): in a single-dtype pipeline they
+  would be in the model's dtype. 1-d tensors in another dtype (fp32 timesteps beside fp16 latents) and
+  0-d tensors (SD's loop ``t``) are left as they are: stock pipelines make them in fp32 whatever the model
+  dtype and the models cast them internally.
+- outputs: when the caller's dtype differs from the component's, floating outputs of two or more
+  dimensions in the component's dtype are cast back to the caller's dtype (tensors, tuples,
+  ``BaseOutput``/``ModelOutput``); objects such as ``DiagonalGaussianDistribution`` are returned as they
+  are (type promotion handles their use).
 - where: ``forward`` (a forward pre-hook and a forward hook, ``with_kwargs=True``) and the other methods
   pipelines call directly (``encode``, ``decode``, ``tiled_encode``, ``tiled_decode``, ``get_text_features``,
   ``get_image_features``), wrapped on the instance.
@@ -51,18 +60,44 @@ def _castable(value: Any, torch: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() >= 2 and value.dtype.itemsize >= 2
 
 
-def cast_inputs(args: tuple, kwargs: dict, target: torch.dtype) -> tuple[tuple, dict, torch.dtype | None]:
-    """(args, kwargs, caller dtype): activations in another floating dtype cast to ``target``."""
+def _nested(value: Any) -> Iterable[Any]:
+    """``value`` and, for a plain tuple/list/dict, its items (the one level the bridge looks into)."""
+    yield value
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        yield from value
+    elif type(value) is dict:
+        yield from value.values()
+
+
+def caller_dtype(args: tuple, kwargs: dict) -> torch.dtype | None:
+    """The dtype of the call's main activation: its first floating tensor of two or more dimensions."""
     import torch
 
-    caller: list[torch.dtype] = []
+    for top in (*args, *kwargs.values()):
+        for value in _nested(top):
+            if _castable(value, torch):
+                return value.dtype
+    return None
+
+
+def cast_inputs(args: tuple, kwargs: dict, target: torch.dtype) -> tuple[tuple, dict, torch.dtype | None]:
+    """(args, kwargs, caller dtype or None when it is ``target``): activations in another floating dtype cast to
+    ``target``, and 1-d tensors in the caller's dtype (timesteps built from the latents)."""
+    import torch
+
+    caller = caller_dtype(args, kwargs)
+    if caller == target:
+        caller = None
+
+    def needs_cast(value: Any) -> bool:
+        if _castable(value, torch):
+            return value.dtype != target
+        return (caller is not None and isinstance(value, torch.Tensor) and value.dim() == 1
+                and value.dtype == caller)
 
     def cast(value: Any, depth: int = 0) -> Any:
-        if _castable(value, torch):
-            if value.dtype != target:
-                caller.append(value.dtype)
-                return value.to(target)
-            return value
+        if needs_cast(value):
+            return value.to(target)
         if depth == 0 and isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
             return type(value)(cast(v, 1) for v in value)
         if depth == 0 and type(value) is dict:
@@ -71,7 +106,7 @@ def cast_inputs(args: tuple, kwargs: dict, target: torch.dtype) -> tuple[tuple, 
 
     new_args = tuple(cast(a) for a in args)
     new_kwargs = {k: cast(v) for k, v in kwargs.items()}
-    return new_args, new_kwargs, (caller[0] if caller else None)
+    return new_args, new_kwargs, caller
 
 
 def cast_outputs(output: Any, source: torch.dtype, caller: torch.dtype) -> Any:
