@@ -7,6 +7,7 @@ process's start, bytes the server sent (headers included), seconds, and the outc
 
     python bench/bench_hostile.py                          # every mode, both entry points
     python bench/bench_hostile.py --modes overrun-close --extra-mb 1024
+    python bench/bench_hostile.py --honest-first 2      # the mode hits the data ranges, not the probe
 """
 
 from __future__ import annotations
@@ -58,12 +59,14 @@ def _case(entry: str, url: str, max_bytes: int, deadline: float, cache: str, out
                outcome=outcome)
 
 
-def run(mode: str, entry: str, archive: Path, extra: int, max_bytes: int, deadline: float) -> dict:
+def run(mode: str, entry: str, archive: Path, extra: int, max_bytes: int, deadline: float,
+        honest_first: int = 0) -> dict:
     from hostile_server import HostileServer, wait_idle
 
     manager = multiprocessing.Manager()
     out = manager.dict()
-    with tempfile.TemporaryDirectory() as cache, HostileServer(archive.parent, mode, extra=extra) as server:
+    with tempfile.TemporaryDirectory() as cache, HostileServer(archive.parent, mode, extra=extra,
+                                                                      honest_first=honest_first) as server:
         proc = multiprocessing.get_context("spawn").Process(
             target=_case, args=(entry, server.url(archive.name), max_bytes, deadline, cache, out))
         proc.start()
@@ -72,7 +75,7 @@ def run(mode: str, entry: str, archive: Path, extra: int, max_bytes: int, deadli
             proc.kill()
             out["outcome"] = "HUNG (killed)"
         wait_idle(server)
-        result = {"mode": mode, "entry": entry, "server_sent_mb": round(server.sent / 2**20, 2),
+        result = {"mode": f"{mode}@{honest_first}" if honest_first else mode, "entry": entry, "server_sent_mb": round(server.sent / 2**20, 2),
                   "requests": server.requests, **dict(out)}
     manager.shutdown()
     return result
@@ -87,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--extra-mb", type=float, default=256, help="bytes an overrunning answer adds (MB)")
     p.add_argument("--max-bytes", type=int, default=20_000_000)
     p.add_argument("--deadline", type=float, default=10)
+    p.add_argument("--honest-first", type=int, default=0, help="answer this many requests honestly first (the "
+                   "mode then hits the tail or data ranges, read by several connections, not the opening probe)")
     p.add_argument("--json", type=Path, help="also write the rows here")
     args = p.parse_args(argv)
     from dduf_plus.format.pack import pack_folder
@@ -97,9 +102,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"archive {archive.stat().st_size} bytes; byte budget {args.max_bytes}; extra {args.extra_mb} MB")
         for mode in args.modes:
             for entry in args.entries:
-                row = run(mode, entry, archive, int(args.extra_mb * 2**20), args.max_bytes, args.deadline)
+                row = run(mode, entry, archive, int(args.extra_mb * 2**20), args.max_bytes, args.deadline,
+                          args.honest_first)
                 rows.append(row)
-                print(f"{mode:<17} {entry:<8} sent {row['server_sent_mb']:>8} MB  {row['requests']:>4} req  "
+                print(f"{row['mode']:<19} {entry:<8} sent {row['server_sent_mb']:>8} MB  {row['requests']:>4} req  "
                       f"RSS +{row.get('rss_growth_mb', '?'):>7} MB  {row.get('seconds', '?'):>6} s  "
                       f"{row.get('outcome', '?')[:110]}", flush=True)
     if args.json:

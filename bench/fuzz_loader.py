@@ -13,8 +13,8 @@ reference source / canary folders.
 input's number (honest a third of the time, so mutants get loaded through the remote path too; otherwise any
 hostile mode, from the first request or from a later one) and runs ``validate(URL)``, ``dduf info URL`` and
 ``load_dduf(URL)`` under a short deadline. Besides the outcomes above, a finding is: more bytes sent by the
-server than :data:`REMOTE_SENT_BOUND` allows, a target slower than the deadline allows, or a loaded pipeline
-from a server that broke the protocol.
+server than :func:`REMOTE_SENT_BOUND` allows, a target slower than the deadline allows, or a load that
+succeeded from an archive that is not the served file byte for byte.
 
 Inputs run in a forked worker (torch etc. imported once, before the fork) under a per-input deadline and an
 address-space limit; a worker that hangs or dies is replaced and its input saved. Each finding's input is
@@ -225,10 +225,18 @@ def run_remote(m: Any, server: Any, path: Path, seed: int, number: int, limit: f
         if o.seconds > REMOTE_DEADLINE_S + 2 * REMOTE_READ_TIMEOUT_S + 3 and o.status != "finding":
             outcomes.append(m.Outcome(o.target, "finding", "past-the-deadline", o.seconds,
                                       f"{label}: {o.target} took {o.seconds:.1f} s"))
-        if mode != "honest" and o.target == "remote-load" and o.status == "ok":
-            outcomes.append(m.Outcome(o.target, "finding", "loaded-from-a-broken-server", o.seconds,
-                                      f"{label}: load_dduf succeeded"))
+        if o.target == "remote-load" and o.status == "ok" and (why := _fetched_differs(path)):
+            outcomes.append(m.Outcome(o.target, "finding", "loaded-bytes-differ", o.seconds, f"{label}: {why}"))
     return label, server.sent, outcomes
+
+
+def _fetched_differs(path: Path) -> str | None:
+    """After a load that succeeded: why the archive it fetched is not the served file byte for byte (None if
+    it is). Whatever the server did, what loads must be the file's real bytes."""
+    fetched = list((Path(os.environ["DDUF_PLUS_CACHE"]) / "remote").glob("*.dduf"))
+    if len(fetched) != 1:
+        return f"{len(fetched)} archives in the remote cache after one load"
+    return None if fetched[0].read_bytes() == path.read_bytes() else f"{fetched[0].name} differs from the served file"
 
 
 def remote_targets(m: Any, url: str, limit: float | None, before_each: Any = None) -> list[Any]:
