@@ -289,4 +289,5 @@ def test_weightless_config_sizes_are_bounded(tmp_path: Path, guarded: dict) -> N
     cfg = folder / "scheduler" / "scheduler_config.json"
     cfg.write_text(json.dumps(json.loads(cfg.read_text()) | {"num_train_timesteps": 2**31}))
     _, error = try_load(pack_folder(folder, tmp_path / "p.dduf", quiet=True, check=False).path)  # pack refuses it (D015)
-    assert isinstance(error, errors.DDUFLoadError) and "num_train_timesteps" in str(error)
+    # refused before anything is built, with validate's code (D015), as validate refuses it
+    assert isinstance(error, errors.DDUFValidationError) and error.codes == ["D015"] and "num_train_timesteps" in str(error)
