@@ -126,6 +126,7 @@ class RemoteFetch:
         self._error: BaseException | None = None
         self._stop = False
         self._discarded = False
+        self._writing = 0  # workers inside a pwrite
         self._progress_lock = threading.Lock()  # a save in flight ends before a discard removes the files
         self._queue: deque[tuple[int, int]] = deque()
         self._threads: list[threading.Thread] = []
@@ -251,8 +252,19 @@ class RemoteFetch:
                 t0 = time.perf_counter()
                 data = self.reader.read(start, end - start)
                 t1 = time.perf_counter()
-                self._write(start, data)
                 with self._cond:
+                    if self._stop:  # abort() may be releasing the blocks not written yet
+                        return
+                    self._writing += 1
+                try:
+                    self._write(start, data)
+                except BaseException:
+                    with self._cond:
+                        self._writing -= 1
+                        self._cond.notify_all()
+                    raise
+                with self._cond:  # written and recorded as done at once (abort() computes the holes)
+                    self._writing -= 1
                     self.requests += 1
                     self.fetched_bytes += len(data)
                     self.timeline.append((t0, t1, start, end - start))
@@ -456,9 +468,12 @@ class RemoteFetch:
         error = error if error is not None else sys.exc_info()[1]
         with self._cond:
             self._stop = True
-            self._discarded = _refused(error)
+            already = self._discarded
+            self._discarded = already or _refused(error)
             self._cond.notify_all()
-        if self.complete:
+            while self._writing:  # a write in flight lands before the unwritten blocks are computed
+                self._cond.wait(0.1)
+        if self.complete or already:
             return
         if self._discarded:
             self._discard()
