@@ -226,8 +226,21 @@ def test_storage_check_url_accepts_ipv6_literals_only():
         assert storage_check_url(url) in ("http", "https")
     for url in ("simplecache::https://h/x.dduf", "https://[::1]/a::b", "simplecache::http://[::1]/x",
                 "http://[::1]::http://x", "zip://a::https://[::1]/x"):
-        with pytest.raises(DDUFUsageError, match="chained"):
+        with pytest.raises(DDUFUsageError, match="chained|not a valid URL"):
             storage_check_url(url)
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:abc/x.dduf", "http://127.0.0.1:99999/x.dduf",
+                                 "http://127.0.0.1:0/x.dduf", "http://[::1/x.dduf"])
+def test_cli_bad_port_is_a_usage_error(url, capsys):
+    """The sibling in the CLI: `dduf validate URL` said "internal error: ValueError: Port out of range"."""
+    from dduf_plus.cli import main
+
+    with pytest.raises(DDUFUsageError, match="not a valid URL|port 0"):
+        storage_check_url(url)
+    assert main(["validate", url]) == 2
+    err = capsys.readouterr().err
+    assert "internal error" not in err and err.startswith("dduf validate: error:")
 
 
 class _V6Files(FileServer):

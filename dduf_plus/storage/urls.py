@@ -27,6 +27,12 @@ def check_url(url: str) -> str:
     Refused: fsspec chains (``::``, e.g. ``simplecache::https://...``, which downloads whole files), and
     every scheme outside :data:`ALLOWED_URL_SCHEMES` (``local://`` and ``memory://`` among them). A bracketed
     IPv6 literal host (``http://[::1]:8000/x.dduf``) is not a chain: its ``::`` is ignored, nothing else's."""
+    try:
+        port = urlsplit(url).port  # urllib raises only when asked: a bad port must be a usage error, not a crash
+    except ValueError as e:  # "Port out of range 0-65535", "Port could not be cast to integer", "Invalid IPv6 URL"
+        raise DDUFUsageError(f"{url}: not a valid URL ({e})") from None
+    if port == 0:
+        raise DDUFUsageError(f"{url}: port 0 is not a port to connect to")
     if "::" in _IPV6_HOST.sub(r"\1[v6]", url, count=1):
         raise DDUFUsageError(f"{url}: chained fsspec URLs ('::') are not allowed; give the URL itself")
     scheme = url.split("://", 1)[0].lower()
