@@ -449,3 +449,16 @@ def test_cli_port_in_use_and_ctrl_c():
         proc.kill()
     assert proc.returncode == 130 and err.strip().splitlines()[-1] == "dduf serve: interrupted"
     assert "Traceback" not in err
+
+
+def test_cli_settings_allow_the_bound_host():
+    from dduf_plus.cli import build_parser
+    from dduf_plus.cli.serve import _settings
+
+    args = build_parser("serve").parse_args(["serve", "--host", "box.lan", "--allowed-host", "dduf.example.org",
+                                             "--uploads", "3", "--uploads-per-client", "2"])
+    settings = _settings(args)
+    assert settings.allowed_hosts == ("dduf.example.org", "box.lan") and (settings.uploads, settings.uploads_per_client) == (3, 2)
+    assert host_allowed("box.lan:8000", settings) and not host_allowed("other.lan", settings)
+    anywhere = _settings(build_parser("serve").parse_args(["serve", "--host", "0.0.0.0"]))
+    assert anywhere.allowed_hosts == () and host_allowed("192.168.1.9:8000", anywhere)

@@ -1,6 +1,7 @@
 """``dduf serve``: DDUF validation as an HTTP service (validation API, a page, a Hub webhook receiver).
 
-Needs the ``serve`` extra (``pip install "dduf_plus[serve]"``: starlette, uvicorn, python-multipart).
+Needs the ``serve`` extra (``pip install "dduf_plus[serve]"``, from a checkout ``pip install -e ".[serve]"``:
+starlette, uvicorn, python-multipart).
 
 Example:
     >>> from dduf_plus.serve import Settings, create_app
