@@ -32,7 +32,8 @@ class RemoteOptions:
             a stalled server is cut off after this long.
         deadline: seconds for the whole fetch (default ``DDUF_REMOTE_DEADLINE``, else 300 s plus one
             second per MB of archive): a server that trickles bytes is cut off there.
-        max_bytes: the most bytes fetched in all (default twice the archive's size plus 16 MiB).
+        max_bytes: the most bytes received in all, headers included (default twice the archive's size plus
+            16 MiB); an answer never brings more than its range plus 64 KiB.
         headers: extra HTTP headers for http(s) URLs (``{"Authorization": "Bearer ..."}``).
         storage_options: fsspec options for ``s3://``, ``gs://``, ``hf://``... (``{"anon": True}``,
             ``{"client_kwargs": {"endpoint_url": ...}}``).

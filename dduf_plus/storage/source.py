@@ -8,8 +8,10 @@ A remote source is untrusted like the archive it serves, so every remote source 
 
 - an overall **deadline** from opening to the last read (``deadline=`` seconds, else ``DDUF_REMOTE_DEADLINE``,
   default :data:`DEFAULT_DEADLINE_S`); a server that trickles a byte every few seconds is cut off there;
-- a **byte budget**: at most ``max_bytes`` fetched in all (else ``DDUF_REMOTE_MAX_BYTES``, default twice the
-  file's size plus :data:`BUDGET_SLACK_BYTES`: every byte once for ``--verify``, again for headers);
+- a **byte budget**: at most ``max_bytes`` received in all (else ``DDUF_REMOTE_MAX_BYTES``, default twice the
+  file's size plus :data:`BUDGET_SLACK_BYTES`: every byte once for ``--verify``, again for headers). For
+  http(s) every byte received counts (status lines, headers, chunk framing), an answer brings at most its
+  range plus 64 KiB, and bytes past the range are refused, never read (``http_range``);
 - each connect and each socket read waits at most ``HF_HUB_DOWNLOAD_TIMEOUT`` seconds (default 10);
 - http(s) redirects are followed only within the same origin (scheme, host, port), at most
   :data:`MAX_REDIRECTS`; a server that ignores ``Range`` is refused before its body is read;
