@@ -241,6 +241,7 @@ def test_base_hub_uses_file_metadata(tmp_path: Path, hf_env: Path, monkeypatch: 
     import huggingface_hub
     from huggingface_hub import constants
 
+    monkeypatch.setenv("DDUF_PLUS_HUB_PROBE", "0")  # huggingface_hub is mocked below: no real Hub to probe
     monkeypatch.delenv("HF_HUB_OFFLINE")
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     calls = []

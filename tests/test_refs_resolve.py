@@ -133,6 +133,7 @@ def test_download_fetches_only_the_component(partial: Path, hf_env: Path, monkey
     import huggingface_hub
     from huggingface_hub import constants
 
+    monkeypatch.setenv("DDUF_PLUS_HUB_PROBE", "0")  # huggingface_hub is mocked below: no real Hub to probe
     monkeypatch.delenv("HF_HUB_OFFLINE")
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     calls = []

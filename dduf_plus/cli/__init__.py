@@ -18,7 +18,7 @@ import logging
 import sys
 
 from ..errors import DDUFError, DDUFIOError, DDUFUsageError
-from ._common import SafeFormatter, echo_error
+from ._common import PrintedOnce, SafeFormatter, echo_error
 
 # name -> (module, one-line help)
 COMMANDS = {
@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         level = min(level, logging.INFO)
     handler = logging.StreamHandler()
     handler.setFormatter(SafeFormatter("%(message)s"))  # log messages quote archive content
+    handler.addFilter(PrintedOnce())  # a library printing its own records: once, not twice
     logging.basicConfig(level=logging.WARNING, handlers=[handler])
     logging.getLogger("dduf_plus").setLevel(level)
     for stream in (sys.stdout, sys.stderr):  # a name the terminal's encoding lacks is escaped, not a crash

@@ -62,6 +62,26 @@ class SafeFormatter(logging.Formatter):
         return printable(super().format(record), newlines=True)
 
 
+class PrintedOnce(logging.Filter):
+    """For the CLI's root handler: a record that a library's own handler has already printed is not printed
+    again. huggingface_hub (and transformers, diffusers) add a stderr handler to their root logger and still
+    propagate, so each of their lines (huggingface_hub's "Retrying in 1s") came out twice. The library's
+    handler is given :class:`SafeFormatter` when first seen, so its lines are escaped like ours."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        logger: logging.Logger | None = logging.getLogger(record.name)
+        while logger is not None and logger is not logging.root:
+            if logger.handlers:
+                for handler in logger.handlers:
+                    if not isinstance(handler.formatter, SafeFormatter):
+                        handler.setFormatter(SafeFormatter("%(message)s"))
+                return False
+            if not logger.propagate:
+                break
+            logger = logger.parent
+        return True
+
+
 def print_json(value: Any) -> None:
     json.dump(value, sys.stdout, indent=2, sort_keys=False, ensure_ascii=True)
     sys.stdout.write("\n")

@@ -50,6 +50,7 @@ from ..format.structure import component_specs, model_index_object
 from ..format.weights import classify, select_weights
 from ..refs import cache as _cache
 from ..refs.resolve import Spec, component_folder, parse_ref_args, parse_spec
+from ..remote.hub import HubSourceNotFoundError, hub_unreachable
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +151,7 @@ class _Source:
         if self._hub is not None:
             return self._hub
         problems: list[str] = []
-        if not (self.local_files_only or _cache.is_offline()):
+        if not (self.local_files_only or _cache.is_offline() or hub_unreachable()):
             try:
                 return self._files_from_hub()
             except Exception as e:  # network, auth, not found: say so; the cache may still know it
@@ -160,7 +161,10 @@ class _Source:
             return found
         rev = self.spec.revision
         problems.append(f"{self.spec.location}" + (f"@{rev}" if rev else "") + " is not in the Hugging Face cache")
-        raise DDUFPackError(f"cannot read the file list of {self.spec}: " + "; ".join(problems))
+        if why := (not (self.local_files_only or _cache.is_offline()) and hub_unreachable()):
+            problems.append(f"the Hub cannot be reached ({why})")
+        raise HubSourceNotFoundError(f"cannot read the file list of {self.spec}: " + "; ".join(problems),
+                                     self.spec.location)
 
     def _files_from_hub(self) -> dict[str, dict[str, Any]]:
         from huggingface_hub import HfApi

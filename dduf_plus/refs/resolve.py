@@ -446,6 +446,10 @@ def _download_candidate(spec: Spec, name: str, recorded: Mapping[str, Mapping[st
             raise _Skip("not downloaded: local_files_only=True")
         if _cache.is_offline():
             raise _Skip("not downloaded: HF_HUB_OFFLINE is set")
+        from ..remote.hub import hub_unreachable
+
+        if why := hub_unreachable():  # one quick connect instead of huggingface_hub's 5 retries (~23 s)
+            raise _Skip(f"not downloaded: the Hub cannot be reached ({why})")
         try:
             from huggingface_hub import snapshot_download
         except ImportError:  # pragma: no cover - a dependency, but keep the message useful

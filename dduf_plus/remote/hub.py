@@ -35,6 +35,11 @@ MAX_MODEL_INDEX_BYTES = 256 << 10  # the same budget `dduf validate` applies to 
 _KEEP_EXTENSIONS = spec.ALLOWED_EXTENSIONS
 
 
+class HubSourceNotFoundError(DDUFNotFoundError, DDUFPackError):
+    """A Hub source of ``dduf pack`` (``--base``, ``--ref``) that is neither in the cache nor reachable: an I/O
+    error (exit 2), as for a Hub SOURCE, and a :class:`DDUFPackError` for callers of ``pack()``."""
+
+
 def is_repo_id(text: str) -> bool:
     """``org/name`` as huggingface_hub validates a repo id (exactly one ``/``; no ``.dduf`` suffix, which
     is a file name; no ``@`` revision, see :func:`split_revision`)."""
@@ -57,12 +62,72 @@ def split_revision(source: str) -> tuple[str, str | None]:
     return (repo, rev) if sep and rev else (source, None)
 
 
-def _offline(local_files_only: bool) -> bool:
+def _env_offline(local_files_only: bool) -> bool:
     if local_files_only:
         return True
     from huggingface_hub import constants
 
     return bool(constants.HF_HUB_OFFLINE) or os.environ.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def _offline(local_files_only: bool) -> bool:
+    """Work from the cache only: asked to (``local_files_only``, ``HF_HUB_OFFLINE``), or the Hub cannot be
+    reached (:func:`hub_unreachable`), so huggingface_hub's retries (5, about 23 s) are never spent."""
+    return _env_offline(local_files_only) or hub_unreachable() is not None
+
+
+def _offline_reason(local_files_only: bool) -> str:
+    if _env_offline(local_files_only):
+        return "offline (HF_HUB_OFFLINE or local_files_only)"
+    return f"the Hub cannot be reached ({hub_unreachable()})"
+
+
+PROBE_ENV = "DDUF_PLUS_HUB_PROBE"  # "0": never probe (huggingface_hub alone decides, with its retries)
+_PROXY_VARS = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+PROBE_SECONDS = 5.0  # one connect; a Hub that does not accept one in 5 s would not serve a download either
+PROBE_TTL = 30.0  # a long-running process (dduf serve) asks again after this
+_probes: dict[str, tuple[float, str | None]] = {}
+
+
+def hub_unreachable() -> str | None:
+    """Why the Hub endpoint (``HF_ENDPOINT``) cannot be reached now, from one TCP connect (DNS failure,
+    refused, no answer within :data:`PROBE_SECONDS`); None when it can, or when a proxy is configured (the
+    probe would not go through it) or ``$DDUF_PLUS_HUB_PROBE=0``: then huggingface_hub is left to try.
+    Remembered for :data:`PROBE_TTL` seconds."""
+    import socket
+    import time
+    from urllib.parse import urlsplit
+
+    if any(os.environ.get(var) for var in _PROXY_VARS) or os.environ.get(PROBE_ENV, "").strip() == "0":
+        return None
+    from huggingface_hub import constants
+
+    endpoint = str(constants.ENDPOINT)
+    now = time.monotonic()
+    known = _probes.get(endpoint)
+    if known is not None and now - known[0] < PROBE_TTL:
+        return known[1]
+    parts = urlsplit(endpoint)
+    host = parts.hostname or ""
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:  # a port that is no number: huggingface_hub will say so
+        return None
+    try:
+        with socket.create_connection((host, port), timeout=PROBE_SECONDS):
+            why = None
+    except socket.gaierror as e:
+        why = f"cannot resolve host {host!r} (DNS: {e.strerror or e})"
+    except ConnectionRefusedError:
+        why = f"connection refused by {host}:{port}"
+    except TimeoutError:
+        why = f"no answer from {host} within {PROBE_SECONDS:g} s"
+    except OSError as e:
+        why = f"{host}:{port}: {e.strerror or e}"
+    _probes[endpoint] = (now, why)
+    if why is not None:
+        logger.info("the Hub (%s) cannot be reached: %s; using the Hugging Face cache only", endpoint, why)
+    return why
 
 
 def _check_args(repo_id: str, revision: str | None) -> None:
@@ -80,8 +145,9 @@ def _where(repo_id: str, revision: str | None) -> str:
 
 
 def _hub_call(what: str, repo_id: str, revision: str | None, call: Callable[[], T], *, filename: str | None = None,
-              offline: bool = False) -> T:
-    """Run a huggingface_hub call; its errors become DDUFErrors that name the repo, revision and file."""
+              offline: str = "") -> T:
+    """Run a huggingface_hub call; its errors become DDUFErrors that name the repo, revision and file.
+    ``offline``: why the call works from the cache only (:func:`_offline_reason`), "" when it may go online."""
     from huggingface_hub import errors as hf_errors
 
     where = _where(repo_id, revision)
@@ -99,7 +165,7 @@ def _hub_call(what: str, repo_id: str, revision: str | None, call: Callable[[], 
         # (a subclass of EntryNotFoundError: caught first) not cached, and offline or the Hub unreachable
         if offline:
             raise DDUFNotFoundError(f"{what}: {filename or 'the files'} of the Hub repo {where} not in the Hugging "
-                                    "Face cache and offline (HF_HUB_OFFLINE or local_files_only): download it once "
+                                    f"Face cache and {offline}: download it once "
                                     f"online{_no_local(repo_id)}", filename) from None
         raise DDUFNotFoundError(f"{what}: {filename or where} of the Hub repo {where} is not in the Hugging Face "
                                 f"cache and the Hub cannot be reached ({_first_line(e)}){_no_local(repo_id)}",
@@ -170,7 +236,7 @@ def list_repo_files(repo_id: str, *, revision: str | None = None, token: str | b
         snap = _snapshot(repo_id, revision, cache_dir)
         if snap is None:
             raise DDUFNotFoundError(f"the Hub repo {_where(repo_id, revision)} is not in the Hugging Face cache and "
-                                    "offline (HF_HUB_OFFLINE or local_files_only): download it once online"
+                                    f"{_offline_reason(local_files_only)}: download it once online"
                                     f"{_no_local(repo_id)}", repo_id)
         return sorted(p.relative_to(snap).as_posix() for p in snap.rglob("*") if p.is_file())
     from huggingface_hub import HfApi
@@ -214,10 +280,11 @@ def hub_archive(repo_id: str, dduf_file: str | None = None, *, revision: str | N
     from huggingface_hub import hf_hub_download
 
     offline = _offline(local_files_only)
+    why = _offline_reason(local_files_only) if offline else ""
     with _bars(quiet):  # quiet=None: bars on a terminal only
         path = _hub_call(f"{repo_id}/{dduf_file}", repo_id, revision, lambda: hf_hub_download(
             repo_id, dduf_file, revision=revision, token=token, cache_dir=_as_path(cache_dir),
-            local_files_only=local_files_only), filename=dduf_file, offline=offline)
+            local_files_only=offline), filename=dduf_file, offline=why)
     logger.info("%s/%s: %s", _where(repo_id, revision), dduf_file, path)
     return Path(path)
 
@@ -265,11 +332,12 @@ def hub_folder_for_pack(repo_id: str, *, revision: str | None = None, variant: s
 
     _check_args(repo_id, revision)
     offline = _offline(local_files_only)
+    why = _offline_reason(local_files_only) if offline else ""
     where = _where(repo_id, revision)
     try:
         mi_path = Path(_hub_call(where, repo_id, revision, lambda: hf_hub_download(
             repo_id, spec.MODEL_INDEX, revision=revision, token=token, cache_dir=_as_path(cache_dir),
-            local_files_only=local_files_only), filename=spec.MODEL_INDEX, offline=offline))
+            local_files_only=offline), filename=spec.MODEL_INDEX, offline=why))
     except DDUFNotFoundError as e:
         if offline or "has no file" not in str(e):
             raise
@@ -296,8 +364,8 @@ def hub_folder_for_pack(repo_id: str, *, revision: str | None = None, variant: s
     logger.info("%s: %d of %d files are packed (%s)", where, len(wanted), len(files), ", ".join(components))
     with _bars(quiet):
         folder = _hub_call(where, repo_id, revision, lambda: snapshot_download(
-            repo_id, revision=revision, token=token, cache_dir=_as_path(cache_dir), local_files_only=local_files_only,
-            allow_patterns=[_glob_escape(f) for f in wanted]), offline=offline)
+            repo_id, revision=revision, token=token, cache_dir=_as_path(cache_dir), local_files_only=offline,
+            allow_patterns=[_glob_escape(f) for f in wanted]), offline=why)
     return Path(folder)
 
 
