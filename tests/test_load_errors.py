@@ -62,8 +62,10 @@ def test_unknown_library_names_the_component(tmp_path):
 
 def test_missing_shard_names_component_and_file(tmp_path):
     path = packed_variant(tmp_path, lambda f: (f / "unet" / "diffusion_pytorch_model-00002-of-00002.safetensors").unlink())
-    with pytest.raises(DDUFLoadError, match=r"unet.*diffusion_pytorch_model-00002-of-00002\.safetensors.*missing"):
+    # refused before anything is built, as validate refuses it: D011, naming the index, the shard, the folder
+    with pytest.raises(DDUFError, match=r"D011 \[unet/.*diffusion_pytorch_model-00002-of-00002\.safetensors.*missing") as info:
         load_dduf(path)
+    assert info.value.codes == ["D011"]
 
 
 def test_required_component_absent_says_pass_it(tmp_path):
