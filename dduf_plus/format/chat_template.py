@@ -78,6 +78,8 @@ def fold(component: str, config_path: Path, templates: Mapping[str, Path]) -> Fo
         DDUFPackError: the config is not a JSON object, or a template is not UTF-8 text.
     """
     entry = f"{component}/{TOKENIZER_CONFIG}"
+    if not templates:
+        raise ValueError(f"{entry}: no chat template to fold")
     raw = config_path.read_bytes()
     try:
         config = json.loads(raw)
