@@ -95,3 +95,21 @@ def test_docs_cite_only_files_in_the_repository() -> None:
         missing += [f"{doc.relative_to(ROOT)}: {name}" for name in re.findall(r"\b[A-Z]+\.md\b", text)
                     if not (ROOT / name).exists()]
     assert not missing, missing
+
+
+def test_documented_scripts_and_their_options_exist() -> None:
+    """`python bench/X.py --flag` lines: the script is in the repository and declares the option."""
+    bad = []
+    for doc in DOCS:
+        text = doc.read_text(encoding="utf-8")
+        for match in re.finditer(r"python ((?:bench|tests|fixtures|examples)/[\w/]+\.py)([^`\n]*)", text):
+            script = ROOT / match.group(1)
+            if not script.exists():
+                bad.append(f"{doc.relative_to(ROOT)}: {match.group(1)} does not exist")
+                continue
+            source = script.read_text(encoding="utf-8")
+            tail = re.split(r"\s(?:\||&&|;|#|>)\s?", match.group(2))[0]
+            bad += [f"{doc.relative_to(ROOT)}: {match.group(1)} {flag}"
+                    for flag in re.findall(r"(?<![\w-])(--[a-zA-Z][\w-]*)", tail)  # -x=: libFuzzer's own flags
+                    if f'"{flag}"' not in source and f"'{flag}'" not in source]
+    assert not bad, bad
