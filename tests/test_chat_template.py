@@ -159,3 +159,14 @@ def test_a_record_that_does_not_check_out_keeps_the_stored_file(chat_sd, tmp_pat
     unpack(tmp_path / "x.dduf", tmp_path / "out")
     assert (tmp_path / "out" / "tokenizer" / "tokenizer_config.json").read_bytes() == folded.data
     assert not list(tmp_path.rglob("*.jinja"))  # neither the template nor ../../evil.jinja
+
+
+def test_a_hub_source_pack_downloads_the_templates():
+    """`dduf pack org/repo` downloads only what the archive stores: the templates are part of it (folded)."""
+    from dduf_plus.remote.hub import pack_selection
+
+    files = ["model_index.json", "tokenizer/tokenizer_config.json", "tokenizer/chat_template.jinja",
+             "tokenizer/additional_chat_templates/tools.jinja", "tokenizer/README.md", "tokenizer/deep/x.jinja"]
+    assert pack_selection(files, ["tokenizer"], None) == [
+        "model_index.json", "tokenizer/tokenizer_config.json", "tokenizer/additional_chat_templates/tools.jinja",
+        "tokenizer/chat_template.jinja"]

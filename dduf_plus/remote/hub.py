@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 from ..errors import DDUFError, DDUFIOError, DDUFNotFoundError, DDUFPackError, DDUFUsageError
 from ..format import spec
+from ..format.chat_template import is_template_name
 from ..format.weights import classify, select_weights
 from ..storage.cache_dirs import hf_hub_cache
 
@@ -315,6 +316,8 @@ def pack_selection(files: Sequence[str], components: Sequence[str], variant: str
                                 "DDUF stores safetensors only: convert them first")
         weights = set(select_weights(allowed, variant))
         chosen += [prefix + n for n in sorted(allowed) if classify(n) is None or n in weights]
+        # chat templates: pack folds them into tokenizer_config.json (format/chat_template.py)
+        chosen += sorted(f for f in files if f.startswith(prefix) and is_template_name(f[len(prefix):]))
     return chosen
 
 
