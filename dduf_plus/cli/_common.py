@@ -7,11 +7,12 @@ able to retitle, clear or rewrite the user's terminal. JSON output goes through 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -95,6 +96,11 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1000
     return f"{n} B"
+
+
+def human_rate(n: float, seconds: float) -> str:
+    """``n`` bytes in ``seconds`` as a decimal rate (``32.10 MB/s``); ``-`` for no time."""
+    return f"{human_bytes(n / seconds)}/s" if seconds > 0 else "-"
 
 
 def plural(n: int, word: str, words: str | None = None) -> str:
@@ -198,6 +204,27 @@ def path_like_missing(spec: str, what: str) -> None:
     if "/" in head and first and os.path.isdir(first) and not os.path.exists(head):
         hint = f" (to mean the Hub repo {head}, run from a folder without ./{first})" if head.count("/") == 1 else ""
         raise DDUFNotFoundError(f"{what} {text}: {os.path.abspath(head)} does not exist{hint}", head)
+
+
+@contextlib.contextmanager
+def plain_archive(source: str, max_decompressed: str | None = None) -> Iterator[tuple[str, int | None]]:
+    """(path of the plain archive, size of the .zst or None) for a read-only command (info, refs): a local
+    ``.dduf.zst`` is decompressed as ``dduf validate`` does (a private temporary file removed afterwards, or
+    the verified cache entry); anything else is passed through, for the archive reader to judge."""
+    from ..storage.urls import is_url
+    from ..storage.zst import is_zst
+
+    if not is_zst(source) or is_url(source) or os.path.isdir(source):
+        yield source, None
+        return
+    from ..storage.source import open_source
+    from ..storage.zst_cache import validation_archive
+
+    local = open_source(source)  # missing, a folder, unreadable: the same messages as a plain archive
+    compressed = local.size
+    local.close()
+    with validation_archive(source, max_decompressed=max_decompressed) as plain:
+        yield str(plain), compressed
 
 
 def budget_arg(text: str) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from ._common import as_usage, echo, human_bytes, output_file, path_like_missing
+from ._common import as_usage, echo, human_bytes, output_file, path_like_missing, plural
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -33,6 +33,6 @@ def run(args: argparse.Namespace) -> int:
     result = complete_archive(args.partial, output, refs=refs, local_files_only=args.local_files_only,
                               token=args.token, cache_dir=args.cache_dir, quiet=args.quiet)
     if not args.quiet:
-        echo(f"wrote {result.path}: {result.entries} entries, {human_bytes(result.bytes_written)} "
+        echo(f"wrote {result.path}: {plural(result.entries, 'entry', 'entries')}, {human_bytes(result.bytes_written)} "
              f"in {result.seconds:.2f} s")
     return 0

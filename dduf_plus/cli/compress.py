@@ -36,7 +36,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..storage.zst import compress
-    from ._common import echo, human_bytes, input_file, output_file
+    from ._common import echo, human_bytes, human_rate, input_file, output_file, plural
 
     input_file(args.archive)
     name = os.path.basename(args.archive) + ".zst"
@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
                       long=args.long, quiet=args.quiet)
     if not args.quiet:
         ratio = result.input_bytes / result.output_bytes if result.output_bytes else 0.0
-        speed = result.input_bytes / result.seconds / 1e9 if result.seconds else 0.0
         echo(f"wrote {result.path}: {human_bytes(result.output_bytes)} from {human_bytes(result.input_bytes)} "
-             f"(ratio {ratio:.3f}, {result.frames} frames) in {result.seconds:.2f} s, {speed:.2f} GB/s")
+             f"(ratio {ratio:.3f}, {plural(result.frames, 'frame')})"
+             f" in {result.seconds:.2f} s, {human_rate(result.input_bytes, result.seconds)}")
     return 0

@@ -28,7 +28,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..storage.zst import decompress
-    from ._common import echo, human_bytes, input_file, output_file
+    from ._common import echo, human_bytes, human_rate, input_file, output_file, plural
 
     input_file(args.archive)
     name = os.path.basename(args.archive).removesuffix(".zst")
@@ -41,7 +41,6 @@ def run(args: argparse.Namespace) -> int:
     result = decompress(args.archive, output, threads=args.threads, quiet=args.quiet,
                         max_decompressed=args.max_decompressed)
     if not args.quiet:
-        speed = result.output_bytes / result.seconds / 1e9 if result.seconds else 0.0
-        echo(f"wrote {result.path}: {human_bytes(result.output_bytes)} ({result.frames} frames) "
-             f"in {result.seconds:.2f} s, {speed:.2f} GB/s")
+        echo(f"wrote {result.path}: {human_bytes(result.output_bytes)} ({plural(result.frames, 'frame')}) "
+             f"in {result.seconds:.2f} s, {human_rate(result.output_bytes, result.seconds)}")
     return 0

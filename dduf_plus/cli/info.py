@@ -4,11 +4,10 @@ units (kB, MB, GB: 1 kB = 1000 bytes, as the Hub shows them), the same in every 
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Mapping
 from typing import Any
 
-from ._common import budget_arg, echo, human_bytes, human_count, print_json
+from ._common import budget_arg, echo, human_bytes, human_count, plain_archive, print_json
 
 HEADERS = ("COMPONENT", "CLASS", "DTYPE", "PARAMS", "SIZE", "NOTES")
 
@@ -24,23 +23,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def describe_source(source: str, variant: str | None, max_decompressed: str | None = None) -> dict[str, Any]:
-    """``describe`` of an archive or folder; a local ``.dduf.zst`` is decompressed as ``dduf validate`` does
-    (a private temporary file removed afterwards, or the verified cache entry), and described under its name."""
+    """``describe`` of an archive or folder; a local ``.dduf.zst`` is read as ``dduf validate`` reads it
+    (:func:`plain_archive`) and described under its own name."""
     from ..format.describe import describe
-    from ..storage.urls import is_url
-    from ..storage.zst import is_zst
 
-    if not is_zst(source) or is_url(source) or os.path.isdir(source):
-        return describe(source, variant)
-    from ..storage.source import open_source
-    from ..storage.zst_cache import validation_archive
-
-    local = open_source(source)  # missing, a folder, unreadable: the same messages as a plain archive
-    compressed = local.size
-    local.close()
-    with validation_archive(source, max_decompressed=max_decompressed) as plain:
-        info = describe(str(plain), variant)
-    info.update(path=source, compressed_size=compressed)
+    with plain_archive(source, max_decompressed) as (plain, compressed):
+        info = describe(plain, variant)
+    if compressed is not None:
+        info.update(path=source, compressed_size=compressed)
     return info
 
 

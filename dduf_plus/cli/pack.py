@@ -5,7 +5,16 @@ from __future__ import annotations
 import argparse
 import os
 
-from ._common import as_usage, echo, human_bytes, input_folder, output_file, path_like_missing, print_json
+from ._common import (
+    as_usage,
+    echo,
+    human_bytes,
+    input_folder,
+    output_file,
+    path_like_missing,
+    plural,
+    print_json,
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -71,6 +80,6 @@ def run(args: argparse.Namespace) -> int:
             echo(f"skipped {s.path}: {s.reason}")
         for line in getattr(partial, "report", None) or []:
             echo(line)
-        echo(f"wrote {result.path}: {result.entries} entries, {human_bytes(result.bytes_written)} "
+        echo(f"wrote {result.path}: {plural(result.entries, 'entry', 'entries')}, {human_bytes(result.bytes_written)} "
              f"in {result.seconds:.2f} s")
     return 0

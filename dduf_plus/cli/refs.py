@@ -4,18 +4,29 @@ from __future__ import annotations
 
 import argparse
 
-from ._common import as_usage, echo, human_bytes, path_like_missing, plural, print_json
+from ._common import (
+    as_usage,
+    budget_arg,
+    echo,
+    human_bytes,
+    path_like_missing,
+    plain_archive,
+    plural,
+    print_json,
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("refs", help="list an archive's external references and where each resolves")
-    p.add_argument("archive", help="a .dduf archive")
+    p.add_argument("archive", help="a .dduf archive (or a local .dduf.zst)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--verify", action="store_true",
                    help="hash files not yet verified on this machine (default: sizes and remembered hashes only)")
     p.add_argument("--ref", action="append", metavar="[NAME=]SPEC",
                    help="check this source instead of the recorded one (as load_dduf(refs=...))")
     p.add_argument("--cache-dir", help="Hugging Face cache to search first")
+    p.add_argument("--max-decompressed", type=budget_arg, default=None, metavar="SIZE",
+                   help="how far a .dduf.zst may expand (as dduf validate --max-decompressed)")
     p.set_defaults(func=run)
 
 
@@ -27,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     refs = as_usage(lambda: parse_ref_args(args.ref))
     for spec in refs.values():
         path_like_missing(spec, "--ref")
-    with DDUFArchive(args.archive) as archive:
+    with plain_archive(args.archive, args.max_decompressed) as (plain, _), DDUFArchive(plain) as archive:
         references = archive.references
         check_ref_names(refs, archive.components, references, what="--ref", where=str(args.archive))
     rows = check_references(references, refs=refs, cache_dir=args.cache_dir, verify=args.verify)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ._common import echo, output_folder
+from ._common import echo, output_folder, plural
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -25,5 +25,5 @@ def run(args: argparse.Namespace) -> int:
     written = unpack(args.archive, output, force=args.force, keep_index=args.keep_index,
                      check=not args.no_check)
     if not args.quiet:
-        echo(f"unpacked {len(written)} files into {args.output}")
+        echo(f"unpacked {plural(len(written), 'file')} into {args.output}")
     return 0

@@ -14,7 +14,7 @@ import textwrap
 from collections.abc import Iterator
 from typing import Any
 
-from ._common import budget_arg, echo, echo_error
+from ._common import budget_arg, echo, echo_error, plural
 
 EXIT_OK, EXIT_INVALID, EXIT_IO = 0, 1, 2  # the table of every command: docs/cli.md
 
@@ -193,7 +193,7 @@ def _print_findings(findings: list[dict[str, Any]], out: Any) -> None:
             where = f" {f.entry}:" if f.entry else ""
             echo(f"  {f.severity:<7} {f.code}{where} {f.message}", file=out)
             continue
-        count = f"{len(group.entries)} entries" if group.entries else f"{len(group.findings)} times"
+        count = plural(len(group.entries), "entry", "entries") if group.entries else plural(len(group.findings), "time")
         echo(f"  {group.severity:<7} {group.code} ({count}): {group.message}", file=out)
         if group.same_message:
             for line in textwrap.wrap(", ".join(group.entries), 100, break_long_words=False, break_on_hyphens=False):

@@ -27,7 +27,11 @@ _SIMPLE = (  # (magic at offset 0, what it is)
 )
 
 
-def non_zip_kind(head: bytes, size: int) -> str | None:
+ZST_NAMED = ("a zstd-compressed archive: dduf validate, dduf info and load_dduf read a .dduf.zst directly; "
+             "for this, decompress it first with `dduf decompress`")
+
+
+def non_zip_kind(head: bytes, size: int, name: str = "") -> str | None:
     """What a file that has no ZIP end record is ("the file is ..."), from its first bytes (``head``, up to :data:`HEAD_BYTES`)
     and its size; None when it is nothing recognisable (then it is a truncated or foreign file).
 
@@ -35,6 +39,8 @@ def non_zip_kind(head: bytes, size: int) -> str | None:
         >>> non_zip_kind(b"", 0)
         'empty (0 bytes): an interrupted download or copy?'
     """
+    if name.endswith(".zst") and _is_zstd(head):  # named as one, given to a reader of plain archives
+        return ZST_NAMED
     if size == 0:
         return "empty (0 bytes): an interrupted download or copy?"
     if _is_safetensors(head, size):
@@ -42,7 +48,7 @@ def non_zip_kind(head: bytes, size: int) -> str | None:
     for magic, what in _SIMPLE:
         if head.startswith(magic):
             return what
-    if head[1:4] == b"\x2a\x4d\x18" and head[0] & 0xF0 == 0x50:  # a zstd skippable frame (dduf compress writes one)
+    if _is_zstd(head):
         return _SIMPLE[1][1]
     if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
         return ("a pickle file (a legacy PyTorch .ckpt/.pt/.bin checkpoint?), not a DDUF archive; pickle runs code "
@@ -56,6 +62,12 @@ def non_zip_kind(head: bytes, size: int) -> str | None:
     if text[:1] == b"<":
         return "an HTML or XML page (an error or login page saved instead of the file?), not a DDUF archive"
     return None
+
+
+def _is_zstd(head: bytes) -> bool:
+    """A zstd frame, or a skippable frame first (``dduf compress`` writes one)."""
+    return head.startswith(b"\x28\xb5\x2f\xfd") or (head[1:4] == b"\x2a\x4d\x18" and head[:1] >= b"\x50"
+                                                        and head[:1] <= b"\x5f")
 
 
 def _is_safetensors(head: bytes, size: int) -> bool:

@@ -147,7 +147,7 @@ def _not_zip(source: ByteSource, jargon: str) -> str:
     to do, when its first bytes say so (:mod:`.sniff`); else ``jargon``, the ZIP-level fact."""
     from .sniff import HEAD_BYTES, non_zip_kind
 
-    what = non_zip_kind(source.read_at(0, min(HEAD_BYTES, source.size)), source.size)
+    what = non_zip_kind(source.read_at(0, min(HEAD_BYTES, source.size)), source.size, str(getattr(source, "name", "")))
     return f"the file is {what}" if what else f"{jargon}: the file is truncated or not a DDUF archive"
 
 

@@ -21,5 +21,5 @@ def progress_bar(total: int, desc: str, quiet: bool) -> Any:
         return _NoProgress()
     from huggingface_hub.utils import tqdm
 
-    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc,
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, desc=desc,
                 disable=quiet or not sys.stderr.isatty())

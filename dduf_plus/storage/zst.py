@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from ..errors import DDUFError, DDUFFormatError, DDUFIntegrityError, io_error
+from ..errors import DDUFError, DDUFFormatError, DDUFIntegrityError, DDUFUsageError, io_error
 from .cache_dirs import CACHE_ENV  # noqa: F401 (re-exported: tests and zst_cache name it here)
 from .confined import Confined
 from .progress import progress_bar  # huggingface_hub's tqdm, silent off a TTY
@@ -212,12 +212,13 @@ def compress(
 
 
 def _check_compress_args(zstd: Any, src: Path, dst: Path, level: int, frame_size: int) -> None:
+    """Bad arguments are usage errors (the CLI exits 2, as for any bad argument)."""
     if _same_file(src, dst):
-        raise DDUFError(f"{dst}: output would overwrite the input")
+        raise DDUFUsageError(f"{dst}: output would overwrite the input")
     if frame_size < MiB or frame_size >= 1 << 32:
-        raise DDUFError(f"frame size {frame_size} must be between 1 MiB and 4 GiB")
+        raise DDUFUsageError(f"frame size {frame_size} must be between 1 MiB and 4 GiB")
     if not zstd.MAX_COMPRESSION_LEVEL >= level >= -(1 << 17):
-        raise DDUFError(f"zstd level {level} is out of range (max {zstd.MAX_COMPRESSION_LEVEL})")
+        raise DDUFUsageError(f"zstd level {level} is out of range (max {zstd.MAX_COMPRESSION_LEVEL})")
 
 
 def _compressor(zstd: Any, level: int, threads: int, long: bool) -> Any:
