@@ -25,9 +25,9 @@ _RULES = (
     # ZIP container
     Rule("Z001", "error", "no end-of-central-directory record",
          checked_by="open",
-         meaning="no end-of-central-directory record in the last 64 KiB (or the file is under 22 bytes)",
+         meaning="no end-of-central-directory record in the last 64 KiB (or the file is under 22 bytes); the message names what the file is when its first bytes say so (a single-file safetensors checkpoint, GGUF, pickle, JSON, an HTML page, a Git LFS pointer, zstd, empty, a truncated ZIP)",
          why="the file is truncated or is not a ZIP archive at all: nothing in it can be located",
-         fix="re-download or re-create it"),
+         fix="re-download or re-create it; a single-file checkpoint is no archive: load it with diffusers (`from_single_file`) and `save_dduf`, or pack a pipeline folder with `dduf pack`"),
     Rule("Z002", "error", "bytes after the end record (or an archive comment)",
          checked_by="open",
          meaning="bytes after the end record, or an archive comment",
@@ -136,7 +136,7 @@ _RULES = (
     # DDUF structure
     Rule("D001", "error", "model_index.json missing",
          checked_by="open",
-         meaning="no `model_index.json`",
+         meaning="no `model_index.json` (a `torch.save` ZIP, `.pt`/`.ckpt`, is named as such: one D001, no finding per pickle entry)",
          why="not a pipeline: nothing says which components exist",
          fix="add the pipeline's `model_index.json` at the root"),
     Rule("D002", "error", "model_index.json is not a JSON object",
