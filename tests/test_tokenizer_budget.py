@@ -9,6 +9,7 @@ loaded in 1.4-1.9 GB (docs/security.md, "Tokenizer and config budgets")."""
 from __future__ import annotations
 
 import json
+import shutil
 import struct
 import subprocess
 import sys
@@ -205,3 +206,17 @@ def test_the_issue_scale_tokenizer_is_refused_cheaply(tmp_path) -> None:
                                                "DDUF_PLUS_CACHE": str(tmp_path / "cache"), "HOME": str(tmp_path)})
         got = json.loads(out.stdout.strip().splitlines()[-1])
         assert got["codes"] == ["D014"] and got["cpu"] < cpu and got["rss"] < rss, (cmd, got, out.stderr[-2000:])
+
+
+def test_a_reference_folder_gets_the_same_budgets(small_caps, tmp_path) -> None:
+    """A component resolved to a folder (a reference) hands its path to transformers: its tokenizer files pass the
+    same checks first."""
+    from dduf_plus.loading.files import FolderComponentFiles
+
+    folder = tmp_path / "tokenizer"
+    shutil.copytree(PIPELINES / "tiny-sd" / "tokenizer", folder)
+    assert FolderComponentFiles(folder).local_dir() == str(folder)
+    (folder / "merges.txt").write_bytes(b"#version: 0.2\n" + b"a b\n" * 1001)
+    with pytest.raises(DDUFError, match=r"D014 \[tokenizer/merges.txt\]") as caught:
+        FolderComponentFiles(folder).local_dir()
+    assert caught.value.code == "D014"

@@ -48,6 +48,7 @@ from .tokenizer_budget import budget_findings
 STRUCTURAL_JSON_LIMIT = 256 << 10
 HASH_CHUNK = 8 << 20
 READ_CACHE = 64 << 20
+READ_CACHE_ONE = 8 << 20  # what two rules may both read: configs (8 MiB budget), tokenizer files; not hashing blocks
 REMOTE_CHUNK = 16 << 20
 _CRC32 = re.compile(r"[0-9a-f]{8}")
 
@@ -118,7 +119,7 @@ class _GuardedSource:
             data = self.inner.read_at(offset, length)
         except DDUFError as e:
             raise _SourceFailure(str(e)) from None
-        if self._kept_bytes + length <= READ_CACHE:
+        if length <= READ_CACHE_ONE and self._kept_bytes + length <= READ_CACHE:
             self._kept[(offset, length)] = data
             self._kept_bytes += length
         return data
