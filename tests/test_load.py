@@ -57,7 +57,9 @@ def archives(tmp_path_factory) -> dict[str, Path]:
     made = {}
     for name in NAMES:
         made[name] = pack_folder(PIPELINES / name, out / f"{name}.dduf", quiet=True).path
-        made[f"{name}:fp16"] = pack_folder(PIPELINES / name, out / f"{name}.fp16.dduf", variant="fp16", quiet=True).path
+        if name != "tiny-dit":  # tiny-dit has no fp16 weights: pack refuses that variant, as the loader does
+            made[f"{name}:fp16"] = pack_folder(PIPELINES / name, out / f"{name}.fp16.dduf", variant="fp16",
+                                               quiet=True).path
         export_folder_as_dduf(out / f"{name}.hub.dduf", PIPELINES / name)
         made[f"{name}:hub"] = out / f"{name}.hub.dduf"
     return made
