@@ -88,6 +88,8 @@ def quantization_tag(c: Mapping[str, Any]) -> str | None:
     if isinstance(record, Mapping):
         weights = record.get("weights")
         detail = f" ({', '.join(map(str, weights))})" if isinstance(weights, list) and weights else ""
+        if isinstance(record.get("scheme"), str):  # torchao / bitsandbytes: "quantized: torchao int8_weight_only"
+            detail = f" {record['scheme']}"[:80]
         return f"quantized: {record.get('method') or 'yes'}{detail}"
     if any(str(f).endswith("/" + QMAP_NAME) for f in c.get("files", {})):
         return "quantized: optimum-quanto"

@@ -170,7 +170,7 @@ def validate(source: str | os.PathLike | ByteSource, verify: bool = False, stric
         archive = _guard(findings, "archive", lambda: DDUFArchive(guarded, check=False))
         if archive is not None:
             findings.extend(archive.findings)
-            for rule in (_check_json_entries, _check_index, _check_budgets):
+            for rule in (_check_json_entries, _check_index, _check_budgets, _check_quantization):
                 findings.extend(_guard(findings, rule.__name__.strip("_"), rule, archive, guarded, verify) or ())
             if verify:
                 problems, hashed = _guard(findings, "verify", _verify_entries, archive, guarded) or ((), 0)
@@ -311,6 +311,24 @@ def _check_budgets(archive: DDUFArchive, source: _GuardedSource, verify: bool) -
     entries = archive.entries
     return budget_findings(((name, e.length) for name, e in entries.items()),
                            lambda name: source.read_at(entries[name].offset, entries[name].length))
+
+
+def _check_quantization(archive: DDUFArchive, source: _GuardedSource, verify: bool) -> list[Finding]:
+    """Q001-Q005: components quantized by torchao / bitsandbytes are self-consistent (format/quant_rules.py)."""
+    from .quant_rules import findings_for
+
+    out: list[Finding] = []
+    entries = archive.entries
+    for name in sorted({n.split("/", 1)[0] for n in entries if n.endswith("/config.json") and n.count("/") == 1}):
+        e = entries[f"{name}/config.json"]
+        if over_size(e.length, e.name) is not None:
+            continue  # D013 already says so
+        config, problems = parse_json(source.read_at(e.offset, e.length), e.name)
+        if problems or not isinstance(config, dict) or "quantization_config" not in config:
+            continue  # D007 / D013 already say so; not quantized
+        out.extend(findings_for(name, config, [archive.headers[w] for w in archive.weight_files(name)
+                                               if w in archive.headers]))
+    return out
 
 
 def _check_shard_index(name: str, value: Any, entries: dict[str, Entry]) -> list[Finding]:

@@ -153,4 +153,36 @@ def _quanto_records(sources: Sequence[Any]) -> dict[str, Any] | None:
                 records[component] = quanto_index_record(json.loads(source.path.read_text()))
             except ValueError as e:
                 raise DDUFPackError(f"{source.path}: not valid JSON ({e})") from None
+    records.update(_backend_records(sources))
     return records or None
+
+
+def _backend_records(sources: Sequence[Any]) -> dict[str, Any]:
+    """Index records of components a diffusers quantizer saved (torchao, bitsandbytes): backend, scheme and
+    which tensors are quantized data vs scales, from config.json and the safetensors headers (torch-free).
+    A component that is not self-consistent (a Q0xx rule) is refused: it would not load."""
+    import json
+
+    from ..format import quant_rules
+    from ..format.safetensors_header import read_file_header
+
+    by_component: dict[str, dict[str, Any]] = {}
+    for source in sources:
+        component, _, filename = source.name.partition("/")
+        if source.path is not None and "/" not in filename:
+            by_component.setdefault(component, {})[filename] = source.path
+    records: dict[str, Any] = {}
+    for component, files in by_component.items():
+        config_path = files.get("config.json")
+        if config_path is None or b"quantization_config" not in config_path.read_bytes():
+            continue
+        try:
+            config = json.loads(config_path.read_text())
+            headers = [read_file_header(path, f"{component}/{name}", DDUFPackError)
+                       for name, path in sorted(files.items()) if name.endswith(".safetensors")]
+            record = quant_rules.index_record(config, headers)
+        except ValueError as e:  # QuantError, or a config that is not JSON
+            raise DDUFPackError(f"{config_path}: {getattr(e, 'code', 'D007')}: {e}") from None
+        if record is not None:
+            records[component] = record
+    return records
