@@ -12,8 +12,8 @@ the dtype the caller used, so to the pipeline every component looks like it runs
   values, SDXL's ``time_ids``...), positional or keyword, also one level inside tuples/lists/dicts
   (``added_cond_kwargs``); and 1-d floating tensors in the caller's dtype: per-sample timesteps and
   guidance that the pipeline built from the latents (Hunyuan-DiT's ``t_expand``, Flux/Chroma's
-  ``timestep.to(latents.dtype)``), which models such as Hunyuan-DiT, HunyuanVideo 1.5, Chroma and
-  QwenImage take as their compute dtype (``hidden_dtype=timestep.dtype``): in a single-dtype pipeline they
+  ``timestep.to(latents.dtype)``), which models such as Hunyuan-DiT, HunyuanVideo 1.5, HunyuanImage and
+  Chroma take as their compute dtype (``hidden_dtype=timestep.dtype``): in a single-dtype pipeline they
   would be in the model's dtype. 1-d tensors in another dtype (fp32 timesteps beside fp16 latents) and
   0-d tensors (SD's loop ``t``) are left as they are: stock pipelines make them in fp32 whatever the model
   dtype and the models cast them internally.
