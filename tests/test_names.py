@@ -117,3 +117,29 @@ def test_load_dduf_accepts_real_names(partial: Path) -> None:
 
     pipe = load_dduf(partial, torch_dtype={"unet": "float32", "default": "auto"}, refs={"vae": str(TINY_SD)})
     assert pipe.unet.dtype == torch.float32 and pipe.vae is not None
+
+
+def test_a_misspelt_component_keyword_is_refused_and_other_keywords_only_warned(partial: Path, caplog) -> None:
+    from dduf_plus import load_dduf
+
+    with pytest.raises(LoadNameError, match=r"load_dduf\(vea= \(did you mean vae=\?\)\): not a component"):
+        load_dduf(partial, vea=None)
+    with caplog.at_level("WARNING"):
+        pipe = load_dduf(partial, use_safetensors=True)  # a from_pretrained habit: ignored, as diffusers does
+    assert pipe.vae is not None and "use_safetensors" in caplog.text
+
+
+def test_save_dduf_refuses_a_dtype_typo(tmp_path: Path) -> None:
+    from dduf_plus import load_dduf, save_dduf
+
+    pipe = load_dduf(_packed_tiny_sd(tmp_path))
+    with pytest.raises(PackNameError, match=r"save_dduf\(dtype=\{\.\.\.\}\) key unte: not a component .*did you mean unet"):
+        save_dduf(pipe, tmp_path / "out.dduf", dtype={"unte": "float16"})
+    assert not (tmp_path / "out.dduf").exists()
+
+
+def _packed_tiny_sd(tmp_path: Path) -> Path:
+    from dduf_plus.packing import pack
+
+    pack(TINY_SD, tmp_path / "sd.dduf", quiet=True)
+    return tmp_path / "sd.dduf"

@@ -292,6 +292,7 @@ def _plan(ctx: _Context, kwargs: dict[str, Any]) -> _Plan:
                 if isinstance(v, (list, tuple)) and len(v) == 2 and v[0] is not None
                 and not (k in passed_components and passed_components[k] is None)}
     if unused:
+        _refuse_component_typos(unused, expected_modules, pipeline_class.__name__)
         logger.warning("keyword arguments %s are not expected by %s and are ignored",
                        sorted(unused), pipeline_class.__name__)
     # Smallest stored components first (diffusers' init dict comes in set order, which changes from process
@@ -302,6 +303,19 @@ def _plan(ctx: _Context, kwargs: dict[str, Any]) -> _Plan:
         stored[component] = stored.get(component, 0) + entry.length
     to_build = dict(sorted(to_build.items(), key=lambda kv: (stored.get(kv[0], 0), kv[0])))
     return _Plan(pipeline_class, set(expected_modules), passed_components, init_kwargs, to_build)
+
+
+def _refuse_component_typos(unused: Mapping[str, Any], components: Any, pipeline: str) -> None:
+    """``load_dduf(path, vea=my_vae)`` is a misspelt component, never a silently ignored argument; other
+    unexpected keywords (``use_safetensors=True`` from a from_pretrained call) are only warned about."""
+    from ..assignments import LoadNameError, closest
+
+    typos = {k: m for k in sorted(unused) if (m := closest(k, components)) is not None}
+    if typos:
+        named = ", ".join(f"{k}= (did you mean {m}=?)" for k, m in typos.items())
+        raise LoadNameError(f"load_dduf({named}): not a component of {pipeline}; its components: "
+                            f"{', '.join(sorted(components))}", names=list(typos), known=sorted(components),
+                            suggestions=typos)
 
 
 def _check_variant(ctx: _Context, plan: _Plan) -> None:

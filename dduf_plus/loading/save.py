@@ -32,11 +32,13 @@ from typing import Any
 
 import torch
 
+from ..assignments import PackNameError, check_names
 from ..errors import DDUFPackError
 from ..format import spec
 from ..format.chat_template import TEMPLATE_DIR, is_template_name
 from ..format.pack import EntrySource, PackResult, Skipped, fold_sources, write_archive
 from ..format.safetensors_header import parse_header
+from ..format.structure import component_specs
 from ..storage.confined import Confined
 
 logger = logging.getLogger(__name__)
@@ -89,6 +91,9 @@ def save_dduf(
         raise DDUFPackError(f"variant {variant!r}: use letters, digits and underscores only")
     model_index_bytes = pipeline.to_json_string().encode("utf-8")  # what pipeline.save_config writes
     model_index = json.loads(model_index_bytes)
+    if isinstance(dtype, Mapping):  # a misspelt component is an error, never a dtype silently not applied
+        check_names(dtype, component_specs(model_index), what="save_dduf(dtype={...}) key",
+                    where=type(pipeline).__name__, error=PackNameError, wildcards=("default",))
     sources: list[EntrySource] = []
     skipped: list[Skipped] = []
     records: dict[str, dict[str, Any]] = {}
