@@ -303,7 +303,7 @@ class ArchiveComponentFiles:
     """A component folder inside a :class:`DDUFArchive`.
 
     ``verify`` checks the CRC-32 of every non-weight entry read (they are small); weight data is not
-    hashed on load (that would cost more than the load itself; ``dduf validate --hash`` does it)."""
+    hashed on load (that would cost more than the load itself; ``dduf validate --verify`` does it)."""
 
     def __init__(self, archive: DDUFArchive, component: str, *, use_mmap: bool = True, verify: bool = True,
                  prefetcher: Prefetcher | None = None):
