@@ -142,3 +142,30 @@ def test_a_library_log_line_is_printed_once(tmp_path: Path) -> None:
     assert lines.count("Retrying in 1s [Retry 1/5].") == 1, lines
     assert lines.count("ours") == 1, lines
     assert "\x1b" not in proc.stderr  # the library's handler escapes like ours
+
+
+def test_every_error_class_maps_to_its_row() -> None:
+    from dduf_plus.assignments import DDUFNameError, LoadNameError, PackNameError, ReferenceNameError
+    from dduf_plus.cli import EXIT_INVALID, EXIT_USAGE, exit_code
+    from dduf_plus.errors import (
+        DDUFError,
+        DDUFFormatError,
+        DDUFIntegrityError,
+        DDUFIOError,
+        DDUFLoadError,
+        DDUFNotFoundError,
+        DDUFPackError,
+        DDUFReferenceError,
+        DDUFUsageError,
+        DDUFValidationError,
+    )
+    from dduf_plus.remote.hub import HubSourceNotFoundError
+
+    usage_or_io = [DDUFUsageError("x"), DDUFIOError("x"), DDUFNotFoundError("x"), DDUFNameError("x"),
+                   PackNameError("x"), ReferenceNameError("x"), LoadNameError("x"), HubSourceNotFoundError("x"),
+                   OSError("disk full")]
+    refused = [DDUFError("x"), DDUFFormatError("x"), DDUFIntegrityError("x"), DDUFValidationError("f", []),
+               DDUFPackError("x"), DDUFReferenceError("x"), DDUFLoadError("x")]
+    assert [exit_code(e) for e in usage_or_io] == [EXIT_USAGE] * len(usage_or_io)
+    assert [exit_code(e) for e in refused] == [EXIT_INVALID] * len(refused)
+    assert (EXIT_INVALID, EXIT_USAGE) == (1, 2)
