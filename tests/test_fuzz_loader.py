@@ -207,7 +207,8 @@ def test_a_model_index_diffusers_cannot_read_is_a_load_error(fuzz) -> None:
 @pytest.mark.parametrize(("key", "value"), [("solver_order", 1 << 32), ("num_train_timesteps", 1 << 40)])
 def test_a_scheduler_config_cannot_ask_for_gigabytes(fuzz, key: str, value: int) -> None:
     """Found by the fuzzer (seed 2, input 354): ``solver_order: 4294967296`` made DPMSolverMultistepScheduler
-    allocate ``[None] * solver_order`` (32 GB; a MemoryError under the bench's 4 GB limit)."""
+    allocate ``[None] * solver_order`` (32 GB; a MemoryError under the bench's 4 GB limit). Now refused before
+    any component is built, by the rule validate applies to scheduler configs (D015)."""
     work, bases, ctx = fuzz
     draft = bases[0].draft()
     config = json.loads(draft.entries["scheduler/scheduler_config.json"])
@@ -216,7 +217,7 @@ def test_a_scheduler_config_cannot_ask_for_gigabytes(fuzz, key: str, value: int)
     path = work / "scheduler.dduf"
     path.write_bytes(m.write_draft(draft, path))
     (outcome,) = m.run_targets(path, targets=("load",))
-    assert outcome.label == "DDUFLoadError" and outcome.seconds < 5, outcome
+    assert outcome.label == "DDUFValidationError:D015" and outcome.seconds < 5, outcome
 
 
 def _bench() -> object:

@@ -124,6 +124,14 @@ def test_just_within_the_caps_passes(small_caps, name: str, raw: bytes) -> None:
     assert tb.tokenizer_problem(f"tokenizer/{name}", raw) is None
 
 
+def test_a_model_of_other_fields_is_walked_within_the_same_bound(small_caps) -> None:
+    """Field 2 (varint) records of 2 bytes each are not pieces: at most OTHER_FIELDS of them (a 64 MB file of
+    them was a 32 M-step walk)."""
+    assert tb.tokenizer_problem("tokenizer/spiece.model", b"\x10\x00" * 1024) is None
+    found = tb.tokenizer_problem("tokenizer/spiece.model", b"\x10\x00" * 1025)
+    assert found is not None and "fields besides its pieces" in found[1]
+
+
 @pytest.mark.parametrize("raw", [b"\x0f\x00", b"\x0a\x05ab", b"\x0a\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01",
                                  b"\x0a" + b"\x80" * 20])
 def test_a_model_that_is_not_protobuf_is_D014(raw: bytes) -> None:

@@ -59,6 +59,9 @@ WEIGHTLESS_CONFIGS = ("scheduler_config.json", "guider_config.json")
 _NOT_SHAPE = bytes(b for b in range(256) if b not in b'"[]{},')
 _INNERMOST = re.compile(rb"[\[{],*[\]}]")
 _MAX_PASSES = 65  # json_budget's depth cap (64) is checked first
+# Top-level fields of a SentencePiece ModelProto besides its pieces: trainer, normalizer and denormalizer specs,
+# self-test data (one each in real files). Bounds the slow path of the walk.
+OTHER_FIELDS = 1024
 
 
 def applies(entry: str) -> bool:
@@ -132,34 +135,49 @@ def json_shape(raw: bytes) -> tuple[int, int]:
 
 def sentencepiece_problem(raw: bytes, limit: int = MAX_VOCAB) -> str | None:
     """Why a SentencePiece ``.model`` (a ``ModelProto``: ``repeated SentencePiece pieces = 1`` and a few
-    length-delimited specs) may not be handed to sentencepiece: more than ``limit`` pieces, or not a readable
-    protobuf. Walks the top-level fields without decoding them, and stops at ``limit`` + 1 pieces."""
-    pieces, pos, size = 0, 0, len(raw)
+    length-delimited specs) may not be handed to sentencepiece: more than ``limit`` pieces, more than
+    :data:`OTHER_FIELDS` other top-level fields, or not a readable protobuf. Walks the top-level fields without
+    decoding them (a Python loop: pieces with lengths under 16 KiB take the inline path)."""
+    pieces, others, pos, size = 0, 0, 0, len(raw)
     try:
         while pos < size:
-            if raw[pos] == 0x0A and pos + 1 < size and raw[pos + 1] < 0x80:  # a piece of under 128 bytes
+            if raw[pos] == 0x0A and raw[pos + 1] < 0x80:  # a piece of under 128 bytes
                 pos += 2 + raw[pos + 1]
                 pieces += 1
+            elif raw[pos] == 0x0A and raw[pos + 2] < 0x80:  # under 16 KiB
+                pos += 3 + (raw[pos + 1] & 0x7F) + (raw[pos + 2] << 7)
+                pieces += 1
             else:
-                key, pos = _varint(raw, pos)
-                field, wire = key >> 3, key & 7
-                if wire == 2:
-                    length, pos = _varint(raw, pos)
-                    pos += length
-                    pieces += field == 1
-                elif wire == 0:
-                    _, pos = _varint(raw, pos)
-                elif wire in (1, 5):
-                    pos += 8 if wire == 1 else 4
-                else:
-                    return f"is not a SentencePiece model (protobuf wire type {wire} at byte {pos})"
+                why = _skip_field(raw, pos)
+                if isinstance(why, str):
+                    return why
+                pos, piece = why
+                pieces += piece
+                others += not piece
+                if others > OTHER_FIELDS:
+                    return f"holds more than {OTHER_FIELDS} top-level protobuf fields besides its pieces"
             if pieces > limit:
                 return f"holds more than {limit} pieces (its vocabulary); at most {limit} are allowed"
     except IndexError:
-        return f"is not a SentencePiece model (a protobuf field runs past the end, {size} bytes)"
+        pos = size + 1
     if pos > size:
         return f"is not a SentencePiece model (a protobuf field runs past the end, {size} bytes)"
     return None
+
+
+def _skip_field(raw: bytes, pos: int) -> tuple[int, bool] | str:
+    """The position after the top-level field at ``pos`` and whether it is a piece (field 1), or why it is not
+    protobuf."""
+    key, pos = _varint(raw, pos)
+    field, wire = key >> 3, key & 7
+    if wire == 2:
+        length, pos = _varint(raw, pos)
+        return pos + length, field == 1
+    if wire == 0:
+        return _varint(raw, pos)[1], False
+    if wire in (1, 5):
+        return pos + (8 if wire == 1 else 4), False
+    return f"is not a SentencePiece model (protobuf wire type {wire} at byte {pos})"
 
 
 def _varint(raw: bytes, pos: int) -> tuple[int, int]:
