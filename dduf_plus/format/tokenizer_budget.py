@@ -27,8 +27,8 @@ The caps (docs/security.md, "Tokenizer and config budgets"), far above real toke
   component it builds as a known weightless kind (schedulers, guiders, image processors).
 
 All counting is C-speed passes over the bytes (``translate``, ``count``, ``split``, a regular expression),
-except the protobuf walk: at most :data:`MAX_VOCAB` + 1 records, ~0.5 s at worst, milliseconds for real
-files. JSON that is over its D013 budget (``json_budget``) is left to that rule."""
+except the protobuf walk: at most :data:`MAX_VOCAB` + 1 pieces and :data:`OTHER_FIELDS` other fields, ~0.3 s
+at worst, milliseconds for real files. JSON that is over its D013 budget (``json_budget``) is left to that rule."""
 
 from __future__ import annotations
 
