@@ -42,8 +42,9 @@ def inspect_dtypes(
 
     ``source``: a ``.dduf`` file (or fsspec URL of one), a diffusers pipeline folder, or a Hub repo id
     (``revision`` and ``token`` apply there; a repo holding a single ``.dduf`` file is read through
-    range requests). ``variant`` picks variant weight files as diffusers does (falling back to the
-    default ones). Components without safetensors weights (tokenizers, schedulers, pickle-only models)
+    range requests; a folder repo's safetensors headers too; offline, the repo as cached, as ``load_dduf``
+    reads it). Every source of the same pipeline gives the same answer (tests/test_load_folder.py).
+    ``variant`` picks variant weight files as diffusers does (falling back to the default ones). Components without safetensors weights (tokenizers, schedulers, pickle-only models)
     are left out.
 
     Example:
@@ -159,7 +160,22 @@ def _from_hub(repo_id: str, *, variant: str | None, revision: str | None, token:
     except HfHubHTTPError as e:
         raise DDUFError(f"{repo_id}: {e}") from None
     except OSError as e:  # offline mode, unreachable host, missing cache entry
-        raise DDUFError(f"{repo_id}: cannot reach the Hub ({e})") from None
+        cached = _from_hub_cache(repo_id, variant=variant, revision=revision)
+        if cached is None:
+            raise DDUFError(f"{repo_id}: cannot reach the Hub ({e})") from None
+        return cached
+
+
+def _from_hub_cache(repo_id: str, *, variant: str | None, revision: str | None) -> dict[str, ComponentDtypes] | None:
+    """Offline: the repo as the Hugging Face cache holds it (its archive, or its folder layout), as
+    ``load_dduf`` reads it offline; None when it is not cached."""
+    from .loading.folder_source import hub_pipeline
+
+    try:
+        kind, where = hub_pipeline(repo_id, revision=revision, variant=variant, local_files_only=True)
+    except DDUFError:
+        return None
+    return _from_folder(where, variant) if kind == "folder" else _from_archive(str(where), variant)
 
 
 def _hub_header(meta: Any, entry: str) -> SafetensorsHeader:

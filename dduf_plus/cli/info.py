@@ -14,7 +14,8 @@ HEADERS = ("COMPONENT", "CLASS", "DTYPE", "PARAMS", "SIZE", "NOTES")
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("info", help="show components, dtypes, sizes and references of an archive or folder")
-    p.add_argument("source", help="a .dduf archive (or a local .dduf.zst) or a diffusers pipeline folder")
+    p.add_argument("source", help="a .dduf archive (or a local .dduf.zst, or a URL), a diffusers pipeline folder, "
+                   "or a Hub repo (org/name[@revision]: its archive, or its folder layout)")
     p.add_argument("--variant", help="describe this weight variant (e.g. fp16)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--max-decompressed", type=budget_arg, default=None, metavar="SIZE",
@@ -27,11 +28,28 @@ def describe_source(source: str, variant: str | None, max_decompressed: str | No
     (:func:`plain_archive`) and described under its own name."""
     from ..format.describe import describe
 
+    hub = _hub_local(source, variant)
+    if hub is not None:  # a Hub repo: its archive or its folder layout (only what a load needs is downloaded)
+        info = describe(hub, variant)
+        info["path"] = source
+        return info
     with plain_archive(source, max_decompressed) as (plain, compressed):
         info = describe(plain, variant)
     if compressed is not None:
         info.update(path=source, compressed_size=compressed)
     return info
+
+
+def _hub_local(source: str, variant: str | None) -> str | None:
+    """The local path ``dduf info org/name[@rev]`` describes (the repo's archive, or the snapshot of its folder
+    layout holding what a load needs, as ``load_dduf`` picks them); None for anything else."""
+    from ..packing.pack import hub_source
+
+    if hub_source(source) is None:
+        return None
+    from ..loading.folder_source import hub_pipeline
+
+    return str(hub_pipeline(source, variant=variant)[1])
 
 
 def run(args: argparse.Namespace) -> int:

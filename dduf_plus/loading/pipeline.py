@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import (
     DDUFError,
-    DDUFIOError,
     DDUFLoadError,
+    DDUFNotFoundError,
     DDUFReferenceError,
     DDUFUsageError,
     DDUFValidationError,
@@ -27,6 +27,7 @@ from .bridge import install_bridge
 from .components import build_component, resolve_class
 from .dtypes import AUTO, requested_for, resolve_request
 from .files import ArchiveComponentFiles, ComponentFiles
+from .folder_source import FolderPipeline
 from .models import ModelRequest
 from .prefetch import Prefetcher
 
@@ -112,10 +113,11 @@ def load_dduf(
     started = time.perf_counter()
     path_str, archive, fetch = _open_source(os.fspath(path), dduf_file, revision=revision, token=token,
                                             cache_dir=cache_dir, local_files_only=local_files_only,
-                                            remote=remote, max_decompressed=max_decompressed)
+                                            remote=remote, max_decompressed=max_decompressed, variant=variant)
     request = resolve_request(torch_dtype, dtype)
     device_for = _device_resolver(device, device_map)
-    prefetcher = Prefetcher(archive.mmap) if prefetch and use_mmap and fetch is None else None
+    mapped = archive.mmap
+    prefetcher = Prefetcher(mapped) if prefetch and use_mmap and fetch is None and mapped is not None else None
     ctx = _Context(archive, path_str, request, device_for, variant, prefetcher,
                    resolve_options={"refs": refs, "local_files_only": local_files_only, "token": token,
                                     "revision": revision, "cache_dir": cache_dir, "verify": verify},
@@ -145,25 +147,26 @@ def load_dduf(
 
 def _open_source(path_str: str, dduf_file: str | None, *, revision: str | None, token: str | bool | None,
                  cache_dir: str | os.PathLike | None, local_files_only: bool, remote: Any,
-                 max_decompressed: Any) -> tuple[str, DDUFArchive, Any]:
-    """The archive ``load_dduf``'s first argument names: (path or URL, open archive, the remote fetch or None).
+                 max_decompressed: Any, variant: str | None = None) -> tuple[str, DDUFArchive | FolderPipeline, Any]:
+    """The source ``load_dduf``'s first argument names: (path or URL, open archive or folder, the remote fetch
+    or None).
 
-    A local folder plus ``dduf_file`` is the file in it (diffusers 0.35); a Hub repo id is its cached archive,
-    downloaded if need be; a URL is fetched into the remote cache (components are built as their bytes
-    arrive); a ``.dduf.zst`` is decompressed once into a content-keyed cache."""
+    A local folder plus ``dduf_file`` is the file in it (diffusers 0.35); a local folder alone is a diffusers
+    pipeline folder; a Hub repo id is its archive or, for a repo without one, its folder layout (only the
+    files the pipeline needs downloaded); a URL is fetched into the remote cache (components are built as
+    their bytes arrive); a ``.dduf.zst`` is decompressed once into a content-keyed cache."""
     if dduf_file is not None and os.path.isdir(path_str):
         path_str = os.path.join(path_str, dduf_file)
     elif os.path.isdir(path_str):
-        raise DDUFIOError(
-            f"cannot open {path_str}: not a regular file but a folder; load_dduf reads a .dduf archive. A diffusers "
-            f"pipeline folder loads with diffusers (DiffusionPipeline.from_pretrained({path_str!r})), or pack it "
-            f"first: dduf pack {path_str} -o NAME.dduf (or dduf_plus.pack_folder); a folder holding one archive "
-            f"loads with load_dduf({path_str!r}, dduf_file='NAME.dduf')")
+        return path_str, _open_folder(path_str), None
     elif dduf_file is not None or _is_hub_repo(path_str):
-        from ..remote.hub import hub_archive
+        from .folder_source import hub_pipeline
 
-        path_str = os.fspath(hub_archive(path_str, dduf_file, revision=revision, token=token, cache_dir=cache_dir,
-                                         local_files_only=local_files_only))
+        kind, where = hub_pipeline(path_str, dduf_file, revision=revision, variant=variant, token=token,
+                                   cache_dir=cache_dir, local_files_only=local_files_only)
+        if kind == "folder":  # a repo in diffusers' folder layout: its snapshot, named as the caller named it
+            return path_str, FolderPipeline(where, display=path_str), None
+        path_str = os.fspath(where)
     if is_url(path_str):
         archive, fetch = _open_url(path_str, remote, local_files_only)
         return path_str, archive, fetch
@@ -172,13 +175,25 @@ def _open_source(path_str: str, dduf_file: str | None, *, revision: str | None, 
 
 
 def _is_hub_repo(path: str) -> bool:
-    """``org/name`` that is no local path (an existing path wins, as in ``from_pretrained``)."""
+    """``org/name[@revision]`` that is no local path (an existing path wins, as in ``from_pretrained``)."""
     if os.path.exists(path) or is_url(path):
         return False
-    from ..remote.hub import is_repo_id
+    from ..remote.hub import is_repo_id, split_revision
 
-    first = path.split("/", 1)[0]
-    return is_repo_id(path) and not os.path.isdir(first)  # "models/x" with ./models here: a missing path
+    repo = split_revision(path)[0]
+    first = repo.split("/", 1)[0]
+    return is_repo_id(repo) and not os.path.isdir(first)  # "models/x" with ./models here: a missing path
+
+
+def _open_folder(path: str) -> FolderPipeline:
+    """A local diffusers pipeline folder; one without model_index.json says what load_dduf reads."""
+    if not os.path.isfile(os.path.join(path, "model_index.json")):
+        archives = sorted(n for n in os.listdir(path) if n.endswith((".dduf", ".dduf.zst")))
+        hint = (f"; it holds {', '.join(archives)}: load_dduf({path!r}, dduf_file={archives[0]!r})" if archives
+                else "")
+        raise DDUFNotFoundError(f"{path}: a folder without model_index.json is no diffusers pipeline; load_dduf reads "
+                                f"a pipeline folder, a .dduf archive, a Hub repo or a URL{hint}", path)
+    return FolderPipeline(path)
 
 
 class _TorchvisionFallbackNotice(logging.Filter):
@@ -203,7 +218,7 @@ _quiet_torchvision_notice()  # before anything imports diffusers' pipeline modul
 class _Context:
     """What every step of one load needs to know."""
 
-    archive: DDUFArchive
+    archive: DDUFArchive | FolderPipeline  # a folder: the files an archive packed from it would hold
     path: str  # as the caller gave it (a local path or a URL): messages and ``_name_or_path`` use it
     request: Any
     device_for: Callable[[str], torch.device]
@@ -266,7 +281,10 @@ def _refuse_what_validate_refuses(ctx: _Context) -> None:
     """The rules validate runs beyond opening (JSON entries within their budgets, shard indexes, the index,
     tokenizer and weightless-config budgets), with validate's codes: before any component is built or any
     library sees a byte of the archive; for a local archive before the pipeline class is even resolved."""
-    problems = [f for f in load_findings(ctx.archive) if f.severity == "error"]
+    if isinstance(ctx.archive, FolderPipeline):
+        problems = ctx.archive.findings()
+    else:
+        problems = [f for f in load_findings(ctx.archive) if f.severity == "error"]
     if problems:
         raise DDUFValidationError(ctx.path, problems)
 
@@ -407,7 +425,7 @@ def _pipeline_class(model_index: Mapping[str, Any], path: str) -> type[Diffusion
     return cls
 
 
-def _component_files(archive: DDUFArchive, name: str, stored: Mapping[str, Any], references: Mapping[str, Any],
+def _component_files(archive: DDUFArchive | FolderPipeline, name: str, stored: Mapping[str, Any], references: Mapping[str, Any],
                      resolve_options: dict[str, Any], *, use_mmap: bool, verify: bool,
                      prefetcher: Prefetcher | None) -> ComponentFiles:
     if name in references:
@@ -421,6 +439,8 @@ def _component_files(archive: DDUFArchive, name: str, stored: Mapping[str, Any],
                                      f"references; pass it as an argument: load_dduf(..., {name}=...)") from None
         return resolve_component(name, references[name], **resolve_options)
     if name in stored and stored[name].files:
+        if isinstance(archive, FolderPipeline):
+            return archive.component_files(name, use_mmap=use_mmap)
         return ArchiveComponentFiles(archive, name, use_mmap=use_mmap, verify=verify, prefetcher=prefetcher)
     raise DDUFLoadError(f"component {name!r} is named in model_index.json but {archive.path} neither stores nor "
                         f"references it; pass it as an argument: load_dduf(..., {name}=...)")
