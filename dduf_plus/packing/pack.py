@@ -12,7 +12,7 @@ from typing import Any
 from ..errors import DDUFPackError
 from ..format.pack import PackResult, plan_folder, write_archive
 from ..format.quantization import QMAP_NAME, quanto_index_record
-from .class_names import ClassCheck
+from .class_names import warn_unknown_classes
 
 logger = logging.getLogger(__name__)
 
@@ -42,16 +42,9 @@ def pack(
     refs = dict(refs or {})
     folder = pack_source(folder, variant=variant, token=token, local_files_only=local_files_only, quiet=quiet)
     plan = plan_folder(folder, variant=variant, exclude=[n for n in exclude])
-    # a typo'd class name: a warning, checked while the archive is written (before, when --dtype imports libraries)
-    classes = ClassCheck(plan.model_index, background=not dtype)
-    try:
-        done = _pack_plan(plan, output, variant=variant, exclude=exclude, refs=refs, base=base, dtype=dtype,
-                          token=token, local_files_only=local_files_only, quiet=quiet, fsync=fsync)
-    except Exception:  # (Ctrl-C is not waited for: the thread is a daemon)
-        classes.report()
-        raise
-    classes.report()
-    return done
+    warn_unknown_classes(plan.model_index)  # a typo'd class name: a warning (the archive is still valid DDUF)
+    return _pack_plan(plan, output, variant=variant, exclude=exclude, refs=refs, base=base, dtype=dtype,
+                      token=token, local_files_only=local_files_only, quiet=quiet, fsync=fsync)
 
 
 def _pack_plan(plan: Any, output: str | os.PathLike, *, variant: str | None, exclude: Sequence[str],
