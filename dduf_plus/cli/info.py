@@ -53,6 +53,10 @@ def _hub_local(source: str, variant: str | None) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from .info_single_file import is_checkpoint, run_single_file  # dduf info CKPT.safetensors
+
+    if is_checkpoint(args.source):
+        return run_single_file(args)
     info = describe_source(args.source, args.variant, args.max_decompressed)
     if args.json:
         print_json(info)

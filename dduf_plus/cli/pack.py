@@ -19,7 +19,8 @@ from ._common import (
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("pack", help="pack a diffusers pipeline folder into a .dduf archive")
-    p.add_argument("source", help="diffusers pipeline folder (with model_index.json), or a Hub repo org/name[@revision]")
+    p.add_argument("source", help="diffusers pipeline folder (with model_index.json), a Hub repo org/name[@revision], "
+                   "or a single-file .safetensors checkpoint (SD 1.x/2.x, SDXL; with --base)")
     p.add_argument("-o", "--output", required=True,
                    help="archive to write (atomically); DIR/ writes DIR/NAME.dduf; the folder must exist")
     p.add_argument("-f", "--force", action="store_true", help="overwrite OUTPUT if it exists")
@@ -48,8 +49,12 @@ def run(args: argparse.Namespace) -> int:
     refs = as_usage(lambda: parse_ref_args(args.ref))
     dtypes = as_usage(lambda: parse_dtype_args(args.dtype or []))
     from ..packing.pack import hub_source
+    from .info_single_file import is_checkpoint
 
-    if hub_source(args.source) is None:  # a local folder; else a Hub repo id[@revision], fetched by pack()
+    checkpoint = is_checkpoint(args.source)  # a single-file .safetensors checkpoint: packed against --base
+    if checkpoint:
+        _check_single_file_args(args)
+    elif hub_source(args.source) is None:  # a local folder; else a Hub repo id[@revision], fetched by pack()
         input_folder(args.source)
     for spec in refs.values():
         path_like_missing(spec, "--ref")
@@ -57,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
         path_like_missing(args.base, "--base")
     hub = hub_source(args.source)
     name = (hub[0].rsplit("/", 1)[-1] if hub else os.path.basename(os.path.abspath(args.source))) + ".dduf"
+    if checkpoint:
+        name = os.path.basename(args.source).removesuffix(".safetensors") + ".dduf"
     output = output_file(args.output, args.force, name)
     dtype = dtypes.pop(DEFAULT_KEY, None)
     dtype_arg = ({**({DEFAULT_KEY: dtype} if dtype else {}), **dtypes} if dtypes else dtype)
@@ -83,3 +90,16 @@ def run(args: argparse.Namespace) -> int:
         echo(f"wrote {result.path}: {plural(result.entries, 'entry', 'entries')}, {human_bytes(result.bytes_written)} "
              f"in {result.seconds:.2f} s")
     return 0
+
+
+def _check_single_file_args(args: argparse.Namespace) -> None:
+    """A single-file checkpoint needs --base and takes none of the folder-only options."""
+    from ..errors import DDUFUsageError
+
+    if not args.base:
+        raise DDUFUsageError(f"{args.source} is a single-file checkpoint: give --base BASE (a diffusers pipeline "
+                             "folder or Hub repo of the same family) for its configs, tokenizers and scheduler")
+    used = [o for o, v in (("--variant", args.variant), ("--exclude", args.exclude), ("--ref", args.ref),
+                           ("--dtype", args.dtype)) if v]
+    if used:
+        raise DDUFUsageError(f"{', '.join(used)}: not supported with a single-file checkpoint (only --base)")

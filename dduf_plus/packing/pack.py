@@ -32,6 +32,8 @@ def pack(
     fsync: bool = True,
 ) -> tuple[PackResult, Any]:
     """Pack ``folder`` into ``output``. Returns the result and, for partial packs, the reference plan.
+    ``folder`` may also be a single-file ``.safetensors`` checkpoint (SD 1.x/2.x, SDXL; original key layout),
+    packed against ``base`` (:func:`dduf_plus.packing.single_file.pack_single_file`).
     ``folder`` may be a Hub repo id ``org/name[@revision]`` (an existing local path wins): only the files the
     archive stores are downloaded, into the Hugging Face cache (offline: taken from it).
     ``fsync=False`` skips the flush to disk before the atomic rename.
@@ -39,12 +41,32 @@ def pack(
     Raises:
         DDUFPackError: the folder holds something DDUF cannot, or a reference cannot be made.
     """
+    from .single_file import is_single_file
+
+    if is_single_file(folder):  # a single-file checkpoint (original key layout): converted, referenced to BASE
+        return _pack_checkpoint(folder, output, variant=variant, exclude=exclude, refs=refs, base=base, dtype=dtype,
+                                token=token, local_files_only=local_files_only, quiet=quiet, fsync=fsync)
     refs = dict(refs or {})
     folder = pack_source(folder, variant=variant, token=token, local_files_only=local_files_only, quiet=quiet)
     plan = plan_folder(folder, variant=variant, exclude=[n for n in exclude])
     warn_unknown_classes(plan.model_index)  # a typo'd class name: a warning (the archive is still valid DDUF)
     return _pack_plan(plan, output, variant=variant, exclude=exclude, refs=refs, base=base, dtype=dtype,
                       token=token, local_files_only=local_files_only, quiet=quiet, fsync=fsync)
+
+
+def _pack_checkpoint(checkpoint: str | os.PathLike, output: str | os.PathLike, *, variant: str | None,
+                     exclude: Sequence[str], refs: Mapping[str, str] | None, base: str | None,
+                     dtype: str | Mapping[str, str] | None, token: str | bool | None, local_files_only: bool,
+                     quiet: bool, fsync: bool) -> tuple[PackResult, Any]:
+    """:func:`pack` of a single-file checkpoint (:mod:`dduf_plus.packing.single_file`): only ``base`` applies."""
+    from .single_file import pack_single_file
+
+    used = [name for name, value in (("variant", variant), ("exclude", exclude), ("refs", refs), ("dtype", dtype))
+            if value]
+    if used:
+        raise DDUFPackError(f"{checkpoint}: {', '.join(used)} cannot be used with a single-file checkpoint (only base=)")
+    return pack_single_file(checkpoint, output, base=base, token=token, local_files_only=local_files_only,
+                            quiet=quiet, fsync=fsync)
 
 
 def _pack_plan(plan: Any, output: str | os.PathLike, *, variant: str | None, exclude: Sequence[str],

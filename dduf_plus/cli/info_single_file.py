@@ -1,0 +1,45 @@
+"""``dduf info CKPT.safetensors``: what a single-file checkpoint holds (detected architecture, components,
+dtypes, parameters, bytes), read from its header only. Called by ``dduf info`` (cli/info.py)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from ._common import echo, human_bytes, human_count, print_json
+
+HEADERS = ("COMPONENT", "KEY PREFIX", "DTYPE", "PARAMS", "SIZE", "NOTES")
+
+
+def is_checkpoint(source: str) -> bool:
+    """A local ``.safetensors`` file: described as a single-file checkpoint, not opened as an archive."""
+    return source.endswith(".safetensors") and os.path.isfile(source)
+
+
+def run_single_file(args: argparse.Namespace) -> int:
+    from ..packing.single_file import describe_checkpoint
+    from .info import table
+
+    info = describe_checkpoint(args.source)
+    if args.json:
+        print_json(info)
+        return 0
+    arch = f"{info['family']} ({info['architecture']})" if info.get("family") else info.get("architecture")
+    echo(f"{info['path']}: single-file checkpoint, {arch or 'unknown architecture'} "
+         f"({info['tensors']} tensors, {human_bytes(info['size'])})")
+    if info.get("problem"):
+        echo(f"  {info['problem']}")
+    rows = []
+    for name, c in info["components"].items():
+        notes = ", ".join(f"{k} {human_bytes(v)}" for k, v in c["dtypes"].items()) if len(c["dtypes"]) > 1 else ""
+        rows.append((name, c["prefix"], c["dtype"], human_count(c["parameters"]), human_bytes(c["bytes"]), notes))
+    if rows:
+        for line in table([HEADERS, *rows]):
+            echo(f"  {line}")
+    if info.get("absent"):
+        echo(f"  not in the file: {', '.join(info['absent'])} (a pack against --base references BASE's)")
+    if info.get("other_tensors"):
+        echo(f"  {info['other_tensors']} tensors belong to no component (ignored by a pack)")
+    if info.get("pipeline"):
+        echo(f"  pack it: dduf pack {args.source} --base BASE -o OUT.dduf  (BASE: a {info['pipeline']} folder or Hub repo)")
+    return 0

@@ -1,0 +1,517 @@
+"""Single-file checkpoints in: ``pack(CKPT.safetensors, OUT, base=BASE)``.
+
+A single-file checkpoint (A1111 / LDM / SGM key layout: ``model.diffusion_model.*``, ``first_stage_model.*``,
+``cond_stage_model.*`` / ``conditioner.embedders.N.*``) becomes a partial archive against BASE, a diffusers
+pipeline folder or a Hub repo (offline from the cache): the architecture is detected from the keys with
+diffusers' single-file machinery (``infer_diffusers_model_type``), each component the file holds is converted
+to diffusers' layout with diffusers' own mapping functions, one component at a time, from zero-copy views of
+the memory-mapped file; a converted component whose tensors are identical to BASE's (names, dtypes, shapes,
+bytes) becomes a content-verified reference to BASE, as do the components the file does not hold (and the
+tokenizers and scheduler); only what differs is stored, written deterministically and streamed.
+
+The file is untrusted: its header is parsed with the format layer's budgets before any byte is mapped."""
+
+from __future__ import annotations
+
+import json
+import logging
+import mmap
+import os
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, NamedTuple
+
+from ..errors import DDUFError, DDUFNotFoundError, DDUFPackError
+from ..format import spec
+from ..format.pack import EntrySource, FolderPlan, PackResult, write_archive
+from ..format.safetensors_header import SafetensorsHeader, TensorInfo, parse_header, read_file_header
+from ..format.structure import component_specs, model_index_object
+from ..format.weights import select_weights
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["FAMILIES", "describe_checkpoint", "detect_architecture", "is_single_file", "pack_single_file"]
+
+
+class Component(NamedTuple):
+    kind: str  # "unet", "vae", "clip" (CLIP-L, transformers layout), "open_clip" (OpenCLIP layout)
+    prefix: str  # the component's key prefix in the checkpoint
+
+
+class Family(NamedTuple):
+    name: str  # in words
+    pipelines: tuple[str, ...]  # BASE's model_index _class_name must be one of these
+    components: dict[str, Component]
+
+
+_UNET = Component("unet", "model.diffusion_model.")
+_VAE = Component("vae", "first_stage_model.")
+# Keyed by diffusers' infer_diffusers_model_type names.
+FAMILIES: dict[str, Family] = {
+    "v1": Family("SD 1.x", ("StableDiffusionPipeline", "StableDiffusionImg2ImgPipeline"),
+                 {"unet": _UNET, "vae": _VAE, "text_encoder": Component("clip", "cond_stage_model.transformer.")}),
+    "v2": Family("SD 2.x", ("StableDiffusionPipeline", "StableDiffusionImg2ImgPipeline"),
+                 {"unet": _UNET, "vae": _VAE, "text_encoder": Component("open_clip", "cond_stage_model.model.")}),
+    "xl_base": Family("SDXL base", ("StableDiffusionXLPipeline", "StableDiffusionXLImg2ImgPipeline"),
+                      {"unet": _UNET, "vae": _VAE,
+                       "text_encoder": Component("clip", "conditioner.embedders.0.transformer."),
+                       "text_encoder_2": Component("open_clip", "conditioner.embedders.1.model.")}),
+    "xl_refiner": Family("SDXL refiner", ("StableDiffusionXLImg2ImgPipeline",),
+                         {"unet": _UNET, "vae": _VAE,
+                          "text_encoder_2": Component("open_clip", "conditioner.embedders.0.model.")}),
+}
+# Prefixes other checkpoint layouts use: a file with none of these and no family prefix is of no known kind.
+_FOREIGN_HINTS = ("double_blocks.", "joint_blocks.", "model.diffusion_model.double_blocks.",
+                  "model.diffusion_model.joint_blocks.", "text_encoders.")
+
+
+def is_single_file(path: str | os.PathLike) -> bool:
+    """A local ``.safetensors`` file (not a folder): what ``pack`` treats as a single-file checkpoint."""
+    return os.path.isfile(path) and os.fspath(path).endswith(".safetensors")
+
+
+# --- reading the checkpoint ------------------------------------------------------------------------------
+def read_checkpoint_header(path: str | os.PathLike) -> SafetensorsHeader:
+    """The checked header (same budgets as an archive's weights; never the tensor data)."""
+    if not os.path.exists(path):
+        raise DDUFNotFoundError(f"{path} does not exist", os.fspath(path))
+    if not os.path.isfile(path):
+        raise DDUFPackError(f"{path} is not a file (a single-file .safetensors checkpoint)")
+    return read_file_header(path, os.path.basename(path), DDUFPackError)
+
+
+class _Shape:
+    """What ``infer_diffusers_model_type`` reads of a tensor: its shape (no data is touched)."""
+
+    def __init__(self, shape: tuple[int, ...]):
+        self.shape = shape
+
+
+def detect_architecture(header: SafetensorsHeader, where: str = "the checkpoint") -> str:
+    """diffusers' model type of a checkpoint (``v1``, ``xl_base``, ...), from its keys and a few shapes.
+
+    Raises:
+        DDUFPackError: no key of a known layout (diffusers would call anything "v1"), or diffusers fails.
+    """
+    from diffusers.loaders.single_file_utils import infer_diffusers_model_type
+
+    keys = header.tensors
+    try:
+        found = infer_diffusers_model_type({k: _Shape(v.shape) for k, v in keys.items()})
+    except (KeyError, IndexError, TypeError, AttributeError) as e:  # a hostile mix of marker keys
+        raise DDUFPackError(f"{where}: cannot tell its architecture (diffusers' detection failed: "
+                            f"{type(e).__name__}: {e})") from None
+    family = FAMILIES.get(found)
+    if family is not None and any(k.startswith(c.prefix) for c in family.components.values() for k in keys):
+        return str(found)
+    if found != "v1" or any(k.startswith(_FOREIGN_HINTS) for k in keys):
+        return str(found)  # a diffusers model type dduf pack does not convert (said by the caller)
+    sample = ", ".join(sorted({k.split(".")[0] for k in keys})[:5]) or "no tensors"
+    raise DDUFPackError(f"{where}: unknown architecture: none of its {len(keys)} keys is in a layout diffusers' "
+                        f"single-file loader knows (top-level names: {sample})")
+
+
+def _family(model_type: str, where: str) -> Family:
+    family = FAMILIES.get(model_type)
+    if family is None:
+        known = ", ".join(f"{f.name} ({k})" for k, f in FAMILIES.items())
+        raise DDUFPackError(f"{where}: detected diffusers model type {model_type!r}, which dduf pack does not "
+                            f"convert yet (supported: {known})")
+    return family
+
+
+def _held(header: SafetensorsHeader, family: Family) -> dict[str, list[TensorInfo]]:
+    """{component: its tensors in the checkpoint} for the components the file holds."""
+    held: dict[str, list[TensorInfo]] = {}
+    for name, comp in family.components.items():
+        infos = [t for k, t in header.tensors.items() if k.startswith(comp.prefix)]
+        if infos:
+            held[name] = infos
+    return held
+
+
+def describe_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """What ``dduf info CKPT.safetensors`` shows: the detected architecture and, per component the file
+    holds, its dtypes, parameters and bytes. Reads the header only.
+
+    Raises:
+        DDUFPackError: not a valid safetensors file (DDUFNotFoundError when missing).
+    """
+    header = read_checkpoint_header(path)
+    info: dict[str, Any] = {"path": os.fspath(path), "kind": "single-file checkpoint",
+                            "size": os.path.getsize(path), "tensors": len(header.tensors)}
+    try:
+        model_type = detect_architecture(header, os.fspath(path))
+    except DDUFPackError as e:
+        return {**info, "architecture": None, "family": None, "pipeline": None, "components": {}, "problem": str(e)}
+    family = FAMILIES.get(model_type)
+    info.update(architecture=model_type, family=family.name if family else None,
+                pipeline=family.pipelines[0] if family else None, components={})
+    if family is None:
+        info["problem"] = f"diffusers model type {model_type!r}: dduf pack does not convert it yet"
+        return info
+    claimed = 0
+    for name, infos in _held(header, family).items():
+        dtypes: dict[str, int] = {}
+        params = 0
+        for t in infos:
+            dtypes[t.dtype] = dtypes.get(t.dtype, 0) + t.nbytes
+            n = 1
+            for d in t.shape:
+                n *= d
+            params += n
+        claimed += len(infos)
+        info["components"][name] = {
+            "prefix": family.components[name].prefix, "tensors": len(infos), "parameters": params,
+            "bytes": sum(dtypes.values()), "dtypes": dtypes, "dtype": max(dtypes, key=lambda d: dtypes[d])}
+    info["other_tensors"] = len(header.tensors) - claimed
+    info["absent"] = sorted(set(family.components) - set(info["components"]))
+    return info
+
+
+# --- BASE --------------------------------------------------------------------------------------------------
+class _Base(NamedTuple):
+    folder: Path  # a local folder holding BASE's files (the folder, or its Hugging Face cache snapshot)
+    spec: str  # what the references name: the folder, or the repo id[@revision]
+    model_index: dict[str, Any]
+    model_index_bytes: bytes
+
+
+def _open_base(base: str, token: str | bool | None, local_files_only: bool) -> _Base:
+    from ..refs.resolve import parse_spec
+
+    try:
+        kind = parse_spec(base).kind
+    except DDUFError as e:
+        raise DDUFPackError(f"--base {base!r}: {e}") from None
+    if kind == "dduf" or kind == "url":
+        raise DDUFPackError(f"--base {base!r}: a single-file checkpoint is packed against a diffusers pipeline "
+                            "folder or a Hub repo id (an archive as BASE is not supported yet)")
+    if kind == "folder":
+        folder = Path(base)
+        if not folder.is_dir():
+            raise DDUFNotFoundError(f"--base {base!r}: {folder} does not exist", str(folder))
+    else:
+        from .pack import pack_source
+
+        folder = Path(pack_source(base, token=token, local_files_only=local_files_only, quiet=True))
+    mi_path = folder / spec.MODEL_INDEX
+    if not mi_path.is_file():
+        raise DDUFPackError(f"--base {base!r}: {folder} has no model_index.json (BASE is a diffusers pipeline)")
+    raw = mi_path.read_bytes()
+    return _Base(folder, base, model_index_object(raw, str(mi_path), DDUFPackError), raw)
+
+
+def _check_base(family: Family, model_type: str, base: _Base, where: str) -> None:
+    """Refuse a BASE of another pipeline family (an SDXL checkpoint against an SD 1.5 base)."""
+    cls = base.model_index.get("_class_name")
+    if cls not in family.pipelines:
+        others = [f.name for f in FAMILIES.values() if cls in f.pipelines]
+        hint = f" (a pipeline for {' / '.join(others)} checkpoints)" if others else ""
+        raise DDUFPackError(f"{where} is a {family.name} checkpoint ({model_type}, detected from its keys) but "
+                            f"--base {base.spec} is a {cls}{hint}: use a {family.name} base "
+                            f"({' or '.join(family.pipelines)})")
+    specs = component_specs(base.model_index)
+    missing = [n for n in family.components if specs.get(n, (None, None))[0] is None]
+    if missing:
+        raise DDUFPackError(f"--base {base.spec}: its model_index.json has no {', '.join(missing)}, which a "
+                            f"{family.name} pipeline needs")
+
+
+class _BaseTensors(NamedTuple):
+    tensors: dict[str, tuple[Path, int, TensorInfo]]  # name -> (file, data start, info)
+    files: list[str]
+
+
+def _base_tensors(base: _Base, name: str) -> _BaseTensors:
+    """BASE's weights of component ``name`` (default variant, every shard), from the headers."""
+    folder = base.folder / name
+    listing = sorted(e.name for e in os.scandir(folder) if e.is_file()) if folder.is_dir() else []
+    weights = [f for f in select_weights(listing, None) if f.endswith(".safetensors")]
+    if not weights:
+        raise DDUFPackError(f"--base {base.spec}: {name}/ holds no safetensors weights to compare with")
+    out: dict[str, tuple[Path, int, TensorInfo]] = {}
+    for f in weights:
+        header = read_file_header(folder / f, f"{name}/{f}", DDUFPackError)
+        for t in header.tensors.values():
+            out[t.name] = (folder / f, header.data_start, t)
+    return _BaseTensors(out, weights)
+
+
+# --- converting one component --------------------------------------------------------------------------------
+@contextmanager
+def _mapped(path: Path) -> Iterator[mmap.mmap | None]:
+    """A private (copy-on-write) map of ``path``: writable for ``torch.frombuffer``, never written."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) if size else None
+        try:
+            yield mm
+        finally:
+            if mm is not None:
+                try:
+                    mm.close()
+                except BufferError:  # a consumer kept a view: the map goes with it
+                    pass
+
+
+def _view(mm: mmap.mmap | None, data_start: int, info: TensorInfo) -> Any:
+    """A torch tensor viewing ``info``'s bytes in the map (copied only when a foreign writer misaligned it)."""
+    import torch
+
+    dtype = getattr(torch, info.dtype)
+    width = torch.empty((), dtype=dtype).element_size()
+    offset, count = data_start + info.begin, info.nbytes // width
+    if mm is None or count == 0:
+        return torch.empty(info.shape, dtype=dtype)
+    if offset % width:
+        flat = torch.frombuffer(bytearray(mm[offset:offset + info.nbytes]), dtype=dtype)
+    else:
+        flat = torch.frombuffer(mm, dtype=dtype, count=count, offset=offset)
+    return flat.view(info.shape)
+
+
+def _convert(kind: str, prefix: str, views: dict[str, Any], config: Mapping[str, Any],
+             base_keys: set[str]) -> dict[str, Any]:
+    """The component's tensors in diffusers' layout, by diffusers' own mapping functions (the ones
+    ``from_single_file`` uses for this component), from ``views`` (the component's checkpoint keys)."""
+    from diffusers.loaders import single_file_utils as sfu
+
+    if kind == "unet":
+        out = sfu.convert_ldm_unet_checkpoint(views, dict(config))
+    elif kind == "vae":
+        out = sfu.convert_ldm_vae_checkpoint(views, dict(config))
+    elif kind == "clip":
+        out = sfu.convert_ldm_clip_checkpoint(views)
+    else:  # OpenCLIP: q/k/v are split out of in_proj (copies), text_projection transposed (a copy)
+        model = SimpleNamespace(config=SimpleNamespace(hidden_size=config.get("hidden_size")))
+        out = sfu.convert_open_clip_checkpoint(model, views, prefix=prefix)
+    if kind in ("clip", "open_clip") and not any(k.startswith("text_model.") for k in base_keys):
+        # transformers >= 5.6 flattened CLIPTextModel: no text_model. prefix (diffusers strips it the same way)
+        out = {k.removeprefix("text_model."): v for k, v in out.items()}
+    return dict(out)
+
+
+class _Converted(NamedTuple):
+    header: SafetensorsHeader  # the file this component is written as
+    identical: bool
+    report: str
+
+
+def _fit(name: str, converted: dict[str, Any], base: _BaseTensors, where: str) -> list[str]:
+    """Check the converted tensors against BASE's (names and shapes); drop the ones BASE's model has no
+    place for (``position_ids``, EMA leftovers), as ``from_single_file`` ignores them. Returns the dropped.
+
+    Raises:
+        DDUFPackError: a tensor BASE's model needs is missing, or a shape does not fit BASE's config.
+    """
+    extra = sorted(k for k in converted if k not in base.tensors)
+    for k in extra:
+        del converted[k]
+    missing = sorted(k for k in base.tensors if k not in converted)
+    if missing:
+        raise DDUFPackError(f"{where}: {name} does not fit --base's {name} config: {len(missing)} tensor(s) its "
+                            f"model needs are not in the checkpoint (first: {missing[0]})")
+    for k, t in converted.items():
+        want = base.tensors[k][2].shape
+        if tuple(t.shape) != tuple(want):
+            raise DDUFPackError(f"{where}: {name} does not fit --base's {name} config: {k} is "
+                                f"{list(t.shape)} in the checkpoint, {list(want)} in BASE (another model size?)")
+    return extra
+
+
+def _identical(converted: Mapping[str, Any], base: _BaseTensors) -> str | None:
+    """None when every converted tensor equals BASE's (dtype and bytes), else the first difference."""
+    import torch
+
+    for k in sorted(converted):
+        if str(converted[k].dtype).removeprefix("torch.") != base.tensors[k][2].dtype:
+            return f"{k} is {str(converted[k].dtype).removeprefix('torch.')} here, {base.tensors[k][2].dtype} in BASE"
+    by_file: dict[Path, list[str]] = {}
+    for k in sorted(converted):
+        by_file.setdefault(base.tensors[k][0], []).append(k)
+    for path, names in sorted(by_file.items()):
+        with _mapped(path) as mm:
+            for k in names:
+                _p, start, info = base.tensors[k]
+                theirs = _view(mm, start, info)
+                mine = converted[k]
+                same = torch.equal(_bytes_of(mine), _bytes_of(theirs))
+                del theirs
+                if not same:
+                    return f"{k} differs"
+    return None
+
+
+def _bytes_of(t: Any) -> Any:
+    import torch
+
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _file_header(converted: Mapping[str, Any], entry: str) -> tuple[bytes, SafetensorsHeader, list[Any], int]:
+    """(header bytes with length prefix, parsed header, placements, file size) of the file written for
+    ``converted``, laid out as ``dduf pack --dtype`` lays out files (64-byte aligned tensors first)."""
+    from .convert import plan_file
+
+    infos, position = {}, 0
+    for k in sorted(converted):
+        t = converted[k]
+        size = t.numel() * t.element_size()
+        infos[k] = TensorInfo(k, str(t.dtype).removeprefix("torch."), tuple(t.shape), position, position + size)
+        position += size
+    virtual = SafetensorsHeader(0, infos, {"format": "pt"})
+    raw, planned, size = plan_file(virtual, {})
+    header, problems = parse_header(raw, len(raw), size, entry)
+    if header is None or any(p.severity == "error" for p in problems):  # pragma: no cover - our own bug
+        raise DDUFPackError(f"{entry}: converted header does not check: {problems}")
+    return len(raw).to_bytes(8, "little") + raw, header, planned, size
+
+
+class _Job(NamedTuple):
+    """Everything needed to convert one component again while the archive is written."""
+
+    checkpoint: Path
+    header: SafetensorsHeader
+    name: str
+    component: Component
+    config: dict[str, Any]
+    base_keys: set[str]
+
+
+def _converted_tensors(job: _Job, mm: mmap.mmap | None) -> dict[str, Any]:
+    """The component converted (views of ``mm``), with the tensors BASE has no place for dropped."""
+    views = {k: _view(mm, job.header.data_start, t) for k, t in job.header.tensors.items()
+             if k.startswith(job.component.prefix)}
+    out = _convert(job.component.kind, job.component.prefix, views, job.config, job.base_keys)
+    return {k: v for k, v in out.items() if k in job.base_keys}
+
+
+def _chunks(job: _Job, head: bytes, planned: list[Any]) -> Iterator[Any]:
+    """The component's file: header, then each tensor's bytes straight from the checkpoint's map
+    (q/k/v of an OpenCLIP encoder are split copies, made once per pass, one component at a time)."""
+    yield head
+    with _mapped(job.checkpoint) as mm:
+        converted = _converted_tensors(job, mm)
+        try:
+            for p in planned:
+                data = _bytes_of(converted[p.info.name])
+                if data.numel() != p.end - p.begin:  # pragma: no cover - the file changed under us
+                    raise DDUFPackError(f"{job.checkpoint}: {p.info.name} changed while packing")
+                yield data.numpy()
+                del data
+        finally:
+            converted.clear()
+
+
+def _weights_name(library: str | None) -> str:
+    return "model.safetensors" if library == "transformers" else "diffusion_pytorch_model.safetensors"
+
+
+def _component(job: _Job, base: _Base, base_tensors: _BaseTensors, where: str) -> tuple[list[EntrySource], str]:
+    """Convert one component; its entry sources when it differs from BASE (none when identical) and a line
+    for the report."""
+    with _mapped(job.checkpoint) as mm:
+        views = {k: _view(mm, job.header.data_start, t) for k, t in job.header.tensors.items()
+                 if k.startswith(job.component.prefix)}
+        try:
+            converted = _convert(job.component.kind, job.component.prefix, views, job.config, job.base_keys)
+        except DDUFError:
+            raise
+        except Exception as e:  # diffusers' converter on keys it does not expect
+            raise DDUFPackError(f"{where}: {job.name} cannot be converted to diffusers' layout "
+                                f"({type(e).__name__}: {e})") from None
+        dropped = _fit(job.name, converted, base_tensors, where)
+        why = _identical(converted, base_tensors)
+        library = component_specs(base.model_index)[job.name][0]
+        entry = f"{job.name}/{_weights_name(library)}"
+        head, header, planned, size = _file_header(converted, entry)
+        nbytes = sum(t.numel() * t.element_size() for t in converted.values())
+        converted.clear()
+        views.clear()
+    note = f"; dropped {len(dropped)} tensor(s) BASE's model has no place for ({dropped[0]}...)" if dropped else ""
+    if why is None:
+        return [], f"{job.name}: {len(header.tensors)} tensors identical to BASE's -> referenced{note}"
+    config = base.folder / job.name / "config.json"
+    sources = [EntrySource(f"{job.name}/config.json", path=config),
+               EntrySource(entry, size=size, chunks=lambda: _chunks(job, head, planned), header=header)]
+    return sources, f"{job.name}: converted, {len(header.tensors)} tensors, {nbytes} bytes, stored ({why}){note}"
+
+
+def pack_single_file(
+    checkpoint: str | os.PathLike,
+    output: str | os.PathLike,
+    *,
+    base: str | os.PathLike | None,
+    token: str | bool | None = None,
+    local_files_only: bool = False,
+    quiet: bool = False,
+    fsync: bool = True,
+) -> tuple[PackResult, Any]:
+    """Pack a single-file checkpoint as a partial archive against ``base``. Returns the result and the
+    reference plan (``.report``: the architecture found, what was stored and referenced).
+
+    Raises:
+        DDUFPackError: no BASE, an unknown or unsupported architecture, a BASE of another family, a
+            component that does not fit BASE's configs, a broken file; nothing is written then.
+    """
+    started = time.perf_counter()
+    path = Path(checkpoint)
+    where = str(path)
+    if not base:
+        raise DDUFPackError(f"{where} is a single-file checkpoint: give --base BASE (a diffusers pipeline folder "
+                            "or Hub repo of the same family) for its configs, tokenizers and scheduler")
+    header = read_checkpoint_header(path)
+    model_type = detect_architecture(header, where)
+    family = _family(model_type, where)
+    the_base = _open_base(os.fspath(base), token, local_files_only)
+    _check_base(family, model_type, the_base, where)
+    held = _held(header, family)
+    report = [f"detected {family.name} ({model_type}) from the keys of {path.name}; it holds "
+              f"{', '.join(held) or 'no component'}" + (f", not {', '.join(sorted(set(family.components) - set(held)))}"
+                                                        if set(family.components) - set(held) else "")]
+    sources: list[EntrySource] = []
+    for name in sorted(held):
+        base_tensors = _base_tensors(the_base, name)
+        config = _read_json(the_base.folder / name / "config.json", the_base.spec)
+        job = _Job(path, header, name, family.components[name], config, set(base_tensors.tensors))
+        stored, line = _component(job, the_base, base_tensors, where)
+        sources.extend(stored)
+        report.append(line)
+    return _write(sources, the_base, output, report, token=token, local_files_only=local_files_only,
+                  quiet=quiet, fsync=fsync, started=started, where=where)
+
+
+def _read_json(path: Path, base: str) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_bytes())
+    except (OSError, ValueError) as e:
+        raise DDUFPackError(f"--base {base}: {path} cannot be read as JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise DDUFPackError(f"--base {base}: {path} is not a JSON object")
+    return value
+
+
+def _write(sources: list[EntrySource], base: _Base, output: str | os.PathLike, report: list[str], *,
+           token: str | bool | None, local_files_only: bool, quiet: bool, fsync: bool, started: float,
+           where: str) -> tuple[PackResult, Any]:
+    """Reference everything not stored to BASE (content-verified, as ``--base`` does) and write."""
+    from .partial import make_references
+
+    stored = {s.name.split("/")[0] for s in sources}
+    if not stored:
+        raise DDUFPackError(f"{where}: every component it holds is identical to --base {base.spec}: the archive "
+                            "would hold no component (nothing to ship); load or share BASE itself")
+    real = [n for n, (lib, _c) in component_specs(base.model_index).items() if lib is not None]
+    plan = FolderPlan(base.model_index, base.model_index_bytes, sources, [], base.folder)
+    partial = make_references(plan, exclude=sorted(set(real) - stored), refs={"*": base.spec}, token=token,
+                              local_files_only=local_files_only)
+    partial = partial._replace(report=report + partial.report)
+    for line in partial.report:
+        logger.info("%s", line)
+    result = write_archive(output, partial.model_index, partial.model_index_bytes, partial.sources,
+                           skipped=partial.skipped, references=partial.references or None, quiet=quiet, fsync=fsync)
+    return result._replace(seconds=time.perf_counter() - started), partial
