@@ -167,7 +167,7 @@ def checkpoint_from_pipeline(folder: Path, family: str, *, unet_delta: float = 0
 
 
 def build_tiny_sdxl(out: Path, tokenizer_from: Path, seed: int = 0) -> Path:
-    """A tiny SDXL-base-shaped pipeline folder (float32, seeded)."""
+    """A tiny SDXL-base-shaped pipeline folder (float32, seeded), with ``fp16`` variant files."""
     from diffusers import (
         AutoencoderKL,
         EulerDiscreteScheduler,
@@ -201,4 +201,5 @@ def build_tiny_sdxl(out: Path, tokenizer_from: Path, seed: int = 0) -> Path:
     if out.exists():
         shutil.rmtree(out)
     pipe.save_pretrained(out)
+    pipe.to(torch.float16).save_pretrained(out, variant="fp16")  # as the Hub's SDXL base has both
     return out

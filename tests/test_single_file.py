@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import struct
 from pathlib import Path
 
@@ -38,8 +39,8 @@ def _save(state: dict[str, torch.Tensor], path: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def sf(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The tiny SDXL base and three checkpoints: SD 1.x fine-tune (fp32, UNet changed), SD 1.x unet-only,
-    SDXL (fp16, every component)."""
+    """The tiny SDXL base (fp32 and fp16 variant files; a copy without the variant) and three checkpoints:
+    SD 1.x fine-tune (fp32, UNet changed), SD 1.x unet-only, SDXL fine-tune (fp16, every component, UNet changed)."""
     out = tmp_path_factory.mktemp("single-file")
     sdxl = build_tiny_sdxl(out / "tiny-sdxl", TINY_SD / "tokenizer")
     return {
@@ -47,7 +48,9 @@ def sf(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "sd1": _save(checkpoint_from_pipeline(TINY_SD, "v1", unet_delta=0.01, dtype=torch.float32), out / "sd1.safetensors"),
         "sd1_unet": _save(checkpoint_from_pipeline(TINY_SD, "v1", unet_delta=0.01, components=("unet",)),
                           out / "sd1-unet.safetensors"),
-        "sdxl": _save(checkpoint_from_pipeline(sdxl, "xl_base", dtype=torch.float16), out / "sdxl.safetensors"),
+        "sdxl": _save(checkpoint_from_pipeline(sdxl, "xl_base", unet_delta=0.01, dtype=torch.float16),
+                      out / "sdxl.safetensors"),
+        "sdxl_base_fp32_only": shutil.copytree(sdxl, out / "tiny-sdxl-fp32", ignore=shutil.ignore_patterns("*.fp16.*")),
     }
 
 
@@ -128,15 +131,24 @@ def test_sdxl_checkpoint_equals_from_single_file(sf: dict[str, Path], tmp_path: 
     out = tmp_path / "sdxl.dduf"
     _result, partial = pack_single_file(sf["sdxl"], out, base=str(sf["sdxl_base"]), quiet=True)
     assert "detected SDXL base (xl_base)" in partial.report[0]
-    # fp16 against an fp32 base: every weight differs (dtype), the tokenizers and the scheduler are referenced
-    assert set(partial.references) == {"tokenizer", "tokenizer_2", "scheduler"}
+    # fp16: the encoders and the VAE are BASE's fp16 variant files, referenced as such; the UNet is stored
+    refs = partial.references
+    assert set(refs) == {"vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "scheduler"}
+    for name in ("vae", "text_encoder", "text_encoder_2"):
+        assert refs[name]["variant"] == "fp16" and any(".fp16." in f for f in refs[name]["files"]), refs[name]
+        assert not any(f.endswith(".safetensors") and ".fp16." not in f for f in refs[name]["files"])
+    assert "identical to BASE's fp16 variant" in "\n".join(partial.report)
     _assert_equal_pipelines(out, sf["sdxl"], sf["sdxl_base"], "StableDiffusionXLPipeline", torch.float16)
 
 
-def test_output_is_deterministic(sf: dict[str, Path], tmp_path: Path) -> None:
-    a, _ = pack_single_file(sf["sdxl"], tmp_path / "a.dduf", base=str(sf["sdxl_base"]), quiet=True, fsync=False)
-    b, _ = pack_single_file(sf["sdxl"], tmp_path / "b.dduf", base=str(sf["sdxl_base"]), quiet=True, fsync=False)
+def test_output_is_deterministic_and_fp32_base_stores_fp16_weights(sf: dict[str, Path], tmp_path: Path) -> None:
+    base = str(sf["sdxl_base_fp32_only"])
+    a, partial = pack_single_file(sf["sdxl"], tmp_path / "a.dduf", base=base, quiet=True, fsync=False)
+    b, _ = pack_single_file(sf["sdxl"], tmp_path / "b.dduf", base=base, quiet=True, fsync=False)
     assert a.path.read_bytes() == b.path.read_bytes()
+    # fp16 against a base with fp32 files only: every weight differs (dtype); tokenizers, scheduler referenced
+    assert set(partial.references) == {"tokenizer", "tokenizer_2", "scheduler"}
+    assert "is float16 here, float32 in BASE" in "\n".join(partial.report)
 
 
 def test_unet_only_checkpoint_references_the_rest(sf: dict[str, Path], tmp_path: Path) -> None:

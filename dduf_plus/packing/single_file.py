@@ -29,7 +29,7 @@ from ..format import spec
 from ..format.pack import EntrySource, FolderPlan, PackResult, write_archive
 from ..format.safetensors_header import SafetensorsHeader, TensorInfo, parse_header, read_file_header
 from ..format.structure import component_specs, model_index_object
-from ..format.weights import select_weights
+from ..format.weights import classify, select_weights, variants
 
 logger = logging.getLogger(__name__)
 
@@ -226,11 +226,20 @@ class _BaseTensors(NamedTuple):
     files: list[str]
 
 
-def _base_tensors(base: _Base, name: str) -> _BaseTensors:
-    """BASE's weights of component ``name`` (default variant, every shard), from the headers."""
+def _base_variants(base: _Base, name: str) -> list[str]:
+    """The weight variants (``fp16``...) BASE's component ``name`` has files of."""
+    return sorted(variants(_listing(base.folder / name)))
+
+
+def _listing(folder: Path) -> list[str]:
+    return sorted(e.name for e in os.scandir(folder) if e.is_file()) if folder.is_dir() else []
+
+
+def _base_tensors(base: _Base, name: str, variant: str | None = None) -> _BaseTensors:
+    """BASE's weights of component ``name`` (the default ones, or ``variant``'s; every shard), from the headers."""
     folder = base.folder / name
-    listing = sorted(e.name for e in os.scandir(folder) if e.is_file()) if folder.is_dir() else []
-    weights = [f for f in select_weights(listing, None) if f.endswith(".safetensors")]
+    chosen = select_weights(_listing(folder), variant)
+    weights = [f for f in chosen if f.endswith(".safetensors") and (w := classify(f)) is not None and w.variant == variant]
     if not weights:
         raise DDUFPackError(f"--base {base.spec}: {name}/ holds no safetensors weights to compare with")
     out: dict[str, tuple[Path, int, TensorInfo]] = {}
@@ -346,6 +355,17 @@ def _identical(converted: Mapping[str, Any], base: _BaseTensors) -> str | None:
     return None
 
 
+def _identical_variant(name: str, converted: Mapping[str, Any], base: _Base) -> str | None:
+    """The first of BASE's weight variants of ``name`` whose tensors ``converted`` equals, or None."""
+    for variant in _base_variants(base, name):
+        theirs = _base_tensors(base, name, variant)
+        fits = theirs.tensors.keys() == converted.keys() and all(
+            tuple(converted[k].shape) == theirs.tensors[k][2].shape for k in converted)
+        if fits and _identical(converted, theirs) is None:
+            return variant
+    return None
+
+
 def _bytes_of(t: Any) -> Any:
     import torch
 
@@ -411,9 +431,10 @@ def _weights_name(library: str | None) -> str:
     return "model.safetensors" if library == "transformers" else "diffusion_pytorch_model.safetensors"
 
 
-def _component(job: _Job, base: _Base, base_tensors: _BaseTensors, where: str) -> tuple[list[EntrySource], str]:
-    """Convert one component; its entry sources when it differs from BASE (none when identical) and a line
-    for the report."""
+def _component(job: _Job, base: _Base, base_tensors: _BaseTensors,
+               where: str) -> tuple[list[EntrySource], str, str | None]:
+    """Convert one component; its entry sources when it differs from BASE (none when identical), a line
+    for the report and the BASE variant it is identical to (an fp16 checkpoint, BASE's fp16 files)."""
     with _mapped(job.checkpoint) as mm:
         views = {k: _view(mm, job.header.data_start, t) for k, t in job.header.tensors.items()
                  if k.startswith(job.component.prefix)}
@@ -430,15 +451,17 @@ def _component(job: _Job, base: _Base, base_tensors: _BaseTensors, where: str) -
         entry = f"{job.name}/{_weights_name(library)}"
         head, header, planned, size = _file_header(converted, entry)
         nbytes = sum(t.numel() * t.element_size() for t in converted.values())
+        variant = _identical_variant(job.name, converted, base) if why is not None else None
         converted.clear()
         views.clear()
     note = f"; dropped {len(dropped)} tensor(s) BASE's model has no place for ({dropped[0]}...)" if dropped else ""
-    if why is None:
-        return [], f"{job.name}: {len(header.tensors)} tensors identical to BASE's -> referenced{note}"
+    if why is None or variant is not None:
+        which = f"BASE's {variant} variant" if variant else "BASE's"
+        return [], f"{job.name}: {len(header.tensors)} tensors identical to {which} -> referenced{note}", variant
     config = base.folder / job.name / "config.json"
     sources = [EntrySource(f"{job.name}/config.json", path=config),
                EntrySource(entry, size=size, chunks=lambda: _chunks(job, head, planned), header=header)]
-    return sources, f"{job.name}: converted, {len(header.tensors)} tensors, {nbytes} bytes, stored ({why}){note}"
+    return sources, f"{job.name}: converted, {len(header.tensors)} tensors, {nbytes} bytes, stored ({why}){note}", None
 
 
 def pack_single_file(
@@ -474,14 +497,17 @@ def pack_single_file(
               f"{', '.join(held) or 'no component'}" + (f", not {', '.join(sorted(set(family.components) - set(held)))}"
                                                         if set(family.components) - set(held) else "")]
     sources: list[EntrySource] = []
+    by_variant: dict[str, list[str]] = {}  # components identical to one of BASE's variants
     for name in sorted(held):
         base_tensors = _base_tensors(the_base, name)
         config = _read_json(the_base.folder / name / "config.json", the_base.spec)
         job = _Job(path, header, name, family.components[name], config, set(base_tensors.tensors))
-        stored, line = _component(job, the_base, base_tensors, where)
+        stored, line, variant = _component(job, the_base, base_tensors, where)
         sources.extend(stored)
         report.append(line)
-    return _write(sources, the_base, output, report, token=token, local_files_only=local_files_only,
+        if variant is not None:
+            by_variant.setdefault(variant, []).append(name)
+    return _write(sources, the_base, output, report, by_variant, token=token, local_files_only=local_files_only,
                   quiet=quiet, fsync=fsync, started=started, where=where)
 
 
@@ -495,11 +521,12 @@ def _read_json(path: Path, base: str) -> dict[str, Any]:
     return value
 
 
-def _write(sources: list[EntrySource], base: _Base, output: str | os.PathLike, report: list[str], *,
+def _write(sources: list[EntrySource], base: _Base, output: str | os.PathLike, report: list[str],
+           by_variant: Mapping[str, list[str]], *,
            token: str | bool | None, local_files_only: bool, quiet: bool, fsync: bool, started: float,
            where: str) -> tuple[PackResult, Any]:
     """Reference everything not stored to BASE (content-verified, as ``--base`` does) and write."""
-    from .partial import make_references
+    from .partial import _model_index_with, make_references
 
     stored = {s.name.split("/")[0] for s in sources}
     if not stored:
@@ -507,9 +534,18 @@ def _write(sources: list[EntrySource], base: _Base, output: str | os.PathLike, r
                             "would hold no component (nothing to ship); load or share BASE itself")
     real = [n for n, (lib, _c) in component_specs(base.model_index).items() if lib is not None]
     plan = FolderPlan(base.model_index, base.model_index_bytes, sources, [], base.folder)
-    partial = make_references(plan, exclude=sorted(set(real) - stored), refs={"*": base.spec}, token=token,
-                              local_files_only=local_files_only)
-    partial = partial._replace(report=report + partial.report)
+    in_variant = {n for names in by_variant.values() for n in names}
+    partial = make_references(plan, exclude=sorted(set(real) - stored - in_variant), refs={"*": base.spec},
+                              token=token, local_files_only=local_files_only)
+    references, lines = dict(partial.references), list(partial.report)
+    for variant, names in sorted(by_variant.items()):  # references that record BASE's variant files
+        extra = make_references(plan, exclude=sorted(names), refs={"*": base.spec}, token=token,
+                                local_files_only=local_files_only, variant=variant)
+        references.update({n: extra.references[n] for n in names})
+        lines[-1:-1] = [line for line in extra.report if line.startswith("referenced ")]
+    model_index, raw = _model_index_with(plan, references)
+    partial = partial._replace(report=report + lines, references=references, model_index=model_index,
+                               model_index_bytes=raw)
     for line in partial.report:
         logger.info("%s", line)
     result = write_archive(output, partial.model_index, partial.model_index_bytes, partial.sources,
