@@ -24,11 +24,15 @@ from .storage.urls import is_url
 logger = logging.getLogger(__name__)
 
 
-class ComponentDtypes(TypedDict):
+class _ComponentDtypesRequired(TypedDict):
     dtype: str | None  # dominant floating dtype (most bytes), torch spelling: "float16"; None: no floats
     dtypes: dict[str, int]  # bytes per dtype
     parameters: int
     bytes: int
+
+
+class ComponentDtypes(_ComponentDtypesRequired, total=False):
+    quantization: dict[str, Any]  # archives of quantized components: the index's record (backend, scheme, roles)
 
 
 def inspect_dtypes(
@@ -100,7 +104,18 @@ def _from_archive(path: str, variant: str | None = None, **storage_options: Any)
             files = archive.weight_files(name, variant)
             if files:
                 out[name] = _summary(archive.headers[f] for f in files)
+                record = _quantization_record(archive.stored_index, name)
+                if record is not None:
+                    out[name]["quantization"] = record
         return out
+
+
+def _quantization_record(index: Any, name: str) -> dict[str, Any] | None:
+    """The quantization record the (untrusted, any shape) dduf_plus index keeps for a component, or None."""
+    components = index.get("components") if isinstance(index, dict) else None
+    component = components.get(name) if isinstance(components, dict) else None
+    record = component.get("quantization") if isinstance(component, dict) else None
+    return record if isinstance(record, dict) else None
 
 
 # --- folders -----------------------------------------------------------------------------------------

@@ -52,9 +52,12 @@ _DIFFUSERS_QUANTO_WEIGHTS = {"float8": "qfloat8", "int8": "qint8", "int4": "qint
 # What works without a GPU, as checked for this release (docs/precision.md has the table).
 CPU_BACKENDS = {
     "quanto": "yes: zero-copy load by dduf_plus (qint8, qfloat8, qint4, qint2 weights)",
-    "bitsandbytes_4bit": "no: diffusers' bitsandbytes quantizer refuses to run without a GPU",
-    "bitsandbytes_8bit": "no: diffusers' bitsandbytes quantizer refuses to run without a GPU",
-    "torchao": "untested: needs torchao>=0.15 (not installable here); int8 weight-only is CPU-capable in torchao",
+    "bitsandbytes_4bit": "library yes (bitsandbytes 0.50 has a CPU backend), but diffusers' quantizer refuses "
+                         "without a GPU and load_dduf has no zero-copy loader for it yet",
+    "bitsandbytes_8bit": "library yes (bitsandbytes 0.50 has a CPU backend), but diffusers' quantizer refuses "
+                         "without a GPU and load_dduf has no zero-copy loader for it yet",
+    "torchao": "yes: zero-copy load by dduf_plus (torchao>=0.16 safetensors layout; int8 weight-only checked on "
+               "CPU with torchao 0.18)",
     "gguf": "not applicable: DDUF cannot hold .gguf files",
 }
 
@@ -436,6 +439,11 @@ def load_with_diffusers_quantizer(
         del skeleton
         return load_quanto_component(model_cls, config, files, device=device, dtype=dtype, variant=variant,
                                      qmap=qmap)
+    from . import quant_backends
+
+    if method in quant_backends.SUPPORTED:  # torchao: rebuilt over the archive's views (quant_backends.py)
+        return quant_backends.load_backend_component(model_cls, config, files, device=device, dtype=dtype,
+                                                     variant=variant)
     from .files import FolderComponentFiles
 
     hint = CPU_BACKENDS.get(method, "untested backend")
@@ -443,7 +451,7 @@ def load_with_diffusers_quantizer(
         # Its quantizer reads the weights from disk itself, and dduf_plus never extracts weights from an archive.
         raise DDUFLoadError(
             f"{where}: quantized with {method} (quantization_config), which load_dduf can only rebuild for "
-            f"quanto; its own quantizer needs the files on disk (CPU support: {hint}). Unpack the archive "
+            f"quanto and torchao; its own quantizer needs the files on disk (CPU support: {hint}). Unpack the archive "
             "(`dduf unpack`) and load that folder with diffusers, or reference the component from a folder")
     target_dtype = _torch_dtype(dtype)
     folder = files.local_dir(files.listdir())  # a folder component: its own path, nothing is copied

@@ -1,0 +1,144 @@
+"""Components quantized by diffusers' torchao quantizer, rebuilt from the archive's own tensor views.
+
+diffusers' ``from_pretrained(folder)`` of a torchao-quantized model reads the safetensors ``__metadata__``
+(one JSON description per tensor), regroups the flattened parts (``L._weight_qdata``, ``L._weight_scale``,
+...) into torchao tensor subclasses (``Int8Tensor``...) and assigns them as the ``nn.Linear`` weights. This
+module builds the same thing without a folder and without a full-precision copy:
+
+1. the model on the meta device (nothing allocated);
+2. the metadata checked torch-free first (:mod:`dduf_plus.format.quant_rules`: sizes, depth, torchao's
+   class allow-list, every quantized weight with all its parts, shapes and dtypes that fit);
+3. each quantized weight made by torchao's own constructor (``object_from_dict``, the function
+   diffusers' path calls) over the archive's mmapped tensor views: the quantized data is never copied;
+4. ``load_state_dict(assign=True)``: every tensor of the model is a view of the archive.
+
+Resident memory is the stored bytes that are touched, as for unquantized components. torchao is
+optional: without it the loader raises a :class:`~dduf_plus.errors.DDUFLoadError` naming the component,
+the backend and the pip command."""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import logging
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from ..errors import DDUFLoadError
+from ..format.quant_rules import QuantError, analyse, backend_of, torchao_descriptions, torchao_groups
+from ..format.safetensors_header import SafetensorsHeader
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+logger = logging.getLogger(__name__)
+
+# backend (as format.quant_rules.backend_of names it) -> (module to import, pip command)
+BACKENDS = {
+    "torchao": ("torchao", "pip install 'dduf_plus[quant]'  (or: pip install torchao>=0.16)"),
+}
+SUPPORTED = frozenset(BACKENDS)
+
+
+def require_backend(backend: str, where: str) -> Any:
+    """The backend's module, or a DDUFLoadError naming the component, the backend and how to install it."""
+    module, hint = BACKENDS[backend]
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise DDUFLoadError(f"{where}: quantized with {backend}, which is not installed here ({e}); install it "
+                            f"with: {hint}") from None
+
+
+def component_headers(files: Any, filenames: Sequence[str]) -> list[SafetensorsHeader]:
+    """The parsed safetensors headers of ``filenames`` (archive or folder component): nothing new is read."""
+    archive = getattr(files, "archive", None)
+    if archive is not None:
+        return [archive.headers[f"{files.name}/{f}"] for f in filenames if f"{files.name}/{f}" in archive.headers]
+    return [files._open(f)[1] for f in filenames]
+
+
+def _torch_dtype(dtype: Any) -> torch.dtype | None:
+    from .quant import _torch_dtype as parse
+
+    return parse(dtype)
+
+
+def load_torchao_component(model_cls: type[Any], config: Mapping[str, Any], files: Any, *, device: Any = None,
+                           dtype: Any = None, variant: str | None = None) -> torch.nn.Module:
+    """Rebuild a component saved by diffusers' torchao quantizer as the modules ``from_pretrained`` builds.
+
+    ``dtype``: None or ``"auto"`` keeps every tensor as saved (diffusers' own reload defaults to the same
+    for a pre-quantized torchao model); another dtype casts the unquantized floating tensors only (the
+    quantized weights keep their stored layout and compute dtype).
+
+    Raises:
+        DDUFLoadError: torchao missing (with the pip command), the component not self-consistent (its Q0xx
+            rule), tensors missing or unexpected for the model.
+    """
+    from .quant import _check_state_keys, _empty_model, _finish
+
+    where = str(getattr(files, "description", None) or getattr(files, "name", "component"))
+    require_backend("torchao", where)
+    from torchao.prototype.safetensors.safetensors_utils import object_from_dict
+
+    weight_files = files.weight_files(variant)
+    headers = component_headers(files, weight_files)
+    metadata: dict[str, str] = {}
+    for header in headers:
+        metadata.update(header.metadata or {})
+    try:
+        analyse(config, headers)  # Q002-Q005, torch-free, before torchao parses anything
+        descriptions = torchao_descriptions(metadata)
+    except QuantError as e:
+        raise DDUFLoadError(f"{where}: {e.code}: torchao quantization: {e}", code=e.code) from None
+    model = _empty_model(model_cls, config, where, files, variant)
+    state = dict(files.tensors(weight_files))
+    for name, parts in torchao_groups(descriptions).items():
+        description = copy.deepcopy(descriptions[name])
+        description["_data"].update({part: state.pop(tensor) for part, tensor in parts.items()})
+        try:  # torchao's own constructor, over the archive's views (no copy)
+            state[name] = object_from_dict(description)
+        except (ValueError, TypeError, AttributeError) as e:
+            raise DDUFLoadError(f"{where}: Q005: torchao cannot build {name} from its description ({e})",
+                                code="Q005") from None
+    _check_state_keys(state, set(model.state_dict()), model, f"{where}: stored tensors do not match the "
+                      f"torchao-quantized {model_cls.__name__}")
+    target = _torch_dtype(dtype)
+    if target is not None:
+        import torch
+
+        for key, tensor in state.items():  # plain tensors only: the subclasses keep their layout
+            if type(tensor) is torch.Tensor and tensor.is_floating_point() and tensor.dtype != target:
+                state[key] = tensor.to(target)
+    quantizer = _quantizer(config)
+    if quantizer is not None:  # as diffusers' from_pretrained: is_quantized, quantization_method, modules_to_not_convert
+        quantizer.preprocess_model(model=model, device_map=None,
+                                   keep_in_fp32_modules=list(getattr(model, "_keep_in_fp32_modules", None) or []))
+    model.load_state_dict(state, strict=False, assign=True)
+    if quantizer is not None:  # so that save_pretrained and dequantize work as after diffusers' load
+        quantizer.postprocess_model(model)
+        model.hf_quantizer = quantizer
+    return _finish(model, where, device)
+
+
+def _quantizer(config: Mapping[str, Any]) -> Any:
+    """diffusers' quantizer for this config (pre-quantized), as its from_pretrained makes; None without diffusers."""
+    try:
+        from diffusers.quantizers import DiffusersAutoQuantizer
+    except ImportError:  # transformers-only environment: the model still runs
+        return None
+    try:
+        return DiffusersAutoQuantizer.from_config(dict(config["quantization_config"]), pre_quantized=True)
+    except (ValueError, TypeError, ImportError) as e:
+        logger.debug("no diffusers quantizer attached: %s", e)
+        return None
+
+
+def load_backend_component(model_cls: type[Any], config: Mapping[str, Any], files: Any, *, device: Any = None,
+                           dtype: Any = None, variant: str | None = None) -> torch.nn.Module:
+    """Dispatch on the config's backend (see :data:`SUPPORTED`)."""
+    backend = backend_of(config)
+    if backend == "torchao":
+        return load_torchao_component(model_cls, config, files, device=device, dtype=dtype, variant=variant)
+    raise DDUFLoadError(f"{getattr(files, 'description', 'component')}: no zero-copy loader for {backend}")

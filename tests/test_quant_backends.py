@@ -1,0 +1,199 @@
+"""Components quantized by diffusers' own torchao quantizer: pack (byte-faithful, the index records the
+quantization), validate (--strict --verify clean; Q001-Q005 refuse inconsistent or hostile metadata), load
+(same modules, state and outputs as diffusers' from_pretrained of the folder, the quantized data viewing the
+archive) and a clear error when torchao is not installed."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import struct
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+if importlib.util.find_spec("torchao") is None:  # a reason without "could not import": .ci/run fails on those
+    pytest.skip("torchao is not installed here (pip install -e '.[quant]')", allow_module_level=True)
+
+import torch  # noqa: E402
+
+from dduf_plus import load_dduf  # noqa: E402
+from dduf_plus.errors import DDUFError, DDUFLoadError  # noqa: E402
+from dduf_plus.format import quant_rules  # noqa: E402
+from dduf_plus.format.archive import DDUFArchive  # noqa: E402
+from dduf_plus.format.validate import validate  # noqa: E402
+from dduf_plus.loading.files import ArchiveComponentFiles  # noqa: E402
+from dduf_plus.packing.pack import pack  # noqa: E402
+
+pack_module = importlib.import_module("dduf_plus.packing.pack")
+
+TINY_SD = Path(__file__).resolve().parent.parent / "fixtures" / "pipelines" / "tiny-sd"
+WEIGHTS = "diffusion_pytorch_model.safetensors"
+LAYER = "mid_block.attentions.0.transformer_blocks.0.attn1.to_q"  # an nn.Linear torchao quantized
+
+
+@pytest.fixture(scope="module")
+def torchao_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny-sd whose unet diffusers quantized with torchao int8 weight-only and saved (save_pretrained)."""
+    from diffusers import TorchAoConfig, UNet2DConditionModel
+    from torchao.quantization import Int8WeightOnlyConfig
+
+    root = tmp_path_factory.mktemp("torchao") / "tiny-sd-int8"
+    shutil.copytree(TINY_SD, root, ignore=shutil.ignore_patterns("unet"))
+    unet = UNet2DConditionModel.from_pretrained(TINY_SD / "unet", torch_dtype=torch.bfloat16,
+                                                quantization_config=TorchAoConfig(Int8WeightOnlyConfig()))
+    unet.save_pretrained(root / "unet")
+    return root
+
+
+@pytest.fixture(scope="module")
+def torchao_archive(torchao_folder: Path) -> Path:
+    out = torchao_folder.parent / "tiny-sd-int8.dduf"
+    pack(torchao_folder, out, quiet=True)
+    return out
+
+
+def _header(path: Path) -> tuple[dict[str, Any], int]:
+    raw = path.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    return json.loads(raw[8 : 8 + n]), n
+
+
+def _rewrite(folder: Path, edit: Any) -> None:
+    """Rewrite unet's safetensors header (same data section) after ``edit(header)``: a hostile archive."""
+    path = folder / "unet" / WEIGHTS
+    raw = path.read_bytes()
+    header, n = _header(path)
+    edit(header)
+    new = json.dumps(header).encode()
+    new += b" " * (-len(new) % 8)
+    path.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n :])
+
+
+def _hostile(torchao_folder: Path, tmp_path: Path, edit: Any, monkeypatch: pytest.MonkeyPatch) -> Path:
+    folder = tmp_path / "hostile"
+    shutil.copytree(torchao_folder, folder)
+    _rewrite(folder, edit)
+    # a foreign writer checks nothing: neither the pack-time records nor the validation of the written file
+    monkeypatch.setattr(pack_module, "_backend_records", lambda sources: {})
+    monkeypatch.setattr(importlib.import_module("dduf_plus.format.pack"), "check_written", lambda tmp, out: None)
+    out = tmp_path / "hostile.dduf"
+    pack(folder, out, quiet=True)
+    return out
+
+
+def test_pack_records_the_quantization_and_validates_clean(torchao_folder: Path, torchao_archive: Path) -> None:
+    report = validate(torchao_archive, verify=True, strict=True)
+    assert report.valid and not report.codes, str(report)
+    with DDUFArchive(torchao_archive) as archive:  # byte-faithful: the entry is the folder's file
+        assert archive.read_bytes(f"unet/{WEIGHTS}") == (torchao_folder / "unet" / WEIGHTS).read_bytes()
+        record = archive.stored_index["components"]["unet"]["quantization"]
+    assert record["backend"] == "torchao" and record["scheme"] == "int8_weight_only"
+    assert record["tensor_types"] == ["Int8Tensor"] and record["quantized"] > 0
+    assert record["roles"] == {"qdata": "_weight_qdata", "scale": "_weight_scale", "zero_point": "_weight_zero_point"}
+    from dduf_plus.cli.info import quantization_tag
+    from dduf_plus.inspection import inspect_dtypes
+
+    assert quantization_tag({"quantization": record, "files": {}}) == "quantized: torchao int8_weight_only"
+    assert inspect_dtypes(torchao_archive)["unet"]["quantization"]["scheme"] == "int8_weight_only"
+    assert "quantization" not in inspect_dtypes(torchao_archive)["vae"]
+
+
+def test_load_equals_diffusers_reload_of_the_folder(torchao_folder: Path, torchao_archive: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from diffusers import UNet2DConditionModel
+    from torchao.quantization import Int8Tensor
+
+    views: set[int] = set()  # where the archive's tensor views point: the quantized data must be those bytes
+    real = ArchiveComponentFiles.tensors
+
+    def recording(self: ArchiveComponentFiles, filenames: Any) -> Any:
+        out = real(self, filenames)
+        views.update(t.data_ptr() for t in out.values())
+        return out
+
+    monkeypatch.setattr(ArchiveComponentFiles, "tensors", recording)
+    ours = load_dduf(torchao_archive).unet
+    ref = UNet2DConditionModel.from_pretrained(torchao_folder / "unet")
+    a, b = ours.state_dict(), ref.state_dict()
+    assert set(a) == set(b)
+    quantized = 0
+    for key, x in a.items():
+        y = b[key]
+        assert type(x) is type(y), key
+        if isinstance(x, Int8Tensor):
+            quantized += 1
+            for part in ("qdata", "scale", "zero_point"):
+                assert torch.equal(getattr(x, part), getattr(y, part)), (key, part)
+            assert x.qdata.data_ptr() in views and x.scale.data_ptr() in views, key  # no copy
+        else:
+            assert x.dtype == y.dtype and torch.equal(x, y), key
+    assert quantized > 10
+    assert ours.is_quantized and ours.hf_quantizer is not None
+    gen = torch.Generator().manual_seed(0)
+    sample = torch.randn(1, 4, 16, 16, generator=gen, dtype=torch.bfloat16)
+    text = torch.randn(1, 77, ours.config.cross_attention_dim, generator=gen, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(ours(sample, 1, encoder_hidden_states=text).sample,
+                           ref(sample, 1, encoder_hidden_states=text).sample)
+
+
+def _drop_scale(header: dict[str, Any]) -> None:
+    header[f"{LAYER}._weight_scalX"] = header.pop(f"{LAYER}._weight_scale")  # same bytes, no longer its scale
+
+
+def _bad_scale_shape(header: dict[str, Any]) -> None:
+    header[f"{LAYER}._weight_scale"]["shape"] = [1, 32]
+
+
+def _foreign_class(header: dict[str, Any]) -> None:
+    meta = header["__metadata__"]
+    meta[f"{LAYER}.weight"] = meta[f"{LAYER}.weight"].replace('"Int8Tensor"', '"subprocess.Popen"', 1)
+
+
+def _torch_attribute_as_dtype(header: dict[str, Any]) -> None:
+    meta = header["__metadata__"]
+    meta[f"{LAYER}.weight"] = meta[f"{LAYER}.weight"].replace('"_data": "bfloat16"', '"_data": "load"', 1)
+
+
+def _deep_description(header: dict[str, Any]) -> None:
+    header["__metadata__"][f"{LAYER}.weight"] = json.dumps(
+        {"_type": "Int8Tensor", "_data": {"x": [[[[[[[[1]]]]]]]]}, "_tensor_data_names": ["qdata"]})
+
+
+def _other_scheme(header: dict[str, Any]) -> None:
+    meta = header["__metadata__"]
+    meta[f"{LAYER}.weight"] = meta[f"{LAYER}.weight"].replace('"Int8Tensor"', '"Float8Tensor"', 1)
+
+
+@pytest.mark.parametrize(("edit", "code"), [(_drop_scale, "Q002"), (_bad_scale_shape, "Q003"),
+                                            (_foreign_class, "Q005"), (_torch_attribute_as_dtype, "Q005"),
+                                            (_deep_description, "Q005"), (_other_scheme, "Q004")])
+def test_hostile_quantization_metadata_is_refused(torchao_folder: Path, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch, edit: Any, code: str) -> None:
+    archive = _hostile(torchao_folder, tmp_path, edit, monkeypatch)
+    report = validate(archive)
+    assert report.codes == [code], str(report)
+    with pytest.raises(DDUFLoadError, match=code) as caught:
+        load_dduf(archive, components=["unet"])
+    assert "unet" in str(caught.value)
+    monkeypatch.undo()  # dduf pack itself refuses to pack such a folder
+    with pytest.raises(DDUFError, match=code):
+        pack(tmp_path / "hostile", tmp_path / "again.dduf", quiet=True)
+
+
+def test_config_without_scheme_is_q001(torchao_folder: Path) -> None:
+    config = json.loads((torchao_folder / "unet" / "config.json").read_text())
+    config["quantization_config"]["quant_type"] = None
+    assert [f.code for f in quant_rules.findings_for("unet", config, [])] == ["Q001"]
+    del config["quantization_config"]["quant_method"]
+    assert [f.code for f in quant_rules.findings_for("unet", config, [])] == ["Q001"]
+
+
+def test_missing_torchao_names_component_backend_and_pip(torchao_archive: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "torchao", None)  # `import torchao` now fails
+    with pytest.raises(DDUFLoadError, match=r"unet.*torchao.*pip install 'dduf_plus\[quant\]'"):
+        load_dduf(torchao_archive, components=["unet"])
