@@ -370,7 +370,8 @@ class HTTPSource:
                                "(headers, framing or data past the range); connection closed") from None
         except TimeoutError:
             self.close()
-            if self._expired:
+            # near the deadline the socket's timeout (the time left) and the watchdog race: either way, the deadline
+            if self._expired or time.monotonic() >= self._budget.ends_at - 0.05:
                 raise self._budget.expired() from None
             raise _HTTPFailure(f"the server sent nothing for {self._timeout:g} s (HF_HUB_DOWNLOAD_TIMEOUT)") from None
         except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
