@@ -298,3 +298,29 @@ def test_fsspec_backends_answering_past_the_range_are_refused_and_counted() -> N
     with pytest.raises(DDUFError, match=r"overruntest://x.dduf: read of 10 bytes at 0 returned 1048586 bytes"):
         ranges.read(0, 10)
     assert ranges._budget.fetched == 10 + (1 << 20)
+
+
+@pytest.mark.parametrize(("mode", "honest_first"), [("change-bytes", 2), ("change-bytes", 3), ("range-lie", 3),
+                                                    ("size-lie", 0), ("short", 3), ("overrun-close", 3)])
+def test_archive_without_index_never_loads_other_bytes(site, tmp_path, mode, honest_first) -> None:
+    """An archive written by huggingface_hub has no index (entries known by CRC-32 only): whatever the server
+    does past the first answers, load_dduf(URL) raises a DDUFError or loads the served file's exact bytes."""
+    from huggingface_hub import export_folder_as_dduf
+
+    from dduf_plus import load_dduf
+
+    server: HostileServer = site["server"]
+    export_folder_as_dduf(server.root / "hub.dduf", ROOT / "fixtures" / "pipelines" / "tiny-sd")
+    site["mp"].setenv("DDUF_PLUS_CACHE", str(tmp_path / "cache"))
+    wait_idle(server)
+    server.mode, server.honest_first = mode, honest_first
+    server.reset()
+    try:
+        load_dduf(server.url("hub.dduf"))
+    except DDUFError:
+        return
+    finally:
+        server.mode, server.honest_first = "honest", 0
+        wait_idle(server)
+    (fetched,) = (tmp_path / "cache" / "remote").glob("*.dduf")
+    assert fetched.read_bytes() == (server.root / "hub.dduf").read_bytes(), f"{mode}: loaded other bytes"
