@@ -198,8 +198,36 @@ def test_unknown_and_unsupported_architectures(tmp_path: Path) -> None:
     _refused(unknown, TINY_SD, tmp_path / "u.dduf", "unknown architecture", "foo")
     flux = _save({"double_blocks.0.img_attn.norm.key_norm.scale": torch.zeros(2)}, tmp_path / "flux.safetensors")
     _refused(flux, TINY_SD, tmp_path / "f.dduf", "'flux", "does not convert yet")
-    info = describe_checkpoint(unknown)
-    assert info["architecture"] is None and "unknown architecture" in info["problem"]
+    for path in (unknown, flux):
+        info = describe_checkpoint(path)
+        assert info["architecture"] is None and "unknown architecture" in info["problem"]
+
+
+def test_quick_detection_agrees_with_diffusers(sf: dict[str, Path], tmp_path: Path) -> None:
+    """dduf info's torch-free detection names what diffusers' infer_diffusers_model_type names."""
+    from dduf_plus.packing.single_file import detect_architecture, quick_architecture, read_checkpoint_header
+
+    for name in ("sd1", "sd1_unet", "sdxl"):
+        header = read_checkpoint_header(sf[name])
+        assert quick_architecture(header) == detect_architecture(header) in ("v1", "xl_base")
+    v2 = _save({"model.diffusion_model.input_blocks.2.1.transformer_blocks.0.attn2.to_k.weight": torch.zeros(4, 1024)},
+               tmp_path / "v2.safetensors")
+    inpaint = _save({"model.diffusion_model.input_blocks.0.0.weight": torch.zeros(4, 9, 1, 1)},
+                    tmp_path / "inpaint.safetensors")
+    assert quick_architecture(read_checkpoint_header(v2)) == detect_architecture(read_checkpoint_header(v2)) == "v2"
+    assert quick_architecture(read_checkpoint_header(inpaint)) is None
+    assert detect_architecture(read_checkpoint_header(inpaint)) == "inpainting"
+
+
+def test_info_on_a_checkpoint_imports_no_torch(sf: dict[str, Path]) -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys; from dduf_plus.cli import main; rc = main(['info', sys.argv[1], '--json']); "
+            "assert rc == 0; assert 'torch' not in sys.modules and 'diffusers' not in sys.modules, 'imported'")
+    done = subprocess.run([sys.executable, "-c", code, str(sf["sdxl"])], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout)["architecture"] == "xl_base"
 
 
 def test_truncated_and_hostile_files_are_refused(sf: dict[str, Path], tmp_path: Path) -> None:
