@@ -105,11 +105,12 @@ def test_info_of_a_folder_is_0(capsys) -> None:
 
 
 # --- the input refused: 1 --------------------------------------------------------------------------------
-@pytest.mark.parametrize("command", ["validate", "info", "refs"])
+@pytest.mark.parametrize("command", ["validate", "refs", "unpack"])
 def test_a_safetensors_file_is_refused_with_1(capsys, tmp_path, command) -> None:
-    code, out, err = run_cli(capsys, command, str(TINY_SD / "vae" / "diffusion_pytorch_model.safetensors"))
+    extra = ["-o", str(tmp_path / "out")] if command == "unpack" else []
+    code, out, err = run_cli(capsys, command, str(TINY_SD / "vae" / "diffusion_pytorch_model.safetensors"), *extra)
     assert code == 1
-    assert "single-file safetensors checkpoint" in out + err
+    assert "single-file safetensors checkpoint" in out + err and "dduf pack FILE --base BASE" in out + err
 
 
 def test_missing_input_is_2_for_every_reading_command(capsys, tmp_path) -> None:
@@ -169,3 +170,13 @@ def test_every_error_class_maps_to_its_row() -> None:
     assert [exit_code(e) for e in usage_or_io] == [EXIT_USAGE] * len(usage_or_io)
     assert [exit_code(e) for e in refused] == [EXIT_INVALID] * len(refused)
     assert (EXIT_INVALID, EXIT_USAGE) == (1, 2)
+
+
+def test_refs_does_not_promise_a_download_from_an_unreachable_hub(capsys, tmp_path, unreachable_hub) -> None:
+    from dduf_plus.packing.partial import pack_partial
+
+    archive = tmp_path / "hubref.dduf"
+    pack_partial(TINY_SD, archive, exclude=["vae"], refs={"*": "org/base@v1"}, quiet=True)
+    code, out, _ = run_cli(capsys, "refs", str(archive))
+    assert code == 1, out  # was 0: "will be downloaded from the Hub when loaded"
+    assert "UNRESOLVED" in out and "hub download: the Hub cannot be reached (connection refused" in out

@@ -13,9 +13,9 @@ from collections.abc import Sequence
 HEAD_BYTES = 64  # what :func:`non_zip_kind` needs to see
 
 PACK_HINT = "pack a diffusers pipeline folder with `dduf pack FOLDER -o NAME.dduf`"
-SINGLE_FILE = ("a single-file safetensors checkpoint, not a DDUF archive: load it with diffusers "
-               "(PipelineClass.from_single_file(FILE)) and write it with dduf_plus.save_dduf(pipe, 'NAME.dduf'), "
-               "or " + PACK_HINT)
+SINGLE_FILE = ("a single-file safetensors checkpoint, not a DDUF archive: `dduf info FILE` describes it, and "
+               "`dduf pack FILE --base BASE -o NAME.dduf` makes an archive of it (BASE: the diffusers pipeline it "
+               "was fine-tuned from, a folder or Hub repo id)")
 _SIMPLE = (  # (magic at offset 0, what it is)
     (b"GGUF", "a GGUF file (llama.cpp / ComfyUI-GGUF quantized weights), not a DDUF archive (DDUF holds "
               "safetensors weights): " + PACK_HINT),

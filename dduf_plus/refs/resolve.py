@@ -693,8 +693,17 @@ def check_references(
         except DDUFReferenceError as e:
             spec = reference_spec(reference) if isinstance(reference, Mapping) else None
             online = spec is not None and spec.kind in ("hub", "url") and not (local_files_only or _cache.is_offline())
+            reason = str(e)
+            if online and spec is not None and spec.kind == "hub":
+                from ..remote.hub import hub_unreachable
+
+                why = hub_unreachable()  # "will be downloaded" only from a Hub that answers
+                if why is not None:
+                    online = False
+                    head, sep, fix = reason.rpartition("\nTo fix: ")
+                    reason = f"{head}\n  - hub download: the Hub cannot be reached ({why}){sep}{fix}" if sep else reason
             status = "differs" if getattr(e, "mismatch", False) else "download" if online else "unresolved"
-            row.update(status=status, resolves_to=None, how=None, verified=False, reason=str(e))
+            row.update(status=status, resolves_to=None, how=None, verified=False, reason=reason)
         else:
             where = loc.archive if loc.archive is not None else loc.folder
             row.update(status="ok", how=loc.how, resolves_to=str(where), verified=loc.verified,
