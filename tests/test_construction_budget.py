@@ -122,3 +122,21 @@ def test_budgets_nest_and_end_with_their_block() -> None:
                 torch.nn.Sequential(*[torch.nn.Identity() for _ in range(300)])
         torch.nn.Sequential(*[torch.nn.Identity() for _ in range(100)])  # the outer budget counts again
     torch.nn.Sequential(*[torch.nn.Identity() for _ in range(1000)])  # no budget outside the block
+
+
+def test_other_quantizers_build_a_folder_component_within_the_budget(quantized, tmp_path) -> None:
+    """A referenced folder quantized with another backend goes to its class' own ``from_pretrained``: that
+    construction runs under the budget too (here a stand-in class whose from_pretrained builds 10,000 modules
+    over the 2 stored layers)."""
+    folder = tmp_path / "transformer"
+    shutil.copytree(quantized["qconfig"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_8bit": True}
+
+    class Greedy(torch.nn.Module):
+        @classmethod
+        def from_pretrained(cls, path, **kwargs):
+            return torch.nn.Sequential(*[torch.nn.Identity() for _ in range(10_000)])
+
+    with pytest.raises(ConstructionBudgetError, match="Greedy far bigger"):
+        quant.load_with_diffusers_quantizer(Greedy, config, FolderComponentFiles(folder))

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import DDUFLoadError, DDUFPackError
 from ..format.quantization import QMAP_NAME, quantization_method, quanto_index_record  # noqa: F401 (re-exported)
-from ..packing.meta_model import is_diffusers_model, meta_model
+from ..packing.meta_model import construction_budget, is_diffusers_model, meta_model
 from ..storage.confined import Confined
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -465,7 +465,11 @@ def load_with_diffusers_quantizer(
         kwargs["device_map"] = str(device)
     if variant is not None:
         kwargs["variant"] = variant
-    try:
-        return model_cls.from_pretrained(folder, **kwargs)
+    from .files import tensor_metadata
+
+    stored = tensor_metadata(files, files.weight_files(variant))
+    try:  # the quantizer's own construction, under the same budget as every other (packing/meta_model.py)
+        with construction_budget(where, model_cls.__name__, stored):
+            return model_cls.from_pretrained(folder, **kwargs)
     except (ImportError, RuntimeError, ValueError) as e:
         raise DDUFLoadError(f"{where}: diffusers' {method} quantizer failed ({e}); CPU support: {hint}") from e
