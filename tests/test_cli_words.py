@@ -192,3 +192,21 @@ def test_info_and_refs_say_where_a_reference_comes_from(capsys, tmp_path) -> Non
     code, out, _ = run_cli(capsys, "refs", str(hub))
     assert "To fix: " in out and "To fix: or" not in out and "(1 files" not in out and "2 files" in out
 
+
+
+def test_a_refusal_lists_each_broken_rule_once(capsys, tmp_path) -> None:
+    """`dduf info` of a DEFLATE zip: Z011 for every entry was ten lines of the same words, and most rules hidden."""
+    import os
+    import zipfile
+
+    root = PIPELINES / "tiny-sd"
+    with zipfile.ZipFile(tmp_path / "deflated.dduf", "w", zipfile.ZIP_DEFLATED) as z:
+        z.write(root / "model_index.json", "model_index.json")
+        for folder in sorted(p for p in root.iterdir() if p.is_dir()):
+            for f in sorted(os.listdir(folder)):
+                z.write(folder / f, f"{folder.name}/{f}")
+    code, _, err = run_cli(capsys, "info", str(tmp_path / "deflated.dduf"))
+    assert code == 1
+    z011 = [line for line in err.splitlines() if "Z011" in line]
+    assert len(z011) == 1 and "entries): compression method 8" in z011[0], err
+    assert "... and" not in err  # every broken rule shown

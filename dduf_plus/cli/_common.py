@@ -52,8 +52,33 @@ def echo(text: object = "", *, file: Any = None) -> None:
 
 
 def echo_error(command: str, message: object) -> None:
-    """``dduf COMMAND: error: MESSAGE`` on stderr; the message keeps its line breaks, nothing else raw."""
+    """``dduf COMMAND: error: MESSAGE`` on stderr; the message keeps its line breaks, nothing else raw. A
+    validation error lists its findings grouped by rule (a rule broken by every entry is one line)."""
+    from ..errors import DDUFValidationError
+
+    if isinstance(message, DDUFValidationError):
+        message = validation_text(message)
     print(printable(f"dduf {command}: error: {message}", newlines=True), file=sys.stderr)
+
+
+def validation_text(error: Any) -> str:
+    """``SOURCE is not a valid DDUF archive:`` and its errors, one line per rule: ``CODE [entry]: message``
+    for a single finding, ``CODE (N entries): message`` and the entries for a rule found on several."""
+    from ..format.findings import group_findings
+
+    lines = [f"{error.source} is not a valid DDUF archive:"]
+    groups = group_findings(f for f in error.findings if f.severity == "error")
+    for group in groups[:10]:
+        if len(group.findings) == 1:
+            lines.append(f"  {group.findings[0]}")
+            continue
+        lines.append(f"  {group.code} ({plural(len(group.entries), 'entry', 'entries') if group.entries else plural(len(group.findings), 'time')}): {group.message}")
+        if group.entries:
+            shown = ", ".join(group.entries[:8]) + (f", ... ({len(group.entries) - 8} more)" if len(group.entries) > 8 else "")
+            lines.append(f"    {shown}")
+    if len(groups) > 10:
+        lines.append(f"  ... and {len(groups) - 10} more rules")
+    return "\n".join(lines)
 
 
 class SafeFormatter(logging.Formatter):
