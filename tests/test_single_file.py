@@ -275,3 +275,22 @@ def test_pack_entry_point_and_cli(sf: dict[str, Path], tmp_path: Path, capsys: p
     assert main(["info", str(sf["sdxl"])]) == 0
     text = capsys.readouterr().out
     assert "SDXL base" in text and "text_encoder_2" in text and os.path.basename(sf["sdxl"]) in text
+
+
+def test_hub_repo_as_base_offline_from_the_cache(sf: dict[str, Path], tmp_path: Path, hf_env: Path) -> None:
+    """BASE as ``org/repo``: configs and tensors from the cached snapshot, references to the repo at its commit."""
+    from hfcache import REPO, cached
+
+    from dduf_plus import load_dduf
+
+    snapshot = cached(hf_env)
+    out = tmp_path / "hub.dduf"
+    _result, partial = pack_single_file(sf["sd1"], out, base=REPO, quiet=True)
+    for name in ("vae", "text_encoder", "tokenizer", "scheduler"):
+        ref = partial.references[name]
+        assert ref["pretrained_model_name_or_path"] == REPO and ref["revision"] == snapshot.name, ref
+    pipe = load_dduf(out)
+    vae = _state(TINY_SD, "vae")
+    assert all(torch.equal(pipe.vae.state_dict()[k], v) for k, v in vae.items())
+    with pytest.raises(DDUFError, match="org/absent"):
+        pack_single_file(sf["sd1"], tmp_path / "absent.dduf", base="org/absent", quiet=True)

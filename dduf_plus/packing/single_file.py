@@ -223,14 +223,27 @@ def _open_base(base: str, token: str | bool | None, local_files_only: bool) -> _
         if not folder.is_dir():
             raise DDUFNotFoundError(f"--base {base!r}: {folder} does not exist", str(folder))
     else:
-        from .pack import pack_source
-
-        folder = Path(pack_source(base, token=token, local_files_only=local_files_only, quiet=True))
+        folder = _hub_base_folder(base, token, local_files_only)
     mi_path = folder / spec.MODEL_INDEX
     if not mi_path.is_file():
         raise DDUFPackError(f"--base {base!r}: {folder} has no model_index.json (BASE is a diffusers pipeline)")
     raw = mi_path.read_bytes()
     return _Base(folder, base, model_index_object(raw, str(mi_path), DDUFPackError), raw)
+
+
+def _hub_base_folder(base: str, token: str | bool | None, local_files_only: bool) -> Path:
+    """BASE ``org/repo[@revision]``: its snapshot in the Hugging Face cache (the one the references are checked
+    against, as ``dduf pack --base`` reads it), else what ``dduf pack org/repo`` would download."""
+    from ..refs import cache as _cache
+    from ..remote.hub import split_revision
+    from .pack import pack_source
+
+    repo, revision = split_revision(base)
+    for cache in _cache.hf_cache_dirs(None):
+        snap = _cache.snapshot_dir(cache, repo, revision)
+        if snap is not None and (snap / spec.MODEL_INDEX).is_file():
+            return snap
+    return Path(pack_source(base, token=token, local_files_only=local_files_only, quiet=True))
 
 
 def _check_base(family: Family, model_type: str, base: _Base, where: str) -> None:
