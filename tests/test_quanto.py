@@ -261,15 +261,15 @@ def test_load_dduf_of_a_quanto_config_component(tmp_path):
 
 
 def test_a_quantizer_that_cannot_run_here_is_a_clear_error(tmp_path):
-    """bitsandbytes on a CPU-only machine: a DDUFError naming the component and the backend, no traceback."""
+    """A config claiming bitsandbytes over unquantized tensors: a DDUFError naming the component and the
+    backend, no traceback (Q004 at pack time; a real bitsandbytes archive's load refusal is in
+    tests/test_quant_backends.py)."""
     from dduf_plus.errors import DDUFError
-    from dduf_plus.loading.pipeline import load_dduf
 
     folder = tmp_path / "pipe"
     shutil.copytree(PIPELINES / "tiny-sd", folder)
     config = json.loads((folder / "vae" / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_8bit": True}
     (folder / "vae" / "config.json").write_text(json.dumps(config))
-    archive = pack_folder(folder, tmp_path / "pipe.dduf", quiet=True).path
-    with pytest.raises(DDUFError, match=r"vae.*bitsandbytes"):
-        load_dduf(archive)
+    with pytest.raises(DDUFError, match=r"Q004.*vae.*bitsandbytes"):
+        pack_folder(folder, tmp_path / "pipe.dduf", quiet=True)

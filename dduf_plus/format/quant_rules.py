@@ -189,10 +189,10 @@ def bnb_groups(tensors: Mapping[str, TensorInfo], backend: str) -> dict[str, dic
                 parts.update({p: f"{head}.{p}" for p in BNB_4BIT_PARTS if f"{head}.{p}" in tensors})
                 groups[head] = parts
     else:
-        for name in tensors:
-            if name.endswith(".SCB"):
-                module = name[: -len(".SCB")]
-                groups[f"{module}.weight"] = {"data": f"{module}.weight", "SCB": name,
+        for name in tensors:  # a layer is quantized when it stores either of its 8-bit parts
+            module = name.removesuffix(".SCB").removesuffix(".weight_format")
+            if module != name:
+                groups[f"{module}.weight"] = {"data": f"{module}.weight", "SCB": f"{module}.SCB",
                                              "weight_format": f"{module}.weight_format"}
     return groups
 
@@ -297,9 +297,9 @@ def analyse(config: Any, headers: Iterable[SafetensorsHeader]) -> dict[str, Any]
             _check_torchao_int8(name, present)
         elif backend != "torchao":
             _check_bnb(name, present, backend, scheme)
-        for part, tensor in parts.items():
-            roles.setdefault(part, tensor[len(name) - len(name.rpartition(".")[2]):] if backend == "torchao"
-                             else tensor[len(name):] or "(weight)")
+        module = name.rpartition(".")[0]
+        for part, tensor in parts.items():  # by suffix after the layer's name: "._weight_scale", ".weight.absmax"
+            roles.setdefault(part, tensor[len(module):] if tensor.startswith(module) else tensor)
     return {"backend": backend, "scheme": scheme, "tensor_types": kinds, "quantized": len(groups),
             "roles": dict(sorted(roles.items()))}
 
