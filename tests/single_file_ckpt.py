@@ -147,16 +147,21 @@ def _state(folder: Path, name: str) -> dict[str, torch.Tensor]:
 
 def checkpoint_from_pipeline(folder: Path, family: str, *, unet_delta: float = 0.0,
                              dtype: torch.dtype | None = None, components: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
-    """A single-file checkpoint (as a state dict) of the diffusers pipeline ``folder`` (``v1`` or ``xl_base``);
+    """A single-file checkpoint (as a state dict) of the diffusers pipeline ``folder`` (``v1``, ``v2``,
+    ``xl_base``, ``xl_refiner``);
     ``unet_delta`` is added to every UNet tensor (a fine-tune), ``dtype`` casts floating tensors."""
-    te = "cond_stage_model.transformer." if family == "v1" else "conditioner.embedders.0.transformer."
     parts = {"unet": lambda: unet_to_ldm({k: v + unet_delta for k, v in _state(folder, "unet").items()},
                                          _config(folder, "unet")),
-             "vae": lambda: vae_to_ldm(_state(folder, "vae"), _config(folder, "vae")),
-             "text_encoder": lambda: clip_to_ldm(_state(folder, "text_encoder"), te)}
-    if family == "xl_base":
-        parts["text_encoder_2"] = lambda: open_clip_to_ldm(_state(folder, "text_encoder_2"),
-                                                           "conditioner.embedders.1.model.")
+             "vae": lambda: vae_to_ldm(_state(folder, "vae"), _config(folder, "vae"))}
+    if family in ("v1", "xl_base"):
+        te = "cond_stage_model.transformer." if family == "v1" else "conditioner.embedders.0.transformer."
+        parts["text_encoder"] = lambda: clip_to_ldm(_state(folder, "text_encoder"), te)
+    if family == "v2":  # OpenCLIP-H; its text_projection has no place in CLIPTextModel (diffusers drops it)
+        parts["text_encoder"] = lambda: {**open_clip_to_ldm(_state(folder, "text_encoder"), "cond_stage_model.model."),
+                                         "cond_stage_model.model.text_projection": torch.ones(1024, 1024)}
+    if family in ("xl_base", "xl_refiner"):
+        prefix = "conditioner.embedders.1.model." if family == "xl_base" else "conditioner.embedders.0.model."
+        parts["text_encoder_2"] = lambda: open_clip_to_ldm(_state(folder, "text_encoder_2"), prefix)
     out: dict[str, torch.Tensor] = {}
     for name, make in parts.items():
         if components is None or name in components:
@@ -202,4 +207,67 @@ def build_tiny_sdxl(out: Path, tokenizer_from: Path, seed: int = 0) -> Path:
         shutil.rmtree(out)
     pipe.save_pretrained(out)
     pipe.to(torch.float16).save_pretrained(out, variant="fp16")  # as the Hub's SDXL base has both
+    return out
+
+
+def _tiny_vae() -> Any:
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(block_out_channels=(8, 16), in_channels=3, out_channels=3, latent_channels=4,
+                         down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+                         layers_per_block=1, norm_num_groups=4, sample_size=32).eval()
+
+
+def build_tiny_sd2(out: Path, tokenizer_from: Path, seed: int = 0) -> Path:
+    """A tiny SD-2.x-shaped pipeline (float32): 1024-wide one-layer text encoder (diffusers' ``v2`` marker is
+    the width of ``input_blocks.2.1``'s cross-attention), linear projections, attention in the first block."""
+    from diffusers import PNDMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+
+    tokenizer = CLIPTokenizer.from_pretrained(tokenizer_from)
+    torch.manual_seed(seed)
+    unet = UNet2DConditionModel(
+        block_out_channels=(16, 32), layers_per_block=2, sample_size=16, in_channels=4, out_channels=4,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        attention_head_dim=(2, 4), use_linear_projection=True, cross_attention_dim=1024, norm_num_groups=8).eval()
+    te = CLIPTextModel(CLIPTextConfig(
+        hidden_size=1024, num_hidden_layers=1, intermediate_size=64, num_attention_heads=16, projection_dim=1024,
+        max_position_embeddings=77, hidden_act="gelu", vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)).eval()
+    scheduler = PNDMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", skip_prk_steps=True,
+                              set_alpha_to_one=False, steps_offset=1)
+    pipe = StableDiffusionPipeline(vae=_tiny_vae(), text_encoder=te, tokenizer=tokenizer, unet=unet, scheduler=scheduler,
+                                   safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    if out.exists():
+        shutil.rmtree(out)
+    pipe.save_pretrained(out)
+    return out
+
+
+def build_tiny_sdxl_refiner(out: Path, tokenizer_from: Path, seed: int = 0) -> Path:
+    """A tiny SDXL-refiner-shaped pipeline (float32): only the OpenCLIP encoder (10 layers: diffusers'
+    ``xl_refiner`` marker is ``resblocks.9``), aesthetic-score time ids."""
+    from diffusers import EulerDiscreteScheduler, StableDiffusionXLImg2ImgPipeline, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer
+
+    tokenizer = CLIPTokenizer.from_pretrained(tokenizer_from)
+    torch.manual_seed(seed)
+    unet = UNet2DConditionModel(
+        block_out_channels=(16, 32), layers_per_block=2, sample_size=16, in_channels=4, out_channels=4,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        attention_head_dim=(2, 4), use_linear_projection=True, addition_embed_type="text_time",
+        addition_time_embed_dim=8, transformer_layers_per_block=(1, 2), projection_class_embeddings_input_dim=64,
+        cross_attention_dim=24, norm_num_groups=8).eval()
+    te2 = CLIPTextModelWithProjection(CLIPTextConfig(
+        hidden_size=24, num_hidden_layers=10, intermediate_size=37, num_attention_heads=4, projection_dim=24,
+        max_position_embeddings=77, hidden_act="gelu", vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)).eval()
+    scheduler = EulerDiscreteScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+                                       steps_offset=1, timestep_spacing="leading")
+    pipe = StableDiffusionXLImg2ImgPipeline(vae=_tiny_vae(), text_encoder=None, text_encoder_2=te2, tokenizer=None,
+                                            tokenizer_2=tokenizer, unet=unet, scheduler=scheduler,
+                                            requires_aesthetics_score=True, force_zeros_for_empty_prompt=False)
+    if out.exists():
+        shutil.rmtree(out)
+    pipe.save_pretrained(out)
     return out

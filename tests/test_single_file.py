@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 from single_file_ckpt import (
+    build_tiny_sd2,
     build_tiny_sdxl,
+    build_tiny_sdxl_refiner,
     checkpoint_from_pipeline,
     clip_to_ldm,
     open_clip_to_ldm,
@@ -54,6 +56,21 @@ def sf(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
 
 
+@pytest.fixture(scope="session")
+def sf_more(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Tiny SD 2.x and SDXL refiner bases, and a checkpoint of each: SD 2.x fp32 with the UNet changed,
+    refiner fp16 (every weight stored against the fp32 base)."""
+    out = tmp_path_factory.mktemp("single-file-more")
+    sd2 = build_tiny_sd2(out / "tiny-sd2", TINY_SD / "tokenizer")
+    refiner = build_tiny_sdxl_refiner(out / "tiny-sdxl-refiner", TINY_SD / "tokenizer")
+    return {
+        "sd2_base": sd2, "refiner_base": refiner,
+        "sd2": _save(checkpoint_from_pipeline(sd2, "v2", unet_delta=0.01), out / "sd2.safetensors"),
+        "refiner": _save(checkpoint_from_pipeline(refiner, "xl_refiner", dtype=torch.float16),
+                         out / "refiner.safetensors"),
+    }
+
+
 def _state(folder: Path, name: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -89,7 +106,8 @@ def test_reverse_mapping_round_trips_through_diffusers(sf: dict[str, Path]) -> N
     assert back.keys() == big.keys() and all(torch.equal(back[k], big[k]) for k in big)
 
 
-def _assert_equal_pipelines(archive: Path, ckpt: Path, base: Path, cls_name: str, dtype: torch.dtype) -> None:
+def _assert_equal_pipelines(archive: Path, ckpt: Path, base: Path, cls_name: str, dtype: torch.dtype,
+                            call: dict | None = None) -> None:
     """Every component tensor for tensor (names, dtypes, values) and one inference step, image for image."""
     import diffusers
 
@@ -108,7 +126,7 @@ def _assert_equal_pipelines(archive: Path, ckpt: Path, base: Path, cls_name: str
             assert mine[k].dtype == other[k].dtype == dtype and torch.equal(mine[k], other[k]), (name, k)
         checked += 1
     assert checked >= 3
-    kwargs = {"prompt": "a red fox", "num_inference_steps": 1, "height": 32, "width": 32, "output_type": "np"}
+    kwargs = call or {"prompt": "a red fox", "num_inference_steps": 1, "height": 32, "width": 32, "output_type": "np"}
     a = ours(generator=torch.Generator().manual_seed(0), **kwargs).images
     b = theirs(generator=torch.Generator().manual_seed(0), **kwargs).images
     assert a.shape == b.shape and (a == b).all()
@@ -294,3 +312,26 @@ def test_hub_repo_as_base_offline_from_the_cache(sf: dict[str, Path], tmp_path: 
     assert all(torch.equal(pipe.vae.state_dict()[k], v) for k, v in vae.items())
     with pytest.raises(DDUFError, match="org/absent"):
         pack_single_file(sf["sd1"], tmp_path / "absent.dduf", base="org/absent", quiet=True)
+
+
+def test_sd2_checkpoint_equals_from_single_file(sf_more: dict[str, Path], tmp_path: Path) -> None:
+    out = tmp_path / "sd2.dduf"
+    _result, partial = pack_single_file(sf_more["sd2"], out, base=str(sf_more["sd2_base"]), quiet=True)
+    report = "\n".join(partial.report)
+    assert "detected SD 2.x (v2)" in report  # (its text_projection: ignored by diffusers' SD 2 converter itself)
+    # the OpenCLIP encoder's q/k/v, split out of in_proj, are BASE's bytes: referenced
+    assert set(partial.references) == {"vae", "text_encoder", "tokenizer", "scheduler"}
+    _assert_equal_pipelines(out, sf_more["sd2"], sf_more["sd2_base"], "StableDiffusionPipeline", torch.float32)
+
+
+def test_sdxl_refiner_checkpoint_equals_from_single_file(sf_more: dict[str, Path], tmp_path: Path) -> None:
+    out = tmp_path / "refiner.dduf"
+    _result, partial = pack_single_file(sf_more["refiner"], out, base=str(sf_more["refiner_base"]), quiet=True)
+    assert "detected SDXL refiner (xl_refiner)" in partial.report[0]
+    assert set(partial.references) == {"tokenizer_2", "scheduler"}
+    image = torch.rand(1, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    call = {"prompt": "a red fox", "image": image, "num_inference_steps": 2, "strength": 0.5, "output_type": "np"}
+    _assert_equal_pipelines(out, sf_more["refiner"], sf_more["refiner_base"], "StableDiffusionXLImg2ImgPipeline",
+                            torch.float16, call)
+    with pytest.raises(DDUFPackError, match="SDXL refiner checkpoint"):
+        pack_single_file(sf_more["refiner"], tmp_path / "x.dduf", base=str(TINY_SD), quiet=True)
