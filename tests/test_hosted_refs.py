@@ -82,8 +82,9 @@ def test_load_fetches_only_the_component_and_caches_it(hosted, tmp_path: Path) -
     hosted_size = (server.root / "base.dduf").stat().st_size
     vae = sum(r["size"] for r in json.loads(_model_index(archive))["_dduf_plus_references"]["vae"]["files"].values())
     # the vae's two entries, plus what opening the hosted archive reads (its directory, index, safetensors
-    # headers: ~118 kB of this 1.26 MB archive); never the other components' weights
-    assert vae <= server.body_bytes < vae + 130_000 < hosted_size / 3, (server.body_bytes, vae, hosted_size)
+    # headers: ~155 kB of this 1.26 MB archive, in 8 requests: a tail guess of 1/16 of the file and nearby
+    # headers merged, storage/prefetch_source.py); never the other components' weights
+    assert vae <= server.body_bytes < vae + 170_000 < hosted_size / 3, (server.body_bytes, vae, hosted_size)
     server.reset()
     again = run(load_dduf(archive))
     np.testing.assert_array_equal(expected, again)

@@ -14,6 +14,7 @@ from operator import add, attrgetter, methodcaller, mod
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..errors import DDUFEntryNotFoundError, DDUFError, DDUFFormatError, DDUFValidationError
+from ..storage.prefetch_source import PrefetchSource
 from ..storage.source import ByteSource, is_url, open_source
 from . import spec
 from .findings import Finding, finding
@@ -63,6 +64,8 @@ class DDUFArchive:
     def __init__(self, path: str | os.PathLike | ByteSource, *, check: bool = True, **storage_options: Any):
         self._source: ByteSource = (
             open_source(path, **storage_options) if isinstance(path, (str, os.PathLike)) else path)
+        if isinstance(path, str) and is_url(path):  # structural reads in a few merged requests (tail at once, then planned ranges)
+            self._source = PrefetchSource(self._source)
         self.path = self._source.name
         self._mmap: mmap.mmap | None = None
         self.findings: list[Finding] = []

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DDUFError, DDUFFormatError, DDUFIOError
+from ..storage.prefetch_source import PrefetchSource
 from ..storage.source import ByteSource, is_url, open_source
 from . import spec
 from .archive import DDUFArchive, Entry
@@ -109,6 +110,23 @@ class _GuardedSource:
     def bytes_read(self) -> int:
         return self.inner.bytes_read
 
+    @property
+    def prefetching(self) -> bool:
+        return bool(getattr(self.inner, "prefetching", False))
+
+    reads_small_entries = True  # the rules read configs and tokenizer files whole: plan them with the headers
+
+    def kept(self, offset: int, length: int) -> bytes | None:
+        kept = getattr(self.inner, "kept", None)
+        return kept(offset, length) if kept is not None else None
+
+    def prefetch(self, ranges: list[tuple[int, int]]) -> int:
+        """Pass the format floor's plan on (a remote source fetches it in merged requests)."""
+        try:
+            return int(self.inner.prefetch(ranges))  # type: ignore[attr-defined]
+        except DDUFError as e:
+            raise _SourceFailure(str(e)) from None
+
     def read_at(self, offset: int, length: int) -> bytes:
         if offset < 0 or length < 0 or offset + length > self.size:
             raise _OutOfBounds(f"read of {length} bytes at {offset} in a {self.size}-byte file")
@@ -163,6 +181,8 @@ def validate(source: str | os.PathLike | ByteSource, verify: bool = False, stric
     started = time.perf_counter()
     owned = isinstance(source, (str, os.PathLike))
     inner: ByteSource = open_source(source, **storage_options) if isinstance(source, (str, os.PathLike)) else source
+    if isinstance(source, str) and is_url(source):  # structural reads in a few merged requests (tail at once, then planned ranges)
+        inner = PrefetchSource(inner)
     guarded = _GuardedSource(inner)
     findings: list[Finding] = []
     hashed = 0
@@ -315,19 +335,21 @@ def _check_budgets(archive: DDUFArchive, source: _GuardedSource, verify: bool) -
 
 def _check_quantization(archive: DDUFArchive, source: _GuardedSource, verify: bool) -> list[Finding]:
     """Q001-Q005: components quantized by torchao / bitsandbytes are self-consistent (format/quant_rules.py)."""
-    from .quant_rules import findings_for
+    from .quant_rules import findings_for, looks_quantized
 
     out: list[Finding] = []
     entries = archive.entries
     for name in sorted({n.split("/", 1)[0] for n in entries if n.endswith("/config.json") and n.count("/") == 1}):
+        headers = [archive.headers[w] for w in archive.weight_files(name) if w in archive.headers]
+        if not any(looks_quantized(h) for h in headers):
+            continue  # plain float weights: no config is read again (each is one more request over a URL)
         e = entries[f"{name}/config.json"]
         if over_size(e.length, e.name) is not None:
             continue  # D013 already says so
         config, problems = parse_json(source.read_at(e.offset, e.length), e.name)
         if problems or not isinstance(config, dict) or "quantization_config" not in config:
             continue  # D007 / D013 already say so; not quantized
-        out.extend(findings_for(name, config, [archive.headers[w] for w in archive.weight_files(name)
-                                               if w in archive.headers]))
+        out.extend(findings_for(name, config, headers))
     return out
 
 

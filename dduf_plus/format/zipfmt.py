@@ -137,6 +137,11 @@ def parse_layout(source: ByteSource) -> tuple[ZipLayout | None, list[Finding]]:
     entries = _parse_central_directory(cd, directory.entry_count, findings)
     if entries is None:
         return None, findings
+    if getattr(source, "prefetching", False):  # a remote source: fetch what comes next in merged requests
+        from .open_plan import open_ranges
+
+        source.prefetch(open_ranges(entries, directory.cd_offset, source.kept,  # type: ignore[attr-defined]
+                                    small_entries=bool(getattr(source, "reads_small_entries", False))))
     checked = _check_local_headers(source, entries, directory.cd_offset, findings)
     return ZipLayout(checked, directory.cd_offset, directory.cd_size, directory.zip64_end), findings
 
