@@ -335,20 +335,18 @@ def _check_budgets(archive: DDUFArchive, source: _GuardedSource, verify: bool) -
 
 def _check_quantization(archive: DDUFArchive, source: _GuardedSource, verify: bool) -> list[Finding]:
     """Q001-Q005: components quantized by torchao / bitsandbytes are self-consistent (format/quant_rules.py)."""
-    from .quant_rules import findings_for, looks_quantized
+    from .quant_rules import findings_for
 
     out: list[Finding] = []
     entries = archive.entries
     for name in sorted({n.split("/", 1)[0] for n in entries if n.endswith("/config.json") and n.count("/") == 1}):
-        headers = [archive.headers[w] for w in archive.weight_files(name) if w in archive.headers]
-        if not any(looks_quantized(h) for h in headers):
-            continue  # plain float weights: no config is read again (each is one more request over a URL)
         e = entries[f"{name}/config.json"]
         if over_size(e.length, e.name) is not None:
             continue  # D013 already says so
         config, problems = parse_json(source.read_at(e.offset, e.length), e.name)
         if problems or not isinstance(config, dict) or "quantization_config" not in config:
             continue  # D007 / D013 already say so; not quantized
+        headers = [archive.headers[w] for w in archive.weight_files(name) if w in archive.headers]
         out.extend(findings_for(name, config, headers))
     return out
 
