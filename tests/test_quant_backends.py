@@ -160,6 +160,12 @@ def _torch_attribute_as_dtype(header: dict[str, Any]) -> None:
     meta[f"{LAYER}.weight"] = meta[f"{LAYER}.weight"].replace('"_data": "bfloat16"', '"_data": "load"', 1)
 
 
+def _private_enum_member(header: dict[str, Any]) -> None:
+    description = json.loads(header["__metadata__"][f"{LAYER}.weight"])
+    description["_data"]["mapping"] = {"_type": "MappingType", "_data": "__class__"}
+    header["__metadata__"][f"{LAYER}.weight"] = json.dumps(description)
+
+
 def _deep_description(header: dict[str, Any]) -> None:
     header["__metadata__"][f"{LAYER}.weight"] = json.dumps(
         {"_type": "Int8Tensor", "_data": {"x": [[[[[[[[1]]]]]]]]}, "_tensor_data_names": ["qdata"]})
@@ -172,7 +178,8 @@ def _other_scheme(header: dict[str, Any]) -> None:
 
 @pytest.mark.parametrize(("edit", "code"), [(_drop_scale, "Q002"), (_bad_scale_shape, "Q003"),
                                             (_foreign_class, "Q005"), (_torch_attribute_as_dtype, "Q005"),
-                                            (_deep_description, "Q005"), (_other_scheme, "Q004")])
+                                            (_deep_description, "Q005"), (_private_enum_member, "Q005"),
+                                            (_other_scheme, "Q004")])
 def test_hostile_quantization_metadata_is_refused(torchao_folder: Path, tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch, edit: Any, code: str) -> None:
     archive = _hostile(torchao_folder, tmp_path, edit, monkeypatch)

@@ -107,6 +107,9 @@ def _check_node(value: Any, depth: int, key: str) -> None:
             raise QuantError("Q005", f"{key}: names class {str(kind)[:80]!r}, outside torchao's allow-list")
         if kind == "torch.dtype" and value.get("_data") not in TORCH_DTYPES:
             raise QuantError("Q005", f"{key}: dtype {str(value.get('_data'))[:80]!r} is not a torch dtype")
+        if kind is not None and isinstance(value.get("_data"), str) and value["_data"].startswith("_"):
+            # torchao looks enum members up by this name (getattr): no dunder or private attribute
+            raise QuantError("Q005", f"{key}: {kind} value {value['_data'][:80]!r} is not a member name")
         for item in value.values():
             _check_node(item, depth + 1, key)
 
