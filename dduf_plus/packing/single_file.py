@@ -280,9 +280,11 @@ def _base_tensors(base: _Base, name: str, variant: str | None = None) -> _BaseTe
     """BASE's weights of component ``name`` (the default ones, or ``variant``'s; every shard), from the headers."""
     folder = base.folder / name
     chosen = select_weights(_listing(folder), variant)
-    weights = [f for f in chosen if f.endswith(".safetensors") and (w := classify(f)) is not None and w.variant == variant]
+    weights = [f for f in chosen if f.endswith(".safetensors")  # variant None: a BASE of variant files only too
+               and (variant is None or ((w := classify(f)) is not None and w.variant == variant))]
     if not weights:
-        raise DDUFPackError(f"--base {base.spec}: {name}/ holds no safetensors weights to compare with")
+        where = "" if Path(base.spec) == base.folder else f" (the copy in {base.folder}: download it first)"
+        raise DDUFPackError(f"--base {base.spec}: {name}/ holds no safetensors weights to compare with{where}")
     out: dict[str, tuple[Path, int, TensorInfo]] = {}
     for f in weights:
         header = read_file_header(folder / f, f"{name}/{f}", DDUFPackError)
