@@ -1,7 +1,8 @@
 """Components quantized by diffusers' own torchao quantizer: pack (byte-faithful, the index records the
 quantization), validate (--strict --verify clean; Q001-Q005 refuse inconsistent or hostile metadata), load
 (same modules, state and outputs as diffusers' from_pretrained of the folder, the quantized data viewing the
-archive) and a clear error when torchao is not installed."""
+archive) and a clear error when torchao is not installed; bitsandbytes nf4 / int8 recorded and checked, nf4
+loaded the same way."""
 
 from __future__ import annotations
 
@@ -207,7 +208,7 @@ def test_missing_torchao_names_component_backend_and_pip(torchao_archive: Path, 
         load_dduf(torchao_archive)
 
 
-# --- bitsandbytes: recorded and checked (loading it is not implemented yet: refused with a clear error) ------------
+# --- bitsandbytes: recorded and checked; 4-bit loaded over the archive, 8-bit refused with a clear error -----------
 @pytest.fixture(scope="module", params=["nf4", "int8"])
 def bnb_folder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """tiny-sd whose unet diffusers quantized with bitsandbytes (its "No GPU found" gate bypassed: the library
@@ -248,8 +249,46 @@ def test_bitsandbytes_is_recorded_validated_and_refused_clearly(bnb_folder: Path
         assert (record["backend"], record["scheme"]) == ("bitsandbytes_8bit", "int8")
         assert record["roles"] == {"data": ".weight", "SCB": ".SCB", "weight_format": ".weight_format"}
     assert record["quantized"] > 10
-    with pytest.raises(DDUFLoadError, match=r"unet.*bitsandbytes"):
-        load_dduf(archive)
+
+
+def test_bitsandbytes_4bit_load_equals_diffusers_reload_8bit_refused(bnb_folder: Path, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    import bitsandbytes as bnb
+    from diffusers import UNet2DConditionModel
+    from diffusers.quantizers.bitsandbytes import bnb_quantizer
+
+    archive = tmp_path / "bnb4.dduf"
+    pack(bnb_folder, archive, quiet=True)
+    if not json.loads((bnb_folder / "unet" / "config.json").read_text())["quantization_config"].get("load_in_4bit"):
+        with pytest.raises(DDUFLoadError, match=r"unet.*bitsandbytes_8bit"):  # no 8-bit loader yet: a clear refusal
+            load_dduf(archive)
+        return
+    views: set[int] = set()
+    real = ArchiveComponentFiles.tensors
+
+    def recording(self: ArchiveComponentFiles, filenames: Any) -> Any:
+        out = real(self, filenames)
+        views.update(t.data_ptr() for t in out.values())
+        return out
+
+    monkeypatch.setattr(ArchiveComponentFiles, "tensors", recording)
+    ours = load_dduf(archive).unet
+    for cls in (bnb_quantizer.BnB4BitDiffusersQuantizer, bnb_quantizer.BnB8BitDiffusersQuantizer):
+        monkeypatch.setattr(cls, "validate_environment", lambda self, *args, **kwargs: None)  # CPU: no GPU gate
+    ref = UNet2DConditionModel.from_pretrained(bnb_folder / "unet", device_map="cpu")
+    a, b = ours.state_dict(), ref.state_dict()
+    assert set(a) == set(b)
+    for key, x in a.items():
+        assert type(x) is type(b[key]) and x.dtype == b[key].dtype and torch.equal(x, b[key]), key
+    layers = [m for m in ours.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert len(layers) > 10 and all(m.weight.data_ptr() in views for m in layers)  # packed data: no copy
+    assert ours.is_quantized and ours.hf_quantizer is not None
+    gen = torch.Generator().manual_seed(0)
+    sample = torch.randn(1, 4, 16, 16, generator=gen, dtype=torch.float16)
+    text = torch.randn(1, 77, ours.config.cross_attention_dim, generator=gen, dtype=torch.float16)
+    with torch.no_grad():
+        assert torch.equal(ours(sample, 1, encoder_hidden_states=text).sample,
+                           ref(sample, 1, encoder_hidden_states=text).sample)
 
 
 def test_bitsandbytes_parts_and_scheme_are_checked(bnb_folder: Path) -> None:

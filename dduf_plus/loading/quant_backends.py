@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 BACKENDS = {
     "torchao": ("torchao", "pip install 'dduf_plus[quant]'  (or: pip install torchao>=0.16)"),
 }
+BACKENDS["bitsandbytes_4bit"] = ("bitsandbytes", "pip install 'dduf_plus[quant]'  (or: pip install bitsandbytes)")
 SUPPORTED = frozenset(BACKENDS)
 
 
@@ -141,4 +142,70 @@ def load_backend_component(model_cls: type[Any], config: Mapping[str, Any], file
     backend = backend_of(config)
     if backend == "torchao":
         return load_torchao_component(model_cls, config, files, device=device, dtype=dtype, variant=variant)
+    if backend == "bitsandbytes_4bit":
+        return load_bnb4_component(model_cls, config, files, device=device, variant=variant)
     raise DDUFLoadError(f"{getattr(files, 'description', 'component')}: no zero-copy loader for {backend}")
+
+
+def load_bnb4_component(model_cls: type[Any], config: Mapping[str, Any], files: Any, *, device: Any = None,
+                        variant: str | None = None) -> torch.nn.Module:
+    """Rebuild a component saved by diffusers' bitsandbytes 4-bit quantizer (nf4 / fp4) as its
+    ``from_pretrained`` does: ``Linear4bit`` layers (diffusers' own ``replace_with_bnb_linear``, on meta) whose
+    weights ``Params4bit.from_prequantized`` wraps over the archive's views; every tensor is kept as saved.
+
+    Raises:
+        DDUFLoadError: bitsandbytes or diffusers missing, the component not self-consistent (Q0xx), a packed
+            quant_state over its budget.
+    """
+    from .quant import _check_state_keys, _empty_model, _finish
+
+    where = str(getattr(files, "description", None) or getattr(files, "name", "component"))
+    bnb = require_backend("bitsandbytes_4bit", where)
+    from ..format.quant_rules import bnb_groups, parse_quant_state
+
+    weight_files = files.weight_files(variant)
+    headers = component_headers(files, weight_files)
+    tensors = {name: info for header in headers for name, info in header.tensors.items()}
+    try:
+        analyse(config, headers)
+    except QuantError as e:
+        raise DDUFLoadError(f"{where}: {e.code}: bitsandbytes quantization: {e}", code=e.code) from None
+    quantizer = _quantizer(config)
+    if quantizer is None:
+        raise DDUFLoadError(f"{where}: bitsandbytes components are rebuilt with diffusers' quantizer; install diffusers")
+    model = _empty_model(model_cls, config, where, files, variant)
+    quantizer.preprocess_model(model=model, device_map=None,
+                               keep_in_fp32_modules=list(getattr(model, "_keep_in_fp32_modules", None) or []))
+    state = dict(files.tensors(weight_files))
+    for name, parts in bnb_groups(tensors, "bitsandbytes_4bit").items():
+        try:
+            parse_quant_state(state[parts["quant_state"]].numpy().tobytes(), parts["quant_state"])
+        except QuantError as e:
+            raise DDUFLoadError(f"{where}: {e.code}: {e}", code=e.code) from None
+        data = state.pop(parts["data"])
+        stats = {tensor: state.pop(tensor) for part, tensor in parts.items() if part != "data"}
+        try:
+            module = model.get_submodule(name.rpartition(".")[0])
+        except AttributeError:
+            raise DDUFLoadError(f"{where}: {name}: the model has no such layer") from None
+        if not isinstance(module, bnb.nn.Linear4bit):
+            raise DDUFLoadError(f"{where}: {name} is stored 4-bit but the model keeps that layer unquantized")
+        module._parameters["weight"] = bnb.nn.Params4bit.from_prequantized(
+            data=data, quantized_stats=stats, requires_grad=False, device="cpu")
+    _check_state_keys(state, {k for k in model.state_dict() if not _is_bnb_weight(model, k, bnb)}, model,
+                      f"{where}: stored tensors do not match the 4-bit {model_cls.__name__}")
+    model.load_state_dict(state, strict=False, assign=True)
+    quantizer.postprocess_model(model)
+    model.hf_quantizer = quantizer
+    return _finish(model, where, device)
+
+
+def _is_bnb_weight(model: torch.nn.Module, key: str, bnb: Any) -> bool:
+    """A state key the 4-bit layers produce themselves (their weight and its quant-state parts)."""
+    module_name, _, rest = key.partition(".weight")
+    if not rest and not key.endswith(".weight"):
+        return False
+    try:
+        return isinstance(model.get_submodule(module_name), bnb.nn.Linear4bit)
+    except AttributeError:
+        return False
