@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DDUFError, DDUFFormatError, DDUFIOError
+from ..storage.http_range import HTTPSource
 from ..storage.prefetch_source import PrefetchSource
 from ..storage.source import ByteSource, is_url, open_source
 from . import spec
@@ -181,8 +182,8 @@ def validate(source: str | os.PathLike | ByteSource, verify: bool = False, stric
     started = time.perf_counter()
     owned = isinstance(source, (str, os.PathLike))
     inner: ByteSource = open_source(source, **storage_options) if isinstance(source, (str, os.PathLike)) else source
-    if isinstance(source, str) and is_url(source):  # structural reads in a few merged requests (tail at once, then planned ranges)
-        inner = PrefetchSource(inner)
+    if isinstance(source, str) and is_url(source) or isinstance(source, HTTPSource):  # e.g. dduf serve's URL checks
+        inner = PrefetchSource(inner)  # structural reads in a few merged requests (the tail at once, then a plan)
     guarded = _GuardedSource(inner)
     findings: list[Finding] = []
     hashed = 0
