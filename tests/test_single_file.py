@@ -335,3 +335,19 @@ def test_sdxl_refiner_checkpoint_equals_from_single_file(sf_more: dict[str, Path
                             torch.float16, call)
     with pytest.raises(DDUFPackError, match="SDXL refiner checkpoint"):
         pack_single_file(sf_more["refiner"], tmp_path / "x.dduf", base=str(TINY_SD), quiet=True)
+
+
+def test_info_with_base_says_what_a_pack_would_store(sf: dict[str, Path], tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    from dduf_plus.cli import main
+
+    assert main(["info", str(sf["sdxl"]), "--base", str(sf["sdxl_base"]), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)["pack_plan"]
+    assert list(plan["stored"]) == ["unet"] and plan["stored"]["unet"] > 0
+    assert plan["referenced"] == {"scheduler": None, "text_encoder": "fp16", "text_encoder_2": "fp16",
+                                  "tokenizer": None, "tokenizer_2": None, "vae": "fp16"}
+    assert main(["info", str(sf["sdxl"]), "--base", str(sf["sdxl_base"])]) == 0
+    text = capsys.readouterr().out
+    assert "would store: unet" in text and "vae (fp16 variant)" in text
+    assert not list(tmp_path.iterdir())
+    assert main(["info", str(TINY_SD), "--base", str(TINY_SD)]) == 2

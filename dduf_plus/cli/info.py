@@ -17,6 +17,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("source", help="a .dduf archive (or a local .dduf.zst, or a URL), a diffusers pipeline folder, "
                    "or a Hub repo (org/name[@revision]: its archive, or its folder layout)")
     p.add_argument("--variant", help="describe this weight variant (e.g. fp16)")
+    p.add_argument("--base", metavar="BASE", help="for a single-file .safetensors checkpoint: what `dduf pack CKPT "
+                   "--base BASE` would store and reference (converts and compares; writes nothing)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--max-decompressed", type=budget_arg, default=None, metavar="SIZE",
                    help="how far a .zst may expand (as dduf validate --max-decompressed)")
@@ -57,6 +59,10 @@ def run(args: argparse.Namespace) -> int:
 
     if is_checkpoint(args.source):
         return run_single_file(args)
+    if getattr(args, "base", None):
+        from ..errors import DDUFUsageError
+
+        raise DDUFUsageError("--base: only for a single-file .safetensors checkpoint (an archive or folder has its own)")
     info = describe_source(args.source, args.variant, args.max_decompressed)
     if args.json:
         print_json(info)

@@ -21,6 +21,10 @@ def run_single_file(args: argparse.Namespace) -> int:
     from .info import table
 
     info = describe_checkpoint(args.source)
+    if getattr(args, "base", None):
+        from ..packing.single_file import plan_single_file
+
+        info["pack_plan"] = plan_single_file(args.source, args.base)
     if args.json:
         print_json(info)
         return 0
@@ -40,6 +44,18 @@ def run_single_file(args: argparse.Namespace) -> int:
         echo(f"  not in the file: {', '.join(info['absent'])} (a pack against --base references BASE's)")
     if info.get("other_tensors"):
         echo(f"  {info['other_tensors']} tensors belong to no component (ignored by a pack)")
-    if info.get("pipeline"):
+    if "pack_plan" in info:
+        _echo_plan(info["pack_plan"])
+    elif info.get("pipeline"):
         echo(f"  pack it: dduf pack {args.source} --base BASE -o OUT.dduf  (BASE: a {info['pipeline']} folder or Hub repo)")
     return 0
+
+
+def _echo_plan(plan: dict) -> None:
+    """What a pack against --base would store and reference."""
+    stored = ", ".join(f"{n} ({human_bytes(b)})" for n, b in sorted(plan["stored"].items())) or "nothing"
+    refs = ", ".join(n + (f" ({v} variant)" if v else "") for n, v in plan["referenced"].items()) or "nothing"
+    echo(f"  dduf pack --base {plan['base']} would store: {stored}")
+    echo(f"  and reference BASE's: {refs}")
+    for line in plan["report"][1:]:
+        echo(f"    {line}")

@@ -33,7 +33,8 @@ from ..format.weights import classify, select_weights, variants
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FAMILIES", "describe_checkpoint", "detect_architecture", "is_single_file", "pack_single_file"]
+__all__ = ["FAMILIES", "describe_checkpoint", "detect_architecture", "is_single_file", "pack_single_file",
+           "plan_single_file"]
 
 
 class Component(NamedTuple):
@@ -525,6 +526,23 @@ def pack_single_file(
             component that does not fit BASE's configs, a broken file; nothing is written then.
     """
     started = time.perf_counter()
+    prepared = _prepare(checkpoint, base, token, local_files_only)
+    return _write(prepared, output, token=token, local_files_only=local_files_only, quiet=quiet, fsync=fsync,
+                  started=started)
+
+
+class _Prepared(NamedTuple):
+    base: _Base
+    sources: list[EntrySource]  # what differs from BASE: stored
+    by_variant: dict[str, list[str]]  # components identical to one of BASE's variants
+    report: list[str]
+    where: str
+    model_type: str
+
+
+def _prepare(checkpoint: str | os.PathLike, base: str | os.PathLike | None, token: str | bool | None,
+             local_files_only: bool) -> _Prepared:
+    """Detect, check BASE, convert and compare every component the checkpoint holds (nothing written)."""
     path = Path(checkpoint)
     where = str(path)
     if not base:
@@ -536,11 +554,11 @@ def pack_single_file(
     the_base = _open_base(os.fspath(base), token, local_files_only)
     _check_base(family, model_type, the_base, where)
     held = _held(header, family)
+    absent = sorted(set(family.components) - set(held))
     report = [f"detected {family.name} ({model_type}) from the keys of {path.name}; it holds "
-              f"{', '.join(held) or 'no component'}" + (f", not {', '.join(sorted(set(family.components) - set(held)))}"
-                                                        if set(family.components) - set(held) else "")]
+              f"{', '.join(held) or 'no component'}" + (f", not {', '.join(absent)}" if absent else "")]
     sources: list[EntrySource] = []
-    by_variant: dict[str, list[str]] = {}  # components identical to one of BASE's variants
+    by_variant: dict[str, list[str]] = {}
     for name in sorted(held):
         base_tensors = _base_tensors(the_base, name)
         config = _read_json(the_base.folder / name / "config.json", the_base.spec)
@@ -550,8 +568,24 @@ def pack_single_file(
         report.append(line)
         if variant is not None:
             by_variant.setdefault(variant, []).append(name)
-    return _write(sources, the_base, output, report, by_variant, token=token, local_files_only=local_files_only,
-                  quiet=quiet, fsync=fsync, started=started, where=where)
+    return _Prepared(the_base, sources, by_variant, report, where, model_type)
+
+
+def plan_single_file(checkpoint: str | os.PathLike, base: str | os.PathLike, *, token: str | bool | None = None,
+                     local_files_only: bool = False) -> dict[str, Any]:
+    """What :func:`pack_single_file` would store and reference against ``base``, without writing anything
+    (``dduf info CKPT.safetensors --base BASE``): {architecture, stored: {component: bytes}, referenced:
+    {component: variant or None}, report}. Converts and compares like a pack (reads the tensors)."""
+    prepared = _prepare(checkpoint, base, token, local_files_only)
+    stored: dict[str, int] = {}
+    for source in prepared.sources:
+        name = source.name.split("/")[0]
+        stored[name] = stored.get(name, 0) + source.nbytes
+    in_variant = {n: v for v, names in prepared.by_variant.items() for n in names}
+    real = [n for n, (lib, _c) in component_specs(prepared.base.model_index).items() if lib is not None]
+    return {"architecture": prepared.model_type, "base": prepared.base.spec, "stored": stored,
+            "referenced": {n: in_variant.get(n) for n in sorted(real) if n not in stored},
+            "report": prepared.report}
 
 
 def _read_json(path: Path, base: str) -> dict[str, Any]:
@@ -564,13 +598,13 @@ def _read_json(path: Path, base: str) -> dict[str, Any]:
     return value
 
 
-def _write(sources: list[EntrySource], base: _Base, output: str | os.PathLike, report: list[str],
-           by_variant: Mapping[str, list[str]], *,
-           token: str | bool | None, local_files_only: bool, quiet: bool, fsync: bool, started: float,
-           where: str) -> tuple[PackResult, Any]:
+def _write(prepared: _Prepared, output: str | os.PathLike, *, token: str | bool | None, local_files_only: bool,
+           quiet: bool, fsync: bool, started: float) -> tuple[PackResult, Any]:
     """Reference everything not stored to BASE (content-verified, as ``--base`` does) and write."""
     from .partial import _model_index_with, make_references
 
+    sources, base, report, by_variant, where = (prepared.sources, prepared.base, prepared.report,
+                                                prepared.by_variant, prepared.where)
     stored = {s.name.split("/")[0] for s in sources}
     if not stored:
         raise DDUFPackError(f"{where}: every component it holds is identical to --base {base.spec}: the archive "
