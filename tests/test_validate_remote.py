@@ -1,5 +1,5 @@
 """Remote validation over fsspec: a range-capable HTTP server on 127.0.0.1 counts what it sends; structural
-validation of a multi-MB archive transfers kilobytes, in exact range requests."""
+validation of a multi-MB archive transfers kilobytes, in a few merged range requests."""
 
 from __future__ import annotations
 
@@ -45,10 +45,11 @@ def test_structural_validation_transfers_kilobytes(site):
     site.reset()
     report = validate(site.url("big.dduf"))
     assert report.valid, report
-    assert site.body_bytes == report.bytes_read  # exact range requests: nothing read ahead, nothing wasted
-    assert site.body_bytes < 32 << 10, site.body_bytes  # of a 5+ MB archive
-    assert all(length <= 16 << 10 for _, length in site.ranges)
-    assert site.heads <= 2 and site.gets < 40
+    assert site.body_bytes == report.bytes_read  # every byte received is counted
+    # of a 5+ MB archive: the tail guess (256 KiB: end records, directory, index in one request) and the headers,
+    # in a few merged requests (storage/prefetch_source.py; before: 12.6 kB in 37 exact requests, now 4 requests)
+    assert site.body_bytes < (256 << 10) + (32 << 10), site.body_bytes
+    assert site.heads <= 2 and site.gets <= 5, site.ranges
 
 
 def test_remote_and_local_verdicts_agree(site):
