@@ -1,7 +1,7 @@
 """Components quantized by diffusers' own torchao quantizer: pack (byte-faithful, the index records the
 quantization), validate (--strict --verify clean; Q001-Q005 refuse inconsistent or hostile metadata), load
 (same modules, state and outputs as diffusers' from_pretrained of the folder, the quantized data viewing the
-archive) and a clear error when torchao is not installed; bitsandbytes nf4 / int8 recorded and checked, nf4
+archive) and a clear error when torchao is not installed; bitsandbytes nf4 / int8 recorded, checked and
 loaded the same way."""
 
 from __future__ import annotations
@@ -208,7 +208,7 @@ def test_missing_torchao_names_component_backend_and_pip(torchao_archive: Path, 
         load_dduf(torchao_archive)
 
 
-# --- bitsandbytes: recorded and checked; 4-bit loaded over the archive, 8-bit refused with a clear error -----------
+# --- bitsandbytes (nf4, int8): recorded, checked, loaded over the archive ------------------------------------------
 @pytest.fixture(scope="module", params=["nf4", "int8"])
 def bnb_folder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """tiny-sd whose unet diffusers quantized with bitsandbytes (its "No GPU found" gate bypassed: the library
@@ -251,7 +251,7 @@ def test_bitsandbytes_is_recorded_validated_and_refused_clearly(bnb_folder: Path
     assert record["quantized"] > 10
 
 
-def test_bitsandbytes_4bit_load_equals_diffusers_reload_8bit_refused(bnb_folder: Path, tmp_path: Path,
+def test_bitsandbytes_load_equals_diffusers_reload(bnb_folder: Path, tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     import bitsandbytes as bnb
     from diffusers import UNet2DConditionModel
@@ -259,10 +259,7 @@ def test_bitsandbytes_4bit_load_equals_diffusers_reload_8bit_refused(bnb_folder:
 
     archive = tmp_path / "bnb4.dduf"
     pack(bnb_folder, archive, quiet=True)
-    if not json.loads((bnb_folder / "unet" / "config.json").read_text())["quantization_config"].get("load_in_4bit"):
-        with pytest.raises(DDUFLoadError, match=r"unet.*bitsandbytes_8bit"):  # no 8-bit loader yet: a clear refusal
-            load_dduf(archive)
-        return
+    four_bit = json.loads((bnb_folder / "unet" / "config.json").read_text())["quantization_config"].get("load_in_4bit")
     views: set[int] = set()
     real = ArchiveComponentFiles.tensors
 
@@ -280,8 +277,8 @@ def test_bitsandbytes_4bit_load_equals_diffusers_reload_8bit_refused(bnb_folder:
     assert set(a) == set(b)
     for key, x in a.items():
         assert type(x) is type(b[key]) and x.dtype == b[key].dtype and torch.equal(x, b[key]), key
-    layers = [m for m in ours.modules() if isinstance(m, bnb.nn.Linear4bit)]
-    assert len(layers) > 10 and all(m.weight.data_ptr() in views for m in layers)  # packed data: no copy
+    layers = [m for m in ours.modules() if isinstance(m, bnb.nn.Linear4bit if four_bit else bnb.nn.Linear8bitLt)]
+    assert len(layers) > 10 and all(m.weight.data_ptr() in views for m in layers)  # quantized data: no copy
     assert ours.is_quantized and ours.hf_quantizer is not None
     gen = torch.Generator().manual_seed(0)
     sample = torch.randn(1, 4, 16, 16, generator=gen, dtype=torch.float16)
@@ -307,3 +304,16 @@ def test_bitsandbytes_parts_and_scheme_are_checked(bnb_folder: Path) -> None:
         with pytest.raises(quant_rules.QuantError, match="Q005|over"):
             quant_rules.parse_quant_state(b"{" * 5000, "x")
         assert quant_rules.parse_quant_state(b'{"quant_type": "nf4", "blocksize": 64, "shape": [32, 32]}', "x")
+
+
+def test_a_backend_without_a_loader_is_a_clear_error(tmp_path: Path) -> None:
+    """SDNQ (no loader yet): packed and validated as any component, refused at load naming component and backend."""
+    folder = tmp_path / "pipe"
+    shutil.copytree(TINY_SD, folder)
+    config = json.loads((folder / "vae" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "sdnq", "weights_dtype": "int8"}
+    (folder / "vae" / "config.json").write_text(json.dumps(config))
+    archive = tmp_path / "pipe.dduf"
+    pack(folder, archive, quiet=True)
+    with pytest.raises(DDUFLoadError, match=r"vae.*sdnq"):
+        load_dduf(archive)

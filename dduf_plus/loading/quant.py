@@ -54,8 +54,8 @@ CPU_BACKENDS = {
     "quanto": "yes: zero-copy load by dduf_plus (qint8, qfloat8, qint4, qint2 weights)",
     "bitsandbytes_4bit": "yes: zero-copy load by dduf_plus (nf4 checked on CPU with bitsandbytes 0.50; diffusers' "
                          "own from_pretrained refuses without a GPU)",
-    "bitsandbytes_8bit": "library yes (bitsandbytes 0.50 has a CPU backend), but diffusers' quantizer refuses "
-                         "without a GPU and load_dduf has no zero-copy loader for it yet",
+    "bitsandbytes_8bit": "yes: zero-copy load by dduf_plus (int8 checked on CPU with bitsandbytes 0.50; diffusers' "
+                         "own from_pretrained refuses without a GPU)",
     "torchao": "yes: zero-copy load by dduf_plus (torchao>=0.16 safetensors layout; int8 weight-only checked on "
                "CPU with torchao 0.18)",
     "gguf": "not applicable: DDUF cannot hold .gguf files",
@@ -451,7 +451,7 @@ def load_with_diffusers_quantizer(
         # Its quantizer reads the weights from disk itself, and dduf_plus never extracts weights from an archive.
         raise DDUFLoadError(
             f"{where}: quantized with {method} (quantization_config), which load_dduf can only rebuild for "
-            f"quanto, torchao and bitsandbytes 4-bit; its own quantizer needs the files on disk (CPU support: {hint}). Unpack the archive "
+            f"quanto, torchao and bitsandbytes; its own quantizer needs the files on disk (CPU support: {hint}). Unpack the archive "
             "(`dduf unpack`) and load that folder with diffusers, or reference the component from a folder")
     target_dtype = _torch_dtype(dtype)
     folder = files.local_dir(files.listdir())  # a folder component: its own path, nothing is copied

@@ -25,7 +25,14 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..errors import DDUFLoadError
-from ..format.quant_rules import QuantError, analyse, backend_of, torchao_descriptions, torchao_groups
+from ..format.quant_rules import (
+    QuantError,
+    analyse,
+    backend_of,
+    bnb_groups,
+    torchao_descriptions,
+    torchao_groups,
+)
 from ..format.safetensors_header import SafetensorsHeader
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -38,6 +45,7 @@ BACKENDS = {
     "torchao": ("torchao", "pip install 'dduf_plus[quant]'  (or: pip install torchao>=0.16)"),
 }
 BACKENDS["bitsandbytes_4bit"] = ("bitsandbytes", "pip install 'dduf_plus[quant]'  (or: pip install bitsandbytes)")
+BACKENDS["bitsandbytes_8bit"] = BACKENDS["bitsandbytes_4bit"]
 SUPPORTED = frozenset(BACKENDS)
 
 
@@ -142,16 +150,16 @@ def load_backend_component(model_cls: type[Any], config: Mapping[str, Any], file
     backend = backend_of(config)
     if backend == "torchao":
         return load_torchao_component(model_cls, config, files, device=device, dtype=dtype, variant=variant)
-    if backend == "bitsandbytes_4bit":
-        return load_bnb4_component(model_cls, config, files, device=device, variant=variant)
+    if backend in ("bitsandbytes_4bit", "bitsandbytes_8bit"):
+        return load_bnb_component(model_cls, config, files, device=device, variant=variant)
     raise DDUFLoadError(f"{getattr(files, 'description', 'component')}: no zero-copy loader for {backend}")
 
 
-def load_bnb4_component(model_cls: type[Any], config: Mapping[str, Any], files: Any, *, device: Any = None,
-                        variant: str | None = None) -> torch.nn.Module:
-    """Rebuild a component saved by diffusers' bitsandbytes 4-bit quantizer (nf4 / fp4) as its
-    ``from_pretrained`` does: ``Linear4bit`` layers (diffusers' own ``replace_with_bnb_linear``, on meta) whose
-    weights ``Params4bit.from_prequantized`` wraps over the archive's views; every tensor is kept as saved.
+def load_bnb_component(model_cls: type[Any], config: Mapping[str, Any], files: Any, *, device: Any = None,
+                       variant: str | None = None) -> torch.nn.Module:
+    """Rebuild a component saved by diffusers' bitsandbytes quantizer as its ``from_pretrained`` does:
+    ``Linear4bit`` / ``Linear8bitLt`` layers (diffusers' own ``replace_with_bnb_linear``, on meta) whose weights
+    ``Params4bit.from_prequantized`` / ``Int8Params`` wrap over the archive's views; every tensor kept as saved.
 
     Raises:
         DDUFLoadError: bitsandbytes or diffusers missing, the component not self-consistent (Q0xx), a packed
@@ -160,12 +168,10 @@ def load_bnb4_component(model_cls: type[Any], config: Mapping[str, Any], files: 
     from .quant import _check_state_keys, _empty_model, _finish
 
     where = str(getattr(files, "description", None) or getattr(files, "name", "component"))
-    bnb = require_backend("bitsandbytes_4bit", where)
-    from ..format.quant_rules import bnb_groups, parse_quant_state
-
+    backend = str(backend_of(config))
+    bnb = require_backend(backend, where)
     weight_files = files.weight_files(variant)
     headers = component_headers(files, weight_files)
-    tensors = {name: info for header in headers for name, info in header.tensors.items()}
     try:
         analyse(config, headers)
     except QuantError as e:
@@ -177,35 +183,51 @@ def load_bnb4_component(model_cls: type[Any], config: Mapping[str, Any], files: 
     quantizer.preprocess_model(model=model, device_map=None,
                                keep_in_fp32_modules=list(getattr(model, "_keep_in_fp32_modules", None) or []))
     state = dict(files.tensors(weight_files))
-    for name, parts in bnb_groups(tensors, "bitsandbytes_4bit").items():
-        try:
-            parse_quant_state(state[parts["quant_state"]].numpy().tobytes(), parts["quant_state"])
-        except QuantError as e:
-            raise DDUFLoadError(f"{where}: {e.code}: {e}", code=e.code) from None
-        data = state.pop(parts["data"])
-        stats = {tensor: state.pop(tensor) for part, tensor in parts.items() if part != "data"}
+    layer_cls = bnb.nn.Linear4bit if backend == "bitsandbytes_4bit" else bnb.nn.Linear8bitLt
+    tensors = {name: info for header in headers for name, info in header.tensors.items()}
+    for name, parts in bnb_groups(tensors, backend).items():
         try:
             module = model.get_submodule(name.rpartition(".")[0])
         except AttributeError:
             raise DDUFLoadError(f"{where}: {name}: the model has no such layer") from None
-        if not isinstance(module, bnb.nn.Linear4bit):
-            raise DDUFLoadError(f"{where}: {name} is stored 4-bit but the model keeps that layer unquantized")
-        module._parameters["weight"] = bnb.nn.Params4bit.from_prequantized(
-            data=data, quantized_stats=stats, requires_grad=False, device="cpu")
-    _check_state_keys(state, {k for k in model.state_dict() if not _is_bnb_weight(model, k, bnb)}, model,
-                      f"{where}: stored tensors do not match the 4-bit {model_cls.__name__}")
+        if not isinstance(module, layer_cls):
+            raise DDUFLoadError(f"{where}: {name} is stored quantized but the model keeps that layer unquantized")
+        _set_bnb_weight(module, parts, state, bnb, where)
+    _check_state_keys(state, {k for k in model.state_dict() if not _is_bnb_weight(model, k, layer_cls)}, model,
+                      f"{where}: stored tensors do not match the {backend} {model_cls.__name__}")
     model.load_state_dict(state, strict=False, assign=True)
     quantizer.postprocess_model(model)
     model.hf_quantizer = quantizer
     return _finish(model, where, device)
 
 
-def _is_bnb_weight(model: torch.nn.Module, key: str, bnb: Any) -> bool:
-    """A state key the 4-bit layers produce themselves (their weight and its quant-state parts)."""
-    module_name, _, rest = key.partition(".weight")
-    if not rest and not key.endswith(".weight"):
-        return False
+def _set_bnb_weight(module: Any, parts: Mapping[str, str], state: dict[str, Any], bnb: Any, where: str) -> None:
+    """One layer's weight, as diffusers' ``create_quantized_param`` makes it, over the stored views (the parts
+    are taken out of ``state``)."""
+    from ..format.quant_rules import parse_quant_state
+
+    data = state.pop(parts["data"])
+    if "quant_state" in parts:  # 4-bit
+        try:  # checked before bitsandbytes parses it
+            parse_quant_state(state[parts["quant_state"]].numpy().tobytes(), parts["quant_state"])
+        except QuantError as e:
+            raise DDUFLoadError(f"{where}: {e.code}: {e}", code=e.code) from None
+        stats = {tensor: state.pop(tensor) for part, tensor in parts.items() if part != "data"}
+        module._parameters["weight"] = bnb.nn.Params4bit.from_prequantized(
+            data=data, quantized_stats=stats, requires_grad=False, device="cpu")
+        return
+    scb = state.pop(parts["SCB"])
+    state.pop(parts["weight_format"], None)  # diffusers drops it too (a layout tag bitsandbytes no longer reads)
+    module._parameters["weight"] = bnb.nn.Int8Params(data, requires_grad=False, **module.weight.__dict__).to("cpu")
+    module.weight.SCB = scb
+
+
+def _is_bnb_weight(model: torch.nn.Module, key: str, layer_cls: type) -> bool:
+    """A state key the quantized layers produce themselves (their weight, its quant-state parts, SCB...)."""
+    if key.endswith(".bias"):
+        return False  # loaded as stored, like any unquantized tensor
+    module_name = key.rsplit(".weight", 1)[0] if ".weight" in key else key.rsplit(".", 1)[0]
     try:
-        return isinstance(model.get_submodule(module_name), bnb.nn.Linear4bit)
+        return isinstance(model.get_submodule(module_name), layer_cls)
     except AttributeError:
         return False
