@@ -311,6 +311,28 @@ def _mapped(path: Path) -> Iterator[mmap.mmap | None]:
                     pass
 
 
+_DROP_EVERY = 64 << 20  # bytes read through a map between two page drops
+
+
+class _Dropper:
+    """Drops the pages read so far from this process every :data:`_DROP_EVERY` bytes (``MADV_DONTNEED``;
+    the maps are private and never written, so a page read again comes back from the file): RSS stays
+    about one slice, not the whole checkpoint, as ``dduf pack --dtype`` does."""
+
+    def __init__(self, *maps: mmap.mmap | None):
+        self.maps = [m for m in maps if m is not None]
+        self.pending = 0
+
+    def read(self, nbytes: int) -> None:
+        self.pending += nbytes
+        if self.pending < _DROP_EVERY:
+            return
+        self.pending = 0
+        for m in self.maps:
+            if hasattr(m, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+                m.madvise(mmap.MADV_DONTNEED)
+
+
 def _view(mm: mmap.mmap | None, data_start: int, info: TensorInfo) -> Any:
     """A torch tensor viewing ``info``'s bytes in the map (copied only when a foreign writer misaligned it)."""
     import torch
@@ -376,7 +398,7 @@ def _fit(name: str, converted: dict[str, Any], base: _BaseTensors, where: str) -
     return extra
 
 
-def _identical(converted: Mapping[str, Any], base: _BaseTensors) -> str | None:
+def _identical(converted: Mapping[str, Any], base: _BaseTensors, mine_map: mmap.mmap | None = None) -> str | None:
     """None when every converted tensor equals BASE's (dtype and bytes), else the first difference."""
     import torch
 
@@ -388,24 +410,26 @@ def _identical(converted: Mapping[str, Any], base: _BaseTensors) -> str | None:
         by_file.setdefault(base.tensors[k][0], []).append(k)
     for path, names in sorted(by_file.items()):
         with _mapped(path) as mm:
+            dropper = _Dropper(mm, mine_map)
             for k in names:
                 _p, start, info = base.tensors[k]
                 theirs = _view(mm, start, info)
                 mine = converted[k]
                 same = torch.equal(_bytes_of(mine), _bytes_of(theirs))
                 del theirs
+                dropper.read(2 * info.nbytes)
                 if not same:
                     return f"{k} differs"
     return None
 
 
-def _identical_variant(name: str, converted: Mapping[str, Any], base: _Base) -> str | None:
+def _identical_variant(name: str, converted: Mapping[str, Any], base: _Base, mine_map: mmap.mmap | None) -> str | None:
     """The first of BASE's weight variants of ``name`` whose tensors ``converted`` equals, or None."""
     for variant in _base_variants(base, name):
         theirs = _base_tensors(base, name, variant)
         fits = theirs.tensors.keys() == converted.keys() and all(
             tuple(converted[k].shape) == theirs.tensors[k][2].shape for k in converted)
-        if fits and _identical(converted, theirs) is None:
+        if fits and _identical(converted, theirs, mine_map) is None:
             return variant
     return None
 
@@ -460,6 +484,7 @@ def _chunks(job: _Job, head: bytes, planned: list[Any]) -> Iterator[Any]:
     yield head
     with _mapped(job.checkpoint) as mm:
         converted = _converted_tensors(job, mm)
+        dropper = _Dropper(mm)
         try:
             for p in planned:
                 data = _bytes_of(converted[p.info.name])
@@ -467,6 +492,7 @@ def _chunks(job: _Job, head: bytes, planned: list[Any]) -> Iterator[Any]:
                     raise DDUFPackError(f"{job.checkpoint}: {p.info.name} changed while packing")
                 yield data.numpy()
                 del data
+                dropper.read(p.end - p.begin)
         finally:
             converted.clear()
 
@@ -490,12 +516,12 @@ def _component(job: _Job, base: _Base, base_tensors: _BaseTensors,
             raise DDUFPackError(f"{where}: {job.name} cannot be converted to diffusers' layout "
                                 f"({type(e).__name__}: {e})") from None
         dropped = _fit(job.name, converted, base_tensors, where)
-        why = _identical(converted, base_tensors)
+        why = _identical(converted, base_tensors, mm)
         library = component_specs(base.model_index)[job.name][0]
         entry = f"{job.name}/{_weights_name(library)}"
         head, header, planned, size = _file_header(converted, entry)
         nbytes = sum(t.numel() * t.element_size() for t in converted.values())
-        variant = _identical_variant(job.name, converted, base) if why is not None else None
+        variant = _identical_variant(job.name, converted, base, mm) if why is not None else None
         converted.clear()
         views.clear()
     note = f"; dropped {len(dropped)} tensor(s) BASE's model has no place for ({dropped[0]}...)" if dropped else ""
