@@ -351,3 +351,14 @@ def test_info_with_base_says_what_a_pack_would_store(sf: dict[str, Path], tmp_pa
     assert "would store: unet" in text and "vae (fp16 variant)" in text
     assert not list(tmp_path.iterdir())
     assert main(["info", str(TINY_SD), "--base", str(TINY_SD)]) == 2
+
+
+def test_keys_diffusers_cannot_map_are_one_clear_error(sf: dict[str, Path], tmp_path: Path) -> None:
+    """diffusers' converter raising on a crafted file (a KeyError deep in convert_ldm_unet_checkpoint) is a
+    DDUFPackError naming the component, not a traceback."""
+    from safetensors.torch import load_file
+
+    state = load_file(sf["sdxl"])
+    del state["model.diffusion_model.label_emb.0.0.weight"]
+    _refused(_save(state, tmp_path / "nolabel.safetensors"), sf["sdxl_base"], tmp_path / "n.dduf",
+             "unet cannot be converted to diffusers' layout", "KeyError")
