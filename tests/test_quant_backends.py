@@ -317,3 +317,27 @@ def test_a_backend_without_a_loader_is_a_clear_error(tmp_path: Path) -> None:
     pack(folder, archive, quiet=True)
     with pytest.raises(DDUFLoadError, match=r"vae.*sdnq"):
         load_dduf(archive)
+
+
+@pytest.mark.parametrize(("old", "new", "code"), [(b'"blocksize": 64', b'"blocksize": -1', "Q005"),
+                                                  (b'"blocksize": 64', b'"blocksize":128', "Q003"),
+                                                  (b'"shape": [', b'"shape":[9', "Q003"),
+                                                  (b'"dtype": "float16"', b'"dtype": "bogus16"', "Q005")])
+def test_hostile_bitsandbytes_quant_state_is_refused_at_load(bnb_folder: Path, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch, old: bytes, new: bytes,
+                                                            code: str) -> None:
+    """The packed quant_state is JSON bitsandbytes parses: checked (budget, values, fit to its tensors) first."""
+    if not json.loads((bnb_folder / "unet" / "config.json").read_text())["quantization_config"].get("load_in_4bit"):
+        return  # 8-bit stores no quant_state
+    folder = tmp_path / "hostile"
+    shutil.copytree(bnb_folder, folder)
+    weights = folder / "unet" / WEIGHTS
+    raw = weights.read_bytes()
+    assert old in raw
+    weights.write_bytes(raw.replace(old, new.ljust(len(old)), 1))  # same length: only the JSON changes
+    monkeypatch.setattr(pack_module, "_backend_records", lambda sources: {})
+    monkeypatch.setattr(importlib.import_module("dduf_plus.format.pack"), "check_written", lambda tmp, out: None)
+    archive = tmp_path / "hostile.dduf"
+    pack(folder, archive, quiet=True)
+    with pytest.raises(DDUFLoadError, match=rf"unet: {code}"):
+        load_dduf(archive)

@@ -45,6 +45,7 @@ TORCH_DTYPES = frozenset({"float32", "float16", "bfloat16", "float64", "int8", "
 MAX_DESCRIPTION_BYTES = 16 * 1024  # one tensor's JSON description (a real Int8Tensor's is ~250 bytes)
 MAX_DESCRIPTION_DEPTH = 6  # real ones nest 4 deep ({"_data": {"dtype": {"_data": ...}}})
 MAX_QUANT_STATE_BYTES = 4096  # bitsandbytes' packed quant_state JSON (a real one is ~150 bytes)
+BNB_BLOCKSIZES = frozenset({32, 64, 128, 256, 512, 1024, 2048, 4096})  # what bitsandbytes quantizes with
 BNB_4BIT_PARTS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")
 _SCALE_DTYPES = frozenset({"float32", "float16", "bfloat16"})
 _CAMEL = re.compile(r"(?<!^)(?=[A-Z][a-z])")
@@ -242,7 +243,23 @@ def parse_quant_state(raw: bytes, name: str) -> dict[str, Any]:
             or not all(isinstance(n, int) and 0 <= n < 1 << 40 for n in value["shape"]) \
             or not isinstance(value.get("quant_type"), str) or not isinstance(value.get("blocksize"), int):
         raise QuantError("Q005", f"{name}: not a bitsandbytes quant state (shape, quant_type, blocksize)")
+    if value["quant_type"] not in ("nf4", "fp4") or value["blocksize"] not in BNB_BLOCKSIZES \
+            or value.get("dtype", "float32") not in _SCALE_DTYPES:
+        raise QuantError("Q005", f"{name}: quant_type {str(value['quant_type'])[:20]!r}, blocksize "
+                         f"{value['blocksize']}, dtype {str(value.get('dtype'))[:20]!r}: not what bitsandbytes writes")
+    nested = value.get("nested_blocksize")
+    if nested is not None and nested not in BNB_BLOCKSIZES:
+        raise QuantError("Q005", f"{name}: nested_blocksize {nested!r}")
     return value
+
+
+def check_quant_state(state: Mapping[str, Any], name: str, packed_bytes: int, absmax_count: int) -> None:
+    """A parsed 4-bit quant state fits its tensors: its shape holds the packed values (two per byte) and
+    one absmax per block."""
+    values = prod(state["shape"])
+    if -(-values // 2) != packed_bytes or -(-values // state["blocksize"]) != absmax_count:
+        raise QuantError("Q003", f"{name}: quant state shape {state['shape'][:4]} / blocksize {state['blocksize']} "
+                         f"do not fit {packed_bytes} packed bytes and {absmax_count} absmax values")
 
 
 # --- one component -----------------------------------------------------------------------------------

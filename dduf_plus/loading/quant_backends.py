@@ -122,13 +122,22 @@ def load_torchao_component(model_cls: type[Any], config: Mapping[str, Any], file
                 state[key] = tensor.to(target)
     quantizer = _quantizer(config)
     if quantizer is not None:  # as diffusers' from_pretrained: is_quantized, quantization_method, modules_to_not_convert
-        quantizer.preprocess_model(model=model, device_map=None,
-                                   keep_in_fp32_modules=list(getattr(model, "_keep_in_fp32_modules", None) or []))
+        _preprocess(quantizer, model, where)
     model.load_state_dict(state, strict=False, assign=True)
     if quantizer is not None:  # so that save_pretrained and dequantize work as after diffusers' load
         quantizer.postprocess_model(model)
         model.hf_quantizer = quantizer
     return _finish(model, where, device)
+
+
+def _preprocess(quantizer: Any, model: torch.nn.Module, where: str) -> None:
+    """diffusers' own skeleton step (replaces the layers to quantize, on meta), its failures as DDUFLoadError."""
+    try:
+        quantizer.preprocess_model(model=model, device_map=None,
+                                   keep_in_fp32_modules=list(getattr(model, "_keep_in_fp32_modules", None) or []))
+    except Exception as e:  # noqa: BLE001 - driven by an untrusted quantization_config
+        raise DDUFLoadError(f"{where}: Q001: diffusers' quantizer refuses this quantization_config "
+                            f"({type(e).__name__}: {e})"[:500], code="Q001") from None
 
 
 def _quantizer(config: Mapping[str, Any]) -> Any:
@@ -139,7 +148,7 @@ def _quantizer(config: Mapping[str, Any]) -> Any:
         return None
     try:
         return DiffusersAutoQuantizer.from_config(dict(config["quantization_config"]), pre_quantized=True)
-    except (ValueError, TypeError, ImportError) as e:
+    except Exception as e:  # noqa: BLE001 - an untrusted quantization_config of any shape: no quantizer
         logger.debug("no diffusers quantizer attached: %s", e)
         return None
 
@@ -178,10 +187,10 @@ def load_bnb_component(model_cls: type[Any], config: Mapping[str, Any], files: A
         raise DDUFLoadError(f"{where}: {e.code}: bitsandbytes quantization: {e}", code=e.code) from None
     quantizer = _quantizer(config)
     if quantizer is None:
-        raise DDUFLoadError(f"{where}: bitsandbytes components are rebuilt with diffusers' quantizer; install diffusers")
+        raise DDUFLoadError(f"{where}: Q001: diffusers cannot make its bitsandbytes quantizer from this "
+                            "quantization_config (or diffusers is not installed)", code="Q001")
     model = _empty_model(model_cls, config, where, files, variant)
-    quantizer.preprocess_model(model=model, device_map=None,
-                               keep_in_fp32_modules=list(getattr(model, "_keep_in_fp32_modules", None) or []))
+    _preprocess(quantizer, model, where)
     state = dict(files.tensors(weight_files))
     layer_cls = bnb.nn.Linear4bit if backend == "bitsandbytes_4bit" else bnb.nn.Linear8bitLt
     tensors = {name: info for header in headers for name, info in header.tensors.items()}
@@ -192,7 +201,11 @@ def load_bnb_component(model_cls: type[Any], config: Mapping[str, Any], files: A
             raise DDUFLoadError(f"{where}: {name}: the model has no such layer") from None
         if not isinstance(module, layer_cls):
             raise DDUFLoadError(f"{where}: {name} is stored quantized but the model keeps that layer unquantized")
-        _set_bnb_weight(module, parts, state, bnb, where)
+        try:
+            _set_bnb_weight(module, parts, state, bnb, where)
+        except (ValueError, TypeError, KeyError, AttributeError, RuntimeError) as e:  # bitsandbytes on hostile stats
+            raise DDUFLoadError(f"{where}: Q005: bitsandbytes cannot build {name} ({type(e).__name__}: {e})"[:500],
+                                code="Q005") from None
     _check_state_keys(state, {k for k in model.state_dict() if not _is_bnb_weight(model, k, layer_cls)}, model,
                       f"{where}: stored tensors do not match the {backend} {model_cls.__name__}")
     model.load_state_dict(state, strict=False, assign=True)
@@ -204,12 +217,13 @@ def load_bnb_component(model_cls: type[Any], config: Mapping[str, Any], files: A
 def _set_bnb_weight(module: Any, parts: Mapping[str, str], state: dict[str, Any], bnb: Any, where: str) -> None:
     """One layer's weight, as diffusers' ``create_quantized_param`` makes it, over the stored views (the parts
     are taken out of ``state``)."""
-    from ..format.quant_rules import parse_quant_state
+    from ..format.quant_rules import check_quant_state, parse_quant_state
 
     data = state.pop(parts["data"])
     if "quant_state" in parts:  # 4-bit
         try:  # checked before bitsandbytes parses it
-            parse_quant_state(state[parts["quant_state"]].numpy().tobytes(), parts["quant_state"])
+            parsed = parse_quant_state(state[parts["quant_state"]].numpy().tobytes(), parts["quant_state"])
+            check_quant_state(parsed, parts["data"], data.numel(), state[parts["absmax"]].numel())
         except QuantError as e:
             raise DDUFLoadError(f"{where}: {e.code}: {e}", code=e.code) from None
         stats = {tensor: state.pop(tensor) for part, tensor in parts.items() if part != "data"}
