@@ -362,3 +362,20 @@ def test_keys_diffusers_cannot_map_are_one_clear_error(sf: dict[str, Path], tmp_
     del state["model.diffusion_model.label_emb.0.0.weight"]
     _refused(_save(state, tmp_path / "nolabel.safetensors"), sf["sdxl_base"], tmp_path / "n.dduf",
              "unet cannot be converted to diffusers' layout", "KeyError")
+
+
+def test_dduf_archive_as_base(sf: dict[str, Path], tmp_path: Path, packed: dict[str, Path]) -> None:
+    """BASE as a local .dduf: configs and tensors read from the archive, references to it."""
+    from dduf_plus import load_dduf
+
+    base = packed["tiny-sd"]
+    out = tmp_path / "on-archive.dduf"
+    _result, partial = pack_single_file(sf["sd1"], out, base=str(base), quiet=True)
+    assert set(partial.references) == {"vae", "text_encoder", "tokenizer", "scheduler"}
+    assert all(r["pretrained_model_name_or_path"] == str(base) for r in partial.references.values())
+    pipe = load_dduf(out)
+    unet = _state(TINY_SD, "unet")
+    assert all(torch.equal(pipe.unet.state_dict()[k], (v + 0.01).float()) for k, v in unet.items())
+    assert all(torch.equal(pipe.vae.state_dict()[k], v) for k, v in _state(TINY_SD, "vae").items())
+    with pytest.raises(DDUFPackError, match="SD 1.x checkpoint"):
+        pack_single_file(sf["sd1"], tmp_path / "x.dduf", base=str(packed["tiny-dit"]), quiet=True)

@@ -203,10 +203,23 @@ def describe_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
 
 # --- BASE --------------------------------------------------------------------------------------------------
 class _Base(NamedTuple):
-    folder: Path  # a local folder holding BASE's files (the folder, or its Hugging Face cache snapshot)
-    spec: str  # what the references name: the folder, or the repo id[@revision]
+    folder: Path  # a local folder holding BASE's files (the folder, or its Hugging Face cache snapshot), or the .dduf
+    spec: str  # what the references name: the folder, the repo id[@revision], the archive
     model_index: dict[str, Any]
     model_index_bytes: bytes
+    archive: Any = None  # an open DDUFArchive when BASE is a .dduf
+
+    def files(self, name: str) -> list[str]:
+        """The file names of BASE's component folder ``name``."""
+        if self.archive is not None:
+            comps = self.archive.components
+            return sorted(comps[name].files) if name in comps else []
+        return _listing(self.folder / name)
+
+    def read(self, name: str, filename: str) -> bytes:
+        if self.archive is not None:
+            return bytes(self.archive.read_bytes(f"{name}/{filename}"))
+        return (self.folder / name / filename).read_bytes()
 
 
 def _open_base(base: str, token: str | bool | None, local_files_only: bool) -> _Base:
@@ -216,9 +229,11 @@ def _open_base(base: str, token: str | bool | None, local_files_only: bool) -> _
         kind = parse_spec(base).kind
     except DDUFError as e:
         raise DDUFPackError(f"--base {base!r}: {e}") from None
-    if kind == "dduf" or kind == "url":
+    if kind == "url":
         raise DDUFPackError(f"--base {base!r}: a single-file checkpoint is packed against a diffusers pipeline "
-                            "folder or a Hub repo id (an archive as BASE is not supported yet)")
+                            "folder, a Hub repo id or a local .dduf (a hosted archive as BASE is not supported yet)")
+    if kind == "dduf":
+        return _open_base_archive(base)
     if kind == "folder":
         folder = Path(base)
         if not folder.is_dir():
@@ -230,6 +245,21 @@ def _open_base(base: str, token: str | bool | None, local_files_only: bool) -> _
         raise DDUFPackError(f"--base {base!r}: {folder} has no model_index.json (BASE is a diffusers pipeline)")
     raw = mi_path.read_bytes()
     return _Base(folder, base, model_index_object(raw, str(mi_path), DDUFPackError), raw)
+
+
+def _open_base_archive(base: str) -> _Base:
+    """BASE as a local ``.dduf``: opened with the strict reader (refused if ``dduf validate`` would refuse it)."""
+    from ..format.archive import DDUFArchive
+
+    if not os.path.isfile(base):
+        raise DDUFNotFoundError(f"--base {base!r}: {base} does not exist", base)
+    archive = DDUFArchive(base)
+    if archive.references:
+        archive.close()
+        raise DDUFPackError(f"--base {base}: a partial archive (it references components elsewhere); use a "
+                            "complete one (dduf complete) or the folder or repo it references")
+    raw = bytes(archive.read_bytes(spec.MODEL_INDEX))
+    return _Base(Path(base), base, model_index_object(raw, f"{base}:{spec.MODEL_INDEX}", DDUFPackError), raw, archive)
 
 
 def _hub_base_folder(base: str, token: str | bool | None, local_files_only: bool) -> Path:
@@ -270,7 +300,7 @@ class _BaseTensors(NamedTuple):
 
 def _base_variants(base: _Base, name: str) -> list[str]:
     """The weight variants (``fp16``...) BASE's component ``name`` has files of."""
-    return sorted(variants(_listing(base.folder / name)))
+    return sorted(variants(base.files(name)))
 
 
 def _listing(folder: Path) -> list[str]:
@@ -280,7 +310,7 @@ def _listing(folder: Path) -> list[str]:
 def _base_tensors(base: _Base, name: str, variant: str | None = None) -> _BaseTensors:
     """BASE's weights of component ``name`` (the default ones, or ``variant``'s; every shard), from the headers."""
     folder = base.folder / name
-    chosen = select_weights(_listing(folder), variant)
+    chosen = select_weights(base.files(name), variant)
     weights = [f for f in chosen if f.endswith(".safetensors")  # variant None: a BASE of variant files only too
                and (variant is None or ((w := classify(f)) is not None and w.variant == variant))]
     if not weights:
@@ -288,9 +318,15 @@ def _base_tensors(base: _Base, name: str, variant: str | None = None) -> _BaseTe
         raise DDUFPackError(f"--base {base.spec}: {name}/ holds no safetensors weights to compare with{where}")
     out: dict[str, tuple[Path, int, TensorInfo]] = {}
     for f in weights:
-        header = read_file_header(folder / f, f"{name}/{f}", DDUFPackError)
+        if base.archive is not None:  # the whole archive is mapped; tensors at the entry's offset
+            entry = base.archive.entry(f"{name}/{f}")
+            header = base.archive.headers[f"{name}/{f}"]
+            path, start = base.folder, entry.offset + header.data_start
+        else:
+            header = read_file_header(folder / f, f"{name}/{f}", DDUFPackError)
+            path, start = folder / f, header.data_start
         for t in header.tensors.values():
-            out[t.name] = (folder / f, header.data_start, t)
+            out[t.name] = (path, start, t)
     return _BaseTensors(out, weights)
 
 
@@ -528,8 +564,10 @@ def _component(job: _Job, base: _Base, base_tensors: _BaseTensors,
     if why is None or variant is not None:
         which = f"BASE's {variant} variant" if variant else "BASE's"
         return [], f"{job.name}: {len(header.tensors)} tensors identical to {which} -> referenced{note}", variant
-    config = base.folder / job.name / "config.json"
-    sources = [EntrySource(f"{job.name}/config.json", path=config),
+    config = f"{job.name}/config.json"
+    config_source = (EntrySource(config, data=base.read(job.name, "config.json")) if base.archive is not None
+                     else EntrySource(config, path=base.folder / config))
+    sources = [config_source,
                EntrySource(entry, size=size, chunks=lambda: _chunks(job, head, planned), header=header)]
     return sources, f"{job.name}: converted, {len(header.tensors)} tensors, {nbytes} bytes, stored ({why}){note}", None
 
@@ -553,8 +591,12 @@ def pack_single_file(
     """
     started = time.perf_counter()
     prepared = _prepare(checkpoint, base, token, local_files_only)
-    return _write(prepared, output, token=token, local_files_only=local_files_only, quiet=quiet, fsync=fsync,
-                  started=started)
+    try:
+        return _write(prepared, output, token=token, local_files_only=local_files_only, quiet=quiet, fsync=fsync,
+                      started=started)
+    finally:
+        if prepared.base.archive is not None:
+            prepared.base.archive.close()
 
 
 class _Prepared(NamedTuple):
@@ -587,7 +629,7 @@ def _prepare(checkpoint: str | os.PathLike, base: str | os.PathLike | None, toke
     by_variant: dict[str, list[str]] = {}
     for name in sorted(held):
         base_tensors = _base_tensors(the_base, name)
-        config = _read_json(the_base.folder / name / "config.json", the_base.spec)
+        config = _read_json(the_base, name)
         job = _Job(path, header, name, family.components[name], config, set(base_tensors.tensors))
         stored, line, variant = _component(job, the_base, base_tensors, where)
         sources.extend(stored)
@@ -603,6 +645,8 @@ def plan_single_file(checkpoint: str | os.PathLike, base: str | os.PathLike, *, 
     (``dduf info CKPT.safetensors --base BASE``): {architecture, stored: {component: bytes}, referenced:
     {component: variant or None}, report}. Converts and compares like a pack (reads the tensors)."""
     prepared = _prepare(checkpoint, base, token, local_files_only)
+    if prepared.base.archive is not None:
+        prepared.base.archive.close()
     stored: dict[str, int] = {}
     for source in prepared.sources:
         name = source.name.split("/")[0]
@@ -614,13 +658,14 @@ def plan_single_file(checkpoint: str | os.PathLike, base: str | os.PathLike, *, 
             "report": prepared.report}
 
 
-def _read_json(path: Path, base: str) -> dict[str, Any]:
+def _read_json(base: _Base, name: str) -> dict[str, Any]:
+    """BASE's ``name/config.json``."""
     try:
-        value = json.loads(path.read_bytes())
-    except (OSError, ValueError) as e:
-        raise DDUFPackError(f"--base {base}: {path} cannot be read as JSON ({e})") from None
+        value = json.loads(base.read(name, "config.json"))
+    except (OSError, ValueError, DDUFError) as e:
+        raise DDUFPackError(f"--base {base.spec}: {name}/config.json cannot be read as JSON ({e})") from None
     if not isinstance(value, dict):
-        raise DDUFPackError(f"--base {base}: {path} is not a JSON object")
+        raise DDUFPackError(f"--base {base.spec}: {name}/config.json is not a JSON object")
     return value
 
 
