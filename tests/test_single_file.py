@@ -206,6 +206,12 @@ def test_shapes_that_do_not_fit_base_are_refused(tmp_path: Path) -> None:
              "decoder.conv_in.bias", "not in the checkpoint")
 
 
+def test_fp8_checkpoint_is_refused(tmp_path: Path) -> None:
+    state = checkpoint_from_pipeline(TINY_SD, "v1", unet_delta=0.01, components=("unet",))
+    fp8 = {k: v.to(torch.float8_e4m3fn) for k, v in state.items()}
+    _refused(_save(fp8, tmp_path / "fp8.safetensors"), TINY_SD, tmp_path / "f.dduf", "float8", "unet")
+
+
 def test_checkpoint_identical_to_base_is_refused(tmp_path: Path) -> None:
     same = checkpoint_from_pipeline(TINY_SD, "v1")  # BASE's own tensors and dtypes
     _refused(_save(same, tmp_path / "same.safetensors"), TINY_SD, tmp_path / "s.dduf", "identical to --base")

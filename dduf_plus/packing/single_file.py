@@ -419,6 +419,10 @@ def _fit(name: str, converted: dict[str, Any], base: _BaseTensors, where: str) -
     Raises:
         DDUFPackError: a tensor BASE's model needs is missing, or a shape does not fit BASE's config.
     """
+    fp8 = sorted(k for k, t in converted.items() if "float8" in str(t.dtype))
+    if fp8:
+        raise DDUFPackError(f"{where}: {name} holds float8 tensors ({fp8[0]}, ...): fp8 single-file checkpoints "
+                            "(scaled or not) are not converted yet")
     extra = sorted(k for k in converted if k not in base.tensors)
     for k in extra:
         del converted[k]
