@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from ..errors import DDUFPackError
+from .json_budget import parse_json_entry
 
 TEMPLATE_FILE = "chat_template.jinja"
 TEMPLATE_DIR = "additional_chat_templates"
@@ -81,10 +82,9 @@ def fold(component: str, config_path: Path, templates: Mapping[str, Path]) -> Fo
     if not templates:
         raise ValueError(f"{entry}: no chat template to fold")
     raw = config_path.read_bytes()
-    try:
-        config = json.loads(raw)
-    except ValueError as e:
-        raise DDUFPackError(f"D007 {entry}: not valid JSON ({e}); DDUF readers would refuse it") from None
+    config, code, why = parse_json_entry(raw, entry)
+    if code is not None:
+        raise DDUFPackError(f"{code} {entry}: {why}; DDUF readers would refuse it")
     if not isinstance(config, dict):
         raise DDUFPackError(f"D007 {entry}: not a JSON object")
     texts: dict[str, bytes] = {rel: path.read_bytes() for rel, path in sorted(templates.items())}
@@ -124,10 +124,7 @@ def unfold(folded: bytes, record: Any) -> dict[str, bytes] | None:
     original, files = record.get("original"), record.get("files")
     if not isinstance(original, dict) or not isinstance(files, dict) or not files:
         return None
-    try:
-        config = json.loads(folded)
-    except ValueError:
-        return None
+    config, _, _ = parse_json_entry(folded, TOKENIZER_CONFIG)
     if not isinstance(config, dict):
         return None
     templates = _templates_of(config.pop("chat_template", None))

@@ -9,7 +9,6 @@ components byte for byte, whole file included."""
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import time
 from collections.abc import Iterable, Mapping
@@ -20,6 +19,7 @@ from ..errors import DDUFReferenceError
 from ..format import spec
 from ..format.archive import DDUFArchive
 from ..format.chat_template import INDEX_KEY, TOKENIZER_CONFIG, fold, is_template_name
+from ..format.json_budget import parse_json_entry
 from ..format.pack import EntrySource, PackResult, _read_header, write_archive
 from ..refs.resolve import Located, SpecLike, check_ref_names, locate_component
 from ..storage.confined import Confined
@@ -49,10 +49,8 @@ def full_model_index(model_index: Mapping[str, Any], partial_bytes: bytes | None
     original = model_index.get(ORIGINAL_MODEL_INDEX_KEY)
     if isinstance(original, dict) and isinstance(original.get("text"), str):
         raw = original["text"].encode("utf-8")
-        try:
-            same = json.loads(raw) == stripped  # an edited partial must not get the stale original back
-        except ValueError:
-            same = False
+        # an edited partial must not get the stale original back; budgeted like the archive's own model_index
+        same = parse_json_entry(raw, spec.MODEL_INDEX)[0] == stripped
         if same and hashlib.sha256(raw).hexdigest() == original.get("sha256"):
             return stripped, raw
     if partial_bytes is not None and spec.REFERENCES_KEY not in model_index and ORIGINAL_MODEL_INDEX_KEY not in model_index:

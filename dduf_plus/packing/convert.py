@@ -70,6 +70,7 @@ from ..dtype_names import parse_target as _parse_target_name
 from ..errors import DDUFLoadError, DDUFPackError
 from ..format import spec
 from ..format.index import summarize
+from ..format.json_budget import parse_json_entry
 from ..format.pack import EntrySource, FolderPlan, PackResult, plan_folder, write_archive
 from ..format.quantization import QMAP_NAME as QUANTO_QMAP
 from ..format.safetensors_header import SafetensorsHeader, TensorInfo, parse_header
@@ -345,10 +346,7 @@ def _read_config(sources: list[EntrySource], component: str) -> dict[str, Any] |
     for source in sources:
         if source.name == f"{component}/config.json":
             raw = source.path.read_bytes() if source.path is not None else source.data
-            try:
-                value = json.loads(raw or b"")
-            except ValueError:
-                return None
+            value, _, _ = parse_json_entry(raw or b"", source.name)  # budgeted: None when over it or not JSON
             return value if isinstance(value, dict) else None
     return None
 
@@ -552,10 +550,7 @@ def _rewrite_shard_index(source: EntrySource, component: str, sources: list[Entr
     if kind is None or not kind.is_index:
         return None
     raw = source.path.read_bytes() if source.path is not None else source.data
-    try:
-        index = json.loads(raw or b"")
-    except ValueError:
-        return None
+    index, _, _ = parse_json_entry(raw or b"", source.name)  # a shard index's budget; None when over it
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict):
         return None

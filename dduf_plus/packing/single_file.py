@@ -13,7 +13,6 @@ The file is untrusted: its header is parsed with the format layer's budgets befo
 
 from __future__ import annotations
 
-import json
 import logging
 import mmap
 import os
@@ -26,6 +25,7 @@ from typing import Any, NamedTuple
 
 from ..errors import DDUFError, DDUFNotFoundError, DDUFPackError
 from ..format import spec
+from ..format.json_budget import read_json
 from ..format.pack import EntrySource, FolderPlan, PackResult, write_archive
 from ..format.safetensors_header import SafetensorsHeader, TensorInfo, parse_header, read_file_header
 from ..format.structure import component_specs, model_index_object
@@ -665,8 +665,8 @@ def plan_single_file(checkpoint: str | os.PathLike, base: str | os.PathLike, *, 
 def _read_json(base: _Base, name: str) -> dict[str, Any]:
     """BASE's ``name/config.json``."""
     try:
-        value = json.loads(base.read(name, "config.json"))
-    except (OSError, ValueError, DDUFError) as e:
+        value = read_json(base.read(name, "config.json"), f"{name}/config.json", where=f"--base {base.spec}")
+    except (OSError, DDUFError) as e:
         raise DDUFPackError(f"--base {base.spec}: {name}/config.json cannot be read as JSON ({e})") from None
     if not isinstance(value, dict):
         raise DDUFPackError(f"--base {base.spec}: {name}/config.json is not a JSON object")

@@ -12,7 +12,6 @@ huggingface_hub is imported when called, never at import: this floor starts fast
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import re
@@ -24,6 +23,7 @@ from typing import Any, TypeVar
 from ..errors import DDUFError, DDUFIOError, DDUFNotFoundError, DDUFPackError, DDUFUsageError
 from ..format import spec
 from ..format.chat_template import is_template_name
+from ..format.json_budget import read_json
 from ..format.weights import classify, select_weights
 from ..storage.cache_dirs import hf_hub_cache
 
@@ -353,10 +353,7 @@ def hub_folder_for_pack(repo_id: str, *, revision: str | None = None, variant: s
     if mi_path.stat().st_size > MAX_MODEL_INDEX_BYTES:
         raise DDUFIOError(f"{where}: model_index.json is {mi_path.stat().st_size} bytes "
                           f"(at most {MAX_MODEL_INDEX_BYTES}); not a diffusers pipeline")
-    try:
-        model_index = json.loads(mi_path.read_bytes())
-    except ValueError as e:
-        raise DDUFIOError(f"{where}: model_index.json is not valid JSON ({e})") from None
+    model_index = read_json(mi_path.read_bytes(), spec.MODEL_INDEX, where=where)  # D013/D007 budgets, as archives
     components = _components(model_index)
     if offline:
         snap = mi_path.parent  # the snapshot model_index.json was found in
