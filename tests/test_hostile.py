@@ -64,7 +64,8 @@ def test_case_triggers_its_code(file):
 
 # validate() adds these to the reader's record-level rules (configs parse, shard indexes, references,
 # index digests): the reader may open such archives.
-ADDED_BY_VALIDATE = {"D007", "D011", "D013", "D014", "D015", "R001", "I001", "I002"}
+ADDED_BY_VALIDATE = {"D007", "D011", "D013", "D014", "D015", "R001", "I001", "I002",
+                     "Q001", "Q002", "Q003", "Q004", "Q005"}
 
 
 @pytest.mark.parametrize("file", sorted(CASES))

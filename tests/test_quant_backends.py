@@ -22,7 +22,7 @@ if importlib.util.find_spec("torchao") is None:  # a reason without "could not i
 import torch  # noqa: E402
 
 from dduf_plus import load_dduf  # noqa: E402
-from dduf_plus.errors import DDUFError, DDUFLoadError  # noqa: E402
+from dduf_plus.errors import DDUFError, DDUFLoadError, DDUFValidationError  # noqa: E402
 from dduf_plus.format import quant_rules  # noqa: E402
 from dduf_plus.format.archive import DDUFArchive  # noqa: E402
 from dduf_plus.format.validate import validate  # noqa: E402
@@ -186,9 +186,9 @@ def test_hostile_quantization_metadata_is_refused(torchao_folder: Path, tmp_path
     archive = _hostile(torchao_folder, tmp_path, edit, monkeypatch)
     report = validate(archive)
     assert report.codes == [code], str(report)
-    with pytest.raises(DDUFLoadError, match=code) as caught:
+    with pytest.raises(DDUFValidationError, match=code) as caught:  # refused before anything is built
         load_dduf(archive)
-    assert "unet" in str(caught.value)
+    assert "unet" in str(caught.value) and code in caught.value.codes
     monkeypatch.undo()  # dduf pack itself refuses to pack such a folder
     with pytest.raises(DDUFError, match=code):
         pack(tmp_path / "hostile", tmp_path / "again.dduf", quiet=True)

@@ -267,13 +267,15 @@ def _report(path: str, findings: Iterable[Finding], strict: bool, bytes_read: in
 # --- rules the reader does not run on open ---------------------------------------------------------
 def load_findings(archive: DDUFArchive) -> list[Finding]:
     """What structural validation checks beyond opening the archive (every JSON entry within the budget of its
-    kind; sharded-weight indexes; the index against the archive; tokenizer and weightless-config budgets):
+    kind; sharded-weight indexes; the index against the archive; tokenizer and weightless-config budgets;
+    quantized components self-consistent):
     ``load_dduf`` runs it before it builds anything, so it refuses what ``validate`` (without ``verify``)
     refuses, with the same codes."""
     entries = archive.entries
     return (json_entry_findings(archive, lambda e: archive.read_bytes(e.name), verify=False)
             + _check_index(archive, None, False)
-            + budget_findings(((name, e.length) for name, e in entries.items()), archive.read_bytes))
+            + budget_findings(((name, e.length) for name, e in entries.items()), archive.read_bytes)
+            + quantization_findings(archive, lambda e: archive.read_bytes(e.name)))
 
 
 def _read_json(read: Callable[[Entry], bytes], e: Entry) -> tuple[Any, list[Finding]]:
@@ -335,7 +337,13 @@ def _check_budgets(archive: DDUFArchive, source: _GuardedSource, verify: bool) -
 
 
 def _check_quantization(archive: DDUFArchive, source: _GuardedSource, verify: bool) -> list[Finding]:
-    """Q001-Q005: components quantized by torchao / bitsandbytes are self-consistent (format/quant_rules.py)."""
+    """Q001-Q005 (see :func:`quantization_findings`), read through the validator's guarded source."""
+    return quantization_findings(archive, lambda e: source.read_at(e.offset, e.length))
+
+
+def quantization_findings(archive: DDUFArchive, read: Callable[[Entry], bytes]) -> list[Finding]:
+    """Q001-Q005: components quantized by torchao / bitsandbytes are self-consistent (format/quant_rules.py).
+    ``read`` gives an entry's bytes."""
     from .quant_rules import findings_for
 
     out: list[Finding] = []
@@ -344,7 +352,7 @@ def _check_quantization(archive: DDUFArchive, source: _GuardedSource, verify: bo
         e = entries[f"{name}/config.json"]
         if over_size(e.length, e.name) is not None:
             continue  # D013 already says so
-        config, problems = parse_json(source.read_at(e.offset, e.length), e.name)
+        config, problems = parse_json(read(e), e.name)
         if problems or not isinstance(config, dict) or "quantization_config" not in config:
             continue  # D007 / D013 already say so; not quantized
         headers = [archive.headers[w] for w in archive.weight_files(name) if w in archive.headers]
