@@ -46,6 +46,12 @@ ALLOWED_OPTIONAL: dict[tuple[str, str], str] = {
         "quanto extra: only reached after quant._require_quanto(), which turns a missing optimum-quanto "
         "into a DDUFLoadError naming the install command"
     ),
+    ("dduf_plus/loading/quant_backends.py", "torchao"): (
+        "quant extra: only reached after quant_backends.require_backend('torchao'), which turns a missing torchao "
+        "into a DDUFLoadError naming the install command"
+    ),
+    ("tests/test_quant_backends.py", "torchao"): "quant extra, installed by the README's test command",
+    ("tests/test_quant_backends.py", "bitsandbytes"): "quant extra, installed by the README's test command",
 }
 
 # Declared, but never imported by name: used at run time by another library.
