@@ -204,7 +204,8 @@ def test_entry_point_is_bounded(site, request, tmp_path, entry, mode, honest_fir
     size = site["size"]
     # the archive about twice (load + validation), headers, and what the kernel buffers for a reader that
     # stopped (64 KiB send buffer + the receiver's window); an overrun read whole would be 64 MiB at least
-    assert sent < 3 * size + (12 << 20), (outcome, sent)
+    # the webhook may also read up to 8 MiB of Hub API JSON (MAX_API_JSON) from an endless answer
+    assert sent < 3 * size + (12 << 20) + (8 << 20 if entry == "webhook" else 0), (outcome, sent)
     assert growth < MAX_RSS_GROWTH, (outcome, growth)
     # trickles and stalls end at the deadline, or the read timeout; the webhook may read twice in a row
     assert seconds < 3 * DEADLINE_S + 4, (outcome, seconds)
@@ -222,7 +223,7 @@ def test_overrun_is_refused_naming_url_and_range(site, tmp_path) -> None:
     server: HostileServer = site["server"]
     url = server.url("base.dduf")
     for mode, expected in (("overrun-close", "data past the range"), ("overrun-chunked", "data past the range"),
-                           ("overrun-length", "past the length it declared"),
+                           ("overrun-length", "sent bytes after"),
                            ("chunked-trailer", "headers, framing or data past the range"),
                            ("continue-flood", "headers, framing or data past the range")):
         wait_idle(server)
@@ -232,8 +233,11 @@ def test_overrun_is_refused_naming_url_and_range(site, tmp_path) -> None:
             server.reset()
             with pytest.raises(DDUFError) as info:
                 source.read_at(1000, 300_000)  # above the whole-file size: one exact range
+                # bytes after a Content-Length body are seen when they have arrived: at the latest when the
+                # connection is about to carry the next request
+                source.read_at(400_000, 300_000)
             message = str(info.value)
-            assert url in message and "300000 bytes at 1000" in message and expected in message, message
+            assert url in message and "300000 bytes at " in message and expected in message, message
             assert source._conn is None  # closed, not drained
             assert source.bytes_received < 300_000 + (128 << 10), source.bytes_received
             assert source._budget.fetched < 1 + 300_000 + (256 << 10)

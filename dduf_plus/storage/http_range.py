@@ -287,6 +287,10 @@ class HTTPSource:
 
     def _connection(self) -> tuple[http.client.HTTPConnection, bool]:
         if self._conn is not None and self._conn.sock is not None:
+            if self._waiting():  # an idle kept-alive connection has nothing to say: these are bytes past an answer
+                self.close()
+                raise _HTTPFailure("the server sent bytes after its previous answer (past the length it declared); "
+                                   "connection closed")
             return self._conn, True
         self.close()
         scheme, host, port = self._origin
@@ -379,6 +383,13 @@ class HTTPSource:
                 self.close()
                 raise _HTTPFailure("the server closed the connection in the middle of its answer") from None
             raise
+        except (http.client.BadStatusLine, http.client.LineTooLong) as e:
+            self.close()
+            if self._expired:  # the watchdog cut a trickled status line short
+                raise self._budget.expired() from None
+            raise _HTTPFailure(f"the server sent bytes after its previous answer (past the length it declared) or "
+                               f"garbage where a status line belongs ({type(e).__name__}: {_short(e, 80)}); "
+                               "connection closed") from None
         except (http.client.HTTPException, OSError) as e:
             self.close()
             if self._expired:
