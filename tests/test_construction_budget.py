@@ -141,3 +141,36 @@ def test_other_quantizers_build_a_folder_component_within_the_budget(quantized, 
 
     with pytest.raises(ConstructionBudgetError, match="Greedy far bigger"):
         quant.load_with_diffusers_quantizer(Greedy, config, FolderComponentFiles(folder))
+
+
+@pytest.mark.parametrize("edit", [{"sample_size": 2147483647}, {"sample_size": [65536, 65536]},
+                                  {"pos_embed_max_size": 1 << 20}])
+def test_a_huge_position_grid_is_refused_before_it_is_computed(tmp_path, edit) -> None:
+    """A patch transformer computes its position table before registering it (the hooks saw it too late:
+    sample_size 2147483647 took 55 s and 8.6 GB): the grid is checked against the budget first, on the
+    loader's path and on pack --dtype's."""
+    from dduf_plus import load_dduf, pack
+
+    folder = tmp_path / "tiny-dit"
+    shutil.copytree(PIPELINES / "tiny-dit", folder)
+    config_path = folder / "transformer" / "config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), **edit}))
+    archive = tmp_path / "grid.dduf"
+    pack(folder, archive, quiet=True)
+    started = time.monotonic()
+    with pytest.raises(ConstructionBudgetError, match="transformer.*position-embedding grid"):
+        load_dduf(archive)
+    with pytest.raises(DDUFPackError, match="position-embedding grid"):
+        pack(folder, tmp_path / "grid-bf16.dduf", dtype="bfloat16", quiet=True)
+    assert time.monotonic() - started < 30
+
+
+def test_real_position_grids_fit_the_budget() -> None:
+    from dduf_plus.packing.meta_model import ELEMENT_SLACK, position_grid_elements
+
+    pixart_1024 = {"patch_size": 2, "sample_size": 128, "num_attention_heads": 16, "attention_head_dim": 72}
+    sd3 = {"patch_size": 2, "sample_size": 128, "pos_embed_max_size": 192, "num_attention_heads": 24,
+           "attention_head_dim": 64}
+    assert position_grid_elements(pixart_1024) == 64 * 64 * 1152 < ELEMENT_SLACK
+    assert position_grid_elements(sd3) == 192 * 192 * 1536
+    assert position_grid_elements({"sample_size": 1 << 30}) == 0  # a UNet: sample_size is metadata only

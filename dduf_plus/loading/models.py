@@ -101,7 +101,7 @@ def build_diffusers_model(cls: type[Any], files: ComponentFiles, request: ModelR
     plan = plan_dtypes(request.dtype, stored, model_cls=cls, library="diffusers",
                        declared=request.declared, where=files.description)
     with no_init_weights(), init_empty_weights(), default_dtype(plan.dtype), \
-            construction_budget(files.description, cls.__name__, stored):
+            construction_budget(files.description, cls.__name__, stored, config=config):
         model = cls.from_config(config)
     state = dict(request.materialize(files.tensors(weight_files), device=request.device, dtype_for=plan.dtype_for))
     model._fix_state_dict_keys_on_load(state)  # old attention-block key names, as diffusers renames them

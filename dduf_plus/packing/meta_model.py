@@ -95,18 +95,52 @@ def stored_elements(stored: StoredTensors) -> int:
     return total
 
 
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def position_grid_elements(config: Mapping[str, Any]) -> int:
+    """Elements of the position-embedding table a patch-based transformer computes while it is constructed
+    (diffusers' ``PatchEmbed``: a grid of ``pos_embed_max_size`` squared, else (``sample_size`` /
+    ``patch_size``) squared positions, times the width). It is computed before it is registered, so the
+    registration hooks see it only after the time and memory are spent: ``sample_size: 2147483647`` took 55 s
+    and 8.6 GB. 0 for a config without a patch size."""
+    patch = _int(config.get("patch_size"))
+    if patch is None:
+        return 0
+    grid = _int(config.get("pos_embed_max_size"))
+    if grid is not None:
+        positions = grid * grid
+    else:
+        size = config.get("sample_size")
+        sides = [_int(s) for s in (size[:2] if isinstance(size, (list, tuple)) else (size, size))]
+        if len(sides) != 2 or None in sides:
+            return 0
+        positions = (sides[0] // patch) * (sides[1] // patch)  # type: ignore[operator]
+    heads, head_dim = _int(config.get("num_attention_heads")), _int(config.get("attention_head_dim"))
+    width = heads * head_dim if heads and head_dim else (_int(config.get("hidden_size")) or 1)
+    return positions * width
+
+
 @contextlib.contextmanager
-def construction_budget(where: str, what: str, stored: StoredTensors, *, enabled: bool = True) -> Iterator[None]:
+def construction_budget(where: str, what: str, stored: StoredTensors, *, enabled: bool = True,
+                        config: Mapping[str, Any] | None = None) -> Iterator[None]:
     """Refuse, while the block builds a model, to create more than ``stored`` (the tensors stored for it:
     {name: (dtype, shape, nbytes)}) allows: :class:`ConstructionBudgetError` naming ``where`` and ``what``.
-    ``enabled=False``: no limit (the caller accepts missing weights). Nested budgets: the innermost counts."""
+    ``enabled=False``: no limit (the caller accepts missing weights). Nested budgets: the innermost counts.
+    ``config``: the model's config, checked first for tables computed before registration
+    (:func:`position_grid_elements`)."""
     if not enabled:
         yield
         return
     import torch.nn.modules.module as torch_module
 
+    budget = _Budget(where, what, len(stored), stored_elements(stored))
+    grid = position_grid_elements(config) if config is not None else 0
+    if grid > budget.max_elements:
+        raise budget.refuse(f"a position-embedding grid of {grid} elements, over {budget.max_elements}")
     previous = getattr(_local, "budget", None)
-    _local.budget = _Budget(where, what, len(stored), stored_elements(stored))
+    _local.budget = budget
     handles = [torch_module.register_module_parameter_registration_hook(_on_tensor),
                torch_module.register_module_buffer_registration_hook(_on_tensor),
                torch_module.register_module_module_registration_hook(_on_module)]
@@ -145,7 +179,8 @@ def meta_model(cls: type[Any], config: Mapping[str, Any], where: str, stored: St
 
     config = {k: v for k, v in config.items() if k != "quantization_config"}
     try:
-        with init_empty_weights(include_buffers=False), construction_budget(where, cls.__name__, stored):
+        with init_empty_weights(include_buffers=False), \
+                construction_budget(where, cls.__name__, stored, config=config):
             if is_diffusers_model(cls):
                 return cls.from_config(config)
             config_class = getattr(cls, "config_class", None)
