@@ -494,12 +494,17 @@ class HTTPSource:
 
     def _expire(self, conn: http.client.HTTPConnection) -> None:
         self._expired = True
-        sock = conn.sock
-        if sock is not None:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        _shut_down(conn)
+
+
+def _shut_down(conn: http.client.HTTPConnection) -> None:
+    """Shut the connection's socket down under whatever read is blocked on it (a deadline passed)."""
+    sock = conn.sock
+    if sock is not None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
 
 def get_document(url: str, *, max_bytes: int, deadline: float, timeout: float | None = None,
@@ -523,12 +528,7 @@ def get_document(url: str, *, max_bytes: int, deadline: float, timeout: float | 
 
     def expire() -> None:
         expired.set()
-        sock = conn.sock
-        if sock is not None:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        _shut_down(conn)
 
     watchdog = threading.Timer(deadline, expire)
     watchdog.daemon = True
