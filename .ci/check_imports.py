@@ -50,6 +50,14 @@ ALLOWED_OPTIONAL: dict[tuple[str, str], str] = {
         "quant extra: only reached after quant_backends.require_backend('torchao'), which turns a missing torchao "
         "into a DDUFLoadError naming the install command"
     ),
+    ("dduf_plus/loading/quant_save.py", "torchao"): (
+        "quant extra: only reached for a model whose hf_quantizer is torchao's, which cannot exist without torchao"
+    ),
+    ("dduf_plus/loading/quant_save.py", "bitsandbytes"): (
+        "quant extra: only reached for a model whose hf_quantizer is bitsandbytes', which cannot exist without it"
+    ),
+    ("tests/test_quant_save.py", "torchao"): "quant extra, installed by the README's test command",
+    ("tests/test_quant_save.py", "bitsandbytes"): "quant extra, installed by the README's test command",
     ("tests/test_quant_backends.py", "torchao"): "quant extra, installed by the README's test command",
     ("tests/test_quant_backends.py", "bitsandbytes"): "quant extra, installed by the README's test command",
 }

@@ -14,7 +14,11 @@ Models quantized with optimum-quanto (``quantize`` + ``freeze``) are stored as
 :func:`~dduf_plus.loading.quant.save_quanto_component` + ``dduf pack`` store them: quanto's flattened
 state dict (``L.weight._data``, ``L.weight._scale``...) streamed in
 :func:`~dduf_plus.loading.quant.aligned_order`, ``quanto_qmap.json`` beside it, and the same
-``quantization`` record in the index, so both routes give the same archive."""
+``quantization`` record in the index, so both routes give the same archive.
+
+Models quantized by a diffusers quantizer (torchao, bitsandbytes, SDNQ) are stored as their
+``save_pretrained`` writes them (:mod:`~dduf_plus.loading.quant_save`); the archive equals ``dduf pack``
+of that folder (docs/precision.md, "Saving quantized pipelines")."""
 
 from __future__ import annotations
 
@@ -78,14 +82,20 @@ def save_dduf(
     target (float8...) is an error when the dict names the component, and leaves it unchanged when it
     comes from a default.
 
+    Diffusers models quantized by their ``quantization_config`` (torchao, bitsandbytes nf4 / fp4 / int8, or any
+    backend diffusers saves as safetensors, such as SDNQ) are stored as their ``save_pretrained`` writes them
+    (:mod:`~dduf_plus.loading.quant_save`), streamed from the live quantized tensors, with the index record
+    ``dduf pack`` gives such a folder; ``dtype`` does not apply to them (an error when the dict names them).
+
     Example:
         >>> pipe = StableDiffusionPipeline.from_pretrained("stable-diffusion-v1-5", dtype=torch.float16)
         >>> save_dduf(pipe, "sd15.dduf").bytes_written
 
     Raises:
-        DDUFPackError: a component cannot be written as DDUF (unsupported kind, weights quantized by a
-            ``quantization_config`` backend (bitsandbytes, torchao...), quanto layers not frozen, an fp8
-            ``dtype`` named for a quanto component, offloaded weights, files DDUF forbids, no config).
+        DDUFPackError: a component cannot be written as DDUF (unsupported kind, a transformers model
+            quantized by a ``quantization_config`` backend, a backend diffusers cannot save as safetensors,
+            quanto layers not frozen, a ``dtype`` named for a quantized component that cannot apply,
+            offloaded weights, files DDUF forbids, no config).
     """
     if variant is not None and not _VARIANT.match(variant):
         raise DDUFPackError(f"variant {variant!r}: use letters, digits and underscores only")
@@ -163,12 +173,13 @@ def _component_sources(
         folder.mkdir()
         weights: EntrySource | None = None
         if isinstance(component, ModelMixin):
-            _refuse_quantized(name, component)
             quanto = _quanto_state(component)
             entry = f"{name}/{_weights_name('diffusion_pytorch_model.safetensors', variant)}"
             component.save_config(folder)  # exactly ModelMixin.save_pretrained's config step
             keep = _keep_in_fp32(component)
-            if quanto is not None:
+            if getattr(component, "hf_quantizer", None) is not None:  # bitsandbytes, torchao, SDNQ...
+                weights, record = _backend_sources(name, entry, component, folder, dtype, explicit)
+            elif quanto is not None:
                 weights, record, _converted = _quanto_sources(name, entry, quanto, folder, dtype, keep, explicit)
             else:
                 weights = weight_source(entry, component.state_dict(), dtype_for=_dtype_rule(dtype, keep), what=name)
@@ -215,11 +226,34 @@ def _weights_name(name: str, variant: str | None) -> str:
 
 
 def _refuse_quantized(name: str, model: Any) -> None:
-    """Weights quantized by a ``quantization_config`` backend (bitsandbytes, torchao, diffusers'
-    QuantoConfig...) have backend-specific layouts: refused. Plain optimum-quanto models are not refused."""
+    """A transformers model quantized by a ``quantization_config`` backend: its save logic is transformers'
+    own, not streamed here. Plain optimum-quanto models are not refused."""
     if getattr(model, "hf_quantizer", None) is not None or getattr(model, "is_quantized", False):
-        raise DDUFPackError(f"component {name!r} is quantized; save_dduf streams plain weights only "
-                            "(save it with its quantizer's save_pretrained and pack the folder)")
+        raise DDUFPackError(f"component {name!r} is a transformers model quantized by its quantization_config; "
+                            "save_dduf streams quantized diffusers models only (save it with its "
+                            "save_pretrained and pack the folder)")
+
+
+def _backend_sources(name: str, entry: str, model: Any, folder: Path, dtype: torch.dtype | None,
+                     explicit: bool) -> tuple[EntrySource, dict[str, Any] | None]:
+    """The weights entry of a model a diffusers quantizer quantized (what its ``save_pretrained`` writes:
+    :func:`~dduf_plus.loading.quant_save.backend_state`) and its index record (as ``dduf pack`` makes it)."""
+    from ..format import quant_rules
+    from .quant_save import backend_state, quant_method
+
+    if dtype is not None:
+        if explicit:
+            raise DDUFPackError(f"component {name!r} is quantized with {quant_method(model)}: dtype "
+                                f"{str(dtype).removeprefix('torch.')} cannot apply to it (it is saved as quantized)")
+        logger.info("%s is quantized with %s: dtype %s does not apply, saved as is", name, quant_method(model), dtype)
+    state, metadata = backend_state(name, model)
+    weights = weight_source(entry, state, metadata=metadata, what=name)
+    config = json.loads((folder / "config.json").read_bytes())
+    try:
+        record = quant_rules.index_record(config, [weights.header]) if weights.header is not None else None
+    except ValueError as e:  # QuantError: what validate would refuse in the archive
+        raise DDUFPackError(f"component {name!r}: {getattr(e, 'code', 'Q001')}: {e}") from None
+    return weights, record
 
 
 # --- optimum-quanto components ---------------------------------------------------------------------------

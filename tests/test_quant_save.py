@@ -1,0 +1,186 @@
+"""save_dduf of pipelines whose components diffusers quantized (torchao int8 weight-only, bitsandbytes nf4 / fp4 /
+int8): the archive equals ``dduf pack`` of diffusers' own ``save_pretrained`` folder, entry for entry (the one
+documented difference: the order of the safetensors ``__metadata__`` keys, which safetensors writes in hash
+order), the quantized data is streamed from the live tensors (no clone), and a bitsandbytes 4-bit layer a CPU
+forward repacked is stored in the canonical layout without touching the live model."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import struct
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+if importlib.util.find_spec("torchao") is None or importlib.util.find_spec("bitsandbytes") is None:
+    pytest.skip("torchao / bitsandbytes are not installed here (pip install -e '.[quant]')", allow_module_level=True)
+
+import torch  # noqa: E402
+
+from dduf_plus import load_dduf  # noqa: E402
+from dduf_plus.errors import DDUFPackError  # noqa: E402
+from dduf_plus.format.archive import DDUFArchive  # noqa: E402
+from dduf_plus.format.validate import validate  # noqa: E402
+from dduf_plus.loading.save import save_dduf  # noqa: E402
+from dduf_plus.packing.pack import pack  # noqa: E402
+
+INDEX = "dduf_plus.index.json"
+WEIGHTS = "unet/diffusion_pytorch_model.safetensors"
+
+
+def bnb_cpu_gate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """diffusers' "No GPU found" gate for bitsandbytes: the library itself runs on the CPU."""
+    from diffusers.quantizers.bitsandbytes import bnb_quantizer
+
+    for cls in (bnb_quantizer.BnB4BitDiffusersQuantizer, bnb_quantizer.BnB8BitDiffusersQuantizer):
+        monkeypatch.setattr(cls, "validate_environment", lambda self, *args, **kwargs: None)
+
+
+def quantization_config(scheme: str) -> Any:
+    from diffusers import BitsAndBytesConfig, TorchAoConfig
+
+    if scheme == "torchao-int8":
+        from torchao.quantization import Int8WeightOnlyConfig
+
+        return TorchAoConfig(Int8WeightOnlyConfig())
+    if scheme == "bnb-int8":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=scheme.removeprefix("bnb-"))
+
+
+def quantized_pipe(pipelines_dir: Path, scheme: str, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """tiny-sd with its unet quantized by diffusers itself."""
+    from diffusers import DiffusionPipeline, UNet2DConditionModel
+    from diffusers.utils import logging as dlog
+
+    dlog.disable_progress_bar()
+    bnb_cpu_gate(monkeypatch)
+    kwargs: dict[str, Any] = {"torch_dtype": torch.bfloat16} if scheme.startswith("torchao") else {"device_map": "cpu"}
+    unet = UNet2DConditionModel.from_pretrained(pipelines_dir / "tiny-sd" / "unet",
+                                                quantization_config=quantization_config(scheme), **kwargs)
+    return DiffusionPipeline.from_pretrained(pipelines_dir / "tiny-sd", unet=unet)
+
+
+def entries(path: Path) -> dict[str, bytes]:
+    with zipfile.ZipFile(path) as z:
+        return {n: z.read(n) for n in z.namelist() if n != INDEX}
+
+
+def split_safetensors(raw: bytes) -> tuple[dict[str, Any], bytes, int]:
+    """(header as JSON, data section, header length)."""
+    n = struct.unpack("<Q", raw[:8])[0]
+    return json.loads(raw[8 : 8 + n]), raw[8 + n :], n
+
+
+def assert_same_archive(ours: Path, theirs: Path) -> None:
+    """Entry for entry equal; a weights file whose ``__metadata__`` has several keys (torchao) may differ only in
+    that object's key order (safetensors writes it in hash order: two diffusers saves differ too)."""
+    a, b = entries(ours), entries(theirs)
+    assert sorted(a) == sorted(b)
+    for name, data in b.items():
+        if a[name] == data:
+            continue
+        assert name.endswith(".safetensors"), name
+        (ha, da, na), (hb, db, nb) = split_safetensors(a[name]), split_safetensors(data)
+        assert ha == hb and da == db and na == nb, name  # same JSON, same length, same tensor bytes
+        assert list(ha) == list(hb) and len(ha["__metadata__"]) > 1, name  # only the metadata order differs
+    with DDUFArchive(ours) as x, DDUFArchive(theirs) as y:
+        assert x.stored_index["components"]["unet"]["quantization"] == y.stored_index["components"]["unet"][
+            "quantization"]
+
+
+@pytest.mark.parametrize("scheme", ["torchao-int8", "bnb-nf4", "bnb-fp4", "bnb-int8"])
+def test_save_equals_packing_diffusers_save_pretrained(pipelines_dir: Path, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch, scheme: str) -> None:
+    pipe = quantized_pipe(pipelines_dir, scheme, monkeypatch)
+    result = save_dduf(pipe, tmp_path / "ours.dduf", quiet=True)
+    pipe.save_pretrained(tmp_path / "folder")
+    pack(tmp_path / "folder", tmp_path / "theirs.dduf", quiet=True)
+    assert_same_archive(result.path, tmp_path / "theirs.dduf")
+    report = validate(result.path, verify=True, strict=True)
+    assert report.valid and not report.codes, str(report)
+    record = result.index["components"]["unet"]["quantization"]
+    assert record["quantized"] > 10 and record["backend"].startswith(scheme.split("-")[0].replace("bnb", "bitsandb"))
+    reloaded = load_dduf(result.path).unet  # and it loads back as the same quantized model
+    a, b = reloaded.state_dict(), pipe.unet.state_dict()
+    assert set(a) == set(b) and all(type(a[k]) is type(b[k]) for k in a)
+
+
+def test_torchao_parts_are_streamed_from_the_live_tensors(pipelines_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchao's own flattening clones every quantized part; ours hands the writer views of them."""
+    from torchao.prototype.safetensors.safetensors_support import flatten_tensor_state_dict
+
+    from dduf_plus.loading.quant_save import torchao_flat_state
+
+    unet = quantized_pipe(pipelines_dir, "torchao-int8", monkeypatch).unet
+    state = unet.state_dict()
+    ours, meta = torchao_flat_state(state)
+    theirs, their_meta = flatten_tensor_state_dict(state)
+    assert list(ours) == list(theirs) and meta == their_meta
+    assert all(torch.equal(ours[k], theirs[k]) and ours[k].dtype == theirs[k].dtype for k in ours)
+    layer = unet.get_submodule("mid_block.attentions.0.transformer_blocks.0.attn1.to_q")
+    assert ours["mid_block.attentions.0.transformer_blocks.0.attn1.to_q._weight_qdata"].data_ptr() == \
+        layer.weight.qdata.data_ptr()
+
+
+def _repack_for_cpu(unet: Any) -> list[Any]:
+    """What a CPU forward does to each 4-bit layer on an AVX512-BF16 machine (bitsandbytes' own function)."""
+    import bitsandbytes as bnb
+    from bitsandbytes.functional import _convert_weight_packed_for_cpu
+
+    repacked = []
+    for module in unet.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            n, k = module.weight.quant_state.shape
+            if n % 32 == 0 and k % module.weight.quant_state.blocksize == 0:  # the layers it can repack
+                module.weight.data, module.weight.quant_state = _convert_weight_packed_for_cpu(
+                    module.weight.data, module.weight.quant_state)
+                repacked.append(module)
+    return repacked
+
+
+def test_bitsandbytes_repacked_by_a_cpu_forward_is_saved_canonical(pipelines_dir: Path, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """The trap: bitsandbytes' own save of a repacked layer writes absmax transposed in bfloat16 (and undoes the
+    live layer's repack). save_dduf writes the canonical layout, the live model keeps its repack."""
+    pipe = quantized_pipe(pipelines_dir, "bnb-nf4", monkeypatch)
+    save_dduf(pipe, tmp_path / "before.dduf", quiet=True)
+    repacked = _repack_for_cpu(pipe.unet)
+    assert len(repacked) >= 4
+    with caplog.at_level(logging.WARNING, logger="dduf_plus.loading.quant_save"):
+        save_dduf(pipe, tmp_path / "after.dduf", quiet=True)
+    assert f"{len(repacked)} bitsandbytes 4-bit layers were repacked" in caplog.text
+    assert all(m.weight.quant_state.packing_format_for_cpu for m in repacked)  # the live model is untouched
+    report = validate(tmp_path / "after.dduf", verify=True, strict=True)
+    assert report.valid and not report.codes, str(report)
+    before = load_dduf(tmp_path / "before.dduf").unet.state_dict()
+    after = load_dduf(tmp_path / "after.dduf").unet.state_dict()
+    names = {n for n, m in pipe.unet.named_modules() if m in repacked}
+    for key, tensor in before.items():
+        layer = key.split(".weight")[0]
+        if layer in names and key.endswith(".absmax"):  # what the repack kept: the bf16-rounded absmax
+            assert after[key].dtype == torch.float32 and torch.equal(after[key], tensor.to(torch.bfloat16).float())
+            assert not torch.equal(after[key], tensor)
+        else:  # packed data, quant_map, quant_state JSON, every other tensor: as before the forward
+            assert torch.equal(after[key], tensor), key
+    # what bitsandbytes' own state_dict writes for it is not the canonical layout (the reason for the above)
+    own = pipe.unet.state_dict()
+    key = f"{sorted(names)[0]}.weight.absmax"
+    assert own[key].dtype == torch.bfloat16 and own[key].dim() == 2
+
+
+def test_dtype_does_not_apply_to_backend_quantized_components(pipelines_dir: Path, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    pipe = quantized_pipe(pipelines_dir, "bnb-int8", monkeypatch)
+    with pytest.raises(DDUFPackError, match=r"'unet' is quantized with bitsandbytes: dtype float16"):
+        save_dduf(pipe, tmp_path / "x.dduf", dtype={"unet": "float16"}, quiet=True)
+    result = save_dduf(pipe, tmp_path / "x.dduf", dtype="bfloat16", quiet=True)  # a default: the others convert
+    with DDUFArchive(result.path) as archive:
+        assert archive.headers[WEIGHTS].tensors["conv_in.weight"].dtype == "float16"  # as quantized (bnb: fp16)
+        assert archive.headers["vae/diffusion_pytorch_model.safetensors"].tensors["decoder.conv_in.weight"].dtype \
+            == "bfloat16"
