@@ -43,8 +43,7 @@ def backend_state(name: str, model: Any) -> tuple[dict[str, torch.Tensor], dict[
     """
     quantizer = model.hf_quantizer
     method = quant_method(model)
-    if not (getattr(quantizer, "is_serializable", False) and getattr(quantizer, "supports_safetensors_serialization",
-                                                                      False)):
+    if not (_flag(quantizer, "is_serializable") and _flag(quantizer, "supports_safetensors_serialization")):
         raise DDUFPackError(f"component {name!r} is quantized with {method}, which diffusers cannot save as "
                             "safetensors (its save_pretrained refuses it too)")
     if method == "torchao":
@@ -55,6 +54,12 @@ def backend_state(name: str, model: Any) -> tuple[dict[str, torch.Tensor], dict[
         state, metadata = quantizer.get_state_dict_and_metadata(model.state_dict(), safe_serialization=True)
     out = {"format": "pt", **metadata}  # diffusers' order and str() of non-strings
     return dict(state), {k: v if isinstance(v, str) else str(v) for k, v in out.items()}
+
+
+def _flag(quantizer: Any, name: str) -> bool:
+    """A quantizer capability: a property in diffusers' quantizers, a method in SDNQ's."""
+    value = getattr(quantizer, name, False)
+    return bool(value() if callable(value) else value)
 
 
 def torchao_flat_state(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
