@@ -1,6 +1,7 @@
 """Local HTTP servers for tests and benchmarks (``import servers`` from tests/, or put tests/ on sys.path).
 
-:class:`FileServer` serves the files under a folder on 127.0.0.1 with ``Range: bytes=a-b`` (206), HEAD, and
+:class:`FileServer` serves the files under a folder on 127.0.0.1 with ``Range: bytes=a-b`` and suffix ranges
+``bytes=-N`` (206), HEAD, and
 knobs for what real links and hostile servers do: a per-request round-trip ``latency``, a shared ``bandwidth``
 cap (bytes/s over all connections, like one link), a server that ignores ``Range``, one that lies about
 sizes, one that stalls after some bytes. It counts requests and body bytes. Files are read with ``os.pread``
@@ -46,6 +47,8 @@ class FileServer(http.server.ThreadingHTTPServer):
         latency: seconds slept before answering each request (an injected round trip).
         bandwidth: bytes/s shared by all responses (None: unlimited).
         ranges: False answers every GET with the whole file (200), as a server that ignores Range.
+        suffix: how a suffix range (``bytes=-N``, the last N bytes) is answered: ``"206"`` (the last N bytes),
+            ``"200"`` (the whole file, as a server that knows only ``bytes=a-b``) or ``"416"``.
         lie_size: added to the Content-Length / total size a HEAD or 206 reports.
         stall_after: stop sending (and hold the connection) after this many body bytes of a response.
         stall_after_total: stall every response once this many body bytes have been sent in all (a link
@@ -59,12 +62,15 @@ class FileServer(http.server.ThreadingHTTPServer):
     request_queue_size = 128  # many clients connect at once (concurrent range readers)
 
     def __init__(self, root: str | os.PathLike, *, latency: float = 0.0, bandwidth: float | None = None,
-                 ranges: bool = True, lie_size: int = 0, stall_after: int | None = None,
+                 ranges: bool = True, suffix: str = "206", lie_size: int = 0, stall_after: int | None = None,
                  stall_after_total: int | None = None, close_after: int | None = None,
                  on_request: Callable[[str, str, Any], None] | None = None, host: str = "127.0.0.1"):
         self.root = Path(root)
         self.latency, self.ranges_supported, self.lie_size, self.stall_after = latency, ranges, lie_size, stall_after
         self.stall_after_total, self.close_after = stall_after_total, close_after
+        if suffix not in ("206", "200", "416"):
+            raise ValueError(f"suffix={suffix!r}: one of '206', '200', '416'")
+        self.suffix = suffix
         self.bucket = TokenBucket(bandwidth) if bandwidth else None
         self.on_request = on_request
         self.lock = threading.Lock()
@@ -73,12 +79,20 @@ class FileServer(http.server.ThreadingHTTPServer):
         super().__init__((host, 0), FileHandler)
         self._thread: threading.Thread | None = None
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that hangs up mid-answer (it refused a 200 to a suffix range, a deadline passed) is expected."""
+        import sys
+
+        if not isinstance(sys.exc_info()[1], OSError):
+            super().handle_error(request, client_address)
+
     def reset(self) -> None:
         with self.lock:
             self.body_bytes, self.gets, self.heads = 0, 0, 0
             self.sent_bytes = 0  # body bytes actually written (body_bytes counts what was promised)
             self.in_flight, self.max_in_flight = 0, 0  # GET bodies being sent at once
-            self.ranges: list[tuple[int, int]] = []
+            self.ranges: list[tuple[int, int]] = []  # (start, length) of every body sent (a 200: the whole file)
+            self.range_headers: list[str] = []  # the Range header of every GET ("" when none)
 
     def url(self, name: str = "") -> str:
         return f"http://127.0.0.1:{self.server_port}/{name}"
@@ -137,8 +151,25 @@ class FileHandler(http.server.BaseHTTPRequestHandler):
         if path is None:
             return
         size = path.stat().st_size
-        match = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
-        if match and self.server.ranges_supported and int(match[1]) < size:
+        asked = self.headers.get("Range", "")
+        with self.server.lock:
+            self.server.range_headers.append(asked)
+        match = re.fullmatch(r"bytes=(\d*)-(\d*)", asked)
+        suffix = int(match[2]) if match is not None and not match[1] and match[2] else None
+        if suffix is not None and self.server.ranges_supported and (self.server.suffix == "416" or not size * suffix):
+            with self.server.lock:
+                self.server.gets += 1
+                self.server.ranges.append((size, 0))
+            self.send_response(416)
+            self.send_header("Content-Range", f"bytes */{size}")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        if suffix is not None and self.server.ranges_supported and self.server.suffix == "206":
+            start, end = max(0, size - suffix), size - 1
+            self.send_response(206)
+            self.send_header("Content-Range", f"bytes {start}-{end}/{size + self.server.lie_size}")
+        elif match is not None and match[1] and self.server.ranges_supported and int(match[1]) < size:
             start = int(match[1])
             end = min(int(match[2]) if match[2] else size - 1, size - 1)
             self.send_response(206)

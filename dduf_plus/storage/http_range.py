@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import http.client
 import io
+import logging
 import os
 import select
 import socket
@@ -17,6 +18,8 @@ from typing import Any
 from urllib.parse import urljoin, urlsplit
 
 from ..errors import DDUFError, DDUFIOError, DDUFNotFoundError, DDUFUsageError
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_DEADLINE_S = 300.0
 BUDGET_SLACK_BYTES = 16 << 20
@@ -118,6 +121,10 @@ class _HTTPFailure(Exception):
         self.why, self.not_found = why, not_found
 
 
+class _NoSuffix(_HTTPFailure):
+    """The server does not answer suffix ranges (``bytes=-N``: HTTP 200 or 416): open with ``bytes=0-0``."""
+
+
 class _Overrun(Exception):
     """An answer brought more bytes than it may (raised from under http.client, caught by the exchange)."""
 
@@ -189,13 +196,22 @@ def _origin(parts: Any) -> tuple[str, str, int]:
 # Files up to this size are read whole by the first read (one request instead of one per header: validating
 # a 16 KB archive took ~30 round trips); larger ones by exact ranges.
 WHOLE_FILE_BELOW = 512 << 10
+# What opening asks for: the file's last bytes (``Range: bytes=-N``), which give its size and hold the end
+# records, the central directory and the dduf_plus index of typical archives (SD-1.5-shaped: 139 KB), or
+# the whole of a file up to this size: opening and the tail are one round trip, not two.
+SUFFIX_BYTES = 512 << 10
 
 
 class HTTPSource:
     """An ``http://`` or ``https://`` URL read by range requests over one kept-alive connection.
 
-    Opening sends one ``Range: bytes=0-0`` request: the ``206`` answer gives the size and proves range
-    support; a ``200`` (the server ignores ``Range``) is refused without reading its body. Each later
+    Opening sends one suffix range request, ``Range: bytes=-N`` (``suffix``, default :data:`SUFFIX_BYTES`):
+    the ``206`` answer gives the size, proves range support and brings the file's last N bytes (the whole
+    file when it is shorter), kept in memory: reads inside them send nothing. Its ``Content-Range`` must be
+    exactly the last ``min(N, size)`` bytes of the size it reports, else the server is refused. A server
+    that answers the suffix with ``200`` (its body is not read) or ``416`` is asked ``bytes=0-0`` instead,
+    as is every source under a fixed byte budget too small for the suffix (``suffix=0``: always); a
+    ``200`` to that (the server ignores ``Range``) is refused without reading its body. Each later
     ``read_at`` is exactly one range request, except in a file of at most :data:`WHOLE_FILE_BELOW` bytes, which
     the first read fetches whole. Redirects are followed within the same origin only.
 
@@ -205,7 +221,7 @@ class HTTPSource:
 
     def __init__(self, url: str, *, deadline: float | None = None, max_bytes: int | None = None,
                  headers: dict[str, str] | None = None, timeout: float | None = None,
-                 size: int | None = None, budget: _Budget | None = None):
+                 size: int | None = None, budget: _Budget | None = None, suffix: int | None = None):
         self.name = url
         parts = urlsplit(url)
         if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
@@ -221,6 +237,7 @@ class HTTPSource:
         self._conn: http.client.HTTPConnection | None = None
         self._expired = False
         self._whole: bytes | None = None  # the whole file, once read (files up to WHOLE_FILE_BELOW only)
+        self._kept: tuple[int, bytes] | None = None  # (offset, bytes): the file's end, brought by the opening
         self.bytes_read = 0  # body bytes delivered
         self.bytes_received = 0  # every byte received from the server (headers, framing, refused answers)
         self.size = 0
@@ -228,7 +245,7 @@ class HTTPSource:
             self.size = int(size)
             return
         try:
-            self.size = self._probe()
+            self.size = self._open(SUFFIX_BYTES if suffix is None else max(0, int(suffix)))
         except _HTTPFailure as e:
             self.close()
             message = f"cannot open {url}: {e.why}"
@@ -244,6 +261,9 @@ class HTTPSource:
             raise DDUFError(f"{self.name}: read of {length} bytes at {offset} is outside the file")
         if length == 0:
             return b""
+        kept = self._kept
+        if kept is not None and kept[0] <= offset:  # the end of the file, brought by the opening request
+            return kept[1][offset - kept[0] : offset - kept[0] + length]
         if self._whole is not None or (self.size <= WHOLE_FILE_BELOW and self._budget.affords(self.size)):
             return self._whole_file()[offset : offset + length]  # a small file: one request, then memory
         with self._lock:
@@ -254,6 +274,10 @@ class HTTPSource:
                 raise DDUFIOError(f"{self.name}: read of {length} bytes at {offset} failed: {e.why}") from None
         self.bytes_read += len(body)
         return body
+
+    def kept_tail(self) -> tuple[int, bytes] | None:
+        """``(offset, bytes)``: the end of the file that the opening request brought (kept), or None."""
+        return self._kept
 
     def close(self) -> None:
         conn, self._conn = self._conn, None
@@ -273,6 +297,27 @@ class HTTPSource:
             return self._whole
 
     # -- requests --------------------------------------------------------------------------------------------
+    def _open(self, suffix: int) -> int:
+        """The file's size: from a suffix range (its bytes kept), else from ``bytes=0-0``."""
+        fixed = self._budget.fixed_max_bytes
+        if suffix and (fixed is None or 4 * (suffix + HEADER_ALLOWANCE) <= fixed):  # a tight budget: 1 byte
+            try:
+                return self._suffix(suffix)
+            except _NoSuffix as e:
+                logger.info("%s: %s; asking for bytes=0-0 instead", self.name, e.why)
+        return self._probe()
+
+    def _suffix(self, suffix: int) -> int:
+        self._budget.spend(suffix)
+        status, total, body = self._request(0, suffix - 1, expect=None, suffix=True)
+        if status == 416 or total is None:  # an empty file (416 "bytes */0": nothing to keep)
+            return 0
+        self.bytes_read += len(body)
+        self._kept = (total - len(body), body)
+        if total == len(body):
+            self._whole = body  # a file this short came whole
+        return total
+
     def _probe(self) -> int:
         self._budget.spend(1)
         status, total, body = self._request(0, 0, expect=None)
@@ -317,25 +362,27 @@ class HTTPSource:
         self._conn = conn
         return conn, False
 
-    def _request(self, start: int, end: int, expect: int | None) -> tuple[int, int | None, bytes]:
-        """GET bytes ``start..end`` (inclusive): (status, total size from Content-Range, body). The budget
-        reserved the range's length; it is settled with what every exchange (hops, a retry) received."""
+    def _request(self, start: int, end: int, expect: int | None,
+                 suffix: bool = False) -> tuple[int, int | None, bytes]:
+        """GET bytes ``start..end`` (inclusive): (status, total size from Content-Range, body); ``suffix``: the
+        last ``end + 1`` bytes instead (``bytes=-N``). The budget reserved the range's length; it is settled
+        with what every exchange (hops, a retry) received."""
         received = [0]
         try:
-            return self._request_hops(start, end, expect, received)
+            return self._request_hops(start, end, expect, received, suffix)
         finally:
             self.bytes_received += received[0]
             self._budget.settle(end - start + 1, received[0])
 
     def _request_hops(self, start: int, end: int, expect: int | None,
-                      received: list[int]) -> tuple[int, int | None, bytes]:
+                      received: list[int], suffix: bool = False) -> tuple[int, int | None, bytes]:
         for _attempt in range(2):  # one retry when a kept-alive connection was closed by the server
             reused = False
             try:
                 url = self._url
                 for _hop in range(MAX_REDIRECTS + 1):
                     conn, reused = self._connection()
-                    result = self._exchange(conn, url, start, end, expect, received)
+                    result = self._exchange(conn, url, start, end, expect, received, suffix)
                     if isinstance(result, str):  # a same-origin redirect
                         url = result
                         continue
@@ -351,7 +398,7 @@ class HTTPSource:
         raise _HTTPFailure("the server closed the connection twice")
 
     def _exchange(self, conn: http.client.HTTPConnection, url: str, start: int, end: int,
-                  expect: int | None, received: list[int]) -> tuple[int, int | None, bytes] | str:
+                  expect: int | None, received: list[int], suffix: bool = False) -> tuple[int, int | None, bytes] | str:
         parts = urlsplit(url)
         length = end - start + 1
         tally = _Tally(HEADER_ALLOWANCE + length + length // FRAMING_ALLOWANCE)
@@ -365,8 +412,11 @@ class HTTPSource:
         watchdog.daemon = True
         watchdog.start()
         try:
-            conn.request("GET", target, headers={**self._headers, "Range": f"bytes={start}-{end}"})
+            asked = f"bytes=-{length}" if suffix else f"bytes={start}-{end}"
+            conn.request("GET", target, headers={**self._headers, "Range": asked})
             response = conn.getresponse()
+            if suffix:
+                return self._suffix_answer(response, url, length)
             return self._answer(response, url, start, end, expect)
         except _Overrun:
             self.close()
@@ -446,6 +496,29 @@ class HTTPSource:
         body = self._read_body(response, length)
         self._check_end(response, start, end)
         return status, span[2], body
+
+    def _suffix_answer(self, response: http.client.HTTPResponse, url: str,
+                       length: int) -> tuple[int, int | None, bytes] | str:
+        """The answer to ``bytes=-length``. Its ``Content-Range`` is believed only when it names exactly the last
+        ``min(length, size)`` bytes of the size it reports; then the range is read as any other."""
+        status = response.status
+        if status in (200, 416):
+            total = _content_range_total(response.getheader("Content-Range")) if status == 416 else None
+            self.close()  # a 200's body (the whole file, perhaps) is not read
+            if total == 0:
+                return status, 0, b""  # "bytes */0": an empty file has no last bytes
+            raise _NoSuffix(f"the server answered the suffix range bytes=-{length} with HTTP {status}")
+        if status != 206:
+            return self._answer(response, url, 0, length - 1, None)  # a redirect or an error: as for any range
+        value = response.getheader("Content-Range")
+        span = _content_range(value)
+        total = span[2] if span is not None else None
+        if span is None or total is None or span[1] != total - 1 or span[0] != max(0, total - length):
+            self.close()
+            raise _HTTPFailure(f"the server answered the suffix range bytes=-{length} with Content-Range "
+                               f"{_short(value)!r}; the rule: a suffix range is answered with the file's last "
+                               f"{length} bytes (all of a shorter file) and the file's size; refused")
+        return self._answer(response, url, span[0], span[1], None)
 
     def _check_end(self, response: http.client.HTTPResponse, start: int, end: int) -> None:
         """The answer must end where the range does: a body framed by Content-Length was read exactly, and

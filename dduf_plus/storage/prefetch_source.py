@@ -7,7 +7,9 @@ plain range source (54 requests to validate a 5 MB archive, ~1 s at 20 ms a roun
 as few requests as the layout allows:
 
 - the first read near the end of the file fetches the last :data:`TAIL_GUESS` bytes at once: end records,
-  central directory and (in an archive written by dduf_plus) the index, which lies just before it;
+  central directory and (in an archive written by dduf_plus) the index, which lies just before it; an
+  http(s) source already brought the file's end with its opening request (a suffix range,
+  ``storage/http_range.SUFFIX_BYTES``): those bytes are taken over, and the tail costs no request at all;
 - :meth:`PrefetchSource.prefetch` takes the ranges the format floor is about to read (it plans them from
   the central directory and, when the tail holds one, the index: ``dduf_plus.format.open_plan``), merges
   those less than :data:`MERGE_GAP` apart and fetches each merged span with one request;
@@ -66,6 +68,12 @@ class PrefetchSource:
         self._tail_tried = False
         self._lock = threading.Lock()
         self.requests = 0
+        kept = getattr(inner, "kept_tail", None)
+        end = kept() if callable(kept) else None  # (offset, bytes) the opening request brought
+        if end is not None and isinstance(end[1], bytes) and end[0] + len(end[1]) == self.size:
+            self._spans.append((end[0], end[1]))
+            self._kept = len(end[1])
+            self._tail_tried = end[0] <= self.size - self._tail  # it holds the whole tail guess: nothing to fetch
 
     @property
     def bytes_read(self) -> int:
