@@ -1,0 +1,335 @@
+#!/usr/bin/env python
+"""Scale: how each step's cost grows from the SD-1.5-shaped (2.1 GB) to the SDXL-shaped (6.9 GB) fp16 pipeline.
+
+    python bench/bench_scale.py                      # both shapes, every stage (~45 min on 2 shared cores)
+    python bench/bench_scale.py --shapes sdxl --stages load,remote
+    python bench/bench_scale.py --table              # print the markdown table of bench/results/scale.json
+
+Each step runs against its anchor in the same run, rounds interleaving the two, medians of the runs:
+
+- pack: ``dduf pack`` (sha256 + CRC-32, aligned, fsync) vs ``zip -0 -r`` + ``sync`` (stored ZIP, CRC-32) and
+  ``cp -r`` + ``sync`` (the disk's floor); source pages warmed with ``cat`` before each run (untimed);
+- validate --verify: ``dduf validate --verify`` of the archive vs ``sha256sum`` of the folder's files, warm;
+- load+touch, warm and cold: ``load_dduf(archive)`` vs ``DiffusionPipeline.from_pretrained(folder,
+  dtype=float16)``, each in a fresh process with the libraries imported before the clock, then every parameter
+  summed once (every page read); cold: files evicted first (drop_caches, else posix_fadvise DONTNEED, checked
+  with mincore: bench_load.py's helpers), ``cat archive`` cold as the disk's floor;
+- remote first load: ``load_dduf(URL)`` + touch with the remote cache cleared (on the work folder's disk) vs one
+  sequential GET then ``load_dduf(local)`` + touch; served from 127.0.0.1 by tests/servers.FileServer in its
+  own process, 20 ms round trip, 400 MB/s cap; the disk's write speed is measured in the same run.
+
+"per GB" is the median divided by the archive's size; "growth" is SDXL's per-GB cost over SD-1.5's (1.00 is
+linear); a step of ours is flagged when its growth exceeds its anchor's by more than 20 % (worse than linear
+where the anchor is linear). Results merge into bench/results/scale.json by shape and stage, so one stage can be
+re-run alone. Work files: bench/_work (DDUF_BENCH_WORK), which needs ~16 GB free beyond the two pipelines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import RESULTS, ROOT, WORK, median, pipeline_archive, pipeline_folder  # noqa: E402
+from bench_load import evict, files_of, resident_fraction, warm  # noqa: E402
+
+OUT = RESULTS / "scale.json"
+SHAPE_NAMES = {"sd15": "SD-1.5-shaped", "sdxl": "SDXL-shaped"}
+STAGES = ("pack", "validate", "warm", "cold", "remote")
+LATENCY, BANDWIDTH = 0.020, 400e6
+# (stage, row of ours, its anchor): the pairs the table and the growth flags compare
+PAIRS = {
+    "pack": ("dduf pack (fsync)", "zip -0 -r + sync"),
+    "validate": ("dduf validate --verify", "sha256sum folder files"),
+    "warm": ("load_dduf + touch", "diffusers folder load + touch"),
+    "cold": ("load_dduf + touch", "diffusers folder load + touch"),
+    "remote": ("load_dduf(URL) first load + touch", "download, then load_dduf + touch"),
+}
+SCRATCH = WORK / "scale-scratch"
+DDUF = shutil.which("dduf") or str(Path(sys.executable).with_name("dduf"))  # the console script users run
+
+
+# --- children --------------------------------------------------------------------------------------------------
+def child(mode: str, path: str) -> None:
+    """One fresh-process load + touch; prints RESULT {load, load_touch, rss_gb}."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    import resource
+    import urllib.request
+
+    import diffusers
+    import torch
+    from diffusers import (  # noqa: F401  (imported before the clock, as a user's process has them)
+        AutoencoderKL,
+        DiffusionPipeline,
+        StableDiffusionPipeline,
+        StableDiffusionXLPipeline,
+        UNet2DConditionModel,
+    )
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection  # noqa: F401
+
+    sys.path.insert(0, str(ROOT))
+    from dduf_plus import load_dduf
+
+    diffusers.utils.logging.disable_progress_bar()
+    diffusers.utils.logging.set_verbosity_error()
+    torch.set_num_threads(os.cpu_count() or 1)
+    started = time.perf_counter()
+    if mode == "folder":
+        pipe = DiffusionPipeline.from_pretrained(path, dtype=torch.float16)
+    elif mode == "download":  # one sequential GET, 8 MiB at a time, then the local load
+        target = SCRATCH / "download.dduf"
+        with urllib.request.urlopen(path, timeout=120) as response, open(target, "wb") as out:
+            shutil.copyfileobj(response, out, 8 << 20)
+        pipe = load_dduf(str(target))
+    else:  # "dduf": a local path; "remote": a URL, with DDUF_PLUS_CACHE pointing at a cleared folder
+        pipe = load_dduf(path)
+    loaded = time.perf_counter()
+    total = 0.0
+    with torch.no_grad():
+        for component in pipe.components.values():
+            if isinstance(component, torch.nn.Module):
+                for p in component.parameters():
+                    total += float(p.sum())
+    touched = time.perf_counter()
+    print("RESULT " + json.dumps({"load": loaded - started, "load_touch": touched - started,
+                                   "rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6}))
+
+
+def serve(root: str) -> None:
+    """Serve ``root`` on 127.0.0.1 until stdin closes (its own process: no GIL shared with the loader)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from servers import FileServer
+
+    with FileServer(root, latency=LATENCY, bandwidth=BANDWIDTH) as srv:
+        print(srv.server_port, flush=True)
+        sys.stdin.read()
+
+
+def run_child(mode: str, path: str, env: dict[str, str] | None = None) -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", mode, "--path", path]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
+    for line in done.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    raise RuntimeError(f"{mode} {path} failed:\n{done.stderr[-3000:]}")
+
+
+def timed_cmd(cmd: list[str] | str, then_sync: bool = False) -> float:
+    os.sync()  # untimed: no dirty pages of an earlier run land on this clock
+    started = time.perf_counter()
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, shell=isinstance(cmd, str))
+    if then_sync:
+        os.sync()
+    return time.perf_counter() - started
+
+
+def clear(path: Path) -> None:
+    shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+
+
+# --- stages: each returns {row: [seconds, ...]} --------------------------------------------------------------
+def stage_pack(folder: Path, archive: Path, runs: int) -> dict[str, list[float]]:
+    out_dduf, out_zip, out_cp = SCRATCH / "pack.dduf", SCRATCH / "pack.zip", SCRATCH / "pack-cp"
+    dduf = [DDUF, "pack", str(folder), "-o", str(out_dduf), "-f", "-q"]
+    tools = {
+        "dduf pack (fsync)": (dduf, out_dduf, False),
+        "zip -0 -r + sync": (f"cd {folder} && zip -0 -r -q {out_zip} .", out_zip, True),
+        "cp -r + sync": (["cp", "-r", str(folder), str(out_cp)], out_cp, True),
+    }
+    rows: dict[str, list[float]] = {name: [] for name in tools}
+    for _ in range(runs):
+        for name, (cmd, out, then_sync) in tools.items():
+            warm(files_of(folder))
+            rows[name].append(timed_cmd(cmd, then_sync))
+            clear(out)
+            log(name, rows[name][-1])
+    return rows
+
+
+def stage_validate(folder: Path, archive: Path, runs: int) -> dict[str, list[float]]:
+    ours = [DDUF, "validate", "--verify", "-q", str(archive)]
+    anchor = ["sha256sum", *map(str, files_of(folder))]
+    rows: dict[str, list[float]] = {PAIRS["validate"][0]: [], PAIRS["validate"][1]: []}
+    for _ in range(runs):
+        for name, cmd, files in ((PAIRS["validate"][0], ours, [archive]), (PAIRS["validate"][1], anchor,
+                                                                           files_of(folder))):
+            warm(files)
+            resident = resident_fraction(files)
+            rows[name].append(timed_cmd(cmd))
+            log(name, rows[name][-1], f"(resident before: {resident:.0%})")
+    return rows
+
+
+def stage_load(folder: Path, archive: Path, runs: int, cold: bool) -> dict[str, list[float]]:
+    ours, anchor = PAIRS["cold" if cold else "warm"]
+    rows: dict[str, list[float]] = {ours: [], anchor: [], "cat archive > /dev/null": []}
+    rss: dict[str, list[float]] = {ours: [], anchor: []}
+    for _ in range(runs):
+        for name, mode, path in ((ours, "dduf", archive), (anchor, "folder", folder)):
+            files = files_of(path)
+            if cold and not evict(files):
+                raise SystemExit("cold cache cannot be produced here (eviction left pages resident)")
+            if not cold:
+                warm(files)
+            result = run_child(mode, str(path))
+            rows[name].append(result["load_touch"])
+            rows.setdefault(f"{name}: load only", []).append(result["load"])
+            rss[name].append(result["rss_gb"])
+            log(name, result["load_touch"], f"(load {result['load']:.2f} s, peak RSS {result['rss_gb']:.2f} GB)")
+        if cold:
+            evict([archive])
+            rows["cat archive > /dev/null"].append(timed_cmd(["cat", str(archive)]))
+            log("cat archive", rows["cat archive > /dev/null"][-1])
+    if not cold:
+        del rows["cat archive > /dev/null"]
+    rows.update({f"peak RSS GB: {k}": v for k, v in rss.items()})
+    return rows
+
+
+def stage_remote(folder: Path, archive: Path, runs: int) -> dict[str, list[float]]:
+    ours, anchor = PAIRS["remote"]
+    rows: dict[str, list[float]] = {ours: [], anchor: [], "disk write MB/s": []}
+    cache = SCRATCH / "remote-cache"
+    server = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--serve", str(archive.parent)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{int(server.stdout.readline())}/{archive.name}"  # type: ignore[union-attr]
+        env = {"HF_HUB_OFFLINE": "0", "DDUF_PLUS_CACHE": str(cache)}
+        for _ in range(runs):
+            rows["disk write MB/s"].append(disk_write_mbps())
+            warm([archive])  # the server reads from memory: the link and the client are measured
+            clear(cache)
+            rows[ours].append(run_child("remote", url, env)["load_touch"])
+            clear(cache)
+            rows[anchor].append(run_child("download", url, env)["load_touch"])
+            clear(SCRATCH / "download.dduf")
+            log(ours, rows[ours][-1], f"vs download-then-load {rows[anchor][-1]:.2f} s, "
+                f"disk {rows['disk write MB/s'][-1]:.0f} MB/s")
+    finally:
+        server.stdin.close()  # type: ignore[union-attr]
+        server.wait(30)
+    return rows
+
+
+def disk_write_mbps(size: int = 1 << 30) -> float:
+    """The work folder's disk: MB/s writing 1 GiB of incompressible bytes, fsync included."""
+    block = os.urandom(8 << 20)
+    target = SCRATCH / "disk-speed.bin"
+    os.sync()
+    started = time.perf_counter()
+    with open(target, "wb") as f:
+        for _ in range(size // len(block)):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    seconds = time.perf_counter() - started
+    target.unlink()
+    return size / seconds / 1e6
+
+
+def log(name: str, seconds: float, extra: str = "") -> None:
+    print(f"  {name:40} {seconds:8.2f} {extra} (load average {os.getloadavg()[0]:.1f})", flush=True)
+
+
+# --- report ------------------------------------------------------------------------------------------------
+def summarise(rows: dict[str, list[float]], size: int) -> dict[str, dict]:
+    out = {}
+    for name, values in rows.items():
+        row = {"runs": [round(v, 3) for v in values], "median": round(median(values), 3)}
+        if not name.startswith(("peak RSS", "disk")):
+            row["per_gb_s"] = round(median(values) / (size / 1e9), 3)
+        out[name] = row
+    return out
+
+
+def growth(report: dict) -> dict[str, dict]:
+    """Per stage: ours' and the anchor's per-GB growth from SD-1.5 to SDXL, and whether ours grew faster."""
+    out = {}
+    small, big = report["shapes"].get("sd15", {}), report["shapes"].get("sdxl", {})
+    for stage, (ours, anchor) in PAIRS.items():
+        try:
+            g_ours = big[stage][ours]["per_gb_s"] / small[stage][ours]["per_gb_s"]
+            g_anchor = big[stage][anchor]["per_gb_s"] / small[stage][anchor]["per_gb_s"]
+        except KeyError:
+            continue
+        out[stage] = {"ours": round(g_ours, 2), "anchor": round(g_anchor, 2),
+                      "worse_than_linear": g_ours > 1.2 * max(g_anchor, 1.0)}
+    return out
+
+
+def table(report: dict) -> str:
+    lines = ["| step | shape | ours (s) | ours per GB (s) | anchor | anchor (s) | anchor per GB (s) | ours / anchor |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for stage, (ours, anchor) in PAIRS.items():
+        for shape, data in report["shapes"].items():
+            rows = data.get(stage)
+            if not rows:
+                continue
+            o, a = rows[ours], rows[anchor]
+            lines.append(f"| {stage}: {ours} | {SHAPE_NAMES[shape]} ({data['archive_gb']:.2f} GB) | {o['median']:.2f} "
+                         f"({len(o['runs'])} runs) | {o['per_gb_s']:.2f} | {anchor} | {a['median']:.2f} | "
+                         f"{a['per_gb_s']:.2f} | {o['median'] / a['median']:.2f}x |")
+    lines += ["", "| step | per-GB growth SD-1.5 -> SDXL, ours | anchor's | worse than linear? |",
+              "| --- | --- | --- | --- |"]
+    for stage, g in report.get("growth", {}).items():
+        lines.append(f"| {stage} | {g['ours']:.2f}x | {g['anchor']:.2f}x | {'YES' if g['worse_than_linear'] else 'no'} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--path", help=argparse.SUPPRESS)
+    parser.add_argument("--serve", help=argparse.SUPPRESS)
+    parser.add_argument("--shapes", default="sd15,sdxl")
+    parser.add_argument("--stages", default=",".join(STAGES))
+    parser.add_argument("--runs", default="sd15=3,sdxl=2", help="rounds per shape (pack and remote: one fewer, "
+                        "at least 1; cold: at most 2)")
+    parser.add_argument("--table", action="store_true", help="print the table of the saved results and exit")
+    args = parser.parse_args()
+    if args.child:
+        return child(args.child, args.path)
+    if args.serve:
+        return serve(args.serve)
+    report = json.loads(OUT.read_text()) if OUT.exists() else {"shapes": {}}
+    if not args.table:
+        runs = {k: int(v) for k, v in (item.split("=") for item in args.runs.split(","))}
+        for shape in args.shapes.split(","):
+            measure_shape(report, shape, args.stages.split(","), runs.get(shape, 1))
+        report.update(growth=growth(report), cpu_count=os.cpu_count(), latency_s=LATENCY, bandwidth_Bps=BANDWIDTH,
+                      command="python bench/bench_scale.py", unix_time=time.time())
+        OUT.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {OUT.relative_to(ROOT)}")
+    print(table(report))
+
+
+def measure_shape(report: dict, shape: str, stages: list[str], runs: int) -> None:
+    folder, archive = pipeline_folder(shape), pipeline_archive(shape)
+    SCRATCH.mkdir(parents=True, exist_ok=True)
+    size = archive.stat().st_size
+    data = report["shapes"].setdefault(shape, {})
+    data.update(archive_bytes=size, archive_gb=round(size / 1e9, 3))
+    calls = {
+        "pack": lambda: stage_pack(folder, archive, max(runs - 1, 1)),
+        "validate": lambda: stage_validate(folder, archive, runs),
+        "warm": lambda: stage_load(folder, archive, runs + 1, cold=False),
+        "cold": lambda: stage_load(folder, archive, min(runs, 2), cold=True),
+        "remote": lambda: stage_remote(folder, archive, max(runs - 1, 1)),
+    }
+    for stage in stages:
+        print(f"{SHAPE_NAMES[shape]} ({size / 1e9:.2f} GB): {stage}", flush=True)
+        data[stage] = summarise(calls[stage](), size)
+        data[stage]["_load_average_after"] = round(os.getloadavg()[0], 2)  # others sharing the cores
+        OUT.write_text(json.dumps(report, indent=2) + "\n")  # partial results survive an interrupted run
+    shutil.rmtree(SCRATCH, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
