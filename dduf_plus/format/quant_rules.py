@@ -1,4 +1,4 @@
-"""Quantized components saved by diffusers' quantizers (torchao, bitsandbytes), as the format sees them:
+"""Quantized components saved by diffusers' quantizers (torchao, bitsandbytes, SDNQ), as the format sees them:
 which stored tensors are quantized data and which are scales, the index record that says so, and the Q0xx
 rules that check a component is self-consistent without importing its backend.
 
@@ -18,15 +18,20 @@ Layouts (diffusers 0.42 / torchao 0.18 / bitsandbytes 0.50):
   ``L.weight.quant_map`` float32 ``[16]``, ``L.weight.quant_state.bitsandbytes__<nf4|fp4>`` packed uint8
   (a small JSON the backend parses), and with double quantization ``nested_absmax`` / ``nested_quant_map``.
 * bitsandbytes 8-bit: ``L.weight`` int8 ``[N, K]``, ``L.SCB`` float32 ``[N]``, ``L.weight_format`` uint8.
+* SDNQ (sdnq 0.2.8): ``L.weight`` in the storage dtype of ``weights_dtype`` (int8 ``[N, K]``, float8 ``[N, K]``,
+  or a flat packed vector: uint4 is uint8 ``[N*K/2]``), ``L.scale`` ``[N, 1]`` or ``[N, G, 1]`` (G groups along
+  K), for unsigned schemes ``L.zero_point`` shaped like the scale; the layers the quantizer skipped are named
+  in ``quantization_config.modules_to_not_convert`` (names or ``*`` patterns SDNQ turns into regexes), which
+  with the other config fields is what SDNQ parses: :func:`check_sdnq_config` bounds them.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from math import prod
-from typing import Any
+from typing import Any, NamedTuple
 
 from .findings import Finding, finding
 from .safetensors_header import SafetensorsHeader, TensorInfo
@@ -92,6 +97,9 @@ def scheme_of(config: Any) -> str | None:
         return kind if isinstance(kind, str) else None
     if backend == "bitsandbytes_8bit":
         return "int8"
+    if backend == "sdnq":
+        kind = qc.get("weights_dtype", "int8")  # SDNQConfig's default
+        return kind if isinstance(kind, str) and sdnq_dtype(kind) is not None else None
     return None
 
 
@@ -262,6 +270,190 @@ def check_quant_state(state: Mapping[str, Any], name: str, packed_bytes: int, ab
                          f"do not fit {packed_bytes} packed bytes and {absmax_count} absmax values")
 
 
+# --- SDNQ -------------------------------------------------------------------------------------------
+SDNQ_PARTS = ("scale", "zero_point", "scale_2", "scale_zero_point", "zero_point_scale", "zero_point_2", "svd_up",
+              "svd_down")
+MAX_SDNQ_PATTERNS = 8192  # names over modules_to_not_convert & co. (a saved SDXL unet lists ~1,000; SDNQ tries
+#                           each against every parameter name, so this bounds the load's work too)
+MAX_SDNQ_PATTERN_CHARS = 512
+MAX_SDNQ_WILDCARDS = 3  # '*' per pattern: SDNQ turns such a pattern into a regex (one '.*' per '*')
+MAX_SDNQ_MODULE_CONFIGS = 256  # modules_quant_config entries (per-module overrides)
+_SDNQ_PATTERN = re.compile(r"[\w.*\-]+")  # module paths: no regex syntax reaches SDNQ's re.match
+_SDNQ_INTS = {"group_size": (-2, 1 << 16), "svd_rank": (1, 4096), "svd_steps": (0, 1000), "codebook_steps": (0, 1000),
+              "hadamard_group_size": (1, 1 << 16), "minimum_allowed_numel": (0, 1 << 40),
+              "minimum_allowed_channel_size": (0, 1 << 30)}  # the loops and allocations SDNQ sizes from them
+_SDNQ_BOOLS = ("use_svd", "use_hadamard", "use_codebook", "use_codebook_scale", "use_quantized_matmul",
+               "use_quantized_matmul_conv", "dequantize_fp32", "quant_conv", "quant_embedding", "is_training",
+               "use_dynamic_quantization", "use_static_quantization", "use_stochastic_rounding")
+_SDNQ_LISTS = ("modules_to_not_convert", "modules_to_not_use_matmul")
+_SDNQ_PLAIN = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+               "float16": "float16", "fp16": "float16", "float8_e4m3fn": "float8_e4m3fn", "fp8": "float8_e4m3fn",
+               "float8_e5m2": "float8_e5m2", "float8_e8m0fnu": "float8_e8m0fnu",
+               "float8_e4m3fnuz": "float8_e4m3fnuz", "float8_e5m2fnuz": "float8_e5m2fnuz"}
+_SDNQ_INT = re.compile(r"(u?)int(\d{1,2})")
+_SDNQ_FLOAT = re.compile(r"float(\d{1,2})_e(\d)m(\d{1,2})fn(u?)|(u?)fp(\d{1,2})")
+_SDNQ_MINIMUM = re.compile(r"(?:minimum[-_]?)?(?:u?int)?\d{1,2}(?:[-_]?bits?)?")
+
+
+class SDNQDtype(NamedTuple):
+    storage: str  # the safetensors dtype (torch spelling) its weights are stored in
+    bits: int
+    packed: bool  # several values per stored element (uint4: two per uint8)
+    unsigned: bool  # asymmetric: stored with a zero_point
+    integer: bool
+
+
+def _packed_storage(bits: int) -> str:
+    return "uint8" if bits <= 8 else "uint16" if bits == 16 else "int16"
+
+
+def sdnq_dtype(name: str) -> SDNQDtype | None:
+    """What SDNQ's ``weights_dtype`` name means (sdnq.common.dtype_dict, 0.2.8), torch-free; None if unknown."""
+    if name in _SDNQ_PLAIN:
+        storage = _SDNQ_PLAIN[name]
+        return SDNQDtype(storage, 32 if storage == "float32" else 16 if "16" in storage else 8, False, False, False)
+    if name in ("bool", "int1", "uint1"):
+        return SDNQDtype("bool", 1, True, True, True)
+    if name == "float8_e4m3fn_sdnq":
+        return SDNQDtype("uint8", 8, True, False, False)
+    if m := _SDNQ_INT.fullmatch(name):
+        bits, unsigned = int(m.group(2)), bool(m.group(1))
+        if not 2 <= bits <= 32 or (bits > 16 and bits != 32):
+            return None
+        if bits in (8, 16, 32):
+            return SDNQDtype(f"{m.group(1)}int{bits}", bits, False, unsigned, True)
+        return SDNQDtype(_packed_storage(bits), bits, True, unsigned, True)
+    if m := _SDNQ_FLOAT.fullmatch(name):
+        if m.group(1):
+            bits, unsigned = int(m.group(1)), bool(m.group(4))
+            if not 1 <= int(m.group(2)) <= 5 or int(m.group(2)) + int(m.group(3)) + (not unsigned) != bits:
+                return None
+        else:
+            bits, unsigned = int(m.group(6)), bool(m.group(5)) or m.group(6) == "1"
+        if 1 <= bits <= 16:
+            return SDNQDtype(_packed_storage(bits), bits, True, unsigned, False)
+    return None
+
+
+def _check_sdnq_patterns(qc: Mapping[str, Any]) -> None:
+    """The module-name lists SDNQ matches every parameter name against (patterns with '*' as regexes)."""
+    patterns: list[Any] = []
+    for field in _SDNQ_LISTS:
+        value = qc.get(field)
+        patterns.extend([value] if isinstance(value, str) else value if isinstance(value, list) else [])
+        if value is not None and not isinstance(value, (str, list)):
+            raise QuantError("Q005", f"{field} is a {type(value).__name__}, not a list of names")
+    dtypes = qc.get("modules_dtype_dict") or {}
+    if not isinstance(dtypes, Mapping):
+        raise QuantError("Q005", "modules_dtype_dict is not an object")
+    for key, value in dtypes.items():
+        low = str(key).lower()
+        if sdnq_dtype(low) is None and not (_SDNQ_MINIMUM.fullmatch(low) and (low.startswith("minimum") or "bit" in low)):
+            raise QuantError("Q005", f"modules_dtype_dict key {str(key)[:40]!r} is no SDNQ dtype or minimum-bits rule")
+        patterns.extend([value] if isinstance(value, str) else value if isinstance(value, list) else [None])
+    if len(patterns) > MAX_SDNQ_PATTERNS:
+        raise QuantError("Q005", f"{len(patterns)} module patterns (over {MAX_SDNQ_PATTERNS})")
+    for pattern in patterns:
+        if not isinstance(pattern, str) or len(pattern) > MAX_SDNQ_PATTERN_CHARS or not _SDNQ_PATTERN.fullmatch(pattern) \
+                or pattern.count("*") > MAX_SDNQ_WILDCARDS:
+            raise QuantError("Q005", f"module pattern {str(pattern)[:60]!r}: not a module path of at most "
+                             f"{MAX_SDNQ_PATTERN_CHARS} characters and {MAX_SDNQ_WILDCARDS} '*'")
+
+
+def check_sdnq_config(qc: Mapping[str, Any], *, nested: bool = False) -> None:
+    """An SDNQ ``quantization_config`` within what SDNQ parses safely: known dtype names, integers in range
+    (they size SDNQ's loops), booleans, bounded module-name lists and per-module overrides.
+
+    Raises:
+        QuantError: ``Q005`` naming the field.
+    """
+    for field in ("weights_dtype", "scale_dtype", "zero_point_dtype", "quantized_matmul_dtype"):
+        value = qc.get(field)
+        if value is not None and value != "none" and not (isinstance(value, str) and sdnq_dtype(value)):
+            raise QuantError("Q005", f"{field} {str(value)[:40]!r} is not an SDNQ dtype")
+    for field, (low, high) in _SDNQ_INTS.items():
+        value = qc.get(field)
+        if value is not None and (type(value) is not int or not low <= value <= high):
+            raise QuantError("Q005", f"{field} {str(value)[:40]!r} is not an integer in [{low}, {high}]")
+    for field in _SDNQ_BOOLS:
+        if qc.get(field) is not None and not isinstance(qc.get(field), bool):
+            raise QuantError("Q005", f"{field} is not a boolean")
+    _check_sdnq_patterns(qc)
+    overrides = qc.get("modules_quant_config") or {}
+    if not isinstance(overrides, Mapping) or (nested and overrides) or len(overrides) > MAX_SDNQ_MODULE_CONFIGS:
+        raise QuantError("Q005", f"modules_quant_config must be an object of at most {MAX_SDNQ_MODULE_CONFIGS} "
+                         "per-module configs (not nested)")
+    for key, sub in overrides.items():
+        if not isinstance(sub, Mapping) or not isinstance(key, str) or not _SDNQ_PATTERN.fullmatch(key):
+            raise QuantError("Q005", f"modules_quant_config entry {str(key)[:40]!r} is not a module pattern and object")
+        check_sdnq_config(sub, nested=True)
+
+
+def sdnq_storage_dtypes(qc: Mapping[str, Any]) -> set[str]:
+    """The dtypes SDNQ may store quantized weights in under this config (its scheme, the per-module ones)."""
+    names = {qc.get("weights_dtype", "int8")}
+    names.update(str(k).lower() for k in (qc.get("modules_dtype_dict") or {}))
+    names.update(sub.get("weights_dtype") for sub in (qc.get("modules_quant_config") or {}).values())
+    found = {sdnq_dtype(n) for n in names if isinstance(n, str)}
+    storages = {d.storage for d in found if d is not None}
+    if None in found:
+        storages |= {"uint8", "int8", "int16"}  # a minimum-bits rule: SDNQ picks an (u)intN per module
+    return storages
+
+
+def sdnq_groups(tensors: Mapping[str, TensorInfo], storages: set[str]) -> dict[str, dict[str, str]]:
+    """{quantized weight: {part: stored tensor name}}: every ``L.weight`` stored with an ``L.scale`` or in a
+    dtype only quantized weights have (then a missing scale is reported, not ignored)."""
+    plain = _SCALE_DTYPES | {"float64"}
+    groups: dict[str, dict[str, str]] = {}
+    for name, info in tensors.items():
+        module, _, attr = name.rpartition(".")
+        if attr != "weight" or not module:
+            continue
+        if f"{module}.scale" in tensors or (info.dtype not in plain and info.dtype in storages | {"int8", "uint8"}):
+            parts = {"weight": name}
+            parts.update({p: f"{module}.{p}" for p in SDNQ_PARTS if f"{module}.{p}" in tensors})
+            groups[name] = parts
+    return groups
+
+
+def _check_sdnq(name: str, parts: Mapping[str, TensorInfo], qc: Mapping[str, Any], storages: set[str]) -> None:
+    """One SDNQ layer: weight in the scheme's storage dtype, a float scale with one value per group, a
+    zero point shaped like it for unsigned schemes, as many stored values as the groups need."""
+    weight, scale, zero = parts["weight"], parts.get("scale"), parts.get("zero_point")
+    scheme = sdnq_dtype(str(qc.get("weights_dtype", "int8")))
+    if weight.dtype not in storages:
+        raise QuantError("Q004", f"{name} is stored as {weight.dtype}; the config's {qc.get('weights_dtype', 'int8')} "
+                         f"stores {', '.join(sorted(storages))}")
+    if scale is None:
+        raise QuantError("Q002", f"{name}: quantized weight lacks its scale")
+    if qc.get("scale_dtype") not in (None, "none"):
+        return  # the scale is itself quantized (scale_2...): its layout is SDNQ's to check
+    if scale.dtype not in _SCALE_DTYPES | {"float64"} or len(scale.shape) < 2 or not all(scale.shape):
+        raise QuantError("Q003", f"{name}: scale {scale.dtype} {list(scale.shape)} is not a float [N, ..., 1] tensor")
+    groups = prod(scale.shape)
+    unpacked = prod(weight.shape) if len(weight.shape) > 1 else None
+    if unpacked is not None and (unpacked % groups or scale.shape[0] not in (weight.shape[0], 1)):
+        raise QuantError("Q003", f"{name}: scale {list(scale.shape)} does not fit weight {list(weight.shape)}")
+    if unpacked is None and scheme is not None and scheme.packed and weight.nbytes * 8 < groups * scheme.bits:
+        raise QuantError("Q003", f"{name}: {weight.nbytes} packed bytes cannot hold {groups} groups")
+    overrides = qc.get("modules_dtype_dict") or qc.get("modules_quant_config")
+    wants_zero = bool(scheme and scheme.unsigned and scheme.integer and not qc.get("use_codebook") and not overrides)
+    if wants_zero and zero is None:
+        raise QuantError("Q002", f"{name}: an unsigned ({qc.get('weights_dtype')}) weight lacks its zero_point")
+    if zero is not None and qc.get("zero_point_dtype") in (None, "none") and (
+            zero.shape != scale.shape or zero.dtype not in _SCALE_DTYPES | {"float64"}):
+        raise QuantError("Q003", f"{name}: zero_point {zero.dtype} {list(zero.shape)} does not match its scale "
+                         f"{scale.dtype} {list(scale.shape)}")
+
+
+def _sdnq_skipped_but_stored(qc: Mapping[str, Any], groups: Mapping[str, Any]) -> str | None:
+    """A weight the config lists as not converted (an exact name) but stored quantized."""
+    skipped = qc.get("modules_to_not_convert") or []
+    skipped = {skipped} if isinstance(skipped, str) else set(skipped)
+    return next((name for name in groups if name in skipped or name.rpartition(".")[0] in skipped), None)
+
+
 # --- one component -----------------------------------------------------------------------------------
 def _all_tensors(headers: Iterable[SafetensorsHeader]) -> dict[str, TensorInfo]:
     out: dict[str, TensorInfo] = {}
@@ -277,20 +469,13 @@ def _metadata(headers: Iterable[SafetensorsHeader]) -> dict[str, str]:
     return merged
 
 
-def analyse(config: Any, headers: Iterable[SafetensorsHeader]) -> dict[str, Any] | None:
-    """The quantization record of a component (``backend``, ``scheme``, ``quantized``: weights count, ``roles``:
-    which stored tensors are quantized data and which scales / states, by suffix), or None when its config
-    names no torchao / bitsandbytes quantization.
+ANALYSED = ("torchao", "bitsandbytes_4bit", "bitsandbytes_8bit", "sdnq")  # the backends these rules check
 
-    Raises:
-        QuantError: the component is not self-consistent (its Q0xx code says how).
-    """
-    backend = backend_of(config)
-    if backend not in ("torchao", "bitsandbytes_4bit", "bitsandbytes_8bit"):
-        return None
-    headers = list(headers)
-    tensors = _all_tensors(headers)
-    scheme = scheme_of(config)
+
+def _groups(backend: str, scheme: str | None, qc: Mapping[str, Any], headers: list[SafetensorsHeader],
+            tensors: Mapping[str, TensorInfo]) -> tuple[dict[str, dict[str, str]], list[str], Any]:
+    """The component's quantized weights ({weight: {part: tensor}}), their tensor kinds, and the check of one
+    weight's stored parts; the backend's own metadata checked first (Q004/Q005)."""
     if backend == "torchao":
         descriptions = torchao_descriptions(_metadata(headers))
         groups = torchao_groups(descriptions)
@@ -300,9 +485,38 @@ def analyse(config: Any, headers: Iterable[SafetensorsHeader]) -> dict[str, Any]
         missing = sorted(n for n, d in descriptions.items() if d["_type"] == "Tensor" and n not in tensors)
         if missing:
             raise QuantError("Q002", f"{missing[0]}: listed in tensor_names but not stored")
-    else:
-        groups = bnb_groups(tensors, backend)
-        kinds = [scheme or "?"]
+
+        def check_torchao(name: str, parts: Mapping[str, TensorInfo]) -> None:
+            if descriptions[name]["_type"] == "Int8Tensor":
+                _check_torchao_int8(name, parts)
+        return groups, kinds, check_torchao
+    if backend == "sdnq":
+        check_sdnq_config(qc)
+        storages = sdnq_storage_dtypes(qc)
+        groups = sdnq_groups(tensors, storages)
+        skipped = _sdnq_skipped_but_stored(qc, groups)
+        if skipped is not None:
+            raise QuantError("Q004", f"{skipped}: modules_to_not_convert lists it, but it is stored quantized")
+        kinds = sorted({tensors[n].dtype for n in groups})
+        return groups, kinds, lambda name, parts: _check_sdnq(name, parts, qc, storages)
+    return bnb_groups(tensors, backend), [scheme or "?"], lambda name, parts: _check_bnb(name, parts, backend, scheme)
+
+
+def analyse(config: Any, headers: Iterable[SafetensorsHeader]) -> dict[str, Any] | None:
+    """The quantization record of a component (``backend``, ``scheme``, ``quantized``: weights count, ``roles``:
+    which stored tensors are quantized data and which scales / states, by suffix), or None when its config
+    names no torchao / bitsandbytes quantization.
+
+    Raises:
+        QuantError: the component is not self-consistent (its Q0xx code says how).
+    """
+    backend = backend_of(config)
+    if backend not in ANALYSED:
+        return None
+    headers = list(headers)
+    tensors = _all_tensors(headers)
+    scheme = scheme_of(config)
+    groups, kinds, check = _groups(backend, scheme, quantization_config(config) or {}, headers, tensors)
     if not groups:
         raise QuantError("Q004", f"config says {backend} {scheme or ''} but no stored tensor is quantized")
     roles: dict[str, str] = {}
@@ -312,38 +526,57 @@ def analyse(config: Any, headers: Iterable[SafetensorsHeader]) -> dict[str, Any]
                                                                            and p == "weight_format"))
         if absent:
             raise QuantError("Q002", f"{name}: quantized weight lacks its {', '.join(absent)}")
-        present = {p: t for p, t in stored.items() if t is not None}
-        if backend == "torchao" and descriptions[name]["_type"] == "Int8Tensor":
-            _check_torchao_int8(name, present)
-        elif backend != "torchao":
-            _check_bnb(name, present, backend, scheme)
+        check(name, {p: t for p, t in stored.items() if t is not None})
         module = name.rpartition(".")[0]
         for part, tensor in parts.items():  # by suffix after the layer's name: "._weight_scale", ".weight.absmax"
             roles.setdefault(part, tensor[len(module):] if tensor.startswith(module) else tensor)
-    return {"backend": backend, "scheme": scheme, "tensor_types": kinds, "quantized": len(groups),
-            "roles": dict(sorted(roles.items()))}
+    record = {"backend": backend, "scheme": scheme, "tensor_types": kinds, "quantized": len(groups),
+              "roles": dict(sorted(roles.items()))}
+    if backend == "sdnq":  # the weights its config keeps unquantized (names or patterns)
+        skipped = (quantization_config(config) or {}).get("modules_to_not_convert") or []
+        record["skipped"] = len(skipped) if isinstance(skipped, list) else 1
+    return record
 
 
 def index_record(config: Any, headers: Iterable[SafetensorsHeader]) -> dict[str, Any] | None:
-    """The extra index record of a component quantized by torchao / bitsandbytes, or None."""
+    """The extra index record of a component quantized by torchao / bitsandbytes / SDNQ, or None."""
     record = analyse(config, headers)
     if record is None:
         return None
     return {"quantization": {"method": record["backend"], **record}}
 
 
-def findings_for(component: str, config: Any, headers: Iterable[SafetensorsHeader]) -> list[Finding]:
-    """Q001-Q005 for one component: [] when it is consistent or not quantized by a backend we check."""
+def check_quant_states(headers: Iterable[SafetensorsHeader], read_tensor: Callable[[str], bytes]) -> None:
+    """bitsandbytes 4-bit: every packed quant_state (at most :data:`MAX_QUANT_STATE_BYTES`, which
+    :func:`analyse` checked first) parsed as the backend would and fitted to its packed data and absmax.
+
+    Raises:
+        QuantError: ``Q005`` (not a quant state bitsandbytes writes) or ``Q003`` (does not fit its tensors).
+    """
+    tensors = _all_tensors(headers)
+    for name, parts in bnb_groups(tensors, "bitsandbytes_4bit").items():
+        state = parse_quant_state(read_tensor(parts["quant_state"]), parts["quant_state"])
+        check_quant_state(state, name, prod(tensors[parts["data"]].shape), prod(tensors[parts["absmax"]].shape))
+
+
+def findings_for(component: str, config: Any, headers: Iterable[SafetensorsHeader],
+                 read_tensor: Callable[[str], bytes] | None = None) -> list[Finding]:
+    """Q001-Q005 for one component: [] when it is consistent or not quantized by a backend we check.
+    With ``read_tensor`` (a stored tensor's bytes by name), bitsandbytes' packed quant states are parsed and
+    checked too (:func:`check_quant_states`)."""
     qc = quantization_config(config)
     if qc is None:
         return []
     backend = backend_of(config)
     if backend is None:
         return [finding("Q001", f"{component}/config.json", "quantization_config has no 'quant_method'")]
-    if backend in ("torchao", "bitsandbytes_4bit", "bitsandbytes_8bit") and scheme_of(config) is None:
+    if backend in ANALYSED and scheme_of(config) is None:
         return [finding("Q001", f"{component}/config.json", f"{backend} quantization_config names no scheme")]
+    headers = list(headers)
     try:
         analyse(config, headers)
+        if backend == "bitsandbytes_4bit" and read_tensor is not None:
+            check_quant_states(headers, read_tensor)
     except QuantError as e:
         return [finding(e.code, f"{component}/config.json", f"{backend}: {e}")]
     return []

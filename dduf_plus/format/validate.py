@@ -275,7 +275,7 @@ def load_findings(archive: DDUFArchive) -> list[Finding]:
     return (json_entry_findings(archive, lambda e: archive.read_bytes(e.name), verify=False)
             + _check_index(archive, None, False)
             + budget_findings(((name, e.length) for name, e in entries.items()), archive.read_bytes)
-            + quantization_findings(archive, lambda e: archive.read_bytes(e.name)))
+            + quantization_findings(archive, lambda e: archive.read_bytes(e.name), archive.read_bytes))
 
 
 def _read_json(read: Callable[[Entry], bytes], e: Entry) -> tuple[Any, list[Finding]]:
@@ -337,13 +337,17 @@ def _check_budgets(archive: DDUFArchive, source: _GuardedSource, verify: bool) -
 
 
 def _check_quantization(archive: DDUFArchive, source: _GuardedSource, verify: bool) -> list[Finding]:
-    """Q001-Q005 (see :func:`quantization_findings`), read through the validator's guarded source."""
-    return quantization_findings(archive, lambda e: source.read_at(e.offset, e.length))
+    """Q001-Q006 (see :func:`quantization_findings`), read through the validator's guarded source."""
+    entries = archive.entries
+    return quantization_findings(archive, lambda e: source.read_at(e.offset, e.length),
+                                 lambda name, offset, n: source.read_at(entries[name].offset + offset, n))
 
 
-def quantization_findings(archive: DDUFArchive, read: Callable[[Entry], bytes]) -> list[Finding]:
-    """Q001-Q005: components quantized by torchao / bitsandbytes are self-consistent (format/quant_rules.py).
-    ``read`` gives an entry's bytes."""
+def quantization_findings(archive: DDUFArchive, read: Callable[[Entry], bytes],
+                          read_range: Callable[[str, int, int], bytes] | None = None) -> list[Finding]:
+    """Q001-Q006: components quantized by torchao / bitsandbytes / SDNQ are self-consistent
+    (format/quant_rules.py). ``read`` gives an entry's bytes, ``read_range(entry, offset, length)`` a range of
+    one: with it, the small metadata tensors a backend parses (bitsandbytes' quant states) are checked too."""
     from .quant_rules import findings_for
 
     out: list[Finding] = []
@@ -355,9 +359,22 @@ def quantization_findings(archive: DDUFArchive, read: Callable[[Entry], bytes]) 
         config, problems = parse_json(read(e), e.name)
         if problems or not isinstance(config, dict) or "quantization_config" not in config:
             continue  # D007 / D013 already say so; not quantized
-        headers = [archive.headers[w] for w in archive.weight_files(name) if w in archive.headers]
-        out.extend(findings_for(name, config, headers))
+        weights = [w for w in archive.weight_files(name) if w in archive.headers]
+        out.extend(findings_for(name, config, [archive.headers[w] for w in weights],
+                                None if read_range is None else _tensor_reader(archive, weights, read_range)))
     return out
+
+
+def _tensor_reader(archive: DDUFArchive, weights: list[str],
+                   read_range: Callable[[str, int, int], bytes]) -> Callable[[str], bytes]:
+    """A stored tensor's bytes by name, over a component's weight entries."""
+    def read_tensor(tensor: str) -> bytes:
+        for entry in weights:
+            info = archive.headers[entry].tensors.get(tensor)
+            if info is not None:
+                return read_range(entry, archive.headers[entry].data_start + info.begin, info.nbytes)
+        raise KeyError(tensor)
+    return read_tensor
 
 
 def _check_shard_index(name: str, value: Any, entries: dict[str, Entry]) -> list[Finding]:

@@ -42,10 +42,11 @@ logger = logging.getLogger(__name__)
 
 # backend (as format.quant_rules.backend_of names it) -> (module to import, pip command)
 BACKENDS = {
-    "torchao": ("torchao", "pip install 'dduf_plus[quant]'  (or: pip install torchao>=0.16)"),
+    "torchao": ("torchao", "pip install 'dduf_plus[quant]'  (or: pip install 'torchao>=0.16')"),
 }
 BACKENDS["bitsandbytes_4bit"] = ("bitsandbytes", "pip install 'dduf_plus[quant]'  (or: pip install bitsandbytes)")
 BACKENDS["bitsandbytes_8bit"] = BACKENDS["bitsandbytes_4bit"]
+BACKENDS["sdnq"] = ("sdnq", "pip install 'dduf_plus[quant]'  (or: pip install 'sdnq>=0.2.8')")
 SUPPORTED = frozenset(BACKENDS)
 
 
@@ -161,6 +162,10 @@ def load_backend_component(model_cls: type[Any], config: Mapping[str, Any], file
         return load_torchao_component(model_cls, config, files, device=device, dtype=dtype, variant=variant)
     if backend in ("bitsandbytes_4bit", "bitsandbytes_8bit"):
         return load_bnb_component(model_cls, config, files, device=device, variant=variant)
+    if backend == "sdnq":
+        from .quant_sdnq import load_sdnq_component
+
+        return load_sdnq_component(model_cls, config, files, device=device, dtype=dtype, variant=variant)
     raise DDUFLoadError(f"{getattr(files, 'description', 'component')}: no zero-copy loader for {backend}")
 
 
@@ -201,6 +206,7 @@ def load_bnb_component(model_cls: type[Any], config: Mapping[str, Any], files: A
             raise DDUFLoadError(f"{where}: {name}: the model has no such layer") from None
         if not isinstance(module, layer_cls):
             raise DDUFLoadError(f"{where}: {name} is stored quantized but the model keeps that layer unquantized")
+        _check_bnb_shape(module, name, parts, state, where)
         try:
             _set_bnb_weight(module, parts, state, bnb, where)
         except (ValueError, TypeError, KeyError, AttributeError, RuntimeError) as e:  # bitsandbytes on hostile stats
@@ -212,6 +218,24 @@ def load_bnb_component(model_cls: type[Any], config: Mapping[str, Any], files: A
     quantizer.postprocess_model(model)
     model.hf_quantizer = quantizer
     return _finish(model, where, device)
+
+
+def _check_bnb_shape(module: Any, name: str, parts: Mapping[str, str], state: Mapping[str, Any], where: str) -> None:
+    """Q006: the layer's shape is what the stored weight holds (4-bit: the quant_state's shape; 8-bit: the int8
+    matrix), else bitsandbytes would dequantize into another shape than the layer computes with."""
+    from ..format.quant_rules import parse_quant_state
+
+    layer = [int(module.out_features), int(module.in_features)]
+    if "quant_state" in parts:
+        try:
+            shape = parse_quant_state(state[parts["quant_state"]].numpy().tobytes(), parts["quant_state"])["shape"]
+        except QuantError as e:
+            raise DDUFLoadError(f"{where}: {e.code}: {e}", code=e.code) from None
+    else:
+        shape = list(state[parts["data"]].shape)
+    if list(shape) != layer:
+        raise DDUFLoadError(f"{where}: Q006: {name} is stored as a {list(shape)[:4]} weight; the layer "
+                            f"{name.rpartition('.')[0]} is {layer}", code="Q006")
 
 
 def _set_bnb_weight(module: Any, parts: Mapping[str, str], state: dict[str, Any], bnb: Any, where: str) -> None:
