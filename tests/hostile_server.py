@@ -53,7 +53,14 @@ MODES: dict[str, str] = {
     "redirect-offsite": "302 to another origin",
     "gzip": "a Content-Encoding: gzip range",
     "bad-status": "a garbage status line then `extra` bytes",
+    # a suffix range (``bytes=-N``: the last N bytes, how opening asks for the size and the tail at once)
+    "suffix-ignore": "a suffix range gets 200 with the whole file and `extra` more bytes; `bytes=a-b` is honest",
+    "suffix-416": "a suffix range gets 416 (as a server that knows only `bytes=a-b`); `bytes=a-b` is honest",
+    "suffix-lie": "a suffix range gets the last N bytes under a Content-Range whose total is 1 MiB more",
+    "suffix-more": "a suffix range gets 206 with the whole file, Content-Range bytes 0-(size-1)/size (more than asked)",
+    "suffix-overrun": "a suffix range gets the right 206 framed by Content-Length, then `extra` more bytes",
 }
+SUFFIX_MODES = ("suffix-ignore", "suffix-416", "suffix-lie", "suffix-more", "suffix-overrun")
 
 
 class HostileServer(http.server.ThreadingHTTPServer):
@@ -169,7 +176,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         return path if root in path.parents and path.is_file() else None
 
     def _range(self, size: int) -> tuple[int, int] | None:
-        match = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
+        asked = self.headers.get("Range", "")
+        suffix = re.fullmatch(r"bytes=-(\d+)", asked)
+        if suffix:  # the last N bytes (N = 0: nothing, answered 416 below)
+            return max(0, size - int(suffix[1])), size - 1 if int(suffix[1]) else -1
+        match = re.fullmatch(r"bytes=(\d+)-(\d*)", asked)
         if not match:
             return None
         start = int(match[1])
@@ -239,6 +250,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         size = len(data)
         total = size * 1000 if mode == "size-lie" else size  # past the real end: zeros
         asked = self._range(total)
+        if mode in SUFFIX_MODES:
+            if not self.headers.get("Range", "").startswith("bytes=-"):
+                mode = "honest"
+            elif self._suffix(mode, data):
+                return
         if mode == "ignore-range" or asked is None:
             self._head("200 OK", [("Content-Length", str(size + self.server.extra))])
             self._write(data) and self._stream(lambda _o, n: b"\0" * n, self.server.extra)
@@ -291,6 +307,31 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.close_connection = True
         else:  # honest, size-lie, probe-size, range-lie, change-bytes, gzip
             self._head("206 Partial Content", [*common, ("Content-Length", str(len(body)))]) and self._write(body)
+
+    def _suffix(self, mode: str, data: bytes) -> bool:
+        """Answer a suffix range in a ``suffix-*`` mode; False: answer it as the range it names."""
+        size = len(data)
+        if mode == "suffix-ignore":
+            self._head("200 OK", [("Content-Length", str(size + self.server.extra))])
+            self._write(data) and self._stream(lambda _o, n: b"\0" * n, self.server.extra)
+        elif mode == "suffix-416":
+            self._head("416 Range Not Satisfiable", [("Content-Range", f"bytes */{size}"), ("Content-Length", "0")])
+            return True
+        elif mode == "suffix-more":
+            self._head("206 Partial Content", [("Content-Range", f"bytes 0-{size - 1}/{size}"),
+                                               ("Content-Length", str(size))]) and self._write(data)
+        else:
+            asked = self._range(size)
+            if asked is None:
+                return False
+            start, end = asked
+            total = size + (1 << 20) if mode == "suffix-lie" else size
+            self._head("206 Partial Content", [("Content-Range", f"bytes {start}-{end}/{total}"),
+                                               ("Content-Length", str(end + 1 - start))])
+            if self._write(data[start:end + 1]) and mode == "suffix-overrun":
+                self._stream(lambda _o, n: b"\0" * n, self.server.extra)
+        self.close_connection = True
+        return True
 
     def _chunked(self, mode: str, common: list[tuple[str, str]], body: bytes) -> None:
         if not self._head("206 Partial Content", [*common, ("Transfer-Encoding", "chunked")]):

@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hostile_server import MODES, HostileServer, wait_idle  # noqa: E402
 
 from dduf_plus.errors import DDUFError  # noqa: E402
+from dduf_plus.storage.http_range import SUFFIX_BYTES  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DEADLINE_S = 1.5  # DDUF_REMOTE_DEADLINE and the service's time limit: a trickle is cut off here
@@ -37,6 +38,8 @@ SHA = "b" * 40
 LATER = ("overrun-length", "overrun-close", "overrun-chunked", "chunked-trailer", "tiny-chunks", "short",
          "range-lie", "change-bytes", "ignore-range", "redirect-loop", "bad-status")
 CASES = [(m, 0) for m in MODES] + [(m, 2) for m in LATER]
+# servers that do not answer the opening's suffix range (bytes=-N) but do answer bytes=a-b: opening falls back
+FALLBACK = ("suffix-ignore", "suffix-416")
 IDS = [f"{m}@{n}" if n else m for m, n in CASES]
 
 
@@ -209,13 +212,13 @@ def test_entry_point_is_bounded(site, request, tmp_path, entry, mode, honest_fir
     assert growth < MAX_RSS_GROWTH, (outcome, growth)
     # trickles and stalls end at the deadline, or the read timeout; the webhook may read twice in a row
     assert seconds < 3 * DEADLINE_S + 4, (outcome, seconds)
-    if mode == "honest":
+    if mode == "honest" or mode in FALLBACK:
         assert outcome in ("loaded", "exit 0", "valid=True,valid=True", "HTTP 200"), outcome
     elif entry in ("load_dduf(URL)", "hosted-ref"):
         # nothing loads from a server that broke the protocol; changed bytes never become weights. Bytes sent
         # after a Content-Length answer may arrive after the last read (on a loaded machine): the range itself
         # was right, and a load may finish first; then what it fetched must be the served file exactly.
-        assert outcome.startswith("DDUF") or mode == "overrun-length", outcome
+        assert outcome.startswith("DDUF") or mode in ("overrun-length", "suffix-overrun"), outcome
         if outcome == "loaded" and entry == "load_dduf(URL)":
             (fetched,) = (tmp_path / "cache" / "remote").glob("*.dduf")
             assert fetched.read_bytes() == (site["server"].root / "base.dduf").read_bytes()
@@ -233,6 +236,7 @@ def test_overrun_is_refused_naming_url_and_range(site, tmp_path) -> None:
                            ("continue-flood", "headers, framing or data past the range")):
         wait_idle(server)
         source = open_source(url, deadline=5)
+        opening = source.bytes_received  # the opening's suffix range (honest)
         try:
             server.mode = mode
             server.reset()
@@ -244,13 +248,70 @@ def test_overrun_is_refused_naming_url_and_range(site, tmp_path) -> None:
             message = str(info.value)
             assert url in message and "300000 bytes at " in message and expected in message, message
             assert source._conn is None  # closed, not drained
-            assert source.bytes_received < 300_000 + (128 << 10), source.bytes_received
-            assert source._budget.fetched < 1 + 300_000 + (256 << 10)
+            assert source.bytes_received - opening < 300_000 + (128 << 10), source.bytes_received
+            assert source._budget.fetched < SUFFIX_BYTES + 300_000 + (256 << 10)  # the opening, this read
         finally:
             server.mode = "honest"
             source.close()
         wait_idle(server)
         assert server.sent < 300_000 + (8 << 20), (mode, server.sent)
+
+
+@pytest.mark.parametrize("mode", ["suffix-lie", "suffix-more", "range-lie", "probe-size", "suffix-overrun"])
+def test_a_lying_answer_to_the_opening_suffix_range_is_refused(site, mode) -> None:
+    """The opening asks for the file's last bytes (``bytes=-N``): an answer naming any other span or another
+    size (or bringing more) is refused, naming the URL and the rule, before its body is read."""
+    from dduf_plus.storage.source import open_source
+
+    server: HostileServer = site["server"]
+    url = server.url("base.dduf")
+    wait_idle(server)
+    server.mode, server.honest_first = mode, 0
+    server.reset()
+    try:
+        with pytest.raises(DDUFError) as info:
+            source = open_source(url, deadline=5)
+            try:  # bytes after a Content-Length answer are seen by the next request at the latest
+                source.read_at(0, 100)
+            finally:
+                source.close()
+    finally:
+        server.mode = "honest"
+    message = str(info.value)
+    assert url in message, message
+    if mode == "suffix-overrun":
+        assert "sent bytes after its answer" in message, message
+    else:
+        assert f"suffix range bytes=-{SUFFIX_BYTES}" in message and "the rule: a suffix range is answered with " \
+            "the file's last" in message, message
+        assert server.requests == 1
+    wait_idle(server)
+    assert server.sent < SUFFIX_BYTES + (8 << 20), server.sent
+
+
+@pytest.mark.parametrize("mode", FALLBACK)
+def test_a_server_without_suffix_ranges_is_opened_with_a_one_byte_probe(site, mode) -> None:
+    """A 200 to the suffix range (the whole file offered) is not read: opening asks ``bytes=0-0`` instead, on a
+    new connection, and every later read is a plain range; a 416 likewise."""
+    from dduf_plus.storage.source import open_source
+
+    server: HostileServer = site["server"]
+    data = (server.root / "base.dduf").read_bytes()
+    wait_idle(server)
+    server.mode, server.honest_first = mode, 0
+    server.reset()
+    try:
+        source = open_source(server.url("base.dduf"), deadline=5)
+        try:
+            assert source.size == len(data) and server.requests == 2  # the suffix range, then bytes=0-0
+            assert source.read_at(len(data) - 22, 22) == data[-22:] and server.requests == 3
+            assert source.bytes_received < 64 << 10  # of the 200: its headers and what one socket read held
+        finally:
+            source.close()
+    finally:
+        server.mode = "honest"
+    wait_idle(server)
+    assert server.sent < SUFFIX_BYTES + (8 << 20), server.sent  # not the whole file and its 64 MiB more
 
 
 def test_honest_server_keeps_one_connection_and_counts_headers(site) -> None:

@@ -1,10 +1,13 @@
 """How many requests opening a remote archive takes (issue 22, "one round trip to open").
 
-Structural reads of a URL (``dduf validate URL``, ``dduf info URL``, ``DDUFArchive(URL)``, hosted references)
-go through ``storage/prefetch_source.PrefetchSource``: the tail (end records, directory, index) in one
-request, then the local headers, safetensors headers and configs the plan names in a few merged requests.
-Before, each header was read with its own request(s): 54 requests to validate a 5.4 MB archive. Every
-hostile archive gives the same findings over HTTP as from disk, with or without the plan."""
+An http(s) source opens with one suffix range request (``Range: bytes=-N``, ``storage/http_range.SUFFIX_BYTES``):
+it gives the size and brings the end records, directory and index (all of an archive up to N bytes). Before,
+a 1-byte probe came first and the tail was a second request. Structural reads of a URL (``dduf validate URL``,
+``dduf info URL``, ``DDUFArchive(URL)``, hosted references) go through ``storage/prefetch_source.PrefetchSource``,
+which takes those bytes over and fetches the local headers, safetensors headers and configs the plan names in
+a few merged requests. Before the plan, each header was read with its own request(s): 54 requests to validate
+a 5.4 MB archive. Every hostile archive gives the same findings over HTTP as from disk, with or without the
+plan."""
 
 from __future__ import annotations
 
@@ -18,10 +21,11 @@ from servers import FileServer
 
 from conftest import HOSTILE, PIPELINES, ROOT
 from dduf_plus.format.validate import validate
-from dduf_plus.storage.http_range import HTTPSource
+from dduf_plus.storage.http_range import SUFFIX_BYTES, HTTPSource
 from dduf_plus.storage.prefetch_source import PrefetchSource, coalesce
 
 WEIGHT_FILES = 4  # tiny-sd's safetensors files: each starts a cluster of headers that cannot be merged
+SUFFIX = f"bytes=-{SUFFIX_BYTES}"  # the opening request's Range header
 
 
 def _pad_weights(folder: Path) -> None:
@@ -39,7 +43,8 @@ def _pad_weights(folder: Path) -> None:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory):
     """(server, {name: archive}) with an indexed archive (dduf_plus) and one without an index
-    (huggingface_hub's export_folder_as_dduf), both of the padded tiny-sd."""
+    (huggingface_hub's export_folder_as_dduf), both of the padded tiny-sd, and ``tiny``: tiny-dit packed by
+    dduf_plus (456 KiB: shorter than the opening's suffix range)."""
     from dduf_plus.format.pack import pack_folder
 
     root = tmp_path_factory.mktemp("remote-requests")
@@ -48,7 +53,9 @@ def served(tmp_path_factory: pytest.TempPathFactory):
     _pad_weights(folder)
     www = root / "www"
     www.mkdir()
-    archives = {"indexed": pack_folder(folder, www / "indexed.dduf", quiet=True).path}
+    archives = {"indexed": pack_folder(folder, www / "indexed.dduf", quiet=True).path,
+                "tiny": pack_folder(PIPELINES / "tiny-dit", www / "tiny.dduf", quiet=True).path}
+    assert archives["tiny"].stat().st_size <= SUFFIX_BYTES
     hub = pytest.importorskip("huggingface_hub")
     hub.export_folder_as_dduf(str(www / "plain.dduf"), folder_path=str(folder))
     archives["plain"] = www / "plain.dduf"
@@ -57,10 +64,11 @@ def served(tmp_path_factory: pytest.TempPathFactory):
 
 
 class _Plain:
-    """An http(s) source read as before: one request per read (validate() plans the reads of an HTTPSource)."""
+    """An http(s) source read as before: a 1-byte probe, then one request per read (validate() plans the reads
+    of an HTTPSource)."""
 
     def __init__(self, url: str):
-        self.inner = HTTPSource(url)
+        self.inner = HTTPSource(url, suffix=0)
         self.name, self.size = url, self.inner.size
 
     @property
@@ -92,10 +100,10 @@ def test_validate_url_takes_a_few_merged_requests(served, name: str) -> None:
     after, new = _count(server, lambda: validate(url))
     assert _findings(after) == _findings(before) == _findings(validate(archives[name]))
     size = archives[name].stat().st_size
-    tail_start, tail_length = server.ranges[1]
-    assert tail_start + tail_length == size  # the size probe, then the tail in one request
-    # probe + tail + one merged request per cluster of headers (each weights file ends one); was 54 / 39
-    assert new <= 2 + WEIGHT_FILES + (name == "plain"), (new, server.ranges)
+    tail_start, tail_length = server.ranges[0]
+    assert tail_start + tail_length == size and server.range_headers[0] == SUFFIX  # size and tail: one request
+    # the opening + one merged request per cluster of headers (each weights file ends one); was 54 / 39, then 6
+    assert new <= 1 + WEIGHT_FILES + (name == "plain"), (new, server.ranges)
     assert new * 5 < old, (old, new)
     # a source opened by the caller (dduf serve's URL checks pass their own HTTPSource) is planned the same way
     given, direct = _count(server, lambda: validate(HTTPSource(url)))
@@ -110,9 +118,9 @@ def test_info_and_archive_open_take_a_few_requests(served, capsys: pytest.Captur
     url = server.url("indexed.dduf")
     _, old = _count(server, lambda: DDUFArchive(_Plain(url)).close())
     _, new = _count(server, lambda: DDUFArchive(url).close())
-    assert new <= 2 + WEIGHT_FILES and new * 5 < old, (old, new)
+    assert new <= 1 + WEIGHT_FILES and new * 5 < old, (old, new)
     code, info = _count(server, lambda: main(["info", url, "--json"]))
-    assert code == 0 and info <= 2 + WEIGHT_FILES, (info, server.ranges)
+    assert code == 0 and info <= 1 + WEIGHT_FILES, (info, server.ranges)
     assert '"unet"' in capsys.readouterr().out
 
 
@@ -122,11 +130,60 @@ def test_hosted_reference_records_take_a_few_requests(served) -> None:
     server, _ = served
     found, gets = _count(server, lambda: hosted_member_records(server.url("indexed.dduf"), "vae"))
     assert found is not None and set(found[0]) == {"config.json", "diffusion_pytorch_model.safetensors"}
-    assert gets <= 2 + WEIGHT_FILES, (gets, server.ranges)
+    assert gets <= 1 + WEIGHT_FILES, (gets, server.ranges)
 
 
-def test_load_open_is_the_probe_and_one_tail_request(served, tmp_path: Path, monkeypatch) -> None:
-    """The fetch behind load_dduf(URL): the size probe, then the whole tail (directory and index) in one
+def test_tiny_indexed_archive_opens_in_one_request(served, tmp_path: Path, monkeypatch,
+                                                   capsys: pytest.CaptureFixture) -> None:
+    """An archive shorter than the opening's suffix range comes whole with it: validate, info, DDUFArchive, a
+    hosted reference and the fetch behind load_dduf(URL) (all load_dduf sends over the network) send one request
+    each (before: the size probe, then the whole file: two)."""
+    from dduf_plus.cli import main
+    from dduf_plus.format.archive import DDUFArchive
+    from dduf_plus.refs.hosted import hosted_member_records
+    from dduf_plus.remote.fetch import fetch_archive
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    server, archives = served
+    url, data = server.url("tiny.dduf"), archives["tiny"].read_bytes()
+    calls = {"validate": lambda: validate(url).valid, "info": lambda: main(["info", url, "--json"]) == 0,
+             "DDUFArchive": lambda: len(DDUFArchive(url).read_bytes("model_index.json")) > 0,
+             "hosted reference": lambda: hosted_member_records(url, "vae") is not None,
+             "fetch": lambda: fetch_archive(url, {"cache_dir": str(tmp_path / "fetch")}).read_bytes() == data}
+    for what, call in calls.items():
+        ok, gets = _count(server, call)
+        assert ok and gets == 1 and server.range_headers == [SUFFIX], (what, gets, server.range_headers)
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("answer", ["200", "416"])
+def test_server_without_suffix_ranges_costs_one_request_more(tmp_path: Path, answer: str, monkeypatch) -> None:
+    """A server that answers ``bytes=-N`` with 200 (the whole file: its body is not read) or 416 but serves
+    ``bytes=a-b``: opening asks ``bytes=0-0`` instead; everything works, one request later than before."""
+    from dduf_plus.cli import main
+    from dduf_plus.format.pack import pack_folder
+    from dduf_plus.remote.fetch import fetch_archive
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    www = tmp_path / "www"
+    www.mkdir()
+    path = www / "tiny.dduf"
+    pack_folder(PIPELINES / "tiny-dit", path, quiet=True)
+    with FileServer(www, suffix=answer) as server:
+        url = server.url("tiny.dduf")
+        source = HTTPSource(url)
+        assert source.size == path.stat().st_size and server.range_headers == [SUFFIX, "bytes=0-0"]
+        assert source.bytes_received < 64 << 10  # the 200's headers, and what one socket read held of its body
+        source.close()
+        report, gets = _count(server, lambda: validate(url))
+        assert report.valid and gets == 3, server.range_headers  # suffix, probe, the whole (small) file
+        assert main(["info", url]) == 0
+        _, gets = _count(server, lambda: fetch_archive(url, {"cache_dir": str(tmp_path / "c")}))
+        assert gets >= 3 and server.range_headers[:2] == [SUFFIX, "bytes=0-0"], server.range_headers
+
+
+def test_load_open_is_one_request(served, tmp_path: Path, monkeypatch) -> None:
+    """The fetch behind load_dduf(URL): the size and the whole tail (directory and index) in one suffix range
     request; everything else it reads is entry data (headers are checked as those ranges land)."""
     from dduf_plus.remote.fetch import fetch_archive
 
@@ -136,9 +193,9 @@ def test_load_open_is_the_probe_and_one_tail_request(served, tmp_path: Path, mon
     server.reset()
     path = fetch_archive(server.url("indexed.dduf"), {"cache_dir": str(tmp_path)})
     assert path.read_bytes() == archives["indexed"].read_bytes()
-    assert server.ranges[0] == (0, 1) and sum(server.ranges[1]) == size
-    tail_start = server.ranges[1][0]
-    assert all(start + length <= tail_start for start, length in server.ranges[2:])  # nothing of the tail twice
+    assert server.range_headers[0] == SUFFIX and sum(server.ranges[0]) == size  # was the probe, then the tail
+    tail_start = server.ranges[0][0]
+    assert all(start + length <= tail_start for start, length in server.ranges[1:])  # nothing of the tail twice
 
 
 def _loading_corpus(root: Path) -> None:
@@ -157,9 +214,11 @@ _SLOW = pytest.mark.skipif(not os.environ.get("DDUF_SLOW_TESTS"), reason="set DD
 
 @pytest.mark.parametrize("corpus", ["hostile", pytest.param("hostile_loading", marks=[pytest.mark.slow, _SLOW])])
 def test_every_hostile_archive_gives_the_same_findings_over_http(corpus: str, tmp_path: Path, monkeypatch) -> None:
-    """Read by exact ranges (WHOLE_FILE_BELOW 0: these archives are small enough to be read whole otherwise),
-    with the plan and without it: the same findings as from disk. (The loading corpus is generated: ~30 s.)"""
+    """Read by exact ranges (WHOLE_FILE_BELOW 0, a 4 KiB opening suffix: these archives are small enough to be
+    read whole otherwise), with the plan and without it: the same findings as from disk. (The loading corpus is
+    generated: ~30 s.)"""
     monkeypatch.setattr("dduf_plus.storage.http_range.WHOLE_FILE_BELOW", 0)
+    monkeypatch.setattr("dduf_plus.storage.http_range.SUFFIX_BYTES", 4096)
     www = tmp_path / "www"
     if corpus == "hostile":
         shutil.copytree(HOSTILE, www, ignore=shutil.ignore_patterns("*.py", "*.json"))

@@ -29,9 +29,13 @@ from ..format.structure import parse_json
 
 # The validator's ZIP record checks, applied to the tail's bytes alone (no entry data is read).
 from ..format.zipfmt import ZipEntry, _parse_central_directory, _read_central_directory, _read_end_records
+from ..storage.http_range import SUFFIX_BYTES
 from .readers import RangeReader
 
-SUFFIX = 256 << 10  # first guess at the tail: end records, directory and index of most archives
+# First guess at the tail: end records, directory and index of most archives. The same span an http(s) reader's
+# opening request (a suffix range) already brought: reading it sends nothing, and what lies before the tail
+# (all of a small archive) is entry data the fetch keeps.
+SUFFIX = SUFFIX_BYTES
 MAX_TAIL = spec.MAX_CENTRAL_DIRECTORY + (16 << 20) + (1 << 20)
 MAX_INDEX = 16 << 20
 MAX_LOCAL_SLACK = spec.U16_MAX + 24  # a local header's extra field, and a data descriptor, past its fixed part
@@ -158,8 +162,9 @@ def local_data_offset(url: str, header: bytes, header_offset: int) -> int:
 
 
 def read_tail(reader: RangeReader, start_hint: int | None = None) -> Tail:
-    """Read, check and parse the tail: one request when the end records, directory and index fit in the
-    first guess (``start_hint``: where the tail began the last time), else two or three.
+    """Read, check and parse the tail: no request beyond an http(s) reader's opening (its suffix range holds
+    the first guess), one for other readers, when the end records, directory and index fit in the first
+    guess (``start_hint``: where the tail began the last time: exactly that), else one or two more.
 
     Raises:
         DDUFValidationError: the tail breaks a ZIP or DDUF rule (the findings carry the codes).
