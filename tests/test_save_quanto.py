@@ -186,6 +186,6 @@ def test_unfrozen_and_quantizer_backends_are_refused(tmp_path):
     pipe.unet = UNet2DConditionModel.from_pretrained(PIPELINES / "tiny-sd", subfolder="unet",
                                                      quantization_config=QuantoConfig(weights_dtype="int8"))
     assert pipe.unet.hf_quantizer is not None
-    with pytest.raises(DDUFPackError, match="'unet' is quantized; save_dduf streams plain weights only"):
+    with pytest.raises(DDUFPackError, match="'unet' is quantized with quanto; save_dduf stores the backends"):
         save_dduf(pipe, tmp_path / "x.dduf", quiet=True)
     assert not (tmp_path / "x.dduf").exists()

@@ -11,8 +11,10 @@ gives the same tensors and metadata for :func:`~dduf_plus.loading.save.save_dduf
   ``quant_state``; int8 ``weight`` + ``SCB`` + ``weight_format``), except for 4-bit layers a CPU forward
   repacked (bitsandbytes' AVX512-BF16 layout: ``packing_format_for_cpu``). Those are saved in the canonical
   layout computed on the side (the live layer keeps its fast layout); see :func:`canonical_4bit`;
-* any other backend whose diffusers quantizer serializes to safetensors (SDNQ...): its own
-  ``get_state_dict_and_metadata``, unchanged.
+* SDNQ: its quantizer's own ``get_state_dict_and_metadata``, unchanged.
+
+Other diffusers backends (its deprecated ``QuantoConfig``, GGUF...) are refused: save them with
+``save_pretrained`` and pack the folder.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ from ..errors import DDUFPackError
 logger = logging.getLogger(__name__)
 
 
+SAVED = ("torchao", "bitsandbytes", "sdnq")  # diffusers quant_method values save_dduf stores
+
+
 def quant_method(model: Any) -> str:
     """The model's diffusers quantization method (``torchao``, ``bitsandbytes``, ``sdnq``...)."""
     method = model.hf_quantizer.quantization_config.quant_method
@@ -43,6 +48,10 @@ def backend_state(name: str, model: Any) -> tuple[dict[str, torch.Tensor], dict[
     """
     quantizer = model.hf_quantizer
     method = quant_method(model)
+    if method not in SAVED:
+        raise DDUFPackError(f"component {name!r} is quantized with {method}; save_dduf stores the backends "
+                            f"dduf_plus records and loads ({', '.join(SAVED)}): save it with save_pretrained and "
+                            "pack the folder")
     if not (_flag(quantizer, "is_serializable") and _flag(quantizer, "supports_safetensors_serialization")):
         raise DDUFPackError(f"component {name!r} is quantized with {method}, which diffusers cannot save as "
                             "safetensors (its save_pretrained refuses it too)")

@@ -30,7 +30,7 @@ import os
 import re
 import sys
 import tempfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -41,20 +41,13 @@ from ..errors import DDUFPackError
 from ..format import spec
 from ..format.chat_template import TEMPLATE_DIR, is_template_name
 from ..format.pack import EntrySource, PackResult, Skipped, fold_sources, write_archive
-from ..format.safetensors_header import parse_header
 from ..format.structure import component_specs
+from ..packing.tensor_stream import DtypeRule, tensor_bytes, tensor_source  # noqa: F401 (tensor_bytes re-exported)
 from ..storage.confined import Confined
 
 logger = logging.getLogger(__name__)
 
-PIECE_BYTES = 64 << 20  # big tensors are handed to the writer in slices: smooth progress, same bytes
 FLOATING_TO_CONVERT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # fp8/ints: never
-
-# safetensors sorts tensors by dtype (descending, in the order of its Rust ``Dtype`` enum) then by name.
-# Measured from safetensors 0.8's output; tests/test_save.py checks it against ``safetensors.torch.save``.
-_SAFETENSORS_DTYPE_ORDER = ("BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0",
-                            "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "C64", "F64", "I64", "U64")
-_DTYPE_RANK = {name: rank for rank, name in enumerate(_SAFETENSORS_DTYPE_ORDER)}
 _VARIANT = re.compile(r"^[A-Za-z0-9_]+$")  # what the weight-file naming rule (format/weights.py) parses back
 
 
@@ -309,9 +302,6 @@ def _keep_in_fp32(model: Any) -> tuple[str, ...]:
     return tuple(sorted(keep))
 
 
-DtypeRule = Callable[[str, torch.Tensor], "torch.dtype | None"]  # (tensor name, tensor) -> dtype to store
-
-
 def _dtype_rule(dtype: torch.dtype | None, keep_fp32: tuple[str, ...]) -> DtypeRule:
     """(name, tensor) -> dtype to store, or None to keep. Same keep-in-fp32 test as diffusers' loader:
     a module name appearing as a component of the tensor's dotted name."""
@@ -435,7 +425,7 @@ def _storage_tokens(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor
     return {name: tokens.setdefault(_area(t), torch.empty(1)) for name, t in state.items()}
 
 
-# --- safetensors bytes, streamed ---------------------------------------------------------------------
+# --- safetensors bytes, streamed (packing.tensor_stream; the quanto layout order from loading.quant) -----------
 def weight_source(
     entry: str,
     state: Mapping[str, torch.Tensor],
@@ -445,83 +435,20 @@ def weight_source(
     what: str = "",
     aligned: bool = False,
 ) -> EntrySource:
-    """An :class:`EntrySource` whose chunks are a safetensors file of ``state``, byte-identical to
-    ``safetensors.torch.save(state, metadata)``, produced tensor by tensor without a full copy.
-
-    ``aligned=True`` lays the tensors out in :func:`~dduf_plus.loading.quant.aligned_order` (of their
-    stored sizes) instead of safetensors' order, as ``save_quanto_component`` does, so that quantized
-    int8 weights start 64-byte aligned and need no copy at load."""
-    dtype_for = dtype_for or (lambda name, tensor: None)
-    metadata = {"format": "pt"} if metadata is None else dict(metadata)
-    plan: list[tuple[str, torch.Tensor, torch.dtype]] = []
-    for name, tensor in state.items():
-        if not isinstance(tensor, torch.Tensor):
-            raise DDUFPackError(f"{what}: state dict entry {name!r} is not a tensor")
-        plan.append((name, tensor, dtype_for(name, tensor) or tensor.dtype))
+    """:func:`~dduf_plus.packing.tensor_stream.tensor_source`; ``aligned=True`` lays the tensors out in
+    :func:`~dduf_plus.loading.quant.aligned_order` (of their stored sizes) instead of safetensors' order, as
+    ``save_quanto_component`` does, so that quantized int8 weights start 64-byte aligned and need no copy at load."""
+    order = None
     if aligned:
         from .quant import aligned_order
 
+        rule = dtype_for or (lambda name, tensor: None)
         sizes = {}
-        for name, tensor, target in plan:
-            _st_dtype(target, what)
+        for name, tensor in state.items():
+            if not isinstance(tensor, torch.Tensor):
+                raise DDUFPackError(f"{what}: state dict entry {name!r} is not a tensor")
+            target = rule(name, tensor) or tensor.dtype
             size = torch.empty((), dtype=target).element_size()
             sizes[name] = (tensor.numel() * size, size)
-        rank = {name: i for i, name in enumerate(aligned_order(sizes))}
-        plan.sort(key=lambda p: rank[p[0]])
-    else:
-        plan.sort(key=lambda p: (-_DTYPE_RANK[_st_dtype(p[2], what)], p[0]))
-    raw, data_size = _header_json(plan, metadata)
-    size = 8 + len(raw) + data_size
-    header, problems = parse_header(raw, len(raw), size, entry)
-    errors = [p for p in problems if p.severity == "error"]
-    if header is None or errors:  # our own bug, not the user's: say so plainly
-        raise DDUFPackError(f"{entry}: computed safetensors header is invalid: {(errors or problems)[0]}")
-
-    def chunks() -> Iterator[Any]:
-        yield len(raw).to_bytes(8, "little") + raw
-        for _name, tensor, target in plan:
-            yield from tensor_bytes(tensor, target)
-
-    return EntrySource(entry, size=size, chunks=chunks, header=header)
-
-
-def _st_dtype(dtype: torch.dtype, what: str) -> str:
-    name = str(dtype).removeprefix("torch.")
-    info = spec.DTYPE_BY_TORCH.get(name)
-    if info is None or info.safetensors not in _DTYPE_RANK:
-        raise DDUFPackError(f"{what}: dtype {name} cannot be stored in safetensors")
-    return info.safetensors
-
-
-def _header_json(plan: list[tuple[str, torch.Tensor, torch.dtype]], metadata: Mapping[str, str]) -> tuple[bytes, int]:
-    header: dict[str, Any] = {spec.SAFETENSORS_METADATA_KEY: dict(metadata)} if metadata else {}
-    offset = 0
-    for name, tensor, target in plan:
-        nbytes = tensor.numel() * torch.empty((), dtype=target).element_size()
-        header[name] = {"dtype": _st_dtype(target, name), "shape": list(tensor.shape),
-                        "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    raw += b" " * (-len(raw) % 8)  # safetensors pads the header to 8 bytes with spaces
-    return raw, offset
-
-
-def tensor_bytes(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> Iterator[memoryview]:
-    """The little-endian bytes of ``tensor`` (converted to ``dtype``), as views: of the tensor itself
-    when it is a contiguous CPU tensor of that dtype, else of one converted / moved copy of it."""
-    t = tensor.detach()
-    if dtype is not None and t.dtype != dtype:
-        t = t.to(dtype)  # on the tensor's own device: a GPU converts faster than the CPU
-    if t.device.type != "cpu":
-        t = t.to("cpu")
-    if not t.is_contiguous():
-        t = t.contiguous()
-    if t.numel() == 0:
-        return
-    if sys.byteorder != "little":  # pragma: no cover - safetensors is little-endian
-        raise DDUFPackError("save_dduf needs a little-endian host")
-    # uint8 view: bf16/fp8 have no numpy dtype, and bytes are bytes.
-    flat = memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ only on Python >= 3.12
-    for at in range(0, len(flat), PIECE_BYTES):
-        yield flat[at : at + PIECE_BYTES]
-
+        order = aligned_order(sizes)
+    return tensor_source(entry, state, dtype_for=dtype_for, metadata=metadata, what=what, order=order)
