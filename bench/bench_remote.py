@@ -15,11 +15,8 @@ Medians of ``--runs`` runs; writes bench/results/remote.json.
 
     python bench/bench_remote.py --open-requests [--latency 0.020]
 
-counts the requests that *opening* a remote archive takes (target 1 beyond the size probe: the tail) for
-``load_dduf(URL)``'s fetch, ``dduf validate URL``, ``dduf info URL`` and a hosted reference, on a 5.4 MB
-tiny-sd with 1 MiB of extra weights per file (read by ranges, not whole), served in this process with the
-round trip injected; before (a plain range source, one request per header read) and after
-(storage/prefetch_source.py). A few seconds; writes bench/results/remote_open.json."""
+runs bench/bench_remote_open.py: the requests and seconds that *opening* a remote archive takes (target: 1
+request), per entry point, archive and client configuration; writes bench/results/remote_open.json."""
 
 from __future__ import annotations
 
@@ -158,100 +155,10 @@ def report(rows: dict[str, list[float]], size: int, args: argparse.Namespace) ->
     print(f"wrote {RESULTS.relative_to(ROOT)}")
 
 
-def _padded_archive() -> Path:
-    """tiny-sd with a 1 MiB random tensor added to each weights file (5.4 MB: read by ranges, not whole)."""
-    import numpy as np
-    from safetensors.numpy import load_file, save_file
-
-    from dduf_plus.format.pack import pack_folder
-
-    out = WORK / "open-requests" / "tiny-sd-padded.dduf"
-    if out.exists():
-        return out
-    folder = WORK / "open-requests" / "src"
-    shutil.rmtree(folder, ignore_errors=True)
-    shutil.copytree(ROOT / "fixtures" / "pipelines" / "tiny-sd", folder)
-    for path in sorted(folder.rglob("*.safetensors")):
-        tensors = load_file(path)
-        tensors["zz_padding.weight"] = np.random.default_rng(0).standard_normal((512, 512)).astype(np.float32)
-        save_file(tensors, path)
-    return pack_folder(folder, out, quiet=True).path
-
-
-def _open_rows(url: str, cache: Path) -> dict[str, tuple]:
-    """{entry point: (callable before, callable after)}; each returns nothing, the server counts."""
-    from dduf_plus.format.archive import DDUFArchive
-    from dduf_plus.format.validate import validate
-    from dduf_plus.refs.hosted import hosted_member_records
-    from dduf_plus.remote.fetch import open_remote
-
-    def fetch_open() -> None:  # the fetch's requests up to its tail: the size probe + the tail
-        shutil.rmtree(cache, ignore_errors=True)
-        opened = open_remote(url, {"cache_dir": str(cache)})
-        if not isinstance(opened, Path):
-            opened.finish()  # its data ranges come after the tail (not counted); finished, none runs on
-
-    return {  # the fetch last: nothing of it may still be in flight while another row counts
-        "dduf validate URL": (lambda: _unplanned(lambda: validate(url)), lambda: validate(url)),
-        "dduf info URL / DDUFArchive(URL)": (lambda: _unplanned(lambda: DDUFArchive(url).close()),
-                                             lambda: DDUFArchive(url).close()),
-        "hosted reference (component records)": (lambda: _unplanned(lambda: hosted_member_records(url, "vae")),
-                                                 lambda: hosted_member_records(url, "vae")),
-        "load_dduf(URL): fetch, up to its tail": (None, fetch_open),
-    }
-
-
-def _unplanned(call) -> None:
-    """``call()`` with validate and DDUFArchive reading a URL as before: one request per header read."""
-    from dduf_plus.format import archive, validate
-
-    saved = archive.PrefetchSource
-    archive.PrefetchSource = validate.PrefetchSource = lambda source: source  # type: ignore[assignment,misc]
-    try:
-        call()
-    finally:
-        archive.PrefetchSource = validate.PrefetchSource = saved
-
-
 def open_requests(latency: float) -> None:
-    """Requests and seconds to open a remote archive, before (one request per header read) and after."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    from servers import FileServer
-
-    os.environ["HF_HUB_OFFLINE"] = "0"
-    archive = _padded_archive()
-    results: dict[str, dict[str, float | int | None]] = {}
-    with FileServer(archive.parent, latency=latency) as srv:
-        url = srv.url(archive.name)
-        for label, (before, after) in _open_rows(url, WORK / "open-requests" / "cache").items():
-            row: dict[str, float | int | None] = {}
-            for when, call in (("before", before), ("after", after)):
-                if call is None:
-                    row[f"requests_{when}"] = row[f"seconds_{when}"] = None
-                    continue
-                srv.reset()
-                started = time.perf_counter()
-                call()
-                row[f"seconds_{when}"] = None if "fetch" in label else time.perf_counter() - started
-                row[f"requests_{when}"] = srv.gets if "fetch" not in label else _before_data(srv.ranges)
-            results[label] = row
-    print(f"requests to open a remote archive ({archive.stat().st_size / 1e6:.1f} MB, indexed; "
-          f"{latency * 1e3:.0f} ms per request)")
-    print(f"{'entry point':42} {'before':>7} {'after':>6} {'s before':>9} {'s after':>8}")
-    for label, row in results.items():
-        cells = [f"{row[k]:7d}" if isinstance(row[k], int) else f"{'-':>7}" for k in ("requests_before", "requests_after")]
-        secs = [f"{row[k]:9.2f}" if isinstance(row[k], float) else f"{'-':>9}" for k in ("seconds_before", "seconds_after")]
-        print(f"{label:42} {cells[0]} {cells[1][1:]} {secs[0]} {secs[1][1:]}")
-    out = RESULTS.parent / "remote_open.json"
-    out.write_text(json.dumps({"archive_bytes": archive.stat().st_size, "latency_s": latency,
-                               "rows": results}, indent=2) + "\n")
-    print(f"wrote {out.relative_to(ROOT)}")
-
-
-def _before_data(ranges: list[tuple[int, int]]) -> int:
-    """Requests up to and including the tail (the one reaching the end of the file): what opening took."""
-    size = max(start + length for start, length in ranges)
-    return next(i + 1 for i, (start, length) in enumerate(ranges) if start + length == size)
+    """Requests and seconds to open a remote archive: bench/bench_remote_open.py (writes remote_open.json)."""
+    subprocess.run([sys.executable, str(Path(__file__).with_name("bench_remote_open.py")), "--latency", str(latency)],
+                   check=True)
 
 
 if __name__ == "__main__":
