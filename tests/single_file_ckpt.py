@@ -271,3 +271,288 @@ def build_tiny_sdxl_refiner(out: Path, tokenizer_from: Path, seed: int = 0) -> P
         shutil.rmtree(out)
     pipe.save_pretrained(out)
     return out
+
+
+# --- Flux (BFL layout) ---------------------------------------------------------------------------------------
+# diffusers' convert_flux_transformer_checkpoint_to_diffusers assumes FLUX.1's width (3072 = 24 heads x 128) and
+# mlp ratio 4, so the tiny Flux has the real width with one double and one single block (~1.06 GB in bf16).
+_FLUX_FIXED = {"time_text_embed.timestep_embedder.linear_1": "time_in.in_layer",
+               "time_text_embed.timestep_embedder.linear_2": "time_in.out_layer",
+               "time_text_embed.text_embedder.linear_1": "vector_in.in_layer",
+               "time_text_embed.text_embedder.linear_2": "vector_in.out_layer",
+               "time_text_embed.guidance_embedder.linear_1": "guidance_in.in_layer",
+               "time_text_embed.guidance_embedder.linear_2": "guidance_in.out_layer",
+               "context_embedder": "txt_in", "x_embedder": "img_in", "proj_out": "final_layer.linear"}
+_FLUX_DOUBLE = {"norm1.linear": "img_mod.lin", "norm1_context.linear": "txt_mod.lin",
+                "attn.norm_q": "img_attn.norm.query_norm", "attn.norm_k": "img_attn.norm.key_norm",
+                "attn.norm_added_q": "txt_attn.norm.query_norm", "attn.norm_added_k": "txt_attn.norm.key_norm",
+                "ff.net.0.proj": "img_mlp.0", "ff.net.2": "img_mlp.2", "ff_context.net.0.proj": "txt_mlp.0",
+                "ff_context.net.2": "txt_mlp.2", "attn.to_out.0": "img_attn.proj", "attn.to_add_out": "txt_attn.proj"}
+_FLUX_SINGLE = {"norm.linear": "modulation.lin", "attn.norm_q": "norm.query_norm", "attn.norm_k": "norm.key_norm",
+                "proj_out": "linear2"}
+_FLUX_FUSED = {"transformer_blocks": {"img_attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
+                                      "txt_attn.qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")},
+               "single_transformer_blocks": {"linear1": ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")}}
+
+
+def _swap_halves(t: torch.Tensor) -> torch.Tensor:
+    """BFL's final adaLN is (shift, scale), diffusers' (scale, shift): the swap is its own inverse."""
+    a, b = t.chunk(2, dim=0)
+    return torch.cat([b, a])
+
+
+def flux_to_bfl(state: Mapping[str, torch.Tensor], prefix: str = "") -> dict[str, torch.Tensor]:
+    """The BFL names of a diffusers FluxTransformer2DModel state (fused q/k/v and single-block linear1
+    concatenated back, the final norm's halves swapped), each under ``prefix`` (``model.diffusion_model.``
+    in ComfyUI-style full files)."""
+    out: dict[str, torch.Tensor] = {}
+    done: set[str] = set()
+    for kind, fused in _FLUX_FUSED.items():
+        blocks = sorted({int(k.split(".")[1]) for k in state if k.startswith(kind + ".")})
+        for i in blocks:
+            old = "double_blocks" if kind == "transformer_blocks" else "single_blocks"
+            for target, parts in fused.items():
+                for leaf in ("weight", "bias"):
+                    names = [f"{kind}.{i}.{p}.{leaf}" for p in parts]
+                    out[f"{prefix}{old}.{i}.{target}.{leaf}"] = torch.cat([state[n] for n in names])
+                    done.update(names)
+    for k, v in state.items():
+        if k in done:
+            continue
+        head, _, leaf = k.rpartition(".")
+        leaf = "scale" if head.endswith(("norm_q", "norm_k", "norm_added_q", "norm_added_k")) else leaf
+        m = re.fullmatch(r"(transformer_blocks|single_transformer_blocks)\.(\d+)\.(.*)", head)
+        if m:
+            table, old = (_FLUX_DOUBLE, "double_blocks") if m[1] == "transformer_blocks" else (_FLUX_SINGLE,
+                                                                                              "single_blocks")
+            out[f"{prefix}{old}.{m[2]}.{table[m[3]]}.{leaf}"] = v
+        elif head == "norm_out.linear":
+            out[f"{prefix}final_layer.adaLN_modulation.1.{leaf}"] = _swap_halves(v)
+        else:
+            out[f"{prefix}{_FLUX_FIXED[head]}.{leaf}"] = v
+    return out
+
+
+def _seeded_like(shapes: Mapping[str, torch.Size], dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
+    """Seeded values for ~500M parameters in about a second: slices of one random pool at random offsets
+    (torch.randn for all of them takes ~12 s); std ~0.02 keeps a 1-step image finite."""
+    g = torch.Generator().manual_seed(seed)
+    pool = (torch.randn(1_000_003, generator=g) * 0.02).to(dtype)
+    out = {}
+    for k, shape in shapes.items():
+        n = shape.numel()
+        offset = int(torch.randint(0, pool.numel(), (), generator=g))
+        reps = (offset + n) // pool.numel() + 1
+        flat = pool.repeat(reps)[offset:offset + n] if reps > 1 else pool[offset:offset + n]
+        out[k] = flat.clone().view(shape)
+    return out
+
+
+FLUX_TRANSFORMER = {"in_channels": 16, "num_layers": 1, "num_single_layers": 1, "attention_head_dim": 128,
+                    "num_attention_heads": 24, "joint_attention_dim": 32, "pooled_projection_dim": 32,
+                    "guidance_embeds": True, "axes_dims_rope": (16, 56, 56)}
+
+
+def build_tiny_flux(out: Path, clip_tokenizer: Path, t5_tokenizer: Path, seed: int = 0,
+                    dtype: torch.dtype = torch.bfloat16) -> Path:
+    """A FLUX.1-dev-shaped pipeline folder in ``dtype`` (as the Hub's FLUX.1 repos, bf16): the transformer has
+    the real width (one block of each kind, seeded), the VAE (no quant convs, as Flux's) and both text encoders
+    are tiny; the T5 is 32 wide (joint_attention_dim), CLIP's pooled output 32 (pooled_projection_dim)."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import (
+        CLIPTextConfig,
+        CLIPTextModel,
+        CLIPTokenizer,
+        T5Config,
+        T5EncoderModel,
+        T5TokenizerFast,
+    )
+
+    tokenizer = CLIPTokenizer.from_pretrained(clip_tokenizer)
+    tokenizer_2 = T5TokenizerFast.from_pretrained(t5_tokenizer)
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        transformer = FluxTransformer2DModel(**FLUX_TRANSFORMER)
+    shapes = {k: v.shape for k, v in transformer.state_dict().items()}
+    transformer.load_state_dict(_seeded_like(shapes, dtype, seed), assign=True)
+    vae = AutoencoderKL(block_out_channels=(8, 16), in_channels=3, out_channels=3, latent_channels=4,
+                        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+                        layers_per_block=1, norm_num_groups=4, sample_size=32, use_quant_conv=False,
+                        use_post_quant_conv=False, shift_factor=0.1159, scaling_factor=0.3611).eval()
+    te = CLIPTextModel(CLIPTextConfig(
+        hidden_size=32, num_hidden_layers=2, intermediate_size=37, num_attention_heads=4, projection_dim=32,
+        max_position_embeddings=77, hidden_act="gelu", vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)).eval()
+    te2 = T5EncoderModel(T5Config(vocab_size=len(tokenizer_2), d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4,
+                                  relative_attention_num_buckets=8, feed_forward_proj="gated-gelu",
+                                  is_encoder_decoder=False, use_cache=False)).eval()
+    pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae.to(dtype),
+                        text_encoder=te.to(dtype), tokenizer=tokenizer, text_encoder_2=te2.to(dtype),
+                        tokenizer_2=tokenizer_2, transformer=transformer)
+    if out.exists():
+        shutil.rmtree(out)
+    pipe.save_pretrained(out)
+    return out
+
+
+def flux_checkpoint(folder: Path, *, layout: str = "bfl", transformer_delta: float = 0.0, vae_delta: float = 0.0,
+                    dtype: torch.dtype | None = None, full: bool = False) -> dict[str, torch.Tensor]:
+    """A Flux single-file checkpoint (as a state dict) of the pipeline ``folder``: the transformer in BFL
+    layout (``layout="bfl"``: bare keys; ``"comfy"``: under ``model.diffusion_model.``) or in diffusers' own
+    keys (``"diffusers"``); ``full`` adds the VAE (``vae.``, LDM layout), CLIP-L and T5 (``text_encoders.clip_l.
+    transformer.``, ``text_encoders.t5xxl.transformer.``) as ComfyUI's full Flux files hold them."""
+    state = _state(folder, "transformer")
+    if transformer_delta:
+        state = {k: v + transformer_delta for k, v in state.items()}
+    if layout == "diffusers":
+        out = dict(state)
+    else:
+        out = flux_to_bfl(state, "model.diffusion_model." if layout == "comfy" else "")
+    del state
+    if full:
+        vae = {k: v + vae_delta for k, v in _state(folder, "vae").items()} if vae_delta else _state(folder, "vae")
+        out.update({"vae." + k.removeprefix("first_stage_model."): v
+                    for k, v in vae_to_ldm(vae, _config(folder, "vae")).items()})
+        out.update(clip_to_ldm(_state(folder, "text_encoder"), "text_encoders.clip_l.transformer."))
+        out.update({"text_encoders.t5xxl.transformer." + k: v for k, v in _state(folder, "text_encoder_2").items()})
+    if dtype is not None:
+        out = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in out.items()}
+    return out
+
+
+# --- SD3 / SD3.5 (MMDiT) ----------------------------------------------------------------------------------------
+_SD3_FIXED = {"pos_embed.proj": "x_embedder.proj", "context_embedder": "context_embedder",
+              "time_text_embed.timestep_embedder.linear_1": "t_embedder.mlp.0",
+              "time_text_embed.timestep_embedder.linear_2": "t_embedder.mlp.2",
+              "time_text_embed.text_embedder.linear_1": "y_embedder.mlp.0",
+              "time_text_embed.text_embedder.linear_2": "y_embedder.mlp.2", "proj_out": "final_layer.linear"}
+_SD3_BLOCK = {"attn.to_out.0": "x_block.attn.proj", "attn.to_add_out": "context_block.attn.proj",
+              "attn.norm_q": "x_block.attn.ln_q", "attn.norm_k": "x_block.attn.ln_k",
+              "attn.norm_added_q": "context_block.attn.ln_q", "attn.norm_added_k": "context_block.attn.ln_k",
+              "attn2.to_out.0": "x_block.attn2.proj", "attn2.norm_q": "x_block.attn2.ln_q",
+              "attn2.norm_k": "x_block.attn2.ln_k", "norm1.linear": "x_block.adaLN_modulation.1",
+              "norm1_context.linear": "context_block.adaLN_modulation.1", "ff.net.0.proj": "x_block.mlp.fc1",
+              "ff.net.2": "x_block.mlp.fc2", "ff_context.net.0.proj": "context_block.mlp.fc1",
+              "ff_context.net.2": "context_block.mlp.fc2"}
+_SD3_QKV = {"attn.to_": "x_block.attn.qkv", "attn.add_": "context_block.attn.qkv", "attn2.to_": "x_block.attn2.qkv"}
+
+
+def _sd3_swap_halves(t: torch.Tensor) -> torch.Tensor:
+    """SD3's original AdaLayerNormContinuous splits into (shift, scale), diffusers' into (scale, shift)."""
+    a, b = t.chunk(2, dim=0)
+    return torch.cat([b, a]).contiguous()
+
+
+def sd3_transformer_to_original(state: Mapping[str, torch.Tensor], prefix: str = "model.diffusion_model."
+                                ) -> dict[str, torch.Tensor]:
+    """The MMDiT layout (``joint_blocks.N.{x,context}_block``, fused qkv) of a diffusers SD3Transformer2DModel:
+    the reverse of diffusers' ``convert_sd3_transformer_checkpoint_to_diffusers``."""
+    last = max(int(k.split(".")[1]) for k in state if k.startswith("transformer_blocks."))
+    out: dict[str, torch.Tensor] = {prefix + "pos_embed": state["pos_embed.pos_embed"]}
+    fused: dict[str, dict[str, torch.Tensor]] = {}
+    for key, v in state.items():
+        head, _, leaf = key.rpartition(".")
+        if head in _SD3_FIXED:
+            out[f"{prefix}{_SD3_FIXED[head]}.{leaf}"] = v
+        elif head == "norm_out.linear":
+            out[f"{prefix}final_layer.adaLN_modulation.1.{leaf}"] = _sd3_swap_halves(v)
+        elif key.startswith("transformer_blocks."):
+            _, i, rest = key.split(".", 2)
+            part = rest.rpartition(".")[0]
+            qkv = re.fullmatch(r"(attn\.to_|attn\.add_|attn2\.to_)([qkv])(?:_proj)?", part)
+            if qkv and part not in _SD3_BLOCK:
+                fused.setdefault(f"{prefix}joint_blocks.{i}.{_SD3_QKV[qkv[1]]}.{leaf}", {})[qkv[2]] = v
+                continue
+            if part == "norm1_context.linear" and int(i) == last:
+                v = _sd3_swap_halves(v)
+            out[f"{prefix}joint_blocks.{i}.{_SD3_BLOCK[part]}.{leaf}"] = v
+        elif key != "pos_embed.pos_embed":
+            raise KeyError(f"no MMDiT name for SD3 tensor {key}")
+    for name, parts in fused.items():
+        out[name] = torch.cat([parts["q"], parts["k"], parts["v"]]).contiguous()
+    return out
+
+
+def sd3_checkpoint_from_pipeline(folder: Path, *, transformer_delta: float = 0.0, dtype: torch.dtype | None = None,
+                                 components: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
+    """A single-file SD3 checkpoint (as a state dict) of the diffusers SD3 pipeline ``folder``, in the layout of
+    Stability's files: ``model.diffusion_model.`` (MMDiT), ``first_stage_model.``, ``text_encoders.clip_l.``
+    (no text_projection: diffusers sets it to the identity), ``text_encoders.clip_g.``, ``text_encoders.t5xxl.``."""
+    parts = {
+        "transformer": lambda: sd3_transformer_to_original(
+            {k: v + transformer_delta for k, v in _state(folder, "transformer").items()}),
+        "vae": lambda: vae_to_ldm(_state(folder, "vae"), _config(folder, "vae")),
+        "text_encoder": lambda: {"text_encoders.clip_l.transformer." + k: v
+                                 for k, v in _state(folder, "text_encoder").items() if k != "text_projection.weight"},
+        "text_encoder_2": lambda: {"text_encoders.clip_g.transformer." + k: v
+                                   for k, v in _state(folder, "text_encoder_2").items()},
+        "text_encoder_3": lambda: {"text_encoders.t5xxl.transformer." + k: v
+                                   for k, v in _state(folder, "text_encoder_3").items()},
+    }
+    out: dict[str, torch.Tensor] = {}
+    for name, make in parts.items():
+        if components is None or name in components:
+            out.update(make())
+    if dtype is not None:
+        out = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in out.items()}
+    return out
+
+
+def build_tiny_sd3(out: Path, clip_tokenizer_from: Path, t5_tokenizer_from: Path, seed: int = 0,
+                   num_layers: int = 38) -> Path:
+    """A tiny SD3.5-shaped pipeline folder (float32, seeded; ``fp16`` variant files too). 38 MMDiT blocks by
+    default: diffusers detects SD3.5 large by ``joint_blocks.37`` (SD3 / 3.5 medium by their real 1536 width,
+    out of reach of a tiny fixture); RMS qk-norm and dual attention in the first two blocks (3.5 medium's
+    layout) so that every branch of diffusers' converter runs; CLIP-L and CLIP-G of different widths
+    (diffusers tells them apart by width); CLIP-L's projection is the identity (as diffusers sets it)."""
+    import copy
+
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        SD3Transformer2DModel,
+        StableDiffusion3Pipeline,
+    )
+    from transformers import (
+        CLIPTextConfig,
+        CLIPTextModelWithProjection,
+        CLIPTokenizer,
+        T5Config,
+        T5EncoderModel,
+        T5Tokenizer,
+    )
+
+    tokenizer = CLIPTokenizer.from_pretrained(clip_tokenizer_from)
+    t5_tokenizer = T5Tokenizer.from_pretrained(t5_tokenizer_from)
+    torch.manual_seed(seed)
+    transformer = SD3Transformer2DModel(
+        sample_size=16, patch_size=2, in_channels=16, out_channels=16, num_layers=num_layers, attention_head_dim=8,
+        num_attention_heads=2, joint_attention_dim=64, caption_projection_dim=16, pooled_projection_dim=56,
+        pos_embed_max_size=16, dual_attention_layers=(0, 1), qk_norm="rms_norm").eval()
+    vae = AutoencoderKL(block_out_channels=(8, 16), in_channels=3, out_channels=3, latent_channels=16,
+                        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+                        layers_per_block=1, norm_num_groups=4, sample_size=32, use_quant_conv=False,
+                        use_post_quant_conv=False, shift_factor=0.0609, scaling_factor=1.5305).eval()
+    common = {"intermediate_size": 37, "num_attention_heads": 4, "max_position_embeddings": 77,
+              "hidden_act": "gelu", "layer_norm_eps": 1e-5, "vocab_size": len(tokenizer),
+              "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+              "pad_token_id": tokenizer.pad_token_id}
+    clip_l = CLIPTextModelWithProjection(CLIPTextConfig(hidden_size=32, num_hidden_layers=2, projection_dim=32,
+                                                        **common)).eval()
+    with torch.no_grad():
+        clip_l.text_projection.weight.copy_(torch.eye(32))
+    clip_g = CLIPTextModelWithProjection(CLIPTextConfig(hidden_size=24, num_hidden_layers=2, projection_dim=24,
+                                                        **common)).eval()
+    t5 = T5EncoderModel(T5Config(vocab_size=len(t5_tokenizer), d_model=64, d_kv=8, d_ff=37, num_layers=2,
+                                 num_heads=4, relative_attention_num_buckets=8, feed_forward_proj="gated-gelu",
+                                 pad_token_id=t5_tokenizer.pad_token_id, eos_token_id=t5_tokenizer.eos_token_id,
+                                 decoder_start_token_id=t5_tokenizer.pad_token_id)).eval()
+    pipe = StableDiffusion3Pipeline(
+        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae,
+        text_encoder=clip_l, tokenizer=tokenizer, text_encoder_2=clip_g, tokenizer_2=tokenizer,
+        text_encoder_3=t5, tokenizer_3=t5_tokenizer)
+    if out.exists():
+        shutil.rmtree(out)
+    copy.deepcopy(pipe).to(torch.float16).save_pretrained(out, variant="fp16")
+    pipe.save_pretrained(out)  # last: the configs say float32 (from_pretrained's "auto" reads them)
+    return out
