@@ -429,13 +429,15 @@ def _check_sdnq(name: str, parts: Mapping[str, TensorInfo], qc: Mapping[str, Any
         raise QuantError("Q002", f"{name}: quantized weight lacks its scale")
     if qc.get("scale_dtype") not in (None, "none"):
         return  # the scale is itself quantized (scale_2...): its layout is SDNQ's to check
-    if scale.dtype not in _SCALE_DTYPES | {"float64"} or len(scale.shape) < 2 or not all(scale.shape):
+    transposed = len(weight.shape) > 1 and bool(qc.get("use_quantized_matmul")) and scale.shape[:1] == (1,)
+    if scale.dtype not in _SCALE_DTYPES | {"float64"} or len(scale.shape) < 2 or not all(scale.shape) \
+            or (scale.shape[-1] != 1 and not transposed):  # [1, N] only for a matmul-transposed weight
         raise QuantError("Q003", f"{name}: scale {scale.dtype} {list(scale.shape)} is not a float [N, ..., 1] tensor")
     groups = prod(scale.shape)
     unpacked = prod(weight.shape) if len(weight.shape) > 1 else None
     if unpacked is not None and (unpacked % groups or scale.shape[0] not in (weight.shape[0], 1)):
         raise QuantError("Q003", f"{name}: scale {list(scale.shape)} does not fit weight {list(weight.shape)}")
-    if unpacked is None and scheme is not None and scheme.packed and weight.nbytes * 8 < groups * scheme.bits:
+    if unpacked is None and scheme is not None and scheme.packed and weight.nbytes * 8 // scheme.bits < groups:
         raise QuantError("Q003", f"{name}: {weight.nbytes} packed bytes cannot hold {groups} groups")
     overrides = qc.get("modules_dtype_dict") or qc.get("modules_quant_config")
     wants_zero = bool(scheme and scheme.unsigned and scheme.integer and not qc.get("use_codebook") and not overrides)
