@@ -418,3 +418,141 @@ def flux_checkpoint(folder: Path, *, layout: str = "bfl", transformer_delta: flo
     if dtype is not None:
         out = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in out.items()}
     return out
+
+
+# --- SD3 / SD3.5 (MMDiT) ----------------------------------------------------------------------------------------
+_SD3_FIXED = {"pos_embed.proj": "x_embedder.proj", "context_embedder": "context_embedder",
+              "time_text_embed.timestep_embedder.linear_1": "t_embedder.mlp.0",
+              "time_text_embed.timestep_embedder.linear_2": "t_embedder.mlp.2",
+              "time_text_embed.text_embedder.linear_1": "y_embedder.mlp.0",
+              "time_text_embed.text_embedder.linear_2": "y_embedder.mlp.2", "proj_out": "final_layer.linear"}
+_SD3_BLOCK = {"attn.to_out.0": "x_block.attn.proj", "attn.to_add_out": "context_block.attn.proj",
+              "attn.norm_q": "x_block.attn.ln_q", "attn.norm_k": "x_block.attn.ln_k",
+              "attn.norm_added_q": "context_block.attn.ln_q", "attn.norm_added_k": "context_block.attn.ln_k",
+              "attn2.to_out.0": "x_block.attn2.proj", "attn2.norm_q": "x_block.attn2.ln_q",
+              "attn2.norm_k": "x_block.attn2.ln_k", "norm1.linear": "x_block.adaLN_modulation.1",
+              "norm1_context.linear": "context_block.adaLN_modulation.1", "ff.net.0.proj": "x_block.mlp.fc1",
+              "ff.net.2": "x_block.mlp.fc2", "ff_context.net.0.proj": "context_block.mlp.fc1",
+              "ff_context.net.2": "context_block.mlp.fc2"}
+_SD3_QKV = {"attn.to_": "x_block.attn.qkv", "attn.add_": "context_block.attn.qkv", "attn2.to_": "x_block.attn2.qkv"}
+
+
+def _sd3_swap_halves(t: torch.Tensor) -> torch.Tensor:
+    """SD3's original AdaLayerNormContinuous splits into (shift, scale), diffusers' into (scale, shift)."""
+    a, b = t.chunk(2, dim=0)
+    return torch.cat([b, a]).contiguous()
+
+
+def sd3_transformer_to_original(state: Mapping[str, torch.Tensor], prefix: str = "model.diffusion_model."
+                                ) -> dict[str, torch.Tensor]:
+    """The MMDiT layout (``joint_blocks.N.{x,context}_block``, fused qkv) of a diffusers SD3Transformer2DModel:
+    the reverse of diffusers' ``convert_sd3_transformer_checkpoint_to_diffusers``."""
+    last = max(int(k.split(".")[1]) for k in state if k.startswith("transformer_blocks."))
+    out: dict[str, torch.Tensor] = {prefix + "pos_embed": state["pos_embed.pos_embed"]}
+    fused: dict[str, dict[str, torch.Tensor]] = {}
+    for key, v in state.items():
+        head, _, leaf = key.rpartition(".")
+        if head in _SD3_FIXED:
+            out[f"{prefix}{_SD3_FIXED[head]}.{leaf}"] = v
+        elif head == "norm_out.linear":
+            out[f"{prefix}final_layer.adaLN_modulation.1.{leaf}"] = _sd3_swap_halves(v)
+        elif key.startswith("transformer_blocks."):
+            _, i, rest = key.split(".", 2)
+            part = rest.rpartition(".")[0]
+            qkv = re.fullmatch(r"(attn\.to_|attn\.add_|attn2\.to_)([qkv])(?:_proj)?", part)
+            if qkv and part not in _SD3_BLOCK:
+                fused.setdefault(f"{prefix}joint_blocks.{i}.{_SD3_QKV[qkv[1]]}.{leaf}", {})[qkv[2]] = v
+                continue
+            if part == "norm1_context.linear" and int(i) == last:
+                v = _sd3_swap_halves(v)
+            out[f"{prefix}joint_blocks.{i}.{_SD3_BLOCK[part]}.{leaf}"] = v
+        elif key != "pos_embed.pos_embed":
+            raise KeyError(f"no MMDiT name for SD3 tensor {key}")
+    for name, parts in fused.items():
+        out[name] = torch.cat([parts["q"], parts["k"], parts["v"]]).contiguous()
+    return out
+
+
+def sd3_checkpoint_from_pipeline(folder: Path, *, transformer_delta: float = 0.0, dtype: torch.dtype | None = None,
+                                 components: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
+    """A single-file SD3 checkpoint (as a state dict) of the diffusers SD3 pipeline ``folder``, in the layout of
+    Stability's files: ``model.diffusion_model.`` (MMDiT), ``first_stage_model.``, ``text_encoders.clip_l.``
+    (no text_projection: diffusers sets it to the identity), ``text_encoders.clip_g.``, ``text_encoders.t5xxl.``."""
+    parts = {
+        "transformer": lambda: sd3_transformer_to_original(
+            {k: v + transformer_delta for k, v in _state(folder, "transformer").items()}),
+        "vae": lambda: vae_to_ldm(_state(folder, "vae"), _config(folder, "vae")),
+        "text_encoder": lambda: {"text_encoders.clip_l.transformer." + k: v
+                                 for k, v in _state(folder, "text_encoder").items() if k != "text_projection.weight"},
+        "text_encoder_2": lambda: {"text_encoders.clip_g.transformer." + k: v
+                                   for k, v in _state(folder, "text_encoder_2").items()},
+        "text_encoder_3": lambda: {"text_encoders.t5xxl.transformer." + k: v
+                                   for k, v in _state(folder, "text_encoder_3").items()},
+    }
+    out: dict[str, torch.Tensor] = {}
+    for name, make in parts.items():
+        if components is None or name in components:
+            out.update(make())
+    if dtype is not None:
+        out = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in out.items()}
+    return out
+
+
+def build_tiny_sd3(out: Path, clip_tokenizer_from: Path, t5_tokenizer_from: Path, seed: int = 0,
+                   num_layers: int = 38) -> Path:
+    """A tiny SD3.5-shaped pipeline folder (float32, seeded; ``fp16`` variant files too). 38 MMDiT blocks by
+    default: diffusers detects SD3.5 large by ``joint_blocks.37`` (SD3 / 3.5 medium by their real 1536 width,
+    out of reach of a tiny fixture); RMS qk-norm and dual attention in the first two blocks (3.5 medium's
+    layout) so that every branch of diffusers' converter runs; CLIP-L and CLIP-G of different widths
+    (diffusers tells them apart by width); CLIP-L's projection is the identity (as diffusers sets it)."""
+    import copy
+
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        SD3Transformer2DModel,
+        StableDiffusion3Pipeline,
+    )
+    from transformers import (
+        CLIPTextConfig,
+        CLIPTextModelWithProjection,
+        CLIPTokenizer,
+        T5Config,
+        T5EncoderModel,
+        T5Tokenizer,
+    )
+
+    tokenizer = CLIPTokenizer.from_pretrained(clip_tokenizer_from)
+    t5_tokenizer = T5Tokenizer.from_pretrained(t5_tokenizer_from)
+    torch.manual_seed(seed)
+    transformer = SD3Transformer2DModel(
+        sample_size=16, patch_size=2, in_channels=16, out_channels=16, num_layers=num_layers, attention_head_dim=8,
+        num_attention_heads=2, joint_attention_dim=64, caption_projection_dim=16, pooled_projection_dim=56,
+        pos_embed_max_size=16, dual_attention_layers=(0, 1), qk_norm="rms_norm").eval()
+    vae = AutoencoderKL(block_out_channels=(8, 16), in_channels=3, out_channels=3, latent_channels=16,
+                        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+                        layers_per_block=1, norm_num_groups=4, sample_size=32, use_quant_conv=False,
+                        use_post_quant_conv=False, shift_factor=0.0609, scaling_factor=1.5305).eval()
+    common = {"intermediate_size": 37, "num_attention_heads": 4, "max_position_embeddings": 77,
+              "hidden_act": "gelu", "layer_norm_eps": 1e-5, "vocab_size": len(tokenizer),
+              "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+              "pad_token_id": tokenizer.pad_token_id}
+    clip_l = CLIPTextModelWithProjection(CLIPTextConfig(hidden_size=32, num_hidden_layers=2, projection_dim=32,
+                                                        **common)).eval()
+    with torch.no_grad():
+        clip_l.text_projection.weight.copy_(torch.eye(32))
+    clip_g = CLIPTextModelWithProjection(CLIPTextConfig(hidden_size=24, num_hidden_layers=2, projection_dim=24,
+                                                        **common)).eval()
+    t5 = T5EncoderModel(T5Config(vocab_size=len(t5_tokenizer), d_model=64, d_kv=8, d_ff=37, num_layers=2,
+                                 num_heads=4, relative_attention_num_buckets=8, feed_forward_proj="gated-gelu",
+                                 pad_token_id=t5_tokenizer.pad_token_id, eos_token_id=t5_tokenizer.eos_token_id,
+                                 decoder_start_token_id=t5_tokenizer.pad_token_id)).eval()
+    pipe = StableDiffusion3Pipeline(
+        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae,
+        text_encoder=clip_l, tokenizer=tokenizer, text_encoder_2=clip_g, tokenizer_2=tokenizer,
+        text_encoder_3=t5, tokenizer_3=t5_tokenizer)
+    if out.exists():
+        shutil.rmtree(out)
+    copy.deepcopy(pipe).to(torch.float16).save_pretrained(out, variant="fp16")
+    pipe.save_pretrained(out)  # last: the configs say float32 (from_pretrained's "auto" reads them)
+    return out

@@ -206,10 +206,13 @@ def test_shapes_that_do_not_fit_base_are_refused(tmp_path: Path) -> None:
              "decoder.conv_in.bias", "not in the checkpoint")
 
 
-def test_fp8_checkpoint_is_refused(tmp_path: Path) -> None:
+def test_scaled_fp8_checkpoint_is_refused(tmp_path: Path) -> None:
+    """Scaled fp8 (diffusers loads it unscaled) is refused; plain fp8 packs (tests/test_single_file_sd3.py)."""
     state = checkpoint_from_pipeline(TINY_SD, "v1", unet_delta=0.01, components=("unet",))
     fp8 = {k: v.to(torch.float8_e4m3fn) for k, v in state.items()}
-    _refused(_save(fp8, tmp_path / "fp8.safetensors"), TINY_SD, tmp_path / "f.dduf", "float8", "unet")
+    fp8["model.diffusion_model.out.2.scale_weight"] = torch.ones(())
+    _refused(_save(fp8, tmp_path / "fp8.safetensors"), TINY_SD, tmp_path / "f.dduf", "scaled-fp8",
+             "out.2.scale_weight")
 
 
 def test_checkpoint_identical_to_base_is_refused(tmp_path: Path) -> None:

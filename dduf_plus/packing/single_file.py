@@ -38,7 +38,7 @@ __all__ = ["FAMILIES", "describe_checkpoint", "detect_architecture", "is_single_
 
 
 class Component(NamedTuple):
-    kind: str  # "unet", "vae", "clip" (CLIP-L, transformers layout), "open_clip" (OpenCLIP layout)
+    kind: str  # "unet", "vae", "clip" (CLIP-L, transformers layout), "open_clip" (OpenCLIP layout); SD3: see _SD3
     prefix: str  # the component's key prefix in the checkpoint ("": every key not under ``exclude``)
     exclude: tuple[str, ...] = ()  # the other components' prefixes, where ``prefix`` is "" (Flux)
 
@@ -69,6 +69,16 @@ FAMILIES: dict[str, Family] = {
                          {"unet": _UNET, "vae": _VAE,
                           "text_encoder_2": Component("open_clip", "conditioner.embedders.0.model.")}),
 }
+# SD3 / SD3.5 (Stability's and ComfyUI's files): MMDiT transformer, SD3 VAE in the LDM layout, CLIP-L and CLIP-G
+# in transformers' layout, T5-XXL; diffusers tells the three sizes apart (one family for dduf pack).
+_SD3 = {"transformer": Component("sd3_transformer", "model.diffusion_model."), "vae": _VAE,
+        "text_encoder": Component("sd3_clip_l", "text_encoders.clip_l.transformer."),
+        "text_encoder_2": Component("sd3_clip_g", "text_encoders.clip_g.transformer."),
+        "text_encoder_3": Component("t5", "text_encoders.t5xxl.transformer.")}
+_SD3_PIPELINES = ("StableDiffusion3Pipeline", "StableDiffusion3Img2ImgPipeline", "StableDiffusion3InpaintPipeline")
+FAMILIES.update({"sd3": Family("SD3 medium", _SD3_PIPELINES, _SD3),
+                 "sd35_medium": Family("SD3.5 medium", _SD3_PIPELINES, _SD3),
+                 "sd35_large": Family("SD3.5 large", _SD3_PIPELINES, _SD3)})
 # Flux (BFL layout): the transformer's keys are bare (``double_blocks.*``: BFL's own files, transformer-only) or
 # under ``model.diffusion_model.`` (ComfyUI's full files, with ``vae.`` and ``text_encoders.*`` beside them);
 # diffusers' converter strips that prefix itself, so the transformer owns every key no other component owns.
@@ -120,13 +130,20 @@ def detect_architecture(header: SafetensorsHeader, where: str = "the checkpoint"
         return _flux_variant(keys, "time_text_embed.guidance_embedder.linear_1.bias", "x_embedder.weight")
     try:
         found = infer_diffusers_model_type({k: _Shape(v.shape) for k, v in keys.items()})
-    except (KeyError, IndexError, TypeError, AttributeError) as e:  # a hostile mix of marker keys
+    except (KeyError, IndexError, TypeError, AttributeError, NameError) as e:  # a hostile mix of marker keys
+        # (NameError: diffusers' SD3 branch leaves its model type unbound for an unknown position grid)
         raise DDUFPackError(f"{where}: cannot tell its architecture (diffusers' detection failed: "
                             f"{type(e).__name__}: {e})") from None
     family = FAMILIES.get(found)
+    foreign = next((k for k in keys if k.startswith(_FOREIGN_HINTS)), None)
+    if found == "v1" and foreign is not None:  # diffusers' fallback: it would convert an MMDiT as a UNet
+        raise DDUFPackError(f"{where}: its keys are in a transformer layout ({foreign}) that diffusers' single-file "
+                            "detection does not recognise at this size (it falls back to SD 1.x): a pruned or "
+                            "resized model? (diffusers tells SD3 and SD3.5 medium by their 1536-wide blocks and "
+                            "position grid, SD3.5 large by its 38th block)")
     if family is not None and any(c.owns(k) for c in family.components.values() for k in keys):
         return str(found)
-    if found != "v1" or any(k.startswith(_FOREIGN_HINTS) for k in keys):
+    if found != "v1":
         return str(found)  # a diffusers model type dduf pack does not convert (said by the caller)
     sample = ", ".join(sorted({k.split(".")[0] for k in keys})[:5]) or "no tensors"
     raise DDUFPackError(f"{where}: unknown architecture: none of its {len(keys)} keys is in a layout diffusers' "
@@ -138,6 +155,19 @@ _MARK_INPAINT = "model.diffusion_model.input_blocks.0.0.weight"
 _MARK_V2 = "model.diffusion_model.input_blocks.2.1.transformer_blocks.0.attn2.to_k.weight"
 _MARK_XL_BASE = "conditioner.embedders.1.model.transformer.resblocks.9.mlp.c_proj.bias"
 _MARK_XL_REFINER = "conditioner.embedders.0.model.transformer.resblocks.9.mlp.c_proj.bias"
+_MARK_SD3 = ("joint_blocks.0.context_block.adaLN_modulation.1.bias",
+             "model.diffusion_model.joint_blocks.0.context_block.adaLN_modulation.1.bias")
+_MARK_SD35_LARGE = ("joint_blocks.37.x_block.mlp.fc1.weight", "model.diffusion_model.joint_blocks.37.x_block.mlp.fc1.weight")
+_SD3_GRIDS = {36864: "sd3", 147456: "sd35_medium"}  # pos_embed positions: 192x192 (SD3 medium), 384x384 (3.5 medium)
+
+
+def _quick_sd3(t: Mapping[str, TensorInfo]) -> str | None:
+    """diffusers' SD3 branches: 1536-wide blocks (adaLN 6 x 1536) told apart by the position grid, else a 38th
+    block (3.5 large); "" when neither applies (not SD3), None for a width-1536 file of another grid."""
+    if any(k in t and t[k].shape[-1:] == (9216,) for k in _MARK_SD3):
+        pos = t.get("model.diffusion_model.pos_embed" if "model.diffusion_model.pos_embed" in t else "pos_embed")
+        return _SD3_GRIDS.get(pos.shape[1]) if pos is not None and len(pos.shape) > 1 else None
+    return "sd35_large" if any(k in t for k in _MARK_SD35_LARGE) else ""
 
 
 _MARK_FLUX = ("double_blocks.0.img_attn.norm.key_norm.scale",
@@ -188,6 +218,10 @@ def quick_architecture(header: SafetensorsHeader) -> str | None:
         found = "xl_base"
     elif _MARK_XL_REFINER in t:
         found = "xl_refiner"
+    elif (sd3 := _quick_sd3(t)) != "":
+        if sd3 is None:
+            return None
+        found = sd3
     elif (flux := _quick_flux(t)) != "":
         if flux is None:
             return None
@@ -461,10 +495,12 @@ def _convert(kind: str, prefix: str, views: dict[str, Any], config: Mapping[str,
         out = sfu.convert_ldm_clip_checkpoint(views, prefix)
     elif kind == "flux":
         out = _convert_flux(views, base_keys)
+    elif kind in _SD3_KINDS:
+        out = _convert_sd3(kind, prefix, views)
     else:  # OpenCLIP: q/k/v are split out of in_proj (copies), text_projection transposed (a copy)
         model = SimpleNamespace(config=SimpleNamespace(hidden_size=config.get("hidden_size")))
         out = sfu.convert_open_clip_checkpoint(model, views, prefix=prefix)
-    if kind in ("clip", "open_clip") and not any(k.startswith("text_model.") for k in base_keys):
+    if kind in ("clip", "open_clip", "sd3_clip_l", "sd3_clip_g") and not any(k.startswith("text_model.") for k in base_keys):
         # transformers >= 5.6 flattened CLIPTextModel: no text_model. prefix (diffusers strips it the same way)
         out = {k.removeprefix("text_model."): v for k, v in out.items()}
     return dict(out)
@@ -487,6 +523,27 @@ def _convert_flux(views: dict[str, Any], base_keys: set[str]) -> dict[str, Any]:
     return dict(sfu.convert_flux_transformer_checkpoint_to_diffusers(dict(views)))
 
 
+_SD3_KINDS = ("sd3_transformer", "sd3_clip_l", "sd3_clip_g", "t5")
+
+
+def _convert_sd3(kind: str, prefix: str, views: dict[str, Any]) -> dict[str, Any]:
+    """An SD3 file's component, as diffusers' ``from_single_file`` converts it (``create_diffusers_clip_model_
+    from_ldm`` for the CLIPs, ``create_diffusers_t5_model_from_checkpoint`` for T5)."""
+    from diffusers.loaders import single_file_utils as sfu
+
+    if kind == "sd3_transformer":  # q/k/v split out of the fused qkv and the last adaLN's halves swapped (copies)
+        return dict(sfu.convert_sd3_transformer_checkpoint_to_diffusers(views))
+    if kind == "t5":
+        return dict(sfu.convert_sd3_t5_checkpoint_to_diffusers(views))
+    out = dict(sfu.convert_ldm_clip_checkpoint(views, prefix))
+    if kind == "sd3_clip_l":  # SD3 has no CLIP-L projection: diffusers loads the identity, in the file's dtype
+        import torch
+
+        position = views[prefix + "text_model.embeddings.position_embedding.weight"]
+        out["text_projection.weight"] = torch.eye(position.shape[-1]).to(position.dtype)
+    return out
+
+
 class _Converted(NamedTuple):
     header: SafetensorsHeader  # the file this component is written as
     identical: bool
@@ -500,10 +557,6 @@ def _fit(name: str, converted: dict[str, Any], base: _BaseTensors, where: str) -
     Raises:
         DDUFPackError: a tensor BASE's model needs is missing, or a shape does not fit BASE's config.
     """
-    fp8 = sorted(k for k, t in converted.items() if "float8" in str(t.dtype))
-    if fp8:
-        raise DDUFPackError(f"{where}: {name} holds float8 tensors ({fp8[0]}, ...): fp8 single-file checkpoints "
-                            "(scaled or not) are not converted yet")
     extra = sorted(k for k in converted if k not in base.tensors)
     for k in extra:
         del converted[k]
@@ -702,11 +755,16 @@ def _prepare(checkpoint: str | os.PathLike, base: str | os.PathLike | None, toke
         raise DDUFPackError(f"{where} is a single-file checkpoint: give --base BASE (a diffusers pipeline folder "
                             "or Hub repo of the same family) for its configs, tokenizers and scheduler")
     header = read_checkpoint_header(path)
+    _refuse_scaled_fp8(header, where)
     model_type = detect_architecture(header, where)
     family = _family(model_type, where)
     the_base = _open_base(os.fspath(base), token, local_files_only)
     _check_base(family, model_type, the_base, where)
     held = _held(header, family)
+    if not held:  # e.g. an MMDiT's bare keys: diffusers detects them, its pipeline loader reads prefixed ones
+        prefixes = ", ".join(sorted({c.prefix for c in family.components.values()}))
+        raise DDUFPackError(f"{where}: detected {family.name} ({model_type}) but none of its keys is under a "
+                            f"component's prefix of that layout ({prefixes})")
     absent = sorted(set(family.components) - set(held))
     report = [f"detected {family.name} ({model_type}) from the keys of {path.name}; it holds "
               f"{', '.join(held) or 'no component'}" + (f", not {', '.join(absent)}" if absent else "")]
@@ -722,6 +780,21 @@ def _prepare(checkpoint: str | os.PathLike, base: str | os.PathLike | None, toke
         if variant is not None:
             by_variant.setdefault(variant, []).append(name)
     return _Prepared(the_base, sources, by_variant, report, where, model_type)
+
+
+_SCALED_FP8 = ("scaled_fp8", ".scale_weight", ".scale_input")  # ComfyUI's "fp8 scaled" files
+
+
+def _refuse_scaled_fp8(header: SafetensorsHeader, where: str) -> None:
+    """A "scaled fp8" file stores each weight as fp8 times its ``*.scale_weight``; diffusers' ``from_single_file``
+    (0.42) has no such rule: it would load the fp8 numbers unscaled, a silently wrong model. Refused; plain fp8
+    storage (no scales) is converted like any dtype."""
+    scaled = next((k for k in header.tensors if k == "scaled_fp8" or k.endswith(_SCALED_FP8[1:])), None)
+    if scaled is not None:
+        raise DDUFPackError(f"{where}: a scaled-fp8 checkpoint ({scaled!r}: each fp8 weight is to be multiplied by "
+                            "its '.scale_weight'), which diffusers' single-file loader does not read (it would load "
+                            "the weights unscaled): not converted (rule: fp8 single files pack only as plain fp8 "
+                            "storage); use the file's bf16/fp16 release, or dequantize it first")
 
 
 def plan_single_file(checkpoint: str | os.PathLike, base: str | os.PathLike, *, token: str | bool | None = None,
