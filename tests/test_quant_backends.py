@@ -307,28 +307,22 @@ def test_bitsandbytes_parts_and_scheme_are_checked(bnb_folder: Path) -> None:
 
 
 def test_a_backend_without_a_loader_is_a_clear_error(tmp_path: Path) -> None:
-    """SDNQ (no loader yet): packed and validated as any component, refused at load naming component and backend."""
+    """A backend load_dduf does not rebuild (modelopt): packed and validated as any component, refused at load
+    naming component and backend."""
     folder = tmp_path / "pipe"
     shutil.copytree(TINY_SD, folder)
     config = json.loads((folder / "vae" / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "sdnq", "weights_dtype": "int8"}
+    config["quantization_config"] = {"quant_method": "modelopt", "quant_type": "FP8"}
     (folder / "vae" / "config.json").write_text(json.dumps(config))
     archive = tmp_path / "pipe.dduf"
     pack(folder, archive, quiet=True)
-    with pytest.raises(DDUFLoadError, match=r"vae.*sdnq"):
+    with pytest.raises(DDUFLoadError, match=r"vae.*modelopt"):
         load_dduf(archive)
 
 
-@pytest.mark.parametrize(("old", "new", "code"), [(b'"blocksize": 64', b'"blocksize": -1', "Q005"),
-                                                  (b'"blocksize": 64', b'"blocksize":128', "Q003"),
-                                                  (b'"shape": [', b'"shape":[9', "Q003"),
-                                                  (b'"dtype": "float16"', b'"dtype": "bogus16"', "Q005")])
-def test_hostile_bitsandbytes_quant_state_is_refused_at_load(bnb_folder: Path, tmp_path: Path,
-                                                            monkeypatch: pytest.MonkeyPatch, old: bytes, new: bytes,
-                                                            code: str) -> None:
-    """The packed quant_state is JSON bitsandbytes parses: checked (budget, values, fit to its tensors) first."""
-    if not json.loads((bnb_folder / "unet" / "config.json").read_text())["quantization_config"].get("load_in_4bit"):
-        return  # 8-bit stores no quant_state
+def _hostile_bnb(bnb_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, old: bytes, new: bytes) -> Path:
+    """bnb_folder's unet with the first ``old`` in its weights file replaced by ``new`` (same length), packed as a
+    foreign writer would (nothing checked)."""
     folder = tmp_path / "hostile"
     shutil.copytree(bnb_folder, folder)
     weights = folder / "unet" / WEIGHTS
@@ -339,5 +333,36 @@ def test_hostile_bitsandbytes_quant_state_is_refused_at_load(bnb_folder: Path, t
     monkeypatch.setattr(importlib.import_module("dduf_plus.format.pack"), "check_written", lambda tmp, out: None)
     archive = tmp_path / "hostile.dduf"
     pack(folder, archive, quiet=True)
-    with pytest.raises(DDUFLoadError, match=rf"unet: {code}"):
+    return archive
+
+
+@pytest.mark.parametrize(("old", "new", "code"), [(b'"blocksize": 64', b'"blocksize": -1', "Q005"),
+                                                  (b'"blocksize": 64', b'"blocksize":128', "Q003"),
+                                                  (b'"shape": [', b'"shape":[9', "Q003"),
+                                                  (b'"dtype": "float16"', b'"dtype": "bogus16"', "Q005"),
+                                                  (b'"quant_type": "nf4"', b'"quant_type": {}', "Q005")])
+def test_hostile_bitsandbytes_quant_state_is_refused_by_validate_and_load(
+        bnb_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, old: bytes, new: bytes, code: str) -> None:
+    """The packed quant_state is JSON bitsandbytes parses: `dduf validate` reads and checks it (budget, values, fit
+    to its tensors) as load_dduf does, with the same code (validate used to check only its size)."""
+    if not json.loads((bnb_folder / "unet" / "config.json").read_text())["quantization_config"].get("load_in_4bit"):
+        return  # 8-bit stores no quant_state
+    archive = _hostile_bnb(bnb_folder, tmp_path, monkeypatch, old, new)
+    report = validate(archive)
+    assert report.codes == [code] and "unet" in str(report), str(report)
+    with pytest.raises(DDUFError, match=rf"{code} \[unet/") as caught:
         load_dduf(archive)
+    assert code in caught.value.codes
+
+
+def test_quant_state_shape_unlike_the_layer_is_refused_at_load(bnb_folder: Path, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A [256, 32] layer whose quant_state says [32, 256]: the same values and blocks, so self-consistent for
+    validate, but bitsandbytes would dequantize it transposed: Q006 at load, naming component and layer."""
+    if not json.loads((bnb_folder / "unet" / "config.json").read_text())["quantization_config"].get("load_in_4bit"):
+        return  # 8-bit stores no quant_state
+    archive = _hostile_bnb(bnb_folder, tmp_path, monkeypatch, b'"shape": [256, 32]', b'"shape": [32, 256]')
+    assert validate(archive).valid
+    with pytest.raises(DDUFLoadError, match=r"unet: Q006: \S+ff\.net\.0\.proj\.weight .*\[32, 256\].*\[256, 32\]") as caught:
+        load_dduf(archive)
+    assert caught.value.codes == ["Q006"]
