@@ -317,9 +317,10 @@ def test_components_wait_for_a_delayed_range(variant, hub_bytes, indexed_bytes, 
 
     def checking(self, component):
         original(self, component)
-        with open(self.path, "rb") as f:  # what the component's tensors view, right now
-            seen[component] = all(os.pread(f.fileno(), n, at) == official[at:at + n]
-                                  for name, (at, n) in entries.items() if name.startswith(component + "/"))
+        # what the component's tensors view, right now (the fetch's fd: the cache file or the memory it is
+        # written from)
+        seen[component] = all(os.pread(self.fd, n, at) == official[at:at + n]
+                              for name, (at, n) in entries.items() if name.startswith(component + "/"))
 
     monkeypatch.setattr(fetch_module.RemoteFetch, "wait_component", checking)
     with FileServer(serve(tmp_path, "o", official), on_request=on_request) as srv:

@@ -225,3 +225,66 @@ def test_archive_without_index_is_crc_checked(served, packed, tmp_path):
         # (Without an index the key is bound to the URL: hub-bad.dduf never reuses hub.dduf's file, same tail or not.)
         with pytest.raises(DDUFIntegrityError, match=r"vae/diffusion_pytorch_model.safetensors.*CRC-32"):
             fetch_archive(srv.url("hub-bad.dduf"), SMALL)
+
+
+# --- where the bytes land: memory written behind the load, or memory only (cache=False) ------------------------------
+def _tampered(served: Path) -> str:
+    """bad.dduf: tiny-sd with one byte of UNet tensor data flipped (its index sha256 no longer matches)."""
+    local = served / "tiny-sd.dduf"
+    with DDUFArchive(local) as archive:
+        entry = archive.entry("unet/diffusion_pytorch_model-00002-of-00002.safetensors")
+    data = bytearray(local.read_bytes())
+    data[entry.offset + entry.length - 100] ^= 0xFF
+    (served / "bad.dduf").write_bytes(bytes(data))
+    return "bad.dduf"
+
+
+def test_cache_false_keeps_nothing_and_verifies_every_byte(served, packed, tmp_path):
+    """Before: no ``cache`` option (an unknown option was a usage error) and every load wrote the cache."""
+    with FileServer(served) as srv:
+        pipe = load_dduf(srv.url("tiny-sd.dduf"), torch_dtype=torch.float32, remote={**SMALL, "cache": False})
+        # no cache file, progress or URL record (tokenizer files are materialised in cache/files/ as for any load)
+        assert not (tmp_path / "cache" / "remote").exists()
+        srv.reset()
+        load_dduf(srv.url("tiny-sd.dduf"), torch_dtype=torch.float32, remote={**SMALL, "cache": False})
+        assert srv.body_bytes >= (served / "tiny-sd.dduf").stat().st_size  # nothing was kept: fetched again
+        with pytest.raises(DDUFIntegrityError, match=r"unet/diffusion_pytorch_model-00002.*sha256"):
+            load_dduf(srv.url(_tampered(served)), remote={**SMALL, "cache": False})
+        with pytest.raises(DDUFError, match="cache=False keeps nothing"):
+            fetch_archive(srv.url("tiny-sd.dduf"), {"cache": False})
+    assert same_weights(pipe, load_dduf(packed["tiny-sd"], torch_dtype=torch.float32))
+    assert not (tmp_path / "cache" / "remote").exists()
+
+
+def test_write_behind_load_does_not_wait_for_the_disk(served, packed, tmp_path, monkeypatch):
+    """A disk slower than the link: the load returns from memory while the cache file is still being written;
+    the file completes behind it, and the next load uses it (one request)."""
+    monkeypatch.setattr(fetch_module, "WRITE_BEHIND_MIN", 0)  # tiny-sd is served from memory too
+    monkeypatch.setattr(fetch_module, "_in_ram", lambda folder: False)  # wherever pytest's tmp_path lives
+    slow_disk, copy = __import__("threading").Event(), fetch_module._copy_range
+
+    def slow_copy(src, dst, start, end):
+        slow_disk.wait(10)  # the disk has not written anything yet
+        copy(src, dst, start, end)
+
+    monkeypatch.setattr(fetch_module, "_copy_range", slow_copy)
+    with FileServer(served) as srv:
+        pipe = load_dduf(srv.url("tiny-sd.dduf"), torch_dtype=torch.float32, remote=SMALL)
+        assert any(n.endswith(".partial") for n in remote_files(tmp_path))  # nothing written yet: loaded anyway
+        assert same_weights(pipe, load_dduf(packed["tiny-sd"], torch_dtype=torch.float32))
+        slow_disk.set()
+        fetch_module.wait_cache_writes()
+        files = remote_files(tmp_path)
+        assert [n for n in files if n.endswith(".dduf")] and not [n for n in files if n.endswith((".partial", ".progress.json"))]
+        cached = next((tmp_path / "cache" / "remote").glob("*.dduf"))
+        assert cached.read_bytes() == (served / "tiny-sd.dduf").read_bytes()
+        srv.reset()
+        again = load_dduf(srv.url("tiny-sd.dduf"), torch_dtype=torch.float32)
+        assert srv.gets == 1 and same_weights(again, pipe)
+        # Integrity as before: a tampered entry is refused, and no cache file claims it. (Its tail is the
+        # original's, so its content key too: another cache, or the verified original would be used.)
+        other = tmp_path / "other"
+        with pytest.raises(DDUFIntegrityError, match=r"unet/diffusion_pytorch_model-00002.*sha256"):
+            load_dduf(srv.url(_tampered(served)), remote={**SMALL, "cache_dir": str(other)})
+        fetch_module.wait_cache_writes()
+    assert not list(other.glob("*.dduf"))

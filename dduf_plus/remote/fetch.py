@@ -7,10 +7,13 @@ Steps:
    by the validator's ZIP rules and proven to account for the whole file (:mod:`.tail`) before anything is
    written; its bytes, the size and (unless the index pins every entry by sha256) the URL give the key;
 2. ``cache_dir("remote")/<key>.dduf`` already complete: done, the archive is local (see *second load*);
-3. else ``<key>.dduf.partial`` is preallocated (when it fits the free disk, :mod:`.partials`) and filled
-   with ``os.pwrite`` by ``concurrency`` threads, each reading ``chunk_size`` ranges: first the small
-   *metadata* (local headers, configs, tokenizer files, safetensors headers: what opening the archive
-   reads), then the rest in the loader's build order;
+3. else ``<key>.dduf.partial`` is sized (when it fits the free disk, :mod:`.partials`) and ``concurrency``
+   threads read ``chunk_size`` ranges, each straight from its socket into a buffer the thread reuses, then
+   one ``pwrite``: first the small *metadata* (local headers, configs, tokenizer files, safetensors headers:
+   what opening the archive reads), then the rest in the loader's build order. The bytes land in the
+   partial file (cache on tmpfs, or an archive over ``memory_max``), else in an in-memory file that the
+   loader maps and a writer thread copies into the partial file behind the load (a disk slower than the
+   link does not hold the load up); ``cache=False``: in memory only, nothing on disk;
 4. every entry (the central directory lists them all) is placed by its local header and hashed as its
    bytes arrive, in order: checked against the index's sha256, else against its CRC-32 (damage only: a
    CRC-32 is forged with 4 bytes, which is why such an archive's key is bound to its URL), and its sha256
@@ -47,7 +50,14 @@ from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import DDUFError, DDUFFormatError, DDUFIntegrityError, DDUFIOError, DDUFNotFoundError
+from ..errors import (
+    DDUFError,
+    DDUFFormatError,
+    DDUFIntegrityError,
+    DDUFIOError,
+    DDUFNotFoundError,
+    DDUFUsageError,
+)
 from ..format import spec
 from ..storage.confined import Confined
 from . import partials
@@ -66,6 +76,7 @@ PROGRESS_EVERY_S = 0.5
 HEADER_GUESS = 1 << 20  # safetensors header bytes fetched with the metadata when no index says how many
 EXTRA_GUESS = 4096 + 64  # a local header's extra field when no index says where the data starts (alignment)
 _HASH_BLOCK = 8 << 20
+WRITE_BEHIND_MIN = 64 << 20  # smaller archives go straight to the cache file (the disk keeps up with them)
 
 
 class _EntryMismatch(DDUFIntegrityError):
@@ -102,27 +113,35 @@ def _refused(error: BaseException | None) -> bool:
 class RemoteFetch:
     """One archive being fetched (or already complete) in the remote cache.
 
-    ``path`` is the local file; while ``complete`` is False it is the partial file, filled by background
-    threads: :meth:`wait_range` blocks until bytes have arrived, :meth:`wait_entries` /
-    :meth:`wait_component` until entries have arrived *and matched*, :meth:`finish` until all has and the
-    file is renamed complete, :meth:`abort` stops (keeping the progress for a resume unless the archive
-    was refused)."""
+    ``fd`` is what the archive maps: the partial cache file (``sink="file"``) or an in-memory file
+    (``"write-behind"``: written to the partial cache file behind the load; ``"memory"``: ``cache=False``,
+    nothing on disk). While ``verified`` is False background threads fill it: :meth:`wait_range` blocks
+    until bytes have arrived, :meth:`wait_entries` / :meth:`wait_component` until entries have arrived *and
+    matched*, :meth:`finish` until all has (and, with a cache file, the file is complete or being completed
+    behind the load), :meth:`abort` stops (keeping the progress for a resume unless the archive was
+    refused)."""
 
-    def __init__(self, url: str, options: RemoteOptions, cache: Confined, tail: Tail, reader: RangeReader):
+    def __init__(self, url: str, options: RemoteOptions, cache: Confined | None, tail: Tail, reader: RangeReader,
+                 sink: str = "file"):
         self.url, self.options, self.cache, self.tail, self.reader = url, options, cache, tail, reader
+        self.sink = sink if cache is not None else "memory"
         self.size = reader.size
-        self.final = cache.path(f"{tail.key}.dduf")
-        self.partial = cache.path(f"{tail.key}.dduf.partial")
-        self.progress_path = cache.path(f"{tail.key}.progress.json")
-        self.manifest_path = manifest_path(cache, tail.key)
-        self.complete = False
+        self.final = cache.path(f"{tail.key}.dduf") if cache is not None else None
+        self.partial = cache.path(f"{tail.key}.dduf.partial") if cache is not None else None
+        self.progress_path = cache.path(f"{tail.key}.progress.json") if cache is not None else None
+        self.complete = False  # the cache file is complete (renamed)
+        self.verified = False  # every byte has arrived and matched
         self.path = self.partial
-        self.fd = -1
+        self.fd = -1  # what the archive maps (the partial file, or the in-memory file)
+        self.file_fd = -1  # the partial cache file (-1: none, cache=False)
         self.fetched_bytes = 0
         self.requests = 0
         self.timeline: list[tuple[float, float, int, int]] = []  # (start, end, offset, length) per request
         self._cond = threading.Condition()
-        self._done = Intervals()
+        self._done = Intervals()  # bytes that have arrived in ``fd``
+        self._written = Intervals()  # bytes in the cache file (write-behind: behind ``_done``)
+        self._to_write: deque[tuple[int, int]] = deque()
+        self._writer: threading.Thread | None = None
         self._error: BaseException | None = None
         self._stop = False
         self._discarded = False
@@ -131,11 +150,7 @@ class RemoteFetch:
         self._queue: deque[tuple[int, int]] = deque()
         self._threads: list[threading.Thread] = []
         self._saved_at = 0.0
-        # Pieces that arrived before their entry's hash reached them, kept (bounded) so that hashing does not
-        # read them back from the file: {start: bytes}, only pieces lying inside one entry's data.
-        self._pending: dict[int, bytes] = {}
-        self._pending_bytes = 0
-        self._pending_cap = 2 * options.concurrency * options.chunk_size
+        self._scratch = threading.local()  # each thread's reused buffers (nothing allocated per piece)
         self._entries = self._make_entries()
         self._starts = [e.header_offset for e in self._entries]
 
@@ -193,47 +208,56 @@ class RemoteFetch:
                     self._queue.append((at, min(end, at + chunk)))
 
     def start(self) -> None:
-        """Check the disk rules, open the partial file (resuming from the progress record), write the tail,
-        start the workers."""
-        partials.enforce_budget(self.cache, active=self.partial)
-        partials.check_room(self.url, self.cache.root, self.size, self.partial)
-        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-        self.cache.check(self.partial)
-        self.fd = os.open(self.partial, flags, 0o644)
+        """Check the disk rules, open the partial file (resuming from the progress record) and, unless the
+        bytes land in the cache file itself, the in-memory file; write the tail; start the workers."""
+        if self.cache is not None and self.partial is not None:
+            partials.enforce_budget(self.cache, active=self.partial)
+            partials.check_room(self.url, self.cache.root, self.size, self.partial)
+            flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+            self.cache.check(self.partial)
+            self.file_fd = os.open(self.partial, flags, 0o644)
         try:
-            resumed = self._resume()
-            if os.fstat(self.fd).st_size != self.size:
-                os.ftruncate(self.fd, self.size)
-                if hasattr(os, "posix_fallocate"):
-                    try:
-                        os.posix_fallocate(self.fd, 0, self.size)
-                    except OSError:
-                        pass  # preallocation is an optimisation; a sparse file works as well
-            self._write(self.tail.fetched_at, self.tail.fetched)  # the first guess may reach before the tail
-            self._done.add(self.tail.fetched_at, self.size)
+            resumed = self._resume() if self.file_fd >= 0 else False
+            if self.file_fd >= 0 and self.cache is not None:  # on tmpfs, reserving would allocate (and zero)
+                # every page before any byte comes
+                _size_file(self.file_fd, self.size, reserve=self.sink != "file" or not _in_ram(self.cache.root))
+            self.fd = self.file_fd if self.sink == "file" else _memory_file(self.url, self.size)
+            if resumed and self.sink == "write-behind":
+                self._load_resumed()
+            self._written = Intervals(self._done)
+            self._put(self.tail.fetched_at, memoryview(self.tail.fetched))  # the first guess may reach before the tail
             self._plan()
             for entry in self._entries:  # entries already here (a resume, the tail) are hashed locally
                 self._advance(entry)
         except BaseException as e:
-            os.close(self.fd)
-            self.fd = -1
-            if _refused(e):
+            self._close_files()
+            if _refused(e) and self.cache is not None and self.partial is not None:
                 partials.discard(self.cache, self.partial)
             raise
         if resumed:
             logger.info("%s: resuming, %d of %d bytes already here", self.url, self._done.total(), self.size)
+        self._start_threads()
+
+    def _start_threads(self) -> None:
         for i in range(min(self.options.concurrency, max(1, len(self._queue)))):
             thread = threading.Thread(target=self._work, name=f"dduf-fetch-{i}", daemon=True)
             thread.start()
             self._threads.append(thread)
+        if self.sink == "write-behind":
+            # Not a daemon: the interpreter lets it finish the cache file (a disk write, no network) at exit.
+            self._writer = threading.Thread(target=self._write_behind, name="dduf-cache-writer")
+            with _WRITING_LOCK:
+                _WRITING[str(self.final)] = self._writer
+            self._writer.start()
 
     def _resume(self) -> bool:
         """Take over the ranges a progress record lists, when it is this archive's (same key: for an archive
         whose key is bound to its URL, the same URL)."""
+        assert self.progress_path is not None
         try:
             record = json.loads(self.progress_path.read_text())
             if (record.get("size") != self.size or record.get("key") != self.tail.key
-                    or os.fstat(self.fd).st_size != self.size):
+                    or os.fstat(self.file_fd).st_size != self.size):
                 return False
             done = [(int(a), int(b)) for a, b in record.get("done", []) if 0 <= int(a) < int(b) <= self.size]
         except (OSError, ValueError, TypeError, AttributeError):
@@ -241,7 +265,29 @@ class RemoteFetch:
         self._done = Intervals(done)
         return bool(done)
 
+    def _load_resumed(self) -> None:
+        """The ranges a resume takes over, copied from the partial file into memory (by the kernel)."""
+        for start, end in self._done:
+            _copy_range(self.file_fd, self.fd, start, end)
+
+    def _put(self, offset: int, data: memoryview) -> None:
+        """Bytes that did not come through a worker (the tail): into ``fd``, arrived, queued for the file."""
+        _pwrite_all(self.fd, data, offset)
+        with self._cond:
+            self._done.add(offset, offset + len(data))
+            if self.sink == "write-behind":
+                self._to_write.append((offset, offset + len(data)))
+            elif self.sink == "file":
+                self._written.add(offset, offset + len(data))
+
     # --- the workers ---------------------------------------------------------------------------------------------
+    def _buffer(self, size: int) -> memoryview:
+        """This thread's receive buffer (allocated once, reused for every piece)."""
+        buf = getattr(self._scratch, "receive", None)
+        if buf is None or len(buf) < size:
+            buf = self._scratch.receive = memoryview(bytearray(size))
+        return buf[:size]
+
     def _work(self) -> None:
         while True:
             with self._cond:
@@ -249,39 +295,40 @@ class RemoteFetch:
                     return
                 start, end = self._queue.popleft()
             try:
+                data = self._buffer(end - start)
                 t0 = time.perf_counter()
-                data = self.reader.read(start, end - start)
+                self.reader.read_into(start, data)  # straight from the socket into the reused buffer
                 t1 = time.perf_counter()
                 with self._cond:
                     if self._stop:  # abort() may be releasing the blocks not written yet
                         return
                     self._writing += 1
                 try:
-                    self._write(start, data)
+                    _pwrite_all(self.fd, data, start)
                 except BaseException:
                     with self._cond:
                         self._writing -= 1
                         self._cond.notify_all()
                     raise
-                with self._cond:  # written and recorded as done at once (abort() computes the holes)
-                    self._writing -= 1
-                    self.requests += 1
-                    self.fetched_bytes += len(data)
-                    self.timeline.append((t0, t1, start, end - start))
-                    self._done.add(start, end)
-                    self._cond.notify_all()
-                self._keep(start, end, data)
-                self._entries_touched(start, end, data)
+                self._arrived(start, end, t0, t1)
+                self._entries_touched(start, end, data)  # hashed from the buffer where it is next in line
                 self._save_progress()
             except BaseException as e:  # noqa: BLE001 - handed to whoever waits
                 self._fail(e)
                 return
 
-    def _write(self, offset: int, data: bytes) -> None:
-        view = memoryview(data)
-        while view:
-            written = os.pwrite(self.fd, view, offset)
-            view, offset = view[written:], offset + written
+    def _arrived(self, start: int, end: int, t0: float, t1: float) -> None:
+        with self._cond:  # written and recorded as done at once (abort() computes the holes)
+            self._writing -= 1
+            self.requests += 1
+            self.fetched_bytes += end - start
+            self.timeline.append((t0, t1, start, end - start))
+            self._done.add(start, end)
+            if self.sink == "write-behind":
+                self._to_write.append((start, end))
+            elif self.sink == "file":
+                self._written.add(start, end)
+            self._cond.notify_all()
 
     def _fail(self, error: BaseException) -> None:
         with self._cond:
@@ -289,25 +336,49 @@ class RemoteFetch:
                 self._error = error
             self._cond.notify_all()
 
+    # --- the cache file behind the load (write-behind) -------------------------------------------------------------
+    def _write_behind(self) -> None:
+        """Copy what has arrived into the partial cache file (the kernel copies, at the disk's pace), then
+        complete it once everything has arrived and matched. A failure here costs the cache, never the load."""
+        try:
+            while True:
+                with self._cond:
+                    while not self._to_write and not self._stop and self._error is None and not self._all_ok():
+                        self._cond.wait(1.0)
+                    if self._stop or self._error is not None:
+                        return
+                    if not self._to_write:  # everything arrived, matched and written
+                        break
+                    start, end = self._to_write.popleft()
+                _copy_range(self.fd, self.file_fd, start, end)
+                with self._cond:
+                    if self._error is not None:  # perhaps a mismatching entry's bytes: not recorded
+                        return
+                    self._written.add(start, end)
+                self._save_progress()
+            self._complete_file()
+        except BaseException as e:  # noqa: BLE001 - the pipeline does not need the cache file
+            logger.warning("%s: the remote cache file %s could not be written (%s: %s); the loaded pipeline is "
+                           "not affected, the next load fetches what is missing", self.url, self.partial,
+                           type(e).__name__, e)
+            self._save_progress(force=True)
+            self._close_file()
+        finally:
+            with _WRITING_LOCK:
+                if _WRITING.get(str(self.final)) is threading.current_thread():
+                    del _WRITING[str(self.final)]
+
+    def _all_ok(self) -> bool:
+        return self._done.covers(0, self.size) and all(e.ok for e in self._entries)
+
+    def wait_written(self, timeout: float | None = None) -> bool:
+        """Until the write-behind has completed the cache file (or stopped). Returns whether it is complete."""
+        if self._writer is not None:
+            self._writer.join(timeout)
+        return self.complete
+
     # --- verification as bytes arrive ----------------------------------------------------------------------------
-    def _keep(self, start: int, end: int, data: bytes) -> None:
-        i = bisect_right(self._starts, start) - 1
-        entry = self._entries[i] if i >= 0 else None
-        if entry is None or entry.offset is None or start < entry.offset or entry.end < end or entry.upto >= end:
-            return
-        with self._cond:
-            if self._pending_bytes + len(data) <= self._pending_cap:
-                self._pending[start] = data
-                self._pending_bytes += len(data)
-
-    def _take(self, start: int) -> bytes | None:
-        with self._cond:
-            data = self._pending.pop(start, None)
-            if data is not None:
-                self._pending_bytes -= len(data)
-            return data
-
-    def _entries_touched(self, start: int, end: int, data: bytes) -> None:
+    def _entries_touched(self, start: int, end: int, data: memoryview) -> None:
         i = max(0, bisect_right(self._starts, start) - 1)
         while i < len(self._entries) and self._entries[i].header_offset < end:
             entry = self._entries[i]
@@ -315,7 +386,7 @@ class RemoteFetch:
                 self._advance(entry, start, data)
             i += 1
 
-    def _advance(self, entry: _Entry, start: int = 0, data: bytes = b"") -> None:
+    def _advance(self, entry: _Entry, start: int = 0, data: memoryview | None = None) -> None:
         """Place ``entry`` once its local header is here, then hash it forward over the bytes that have
         arrived. One thread works on an entry at a time; the others move on (it looks again before it
         lets go)."""
@@ -356,39 +427,46 @@ class RemoteFetch:
         entry.offset, entry.end, entry.upto = offset, offset + entry.size, offset
         return True
 
-    def _hash_arrived(self, entry: _Entry, start: int, data: bytes) -> None:
-        """Hash ``entry`` from ``upto`` over every byte that has arrived (the piece just received, a kept
-        piece, else the file)."""
+    def _hash_arrived(self, entry: _Entry, start: int, data: memoryview | None) -> None:
+        """Hash ``entry`` from ``upto`` over every byte that has arrived: the piece just received (still in
+        this thread's buffer), else read back from ``fd`` into this thread's reused hash buffer."""
         while entry.upto < entry.end:
             with self._cond:
                 reach = min(entry.end, self._done.reach(entry.upto))
             if reach <= entry.upto:
                 return
             while entry.upto < reach:
-                block: bytes | memoryview
-                if start <= entry.upto < start + len(data):  # the piece just received: no re-read
-                    block = memoryview(data)[entry.upto - start:min(reach, start + len(data)) - start]
+                block: memoryview
+                if data is not None and start <= entry.upto < start + len(data):  # no re-read
+                    block = data[entry.upto - start:min(reach, start + len(data)) - start]
                 else:
-                    kept = self._take(entry.upto) if self._pending else None
-                    if kept is not None and entry.upto + len(kept) <= reach:
-                        block = kept
-                    else:
-                        block = os.pread(self.fd, min(_HASH_BLOCK, reach - entry.upto), entry.upto)
-                entry.hasher.update(block)
+                    block = self._read_back(entry.upto, min(_HASH_BLOCK, reach - entry.upto))
+                entry.hasher.update(block)  # releases the GIL: other threads receive meanwhile
                 if entry.sha256 is None:  # no sha256 to check: the CRC-32 (damage), and the sha256 is recorded
                     entry.crc = zlib.crc32(block, entry.crc)
                 entry.upto += len(block)
+
+    def _read_back(self, offset: int, length: int) -> memoryview:
+        buf = getattr(self._scratch, "hash", None)
+        if buf is None:
+            buf = self._scratch.hash = memoryview(bytearray(_HASH_BLOCK))
+        got = os.preadv(self.fd, [buf[:length]], offset)
+        if got != length:
+            raise DDUFIOError(f"{self.url}: short read of the local copy at byte {offset}")
+        return buf[:length]
 
     def _check(self, entry: _Entry) -> None:
         digest = entry.hasher.hexdigest()
         good = digest == entry.sha256 if entry.sha256 is not None else entry.crc == entry.crc32
         if not good:
-            with self._cond:
-                self._done.remove(entry.offset or entry.header_offset, entry.end)  # a resume fetches it again
             what = "sha256 in the index" if entry.sha256 is not None else "CRC-32 in the central directory"
-            self._fail(_EntryMismatch(
-                f"{self.url}: entry {entry.name!r} (bytes {entry.offset}-{entry.end - 1}) does not match its "
-                f"{what}: the server sent other bytes than the archive records"))
+            error = _EntryMismatch(f"{self.url}: entry {entry.name!r} (bytes {entry.offset}-{entry.end - 1}) does not "
+                                   f"match its {what}: the server sent other bytes than the archive records")
+            with self._cond:  # at once: the writer records nothing of it as written after this
+                for spans in (self._done, self._written):  # a resume fetches it again
+                    spans.remove(entry.offset or entry.header_offset, entry.end)
+                self._error = self._error or error
+                self._cond.notify_all()
             return
         with self._cond:
             entry.digest, entry.ok = digest, True
@@ -431,7 +509,7 @@ class RemoteFetch:
     def wait_component(self, component: str) -> None:
         """Until every entry of ``component``'s folder has arrived and matched: its tensors view only
         checked bytes (an archive without an index too: its entries come from the central directory)."""
-        if not self.complete:
+        if not self.verified:
             prefix = component + "/"
             self.wait_entries([e.name for e in self._entries if e.name.startswith(prefix)])
 
@@ -441,25 +519,50 @@ class RemoteFetch:
             return {e.name: e.digest for e in self._entries if e.ok and e.digest is not None}
 
     # --- ending ---------------------------------------------------------------------------------------------------------
-    def finish(self) -> Path:
-        """Wait for everything, record every entry's sha256, rename the file complete."""
-        if self.complete:
+    def finish(self) -> Path | None:
+        """Wait until everything has arrived and matched. ``sink="file"``: record every entry's sha256 and
+        rename the file complete; ``"write-behind"``: the writer does that once the disk has caught up (see
+        :meth:`wait_written`); ``"memory"``: nothing is kept (None)."""
+        if self.verified:
             return self.final
-        self._wait(lambda: self._done.covers(0, self.size) and all(e.ok for e in self._entries), "the archive")
+        self._wait(self._all_ok, "the archive")
         for thread in self._threads:
             thread.join()
+        self.reader.close()
+        self.verified = True
+        if self.sink == "file":
+            self._complete_file()
+        elif self.sink == "write-behind" and not self.complete:
+            with self._cond:
+                behind = self.size - self._written.total()
+            if behind:
+                logger.info("%s: loaded from memory; %d MB are still being written to the remote cache %s",
+                            self.url, behind >> 20, self.partial)
+        logger.info("%s: fetched %d bytes in %d requests", self.url, self.fetched_bytes, self.requests)
+        return self.final
+
+    def _complete_file(self) -> None:
+        """Every entry's sha256 recorded, the partial file renamed complete, the progress record removed."""
+        assert self.cache is not None and self.partial is not None and self.final is not None
         write_manifest(self.cache, self.tail, self.url, self.size, self.entry_sha256())
         try:
             self.cache.replace(self.partial, self.final)
         except FileNotFoundError:  # another process fetching the same archive finished first
             if not self.final.is_file():
                 raise DDUFIOError(f"{self.url}: the partial cache file {self.partial} vanished") from None
-        self.cache.unlink(self.progress_path)
+        if self.progress_path is not None:
+            self.cache.unlink(self.progress_path)
         self.complete, self.path = True, self.final
-        self._close()
-        logger.info("%s: fetched %d bytes in %d requests into %s", self.url, self.fetched_bytes, self.requests,
-                    self.final)
-        return self.final
+        if self.sink == "file":
+            self._close_files()
+        else:
+            self._close_file()
+
+    def _close_file(self) -> None:
+        with self._cond:
+            fd, self.file_fd = self.file_fd, -1
+        if fd >= 0:
+            os.close(fd)
 
     def abort(self, error: BaseException | None = None) -> None:
         """Stop the workers (their requests end within the timeout). ``error`` (default: the exception
@@ -473,29 +576,34 @@ class RemoteFetch:
             self._cond.notify_all()
             while self._writing:  # a write in flight lands before the unwritten blocks are computed
                 self._cond.wait(0.1)
-        if self.complete or already:
+        if self._writer is not None:
+            self._writer.join()  # its copy in flight ends (one piece); it keeps its progress
+        if self.complete or already or self.cache is None or self.partial is None:
+            self.reader.close()
             return
         if self._discarded:
             self._discard()
-            self._close()
+            self._close_files()
             return
         self._save_progress(force=True)
         with self._cond:
-            holes = list(Intervals([(0, self.size)]).minus(self._done))
-        if self.fd >= 0:
-            partials.release_unwritten(self.fd, holes)
-        self._close()
+            holes = list(Intervals([(0, self.size)]).minus(self._written))
+        if self.file_fd >= 0:
+            partials.release_unwritten(self.file_fd, holes)
+        self._close_files()
         if not partials.enforce_budget(self.cache, keep=self.partial):
             self._discard()  # again, under the lock: a worker may have saved meanwhile
 
     def _save_progress(self, force: bool = False) -> None:
+        if self.cache is None or self.progress_path is None:
+            return
         now = time.monotonic()
         with self._progress_lock:
             with self._cond:
-                if self._discarded or (not force and now - self._saved_at < PROGRESS_EVERY_S):
+                if self._discarded or self.complete or (not force and now - self._saved_at < PROGRESS_EVERY_S):
                     return
                 self._saved_at = now
-                record = {"url": self.url, "size": self.size, "key": self.tail.key, "done": self._done.spans()}
+                record = {"url": self.url, "size": self.size, "key": self.tail.key, "done": self._written.spans()}
             try:
                 self.cache.write_bytes(self.progress_path, json.dumps(record).encode())
             except OSError as e:
@@ -505,13 +613,103 @@ class RemoteFetch:
         with self._cond:
             self._discarded = True
         with self._progress_lock:
-            partials.discard(self.cache, self.partial)
+            if self.cache is not None and self.partial is not None:
+                partials.discard(self.cache, self.partial)
 
-    def _close(self) -> None:
+    def _close_files(self) -> None:
+        """Close the partial file (unless the writer still uses it); the archive's own fd (in memory) is
+        closed when this fetch is collected: mappings taken from it stay valid."""
         self.reader.close()
-        if self.fd >= 0 and all(not t.is_alive() for t in self._threads):
-            os.close(self.fd)
-            self.fd = -1
+        if any(t.is_alive() for t in self._threads) or (self._writer is not None and self._writer.is_alive()):
+            return
+        with self._cond:
+            fd, self.file_fd = self.file_fd, -1
+            if self.fd == fd:
+                self.fd = -1
+        if fd >= 0:
+            os.close(fd)
+
+    def __del__(self) -> None:
+        fds = {getattr(self, "file_fd", -1)} | ({getattr(self, "fd", -1)} if getattr(self, "sink", "") != "file" else set())
+        for fd in fds - {-1}:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def _size_file(fd: int, size: int, reserve: bool = True) -> None:
+    """The partial file at its full size, its blocks allocated where the file system can (a resumed file's
+    released holes too): the disk space is reserved before any byte is fetched."""
+    if os.fstat(fd).st_size != size:
+        os.ftruncate(fd, size)
+    if reserve and hasattr(os, "posix_fallocate"):
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError:
+            pass  # preallocation is an optimisation; a sparse file works as well
+
+
+def _memory_file(url: str, size: int) -> int:
+    """An anonymous in-memory file of ``size`` bytes (Linux ``memfd``; elsewhere an unlinked temporary
+    file). Its pages come with the bytes (``pwrite``: memory that is not there is an error, never a crash);
+    reserving them up front would allocate and zero them all before the first byte is fetched."""
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create("dduf-remote", getattr(os, "MFD_CLOEXEC", 0))
+    else:  # pragma: no cover - not Linux
+        import tempfile
+
+        with tempfile.TemporaryFile() as f:
+            fd = os.dup(f.fileno())
+    try:
+        os.ftruncate(fd, size)
+    except OSError as e:
+        os.close(fd)
+        raise DDUFIOError(f"{url}: {size} bytes do not fit in memory ({e.strerror}); load it with the "
+                          "remote cache (remote={'cache': True, 'memory_max': 0})") from None
+    return fd
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while data:
+        written = os.pwrite(fd, data, offset)
+        data, offset = data[written:], offset + written
+
+
+def _copy_range(src: int, dst: int, start: int, end: int) -> None:
+    """Bytes ``[start, end)`` of ``src`` to the same place in ``dst``, copied by the kernel where it can."""
+    at = start
+    while at < end:
+        n = min(end - at, 16 << 20)
+        try:
+            os.lseek(dst, at, os.SEEK_SET)
+            sent = os.sendfile(dst, src, at, n)
+        except OSError:
+            sent = 0
+        if sent <= 0:  # no sendfile between these two: through a buffer
+            data = os.pread(src, n, at)
+            if len(data) != n:
+                raise DDUFIOError(f"short read at byte {at} while copying the fetched archive")
+            _pwrite_all(dst, memoryview(data), at)
+            sent = n
+        at += sent
+
+
+# Cache files being written behind a load in this process: {final path: writer thread}. A second load of the
+# same archive waits for its writer (a disk write) instead of fetching the missing part again.
+_WRITING: dict[str, threading.Thread] = {}
+_WRITING_LOCK = threading.Lock()
+
+
+def wait_cache_writes(final: Path | None = None, timeout: float | None = None) -> float:
+    """Until the cache files being written behind loads in this process (``final`` only, when given) are
+    complete or stopped; returns the seconds waited."""
+    started = time.perf_counter()
+    with _WRITING_LOCK:
+        writers = [t for path, t in _WRITING.items() if final is None or path == str(final)]
+    for writer in writers:
+        writer.join(timeout)
+    return time.perf_counter() - started
 
 
 def _reraise(error: BaseException) -> BaseException:
@@ -576,6 +774,9 @@ class _LocalRanges:
             raise DDUFIOError(f"{self.path}: short read at {offset}")
         return data
 
+    def read_into(self, offset: int, out: memoryview) -> None:
+        out[:] = self.read(offset, len(out))
+
     def remaining(self) -> float:
         return float("inf")
 
@@ -591,6 +792,7 @@ def _offline_hit(cache: Confined, url: str, record: dict[str, Any]) -> Path | No
     if not (isinstance(key, str) and len(key) == 64 and all(c in "0123456789abcdef" for c in key)):
         return None
     known = cache.path(f"{key}.dduf")
+    wait_cache_writes(known)
     try:
         if not known.is_file() or known.stat().st_size != record.get("size"):
             return None
@@ -601,9 +803,10 @@ def _offline_hit(cache: Confined, url: str, record: dict[str, Any]) -> Path | No
 
 
 def open_remote(url: str, options: RemoteOptions | dict[str, Any] | None = None, *,
-                local_files_only: bool = False) -> RemoteFetch | Path:
+                local_files_only: bool = False, in_memory: bool = True) -> RemoteFetch | Path:
     """The local file of ``url``'s archive (a :class:`Path` when it is complete in the cache) or a
-    started :class:`RemoteFetch` filling it.
+    started :class:`RemoteFetch` filling it (``in_memory``: it may be received into memory and written to
+    the cache behind; ``cache=False`` in the options: into memory only).
 
     Raises:
         DDUFUsageError: a URL scheme that is not allowed; bad options.
@@ -613,9 +816,15 @@ def open_remote(url: str, options: RemoteOptions | dict[str, Any] | None = None,
             not fit the free disk space.
     """
     options = RemoteOptions.of(options)
+    if not options.cache:  # keep nothing: no cache folder is read or written
+        if local_files_only or _offline():
+            raise DDUFNotFoundError(f"{url}: remote cache=False fetches the archive, which local_files_only/"
+                                    "HF_HUB_OFFLINE forbids", url)
+        reader, tail = _read_with_hint(url, options, {})
+        return _started(RemoteFetch(url, options, None, tail, reader, "memory"), reader)
     cache = Confined(options.folder())
     record = _read_record(cache, url)
-    if local_files_only or os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+    if local_files_only or _offline():
         known = _offline_hit(cache, url, record)
         if known is not None:
             return known
@@ -624,17 +833,69 @@ def open_remote(url: str, options: RemoteOptions | dict[str, Any] | None = None,
     reader, tail = _read_with_hint(url, options, record)
     try:
         final = cache.path(f"{tail.key}.dduf")
+        wait_cache_writes(final)
         if final.is_file() and final.stat().st_size == reader.size:
             reader.close()
             _write_record(cache, url, reader.size, tail)
             return final
-        fetch = RemoteFetch(url, options, cache, tail, reader)
+        fetch = RemoteFetch(url, options, cache, tail, reader, _sink(options, cache.root, reader.size, in_memory))
         _write_record(cache, url, reader.size, tail)
-        fetch.start()
-        return fetch
     except BaseException:
         reader.close()
         raise
+    return _started(fetch, reader)
+
+
+def _started(fetch: RemoteFetch, reader: RangeReader) -> RemoteFetch:
+    try:
+        fetch.start()
+    except BaseException:
+        reader.close()
+        raise
+    return fetch
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _sink(options: RemoteOptions, folder: Path, size: int, in_memory: bool) -> str:
+    """Where the bytes land: straight in the cache file when it is in memory already (tmpfs) or the archive
+    is over ``memory_max``; else in memory, written to the cache file behind the load (a disk slower than
+    the link does not hold the load up)."""
+    if not in_memory or size < WRITE_BEHIND_MIN or _in_ram(folder):
+        return "file"
+    bound = options.memory_max if options.memory_max is not None else _available_memory() // 2
+    return "write-behind" if size <= bound else "file"
+
+
+def _in_ram(folder: Path) -> bool:
+    """Whether ``folder`` is on tmpfs/ramfs (its file pages are memory: nothing to write behind)."""
+    try:
+        target = os.path.realpath(folder)
+        best, kind = "", ""
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                fields = line.split()
+                mount = fields[1].replace("\\040", " ") if len(fields) > 2 else ""
+                inside = target == mount or target.startswith(mount.rstrip("/") + "/")
+                if inside and len(mount) > len(best):
+                    best, kind = mount, fields[2]
+    except OSError:
+        return False
+    return kind in ("tmpfs", "ramfs")
+
+
+def _available_memory() -> int:
+    """MemAvailable (bytes), 0 where unknown (then nothing is served from memory unless memory_max says)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 def _read_with_hint(url: str, options: RemoteOptions, record: dict[str, Any]) -> tuple[RangeReader, Tail]:
@@ -659,14 +920,18 @@ def _read_with_hint(url: str, options: RemoteOptions, record: dict[str, Any]) ->
 def fetch_archive(url: str, options: RemoteOptions | dict[str, Any] | None = None, *,
                   local_files_only: bool = False) -> Path:
     """Fetch ``url`` completely into the remote cache and return the local file (no torch needed)."""
-    opened = open_remote(url, options, local_files_only=local_files_only)
+    if not RemoteOptions.of(options).cache:
+        raise DDUFUsageError(f"{url}: fetching into the remote cache with cache=False keeps nothing")
+    opened = open_remote(url, options, local_files_only=local_files_only, in_memory=False)
     if isinstance(opened, Path):
         return opened
     try:
-        return opened.finish()
+        final = opened.finish()
     except BaseException:
         opened.abort()
         raise
+    assert final is not None
+    return final
 
 
 class CacheSource:
@@ -674,7 +939,9 @@ class CacheSource:
     bytes have arrived, then reads the local file (``fd``: the archive maps it)."""
 
     def __init__(self, fetch: RemoteFetch):
-        self.fetch, self.name, self.size, self.fd, self.bytes_read = fetch, str(fetch.partial), fetch.size, fetch.fd, 0
+        self.fetch, self.size, self.fd, self.bytes_read = fetch, fetch.size, fetch.fd, 0
+        # cache=False: no file; a name that is not a URL (the archive maps local sources only)
+        self.name = str(fetch.partial) if fetch.partial is not None else f"(memory) {fetch.url.split('://', 1)[-1]}"
 
     def read_at(self, offset: int, length: int) -> bytes:
         if offset < 0 or length < 0 or offset + length > self.size:
@@ -688,4 +955,5 @@ class CacheSource:
         pass  # the fetch owns the file descriptor
 
 
-__all__ = ["CacheSource", "RemoteFetch", "RemoteOptions", "cached_sha256", "fetch_archive", "open_remote"]
+__all__ = ["CacheSource", "RemoteFetch", "RemoteOptions", "cached_sha256", "fetch_archive", "open_remote",
+           "wait_cache_writes"]

@@ -12,7 +12,15 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ..errors import DDUFError, DDUFIOError, DDUFNotFoundError, DDUFUsageError
-from ..storage.http_range import DEFAULT_DEADLINE_S, HTTPSource, _Budget, _short
+from ..storage.http_range import (
+    _HTTP_BODY_CHUNK,
+    DEFAULT_DEADLINE_S,
+    WHOLE_FILE_BELOW,
+    HTTPSource,
+    _Budget,
+    _HTTPFailure,
+    _short,
+)
 from ..storage.source import check_length
 from ..storage.urls import check_url
 
@@ -38,6 +46,12 @@ class RemoteOptions:
         storage_options: fsspec options for ``s3://``, ``gs://``, ``hf://``... (``{"anon": True}``,
             ``{"client_kwargs": {"endpoint_url": ...}}``).
         cache_dir: where fetched archives are kept (default ``cache_dir("remote")``).
+        cache: False keeps nothing on disk: the archive is received into anonymous memory (a ``memfd``),
+            verified there, and the pipeline's weights view that memory (as much memory as the archive's size,
+            freed with the pipeline); no cache file, progress record or URL record is read or written.
+        memory_max: the largest archive served from memory while it is written to a cache on a disk (not
+            tmpfs) behind the load (default: half of the memory available when the fetch starts; ``0``: never,
+            the load waits for the disk). Larger archives are received straight into the cache file.
     """
 
     concurrency: int = DEFAULT_CONCURRENCY
@@ -48,6 +62,8 @@ class RemoteOptions:
     headers: dict[str, str] | None = None
     storage_options: dict[str, Any] = field(default_factory=dict)
     cache_dir: str | os.PathLike | None = None
+    cache: bool = True
+    memory_max: int | None = None
 
     @classmethod
     def of(cls, value: RemoteOptions | dict[str, Any] | None) -> RemoteOptions:
@@ -67,6 +83,10 @@ class RemoteOptions:
             raise DDUFUsageError(f"remote concurrency={options.concurrency!r}: give a whole number from 1 to 256")
         if not isinstance(options.chunk_size, int) or not 64 << 10 <= options.chunk_size <= 1 << 30:
             raise DDUFUsageError(f"remote chunk_size={options.chunk_size!r}: give a byte count from 64 KiB to 1 GiB")
+        if not isinstance(options.cache, bool):
+            raise DDUFUsageError(f"remote cache={options.cache!r}: give True or False")
+        if options.memory_max is not None and (not isinstance(options.memory_max, int) or options.memory_max < 0):
+            raise DDUFUsageError(f"remote memory_max={options.memory_max!r}: give a byte count (0: never from memory)")
         return options
 
     def folder(self) -> Path:
@@ -81,6 +101,8 @@ class RangeReader(Protocol):
 
     def read(self, offset: int, length: int) -> bytes: ...
 
+    def read_into(self, offset: int, out: memoryview) -> None: ...
+
     def remaining(self) -> float: ...
 
     def close(self) -> None: ...
@@ -93,6 +115,45 @@ def _extend_deadline(budget: _Budget, size: int, explicit: float | None) -> None
         budget.ends_at = time.monotonic() + budget.deadline_s
 
 
+class _IntoSource(HTTPSource):
+    """An :class:`HTTPSource` whose range reads can land in the caller's buffer: the body is received with
+    ``readinto`` straight into it (no bytes object per socket read, no join, no copy afterwards). Every check
+    of the range client applies unchanged: only where the body's bytes go differs."""
+
+    _into: memoryview | None = None
+    _filled = False
+
+    def read_into(self, offset: int, out: memoryview) -> None:
+        """Fill ``out`` with the ``len(out)`` bytes at ``offset`` (one range request)."""
+        if self.size <= WHOLE_FILE_BELOW:  # a small file is read whole by the range client: its bytes, copied
+            out[:] = self.read_at(offset, len(out))
+            return
+        self._into, self._filled = out, False
+        try:
+            body = self.read_at(offset, len(out))
+            if not self._filled:  # answered from bytes the client already holds (the end of the file)
+                out[:] = body
+        finally:
+            self._into = None
+
+    def _read_body(self, response: Any, length: int) -> Any:
+        out = self._into
+        if out is None or len(out) != length:
+            return super()._read_body(response, length)
+        got = 0
+        while got < length:
+            self._budget.remaining()  # the deadline, between socket reads (a trickle is cut off)
+            n = response.readinto(out[got:min(length, got + _HTTP_BODY_CHUNK)])
+            if not n:
+                self.close()
+                if self._expired:
+                    raise self._budget.expired()
+                raise _HTTPFailure(f"the connection closed after {got} of {length} bytes")
+            got += n
+        self._filled = True
+        return out
+
+
 class HTTPRanges:
     """Range reads of one http(s) URL, each calling thread on its own kept-alive connection.
 
@@ -102,9 +163,9 @@ class HTTPRanges:
         self.url = url
         self._options = options
         self._local = threading.local()
-        self._all: list[HTTPSource] = []
+        self._all: list[_IntoSource] = []
         self._lock = threading.Lock()
-        first = HTTPSource(url, deadline=options.deadline, max_bytes=options.max_bytes, headers=options.headers,
+        first = _IntoSource(url, deadline=options.deadline, max_bytes=options.max_bytes, headers=options.headers,
                            timeout=options.timeout, size=size)
         self._budget = first._budget
         if size is not None:
@@ -113,21 +174,24 @@ class HTTPRanges:
         _extend_deadline(self._budget, self.size, options.deadline)
         self._adopt(first)
 
-    def _adopt(self, source: HTTPSource) -> None:
+    def _adopt(self, source: _IntoSource) -> None:
         self._local.source = source
         with self._lock:
             self._all.append(source)
 
-    def _source(self) -> HTTPSource:
+    def _source(self) -> _IntoSource:
         source = getattr(self._local, "source", None)
         if source is None:
-            source = HTTPSource(self.url, headers=self._options.headers, timeout=self._options.timeout,
+            source = _IntoSource(self.url, headers=self._options.headers, timeout=self._options.timeout,
                                 size=self.size, budget=self._budget)
             self._adopt(source)
         return source
 
     def read(self, offset: int, length: int) -> bytes:
         return self._source().read_at(offset, length)
+
+    def read_into(self, offset: int, out: memoryview) -> None:
+        self._source().read_into(offset, out)
 
     def remaining(self) -> float:
         return self._budget.remaining()
@@ -177,6 +241,9 @@ class FsspecRanges:
         self._budget.settle(length, len(data))  # what the backend handed over counts, not what was asked
         check_length(self.url, offset, length, data)
         return data
+
+    def read_into(self, offset: int, out: memoryview) -> None:
+        out[:] = self.read(offset, len(out))
 
     def remaining(self) -> float:
         return self._budget.remaining()
