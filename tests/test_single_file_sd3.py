@@ -46,6 +46,16 @@ def _save(state: dict[str, torch.Tensor], path: Path) -> Path:
     return path
 
 
+@pytest.fixture(autouse=True)
+def _one_thread() -> Any:
+    """Tiny models on a shared 2-core runner: one intra-op thread is ~15x faster than two (a 38-block forward
+    took 1-3 s of CPU with two threads under contention, 0.07 s with one)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def sd3(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The tiny SD3.5 base (fp32 files and fp16 variant files) and three checkpoints, the transformer changed in
@@ -132,7 +142,7 @@ def _stored(archive: Path) -> list[str]:
 
 
 def _image(pipe: Any, steps: int = 2) -> Any:
-    return pipe("a red fox", num_inference_steps=steps, height=32, width=32, output_type="np",
+    return pipe("a red fox", num_inference_steps=steps, height=32, width=32, output_type="np", max_sequence_length=16,
                 generator=torch.Generator().manual_seed(0)).images
 
 
