@@ -58,9 +58,10 @@ def _one_thread() -> Any:
 
 @pytest.fixture(scope="session")
 def sd3(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The tiny SD3.5 base (fp32 files and fp16 variant files) and three checkpoints, the transformer changed in
-    each: every component in fp16 (Stability's "incl. clips and t5" files), the transformer alone in bf16, and
-    the transformer alone in plain fp8 (float8_e4m3fn storage, no scales)."""
+    """The tiny SD3.5 base (fp32 files and fp16 variant files) and four checkpoints, the transformer changed in
+    three: every component in fp16 (Stability's "incl. clips and t5" files), the transformer alone in bf16, and
+    the transformer alone in plain fp8 (float8_e4m3fn storage, no scales); and BASE's own weights in bf16 (a
+    dtype BASE has no files of: every component converted and stored)."""
     out = tmp_path_factory.mktemp("single-file-sd3")
     base = build_tiny_sd3(out / "tiny-sd3", TINY_SD / "tokenizer", PIPELINES / "tiny-dit" / "tokenizer")
     only = ("transformer",)
@@ -70,6 +71,7 @@ def sd3(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                       out / "sd35-fp16.safetensors"),
         "bf16": _save(sd3_checkpoint_from_pipeline(base, transformer_delta=0.01, dtype=torch.bfloat16,
                                                    components=only), out / "sd35-bf16.safetensors"),
+        "bf16_full": _save(sd3_checkpoint_from_pipeline(base, dtype=torch.bfloat16), out / "sd35-bf16-full.safetensors"),
         "fp8": _save(sd3_checkpoint_from_pipeline(base, transformer_delta=0.01, dtype=torch.float8_e4m3fn,
                                                   components=only), out / "sd35-fp8.safetensors"),
     }
@@ -193,6 +195,24 @@ def _upcast_transformers(*pipes: Any) -> None:
         copy = SD3Transformer2DModel.from_config(pipe.transformer.config)
         copy.load_state_dict({k: v.float() for k, v in pipe.transformer.state_dict().items()})
         pipe.transformer = copy.eval()
+
+
+def test_sd3_full_bf16_checkpoint_stores_every_converted_component(sd3: dict[str, Path], tmp_path: Path) -> None:
+    """Every component differs from BASE's files (dtype): the converted VAE, CLIP-L (with the identity projection
+    diffusers adds), CLIP-G and T5 are stored, and load equal to diffusers' conversion of them."""
+    from dduf_plus import load_dduf
+
+    out = tmp_path / "bf16-full.dduf"
+    result, partial = pack_single_file(sd3["bf16_full"], out, base=str(sd3["base"]), quiet=True)
+    assert _stored(result.path) == sorted(["transformer", *ENCODERS])
+    assert set(partial.references) == {"tokenizer", "tokenizer_2", "tokenizer_3", "scheduler"}
+    assert "is bfloat16 here, float32 in BASE" in "\n".join(partial.report)
+    ours = load_dduf(out)
+    theirs = _theirs(sd3["bf16_full"], sd3["base"], torch.bfloat16)
+    _assert_same(ours, theirs, dict.fromkeys(["transformer", *ENCODERS], torch.bfloat16))
+    assert torch.equal(ours.text_encoder.text_projection.weight, torch.eye(32, dtype=torch.bfloat16))
+    a, b = _image(ours, steps=1), _image(theirs, steps=1)
+    assert (a == b).all()
 
 
 def test_sd3_plain_fp8_checkpoint(sd3: dict[str, Path], tmp_path: Path) -> None:
