@@ -3,17 +3,21 @@
 own keys, packed against a tiny FLUX.1-dev-shaped base and compared with diffusers' ``from_single_file``.
 
 diffusers' Flux converter assumes FLUX.1's real width (3072), so the fixture transformer has it, with one block
-of each kind: ~1.06 GB in bf16. It is built once per session (base folder and three checkpoints, ~4.3 GB of
-temporary files); the rest of the pipeline is tiny."""
+of each kind: ~1.06 GB in bf16. It is built once per module (base folder and four checkpoints, ~4.8 GB of
+temporary files, removed after the module); the rest of the pipeline is tiny. Images are 8x8 (one step: ~5 s
+a pipeline on this width on CPU)."""
 
 from __future__ import annotations
 
 import gc
 import json
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from single_file_ckpt import build_tiny_flux, flux_checkpoint
 
 from conftest import PIPELINES
@@ -28,7 +32,7 @@ from dduf_plus.packing.single_file import (
 
 TINY_SD = PIPELINES / "tiny-sd"
 BF16 = torch.bfloat16
-CALL = {"prompt": "a red fox", "num_inference_steps": 1, "height": 16, "width": 16, "max_sequence_length": 8,
+CALL = {"prompt": "a red fox", "num_inference_steps": 1, "height": 8, "width": 8, "max_sequence_length": 8,
         "output_type": "np"}
 
 
@@ -40,26 +44,28 @@ def _save(state: dict[str, torch.Tensor], path: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def flux(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The tiny FLUX.1-dev base (bf16, as the Hub's) and three checkpoints of it: BFL transformer-only (bare
+def flux(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
+    """The tiny FLUX.1-dev base (bf16, as the Hub's) and four checkpoints of it: BFL transformer-only (bare
     keys, bf16, transformer + 0.01), ComfyUI full file (bf16, transformer identical, VAE + 0.01), diffusers-layout
-    transformer-only (fp16, transformer + 0.02)."""
+    transformer-only (fp16, transformer + 0.02), ComfyUI-prefixed transformer-only in plain fp8."""
     out = tmp_path_factory.mktemp("single-file-flux")
     base = build_tiny_flux(out / "tiny-flux", TINY_SD / "tokenizer", PIPELINES / "tiny-dit" / "tokenizer")
     made = {"base": base}
     for name, kwargs in (("bfl", {"transformer_delta": 0.01}),
                          ("full", {"layout": "comfy", "full": True, "vae_delta": 0.01}),
-                         ("diffusers", {"layout": "diffusers", "transformer_delta": 0.02, "dtype": torch.float16})):
+                         ("diffusers", {"layout": "diffusers", "transformer_delta": 0.02, "dtype": torch.float16}),
+                         ("fp8", {"layout": "comfy", "transformer_delta": 0.01, "dtype": torch.float8_e4m3fn})):
         made[name] = _save(flux_checkpoint(base, **kwargs), out / f"{name}.safetensors")
         gc.collect()
-    return made
+    yield made
+    shutil.rmtree(out, ignore_errors=True)  # ~4.8 GB
 
 
-def _base_state(folder: Path, name: str) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return load_file(folder / name / ("model.safetensors" if name.startswith("text_encoder")
-                                      else "diffusion_pytorch_model.safetensors"))
+@pytest.fixture(autouse=True)
+def _collect() -> Iterator[None]:
+    """Pipelines hold reference cycles: collect them after each test (two 1 GB transformers a test)."""
+    yield
+    gc.collect()
 
 
 def _assert_equal(ours: object, theirs: object, names: tuple[str, ...], dtype: torch.dtype) -> None:
@@ -100,14 +106,15 @@ def test_bfl_transformer_only_file_equals_from_single_file(flux: dict[str, Path]
                                         "transformer, not text_encoder, text_encoder_2, vae"), partial.report[0]
     assert set(partial.references) == {"vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "scheduler"}
     ours = load_dduf(out)
-    base = _base_state(flux["base"], "transformer")  # the reverse mapping (tests/single_file_ckpt.py) is exact
-    mine = ours.transformer.state_dict()
-    assert all(torch.equal(mine[k], v + 0.01) for k, v in base.items())
-    del base, mine
+    mine = ours.transformer.state_dict()  # the reverse mapping (tests/single_file_ckpt.py) is exact
+    with safe_open(flux["base"] / "transformer" / "diffusion_pytorch_model.safetensors", "pt") as f:
+        assert set(f.keys()) == set(mine) and all(torch.equal(mine[k], f.get_tensor(k) + 0.01) for k in f.keys())
+    del mine
     theirs = FluxPipeline.from_pretrained(str(flux["base"]), torch_dtype=BF16, transformer=_transformer_from_single_file(
         flux["bfl"], flux["base"], BF16))
     _assert_equal(ours, theirs, ALL, BF16)
     _same_image(ours, theirs)
+    out.unlink()  # 1 GB
 
 
 def test_full_comfyui_file_equals_from_single_file(flux: dict[str, Path], tmp_path: Path) -> None:
@@ -158,7 +165,26 @@ def test_diffusers_layout_fp16_file_passes_through(flux: dict[str, Path], tmp_pa
     mine, other = ours.state_dict(), theirs.state_dict()
     assert mine.keys() == other.keys()
     assert all(mine[k].dtype == torch.float16 and torch.equal(mine[k], other[k]) for k in mine)
-    # (no image: a 1-step fp16 Flux on CPU takes ~12 s here, and the bf16 tests already compare images)
+    # (no image: a 1-step fp16 Flux on CPU takes ~12 s here and comes out NaN with these seeded weights; the
+    # bf16 tests compare images)
+    out.unlink()
+
+
+def test_plain_fp8_transformer_file_is_packed_as_stored(flux: dict[str, Path], tmp_path: Path) -> None:
+    """float8_e4m3fn storage without scales (ComfyUI prefix, transformer only): the archive's transformer is fp8,
+    equal byte for byte to FluxTransformer2DModel.from_single_file(torch_dtype=float8_e4m3fn)'s."""
+    from dduf_plus import load_dduf
+
+    out = tmp_path / "fp8.dduf"
+    result, partial = pack_single_file(flux["fp8"], out, base=str(flux["base"]), quiet=True, fsync=False)
+    assert "is float8_e4m3fn here, bfloat16 in BASE" in "\n".join(partial.report)
+    assert result.bytes_written < 600 << 20  # half the bf16 size
+    mine = load_dduf(out).transformer.state_dict()
+    other = _transformer_from_single_file(flux["fp8"], flux["base"], torch.float8_e4m3fn).state_dict()
+    assert mine.keys() == other.keys()
+    assert all(mine[k].dtype == torch.float8_e4m3fn and torch.equal(mine[k].view(torch.uint8), other[k].view(torch.uint8))
+               for k in mine)
+    out.unlink()
 
 
 def test_flux_and_sd_bases_do_not_mix(flux: dict[str, Path], tmp_path: Path) -> None:
