@@ -15,6 +15,9 @@ A remote source is untrusted like the archive it serves, so every remote source 
 - each connect and each socket read waits at most ``HF_HUB_DOWNLOAD_TIMEOUT`` seconds (default 10);
 - http(s) redirects are followed only within the same origin (scheme, host, port), at most
   :data:`MAX_REDIRECTS`; a server that ignores ``Range`` is refused before its body is read;
+- an http(s) source opens with one suffix range request (``bytes=-N``, ``http_range.SUFFIX_BYTES``): the size
+  and the file's end (end records, directory, index) in one round trip; its ``Content-Range`` must name exactly
+  the last bytes of the size it reports, else it is refused (a server without suffix ranges: ``bytes=0-0``);
 - only the URL schemes in :data:`ALLOWED_URL_SCHEMES`; no fsspec chains (``simplecache::...``), no
   ``local://`` or ``memory://``. ``file://PATH`` is the local path PATH. Refusals happen before any I/O.
 """
