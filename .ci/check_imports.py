@@ -50,11 +50,14 @@ ALLOWED_OPTIONAL: dict[tuple[str, str], str] = {
         "quant extra: only reached after quant_backends.require_backend('torchao'), which turns a missing torchao "
         "into a DDUFLoadError naming the install command"
     ),
-    ("dduf_plus/loading/quant_save.py", "torchao"): (
+    ("dduf_plus/packing/quant_state.py", "torchao"): (
         "quant extra: only reached for a model whose hf_quantizer is torchao's, which cannot exist without torchao"
     ),
-    ("dduf_plus/loading/quant_save.py", "bitsandbytes"): (
+    ("dduf_plus/packing/quant_state.py", "bitsandbytes"): (
         "quant extra: only reached for a model whose hf_quantizer is bitsandbytes', which cannot exist without it"
+    ),
+    ("dduf_plus/packing/quantize.py", "torchao"): (
+        "quant extra: only reached for --quantize torchao-*, after quantize._require() names the pip command"
     ),
     ("tests/test_quant_save.py", "torchao"): "quant extra, installed by the README's test command",
     ("tests/test_quant_save.py", "bitsandbytes"): "quant extra, installed by the README's test command",

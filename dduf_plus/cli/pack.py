@@ -33,6 +33,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--base", metavar="BASE", help="reference every component identical to BASE's")
     p.add_argument("--dtype", action="append", metavar="[NAME=]DTYPE",
                    help="convert floating weights while packing (e.g. bfloat16, unet=float8_e4m3fn)")
+    p.add_argument("--quantize", action="append", metavar="NAME=SCHEME",
+                   help="quantize a component while packing, as diffusers would save it (repeatable): bnb-nf4, "
+                        "bnb-fp4, bnb-int8, torchao-int8, sdnq-int8, sdnq-uint4, sdnq-float8_e4m3fn")
     p.add_argument("--token", help="Hugging Face token for a SOURCE repo and --ref/--base on the Hub")
     p.add_argument("--no-fsync", dest="fsync", action="store_false",
                    help="skip flushing to disk before the atomic rename (faster; like cp, not power-cut safe)")
@@ -48,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
 
     refs = as_usage(lambda: parse_ref_args(args.ref))
     dtypes = as_usage(lambda: parse_dtype_args(args.dtype or []))
+    quantize = as_usage(lambda: _parse_quantize(args.quantize))
     from ..packing.pack import hub_source
     from .info_single_file import is_checkpoint
 
@@ -72,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
 
     result, partial = pack(args.source, output, variant=args.variant, exclude=args.exclude, refs=refs,
                            base=args.base, dtype=dtype_arg, token=args.token, quiet=args.quiet,
-                           fsync=args.fsync)
+                           fsync=args.fsync, quantize=quantize or None)
     if args.json:
         print_json({
             "path": str(result.path), "bytes": result.bytes_written, "entries": result.entries,
@@ -92,6 +96,15 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _parse_quantize(values: list[str] | None) -> dict[str, str]:
+    """``--quantize`` checked before any work (scheme names: torch-free)."""
+    if not values:
+        return {}
+    from ..packing.quantize import parse_quantize
+
+    return parse_quantize(values)
+
+
 def _check_single_file_args(args: argparse.Namespace) -> None:
     """A single-file checkpoint needs --base and takes none of the folder-only options."""
     from ..errors import DDUFUsageError
@@ -100,6 +113,6 @@ def _check_single_file_args(args: argparse.Namespace) -> None:
         raise DDUFUsageError(f"{args.source} is a single-file checkpoint: give --base BASE (a diffusers pipeline "
                              "folder or Hub repo of the same family) for its configs, tokenizers and scheduler")
     used = [o for o, v in (("--variant", args.variant), ("--exclude", args.exclude), ("--ref", args.ref),
-                           ("--dtype", args.dtype)) if v]
+                           ("--dtype", args.dtype), ("--quantize", args.quantize)) if v]
     if used:
         raise DDUFUsageError(f"{', '.join(used)}: not supported with a single-file checkpoint (only --base)")

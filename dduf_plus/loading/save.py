@@ -17,7 +17,7 @@ state dict (``L.weight._data``, ``L.weight._scale``...) streamed in
 ``quantization`` record in the index, so both routes give the same archive.
 
 Models quantized by a diffusers quantizer (torchao, bitsandbytes, SDNQ) are stored as their
-``save_pretrained`` writes them (:mod:`~dduf_plus.loading.quant_save`); the archive equals ``dduf pack``
+``save_pretrained`` writes them (:mod:`~dduf_plus.packing.quant_state`); the archive equals ``dduf pack``
 of that folder (docs/precision.md, "Saving quantized pipelines")."""
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def save_dduf(
 
     Diffusers models quantized by their ``quantization_config`` (torchao, bitsandbytes nf4 / fp4 / int8, or any
     backend diffusers saves as safetensors, such as SDNQ) are stored as their ``save_pretrained`` writes them
-    (:mod:`~dduf_plus.loading.quant_save`), streamed from the live quantized tensors, with the index record
+    (:mod:`~dduf_plus.packing.quant_state`), streamed from the live quantized tensors, with the index record
     ``dduf pack`` gives such a folder; ``dtype`` does not apply to them (an error when the dict names them).
 
     Example:
@@ -230,9 +230,9 @@ def _refuse_quantized(name: str, model: Any) -> None:
 def _backend_sources(name: str, entry: str, model: Any, folder: Path, dtype: torch.dtype | None,
                      explicit: bool) -> tuple[EntrySource, dict[str, Any] | None]:
     """The weights entry of a model a diffusers quantizer quantized (what its ``save_pretrained`` writes:
-    :func:`~dduf_plus.loading.quant_save.backend_state`) and its index record (as ``dduf pack`` makes it)."""
+    :func:`~dduf_plus.packing.quant_state.backend_state`) and its index record (as ``dduf pack`` makes it)."""
     from ..format import quant_rules
-    from .quant_save import backend_state, quant_method
+    from ..packing.quant_state import backend_state, quant_method
 
     if dtype is not None:
         if explicit:

@@ -30,6 +30,7 @@ def pack(
     local_files_only: bool = False,
     quiet: bool = False,
     fsync: bool = True,
+    quantize: Sequence[str] | Mapping[str, Any] | None = None,
 ) -> tuple[PackResult, Any]:
     """Pack ``folder`` into ``output``. Returns the result and, for partial packs, the reference plan.
     ``folder`` may also be a single-file ``.safetensors`` checkpoint (SD 1.x/2.x, SDXL; original key layout),
@@ -37,13 +38,20 @@ def pack(
     ``folder`` may be a Hub repo id ``org/name[@revision]`` (an existing local path wins): only the files the
     archive stores are downloaded, into the Hugging Face cache (offline: taken from it).
     ``fsync=False`` skips the flush to disk before the atomic rename.
+    ``quantize={"unet": "bnb-nf4"}`` (or ``["unet=bnb-nf4"]``; a diffusers quantization config object as the value
+    also works) quantizes that component while packing, from the full-precision source a batch of tensors at a
+    time, exactly as diffusers would have saved it quantized (:mod:`dduf_plus.packing.quantize`); ``dtype`` for
+    it is the ``torch_dtype`` of its unquantized layers.
 
     Raises:
         DDUFPackError: the folder holds something DDUF cannot, or a reference cannot be made.
     """
     from .single_file import is_single_file
 
+    quantize = _quantize_arg(quantize)
     if is_single_file(folder):  # a single-file checkpoint (original key layout): converted, referenced to BASE
+        if quantize:
+            raise DDUFPackError(f"{folder}: quantize cannot be used with a single-file checkpoint (only base=)")
         return _pack_checkpoint(folder, output, variant=variant, exclude=exclude, refs=refs, base=base, dtype=dtype,
                                 token=token, local_files_only=local_files_only, quiet=quiet, fsync=fsync)
     refs = dict(refs or {})
@@ -51,7 +59,16 @@ def pack(
     plan = plan_folder(folder, variant=variant, exclude=[n for n in exclude])
     warn_unknown_classes(plan.model_index)  # a typo'd class name: a warning (the archive is still valid DDUF)
     return _pack_plan(plan, output, variant=variant, exclude=exclude, refs=refs, base=base, dtype=dtype,
-                      token=token, local_files_only=local_files_only, quiet=quiet, fsync=fsync)
+                      token=token, local_files_only=local_files_only, quiet=quiet, fsync=fsync, quantize=quantize)
+
+
+def _quantize_arg(quantize: Sequence[str] | Mapping[str, Any] | None) -> dict[str, Any]:
+    """``quantize=`` checked before any work (scheme names, torch-free)."""
+    if not quantize:
+        return {}
+    from .quantize import parse_quantize
+
+    return parse_quantize(quantize)
 
 
 def _pack_checkpoint(checkpoint: str | os.PathLike, output: str | os.PathLike, *, variant: str | None,
@@ -71,7 +88,8 @@ def _pack_checkpoint(checkpoint: str | os.PathLike, output: str | os.PathLike, *
 
 def _pack_plan(plan: Any, output: str | os.PathLike, *, variant: str | None, exclude: Sequence[str],
                refs: dict[str, str], base: str | None, dtype: str | Mapping[str, str] | None,
-               token: str | bool | None, local_files_only: bool, quiet: bool, fsync: bool) -> tuple[PackResult, Any]:
+               token: str | bool | None, local_files_only: bool, quiet: bool, fsync: bool,
+               quantize: Mapping[str, Any] | None = None) -> tuple[PackResult, Any]:
     """:func:`pack` once the folder is planned."""
     model_index, model_index_bytes, sources = plan.model_index, plan.model_index_bytes, plan.sources
     references = None
@@ -85,6 +103,10 @@ def _pack_plan(plan: Any, output: str | os.PathLike, *, variant: str | None, exc
         sources, references = partial.sources, partial.references
         _check_partial(partial, base=base, dtype=dtype)
     extra: dict[str, Any] | None = _quanto_records(sources)
+    if quantize:
+        sources, dtype, records = _quantized(plan._replace(sources=sources, model_index=model_index), quantize,
+                                             dtype, partial)
+        extra = {**(extra or {}), **records}
     if dtype:
         from .convert import convert_sources
 
@@ -96,6 +118,21 @@ def _pack_plan(plan: Any, output: str | os.PathLike, *, variant: str | None, exc
     result = write_archive(output, model_index, model_index_bytes, sources, skipped=skipped,
                            references=references, extra_components=extra, quiet=quiet, fsync=fsync)
     return result, partial
+
+
+def _quantized(plan: Any, quantize: Mapping[str, Any], dtype: str | Mapping[str, str] | None, partial: Any
+               ) -> tuple[list[Any], str | Mapping[str, str] | None, dict[str, Any]]:
+    """(sources with the ``quantize`` components quantized, the ``dtype`` left for the others, their records)."""
+    from .quantize import quantize_sources
+
+    referenced = sorted(set(quantize) & set(getattr(partial, "references", None) or {}))
+    if referenced:
+        raise DDUFPackError(f"--quantize names {', '.join(referenced)}, stored as a reference (not in the archive); "
+                            "store it to quantize it (no --exclude/--ref for it; without --base)")
+    sources, records = quantize_sources(plan, quantize, dtype=dtype)
+    if isinstance(dtype, Mapping):  # applied as the quantized components' torch_dtype: not converted again
+        dtype = {k: v for k, v in dtype.items() if k not in quantize} or None
+    return sources, dtype, records
 
 
 def _check_partial(partial: Any, *, base: str | None, dtype: str | Mapping[str, str] | None) -> None:

@@ -82,7 +82,7 @@ def torchao_flat_state(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.
     metadata: dict[str, str] = {}
     for key, tensor in state.items():
         if type(tensor).__name__ in ALLOWED_TENSORS_SUBCLASSES:
-            names = list(tensor.tensor_data_names) + list(getattr(tensor, "optional_tensor_data_names", ()))
+            names = [*getattr(tensor, "tensor_data_names", ()), *getattr(tensor, "optional_tensor_data_names", ())]
             stem, _, attr = key.rpartition(".")
             for part in names:
                 value = getattr(tensor, part)
@@ -106,10 +106,10 @@ def bnb_state(name: str, model: Any) -> dict[str, torch.Tensor]:
     layout any loader reads)."""
     import bitsandbytes as bnb
 
-    swapped = []
+    swapped: list[tuple[Any, torch.Tensor, Any]] = []
     try:
         for module in model.modules():
-            weight = getattr(module, "weight", None)
+            weight: Any = getattr(module, "weight", None)
             state = getattr(weight, "quant_state", None)
             if isinstance(module, bnb.nn.Linear4bit) and getattr(state, "packing_format_for_cpu", False):
                 data, canonical = canonical_4bit(weight.data, state)
