@@ -157,7 +157,8 @@ class _IntoSource(HTTPSource):
 class HTTPRanges:
     """Range reads of one http(s) URL, each calling thread on its own kept-alive connection.
 
-    Opening sends one request (``bytes=0-0``, for the size) unless ``size`` is already known."""
+    Opening sends one request unless ``size`` is already known: a suffix range (``bytes=-N``) that gives the size
+    and the end of the file, which the tail is then read from (``storage/http_range.HTTPSource``)."""
 
     def __init__(self, url: str, options: RemoteOptions, size: int | None = None):
         self.url = url
