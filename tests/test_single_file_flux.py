@@ -47,7 +47,8 @@ def _save(state: dict[str, torch.Tensor], path: Path) -> Path:
 def flux(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
     """The tiny FLUX.1-dev base (bf16, as the Hub's) and four checkpoints of it: BFL transformer-only (bare
     keys, bf16, transformer + 0.01), ComfyUI full file (bf16, transformer identical, VAE + 0.01), diffusers-layout
-    transformer-only (fp16, transformer + 0.02), ComfyUI-prefixed transformer-only in plain fp8."""
+    transformer-only (fp16, transformer + 0.02), ComfyUI-prefixed transformer-only in plain fp8 (with a stray
+    EMA scalar)."""
     out = tmp_path_factory.mktemp("single-file-flux")
     base = build_tiny_flux(out / "tiny-flux", TINY_SD / "tokenizer", PIPELINES / "tiny-dit" / "tokenizer")
     made = {"base": base}
@@ -55,7 +56,11 @@ def flux(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
                          ("full", {"layout": "comfy", "full": True, "vae_delta": 0.01}),
                          ("diffusers", {"layout": "diffusers", "transformer_delta": 0.02, "dtype": torch.float16}),
                          ("fp8", {"layout": "comfy", "transformer_delta": 0.01, "dtype": torch.float8_e4m3fn})):
-        made[name] = _save(flux_checkpoint(base, **kwargs), out / f"{name}.safetensors")
+        state = flux_checkpoint(base, **kwargs)
+        if name == "fp8":  # a trainer's leftover, which diffusers' converter ignores
+            state["model_ema.decay"] = torch.tensor(0.999)
+        made[name] = _save(state, out / f"{name}.safetensors")
+        del state
         gc.collect()
     yield made
     shutil.rmtree(out, ignore_errors=True)  # ~4.8 GB
@@ -177,7 +182,9 @@ def test_plain_fp8_transformer_file_is_packed_as_stored(flux: dict[str, Path], t
 
     out = tmp_path / "fp8.dduf"
     result, partial = pack_single_file(flux["fp8"], out, base=str(flux["base"]), quiet=True, fsync=False)
-    assert "is float8_e4m3fn here, bfloat16 in BASE" in "\n".join(partial.report)
+    report = "\n".join(partial.report)
+    assert "is float8_e4m3fn here, bfloat16 in BASE" in report
+    assert "dropped 1 tensor(s) BASE's model has no place for (model_ema.decay" in report
     assert result.bytes_written < 600 << 20  # half the bf16 size
     mine = load_dduf(out).transformer.state_dict()
     other = _transformer_from_single_file(flux["fp8"], flux["base"], torch.float8_e4m3fn).state_dict()
@@ -204,12 +211,22 @@ def test_diffusers_layout_with_other_keys_is_refused(flux: dict[str, Path], tmp_
     """diffusers' keys that are not exactly BASE's model's: from_single_file would run the BFL converter on
     them and fail (KeyError); one clear error instead, naming what differs."""
     keys = ("x_embedder.weight", "context_embedder.weight", "transformer_blocks.0.attn.norm_added_k.weight",
-            "single_transformer_blocks.0.proj_mlp.weight", "lora_A.weight")
+            "single_transformer_blocks.0.proj_mlp.weight", "time_text_embed.guidance_embedder.linear_1.bias",
+            "lora_A.weight")
     odd = _save({k: torch.zeros(2, 2) for k in keys}, tmp_path / "odd.safetensors")
     with pytest.raises(DDUFPackError) as e:
         pack_single_file(odd, tmp_path / "o.dduf", base=str(flux["base"]), quiet=True)
     text = str(e.value)
     assert "diffusers' key layout" in text and "lora_A.weight" in text and "missing" in text, text
+
+
+def test_schnell_file_against_dev_base_is_refused(flux: dict[str, Path], tmp_path: Path) -> None:
+    """No guidance embedder (schnell) against a dev BASE: named before anything is converted (a dev file against
+    a schnell BASE would otherwise lose its guidance embedder as tensors BASE has no place for)."""
+    schnell = _save({"double_blocks.0.img_attn.norm.key_norm.scale": torch.zeros(128)}, tmp_path / "s.safetensors")
+    with pytest.raises(DDUFPackError, match="FLUX.1 schnell transformer .* use a FLUX.1 schnell base"):
+        pack_single_file(schnell, tmp_path / "s.dduf", base=str(flux["base"]), quiet=True)
+    assert not list(tmp_path.glob("*.dduf*"))
 
 
 def test_quick_detection_agrees_with_diffusers(flux: dict[str, Path], tmp_path: Path) -> None:

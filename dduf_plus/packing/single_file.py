@@ -494,7 +494,7 @@ def _convert(kind: str, prefix: str, views: dict[str, Any], config: Mapping[str,
     elif kind == "clip":  # (the prefix: Flux's text_encoders.clip_l.transformer., not in diffusers' LDM list)
         out = sfu.convert_ldm_clip_checkpoint(views, prefix)
     elif kind == "flux":
-        out = _convert_flux(views, base_keys)
+        out = _convert_flux(views, config, base_keys)
     elif kind in _SD3_KINDS:
         out = _convert_sd3(kind, prefix, views)
     else:  # OpenCLIP: q/k/v are split out of in_proj (copies), text_projection transposed (a copy)
@@ -506,13 +506,20 @@ def _convert(kind: str, prefix: str, views: dict[str, Any], config: Mapping[str,
     return dict(out)
 
 
-def _convert_flux(views: dict[str, Any], base_keys: set[str]) -> dict[str, Any]:
+def _convert_flux(views: dict[str, Any], config: Mapping[str, Any], base_keys: set[str]) -> dict[str, Any]:
     """A FLUX.1 transformer as ``FluxTransformer2DModel.from_single_file`` converts it: passed through when its
     keys are exactly the model's (diffusers' own layout), else BFL's (bare or under ``model.diffusion_model.``)
     by diffusers' converter, which splits the fused q/k/v and single-block ``linear1`` (copies: diffusers
-    concatenates each chunk) and swaps the final adaLN's halves (a copy)."""
+    concatenates each chunk) and swaps the final adaLN's halves (a copy). Keys the converter leaves (strays
+    diffusers ignores) are returned too, for the caller to drop and say."""
     from diffusers.loaders import single_file_utils as sfu
 
+    guided = any("guidance" in k for k in views)  # diffusers' own test for a dev (guidance-distilled) transformer
+    if guided != bool(config.get("guidance_embeds")):
+        have, want = ("dev", "schnell") if guided else ("schnell", "dev")
+        raise DDUFPackError(f"transformer: a FLUX.1 {have} transformer ({'a' if guided else 'no'} guidance "
+                            f"embedder) but --base's transformer is FLUX.1 {want}'s (guidance_embeds "
+                            f"{str(not guided).lower()}): use a FLUX.1 {have} base")
     if set(views) == base_keys:
         return dict(views)
     if _FLUX_DIFFUSERS_MARK.issubset(views):
@@ -520,7 +527,9 @@ def _convert_flux(views: dict[str, Any], base_keys: set[str]) -> dict[str, Any]:
         raise DDUFPackError(f"transformer: in diffusers' key layout, but its keys are not exactly --base's "
                             f"transformer's (from_single_file would not load it either): {len(extra)} extra "
                             f"({', '.join(extra[:2]) or 'none'}), {len(missing)} missing ({', '.join(missing[:2]) or 'none'})")
-    return dict(sfu.convert_flux_transformer_checkpoint_to_diffusers(dict(views)))
+    left = dict(views)  # diffusers' converter pops what it converts
+    out = dict(sfu.convert_flux_transformer_checkpoint_to_diffusers(left))
+    return {**left, **out}
 
 
 _SD3_KINDS = ("sd3_transformer", "sd3_clip_l", "sd3_clip_g", "t5")
