@@ -182,6 +182,21 @@ def test_server_without_suffix_ranges_costs_one_request_more(tmp_path: Path, ans
         assert gets >= 3 and server.range_headers[:2] == [SUFFIX, "bytes=0-0"], server.range_headers
 
 
+def test_a_tight_byte_budget_opens_with_the_one_byte_probe(served) -> None:
+    """A caller's fixed byte budget too small for the suffix range (4x its bytes and headers) keeps 0.5.0's
+    1-byte probe; a roomier one gets the suffix range, counted against it like any answer."""
+    server, archives = served
+    url = server.url("indexed.dduf")
+    for budget, first in ((1 << 20, "bytes=0-0"), (8 << 20, SUFFIX)):
+        server.reset()
+        source = HTTPSource(url, max_bytes=budget)
+        try:
+            assert source.size == archives["indexed"].stat().st_size and server.range_headers == [first]
+            assert source._budget.fetched == source.bytes_received <= (2 << 10) + (SUFFIX_BYTES if first == SUFFIX else 1)
+        finally:
+            source.close()
+
+
 def test_load_open_is_one_request(served, tmp_path: Path, monkeypatch) -> None:
     """The fetch behind load_dduf(URL): the size and the whole tail (directory and index) in one suffix range
     request; everything else it reads is entry data (headers are checked as those ranges land)."""
