@@ -175,7 +175,8 @@ _MARK_FLUX = ("double_blocks.0.img_attn.norm.key_norm.scale",
 _MARK_FLUX_OTHERS = ("single_stream_modulation.lin.weight", "early_stream_modulations.image.lin.weight",
                      "distilled_guidance_layer.in_proj.bias")  # FLUX.2, its successor, Chroma: checked first
 # A FLUX.1 transformer in diffusers' own key layout (a transformer-only file saved by diffusers/OneTrainer)
-_FLUX_DIFFUSERS_MARK = frozenset({"x_embedder.weight", "context_embedder.weight", "transformer_blocks.0.attn.norm_added_k.weight",
+_FLUX_DIFFUSERS_MARK = frozenset({"x_embedder.weight", "context_embedder.weight",
+                                  "transformer_blocks.0.attn.norm_added_k.weight",
                                   "single_transformer_blocks.0.proj_mlp.weight"})
 
 
@@ -183,7 +184,7 @@ def _flux_variant(t: Mapping[str, Any], guidance: str, img_in: str) -> str:
     """diffusers' FLUX.1 branch: a guidance embedder is dev (fill and depth by img_in's width), else schnell."""
     if guidance not in t:
         return "flux-schnell"
-    width = t[img_in].shape[1] if img_in in t and len(t[img_in].shape) > 1 else None
+    width: int = t[img_in].shape[1] if img_in in t and len(t[img_in].shape) > 1 else 0
     return {384: "flux-fill", 128: "flux-depth"}.get(width, "flux-dev")
 
 
