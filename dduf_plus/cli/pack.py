@@ -20,7 +20,7 @@ from ._common import (
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("pack", help="pack a diffusers pipeline folder into a .dduf archive")
     p.add_argument("source", help="diffusers pipeline folder (with model_index.json), a Hub repo org/name[@revision], "
-                   "or a single-file .safetensors checkpoint (SD 1.x/2.x, SDXL; with --base)")
+                   "or a single-file .safetensors checkpoint (SD 1.x/2.x, SDXL, SD3/3.5, ...; with --base)")
     p.add_argument("-o", "--output", required=True,
                    help="archive to write (atomically); DIR/ writes DIR/NAME.dduf; the folder must exist")
     p.add_argument("-f", "--force", action="store_true", help="overwrite OUTPUT if it exists")

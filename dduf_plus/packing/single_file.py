@@ -305,6 +305,7 @@ class _Base(NamedTuple):
     model_index: dict[str, Any]
     model_index_bytes: bytes
     archive: Any = None  # an open DDUFArchive when BASE is a .dduf
+    hosted: bool = False  # BASE is a hosted .dduf (a URL): configs and headers by range reads, weights not compared
 
     def files(self, name: str) -> list[str]:
         """The file names of BASE's component folder ``name``."""
@@ -327,10 +328,13 @@ def _open_base(base: str, token: str | bool | None, local_files_only: bool) -> _
     except DDUFError as e:
         raise DDUFPackError(f"--base {base!r}: {e}") from None
     if kind == "url":
-        raise DDUFPackError(f"--base {base!r}: a single-file checkpoint is packed against a diffusers pipeline "
-                            "folder, a Hub repo id or a local .dduf (a hosted archive as BASE is not supported yet)")
-    if kind == "dduf":
-        return _open_base_archive(base)
+        from ..remote.hub import _env_offline
+
+        if _env_offline(local_files_only):  # as hosted references are never fetched then
+            raise DDUFPackError(f"--base {base}: a hosted archive is read over the network, which HF_HUB_OFFLINE / "
+                                "local_files_only forbids; give a local copy of it")
+    if kind in ("dduf", "url"):
+        return _open_base_archive(base, token if kind == "url" else None)
     if kind == "folder":
         folder = Path(base)
         if not folder.is_dir():
@@ -344,19 +348,25 @@ def _open_base(base: str, token: str | bool | None, local_files_only: bool) -> _
     return _Base(folder, base, model_index_object(raw, str(mi_path), DDUFPackError), raw)
 
 
-def _open_base_archive(base: str) -> _Base:
-    """BASE as a local ``.dduf``: opened with the strict reader (refused if ``dduf validate`` would refuse it)."""
+def _open_base_archive(base: str, token: str | bool | None = None) -> _Base:
+    """BASE as a local ``.dduf`` or a hosted one (a URL: its directory, index and the JSON entries read by range
+    requests, with the storage layer's budgets): opened with the strict reader (refused if ``dduf validate``
+    would refuse it)."""
     from ..format.archive import DDUFArchive
+    from ..storage.urls import is_url
 
-    if not os.path.isfile(base):
+    hosted = is_url(base)
+    if not hosted and not os.path.isfile(base):
         raise DDUFNotFoundError(f"--base {base!r}: {base} does not exist", base)
-    archive = DDUFArchive(base)
+    options: dict[str, Any] = {"token": token} if token not in (None, False) and base.startswith("hf://") else {}
+    archive = DDUFArchive(base, **options)
     if archive.references:
         archive.close()
         raise DDUFPackError(f"--base {base}: a partial archive (it references components elsewhere); use a "
                             "complete one (dduf complete) or the folder or repo it references")
     raw = bytes(archive.read_bytes(spec.MODEL_INDEX))
-    return _Base(Path(base), base, model_index_object(raw, f"{base}:{spec.MODEL_INDEX}", DDUFPackError), raw, archive)
+    return _Base(Path(base), base, model_index_object(raw, f"{base}:{spec.MODEL_INDEX}", DDUFPackError), raw, archive,
+                 hosted)
 
 
 def _hub_base_folder(base: str, token: str | bool | None, local_files_only: bool) -> Path:
@@ -681,6 +691,9 @@ def _chunks(job: _Job, head: bytes, planned: list[Any]) -> Iterator[Any]:
             converted.clear()
 
 
+_HOSTED = "not compared: BASE is hosted, comparing would download its weights"
+
+
 def _weights_name(library: str | None) -> str:
     return "model.safetensors" if library == "transformers" else "diffusion_pytorch_model.safetensors"
 
@@ -700,12 +713,12 @@ def _component(job: _Job, base: _Base, base_tensors: _BaseTensors,
             raise DDUFPackError(f"{where}: {job.name} cannot be converted to diffusers' layout "
                                 f"({type(e).__name__}: {e})") from None
         dropped = _fit(job.name, converted, base_tensors, where)
-        why = _identical(converted, base_tensors, mm)
+        why = _HOSTED if base.hosted else _identical(converted, base_tensors, mm)
         library = component_specs(base.model_index)[job.name][0]
         entry = f"{job.name}/{_weights_name(library)}"
         head, header, planned, size = _file_header(converted, entry)
         nbytes = sum(t.numel() * t.element_size() for t in converted.values())
-        variant = _identical_variant(job.name, converted, base, mm) if why is not None else None
+        variant = _identical_variant(job.name, converted, base, mm) if why not in (None, _HOSTED) else None
         converted.clear()
         views.clear()
     note = f"; dropped {len(dropped)} tensor(s) BASE's model has no place for ({dropped[0]}...)" if dropped else ""
