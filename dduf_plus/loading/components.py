@@ -84,7 +84,7 @@ def kind_of(cls: type[Any]) -> str:
     if issubclass(cls, diffusers.DiffusionPipeline):
         return "pipeline"
     if issubclass(cls, diffusers.ConfigMixin):
-        return "config" if issubclass(cls, _weightless_diffusers_kinds()) else "unknown"
+        return "config" if _is_weightless_diffusers_kind(cls) else "unknown"
     if "transformers" in sys.modules or cls.__module__.startswith("transformers"):
         import transformers
 
@@ -97,12 +97,17 @@ def kind_of(cls: type[Any]) -> str:
     return "unknown"
 
 
-def _weightless_diffusers_kinds() -> tuple[type, ...]:
-    """Config-only diffusers classes that hold no weights: built with ``from_config`` from the archive."""
+def _is_weightless_diffusers_kind(cls: type[Any]) -> bool:
+    """Config-only diffusers classes that hold no weights: built with ``from_config`` from the archive.
+    Checked in this order, each base looked up only when needed: ``diffusers.BaseGuidance`` is a lazy
+    attribute whose first access imports every guider (40 ms), which a pipeline of schedulers never needs."""
     import diffusers
 
-    names = ("SchedulerMixin", "BaseGuidance", "VaeImageProcessor")
-    return tuple(c for n in names if isinstance(c := getattr(diffusers, n, None), type))
+    for name in ("SchedulerMixin", "VaeImageProcessor", "BaseGuidance"):
+        base = getattr(diffusers, name, None)
+        if isinstance(base, type) and issubclass(cls, base):
+            return True
+    return False
 
 
 # Schedulers and other config-only components allocate in proportion to some of their numbers

@@ -200,6 +200,10 @@ def build_transformers_model(cls: type[Any], files: ComponentFiles, request: Mod
                        declared=request.declared, where=files.description)
     if plan.storage_dtype is not None:
         raise DDUFLoadError(f"{files.description}: fp8 storage is supported for diffusers models only")
+    direct = build_transformers_direct(cls, config, files, weight_files, stored, plan, request)
+    if direct is not None:
+        direct.config.name_or_path = request.name_or_path
+        return direct
     state = dict(request.materialize(files.tensors(weight_files), device=request.device, dtype_for=plan.dtype_for))
     kwargs: dict[str, Any] = {"config": config, "state_dict": state, "dtype": plan.dtype, "output_loading_info": True}
     if "generation_config.json" in files.listdir() and getattr(cls, "can_generate", lambda: False)():
@@ -229,6 +233,86 @@ def build_transformers_model(cls: type[Any], files: ComponentFiles, request: Mod
     model.config.name_or_path = request.name_or_path
     model.eval()
     return model
+
+
+# transformers classes the direct path builds, with the checkpoint prefix transformers' own conversion table
+# strips for the class (``conversion_mapping``: CLIPTextModel's ``PrefixChange(prefix_to_remove="text_model")``).
+# Only classes whose table renames nothing else: a class with value conversions (transposes, fused experts)
+# must go through transformers' loader, which knows them.
+DIRECT_TRANSFORMERS: dict[str, str | None] = {
+    "CLIPTextModel": "text_model",
+    "CLIPTextModelWithProjection": None,
+    "T5EncoderModel": None,
+    "UMT5EncoderModel": None,
+}
+_TRANSFORMERS_INTERNALS = ("get_init_context", "_move_missing_keys_from_meta_to_device", "_initialize_missing_keys",
+                           "get_parameter_or_buffer", "set_use_kernels")
+
+
+def build_transformers_direct(cls: type[Any], config: Any, files: ComponentFiles, weight_files: list[str],
+                              stored: Mapping[str, tuple[str, tuple[int, ...], int]], plan: Any,
+                              request: ModelRequest) -> torch.nn.Module | None:
+    """The model ``from_pretrained(None, config=..., state_dict=...)`` returns, without its generic loader, when
+    the stored names and shapes are exactly the model's (after the class's one known prefix): the same
+    construction (transformers' init context: meta device, the dtype), the tensors assigned as they are, then
+    transformers' own steps for what a checkpoint does not hold (non-persistent buffers, ``eval``, kernels).
+
+    That loader builds the whole conversion table of every architecture on its first call and matches each
+    key against it (0.3-0.6 s per process here, most of a text encoder's load): the index has already
+    listed every tensor, so an exact match needs none of it. None: the loader is needed (another class, tied
+    or missing weights, other names or shapes, a device, a generating model, another transformers)."""
+    if (cls.__name__ not in DIRECT_TRANSFORMERS or not cls.__module__.startswith("transformers.")
+            or request.device.type != "cpu" or request.allow_missing_weights or plan.storage_dtype is not None
+            or not all(hasattr(cls, n) for n in _TRANSFORMERS_INTERNALS) or cls.can_generate()):
+        return None
+    names, stripped = _direct_names(stored, DIRECT_TRANSFORMERS[cls.__name__])
+    if names is None:
+        return None
+    config.dtype = plan.dtype  # as from_pretrained's dtype resolution leaves it, sub-configs too
+    for key in getattr(config, "sub_configs", {}) or {}:
+        if (sub := getattr(config, key, None)) is not None:
+            sub.dtype = plan.dtype
+    config.name_or_path = None  # from_pretrained(None, ...) records None; the caller sets the real one after
+    from transformers.utils.generic import ContextManagers
+
+    with ContextManagers(cls.get_init_context(plan.dtype, False, False, None, config)), \
+            construction_budget(files.description, cls.__name__, stored):
+        model = cls(config)
+    expected = model.state_dict()  # meta tensors: names and shapes, nothing allocated
+    if (getattr(model, "all_tied_weights_keys", None) or set(names) != set(expected)
+            or any(tuple(expected[n].shape) != tuple(stored[s][1]) for n, s in names.items())):
+        return None
+    views = request.materialize(files.tensors(weight_files), device=request.device, dtype_for=plan.dtype_for)
+    model.load_state_dict({n: views[s] for n, s in names.items()}, strict=True, assign=True)
+    del views
+    for name in names:
+        model.get_parameter_or_buffer(name)._is_hf_initialized = True  # so initialisation leaves them alone
+    model._move_missing_keys_from_meta_to_device(set(), None, None, None)  # non-persistent buffers ...
+    model._initialize_missing_keys(False)  # ... computed by the class, as from_pretrained does
+    model.eval()
+    _direct_finish(model, stripped)
+    return model
+
+
+def _direct_names(stored: Mapping[str, Any], prefix: str | None) -> tuple[dict[str, str] | None, str | None]:
+    """({model name: stored name}, the prefix stripped or None): names as stored, or every name with the
+    class's prefix stripped (some with it and some without is no layout transformers writes: None)."""
+    if prefix is None or not any(n.startswith(prefix + ".") for n in stored):
+        return {n: n for n in stored}, None
+    if not all(n.startswith(prefix + ".") for n in stored):
+        return None, None
+    return {n[len(prefix) + 1:]: n for n in stored}, prefix
+
+
+def _direct_finish(model: Any, stripped: str | None) -> None:
+    """What from_pretrained records after loading: the conversions it used (``save_pretrained`` reverses
+    them, so a CLIP model saved again keeps its stored names) and its hub kernels, as its defaults decide."""
+    from transformers.core_model_loading import PrefixChange
+    from transformers.integrations.hub_kernels import _kernels_enabled
+    from transformers.utils.import_utils import is_kernels_available
+
+    model._weight_conversions = [PrefixChange(prefix_to_remove=stripped)] if stripped else []
+    model.set_use_kernels(_kernels_enabled() and is_kernels_available(), None, None, None)
 
 
 # --- quantized -----------------------------------------------------------------------------------------------

@@ -20,9 +20,7 @@ from ..errors import (
 from ..format.archive import DDUFArchive
 from ..format.validate import load_findings
 from ..format.weights import variants
-from ..remote.fetch import RemoteFetch
 from ..storage.urls import is_url
-from ..storage.zst import cached_decompress, is_zst
 from .bridge import install_bridge
 from .components import build_component, resolve_class
 from .dtypes import AUTO, requested_for, resolve_request
@@ -34,6 +32,8 @@ from .prefetch import Prefetcher
 if TYPE_CHECKING:  # pragma: no cover
     import torch
     from diffusers.pipelines.pipeline_utils import DiffusionPipeline  # diffusers' root may type it as a dummy
+
+    from ..remote.fetch import RemoteFetch
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ def load_dduf(
                    resolve_options={"refs": refs, "local_files_only": local_files_only, "token": token,
                                     "revision": revision, "cache_dir": cache_dir, "verify": verify},
                    use_mmap=use_mmap, verify=verify, allow_missing_weights=allow_missing_weights,
-                   before_build=fetch.wait_component if fetch is not None else None,
+                   before_build=fetch.gate if fetch is not None else None,
                    build_order=fetch.prioritize if fetch is not None else None)
     try:
         pipe = _load(ctx, kwargs)
@@ -170,8 +170,17 @@ def _open_source(path_str: str, dduf_file: str | None, *, revision: str | None, 
     if is_url(path_str):
         archive, fetch = _open_url(path_str, remote, local_files_only)
         return path_str, archive, fetch
-    local = str(cached_decompress(path_str, max_decompressed=max_decompressed)) if is_zst(path_str) else path_str
-    return path_str, DDUFArchive(local), None
+    if _is_zst(path_str):
+        from ..storage.zst import cached_decompress
+
+        return path_str, DDUFArchive(str(cached_decompress(path_str, max_decompressed=max_decompressed))), None
+    return path_str, DDUFArchive(path_str), None
+
+
+def _is_zst(path: str) -> bool:
+    """``storage.zst.is_zst`` (a suffix), without importing the zstd and remote modules a local load never
+    uses (they are imported when a ``.dduf.zst`` or a URL comes: a fresh process's first load pays less)."""
+    return path.endswith(".zst")
 
 
 def _is_hub_repo(path: str) -> bool:
@@ -228,7 +237,9 @@ class _Context:
     use_mmap: bool = True
     verify: bool = True
     allow_missing_weights: bool = False
-    before_build: Callable[[str], None] | None = None  # a remote fetch: wait until a component's bytes are here
+    # a remote fetch: the component's files, reading only entries that have arrived and matched (a model is
+    # constructed while its weights still arrive)
+    before_build: Callable[[str, ComponentFiles], ComponentFiles] | None = None
     build_order: Callable[[list[str]], None] | None = None  # a remote fetch: fetch components in this order
 
 
@@ -267,14 +278,16 @@ def _check_names(ctx: _Context) -> None:
     """Component names in ``torch_dtype={...}`` and ``refs={...}`` are the archive's, never ignored: a typo
     (``"unte"``) is an error naming it, the closest component and the components."""
     from ..assignments import LoadNameError, check_names
-    from ..refs.resolve import check_ref_names
 
     components = list(ctx.archive.components)
     if isinstance(ctx.request, Mapping):
         check_names(ctx.request, components, what="torch_dtype={...} key", where=ctx.path, error=LoadNameError,
                     wildcards=("default",))
-    check_ref_names(ctx.resolve_options.get("refs"), components, ctx.archive.references, what="refs={...} key",
-                    where=ctx.path)
+    if ctx.resolve_options.get("refs"):  # dduf_plus.refs is imported only when there is something to check
+        from ..refs.resolve import check_ref_names
+
+        check_ref_names(ctx.resolve_options["refs"], components, ctx.archive.references, what="refs={...} key",
+                        where=ctx.path)
 
 
 def _refuse_what_validate_refuses(ctx: _Context) -> None:
@@ -364,9 +377,8 @@ def _build_components(ctx: _Context, plan: _Plan, sources: Mapping[str, Componen
             materialize=_materializer(),
             allow_missing_weights=ctx.allow_missing_weights,
         )
-        if ctx.before_build is not None:
-            ctx.before_build(name)
-        plan.init_kwargs[name] = build_component(cls, sources[name], model_request)
+        files = sources[name] if ctx.before_build is None else ctx.before_build(name, sources[name])
+        plan.init_kwargs[name] = build_component(cls, files, model_request)
         logger.debug("built %s (%s) in %.3f s", name, class_name, time.perf_counter() - t0)
 
 
@@ -396,9 +408,9 @@ def _assemble(ctx: _Context, plan: _Plan) -> DiffusionPipeline:
 def _open_url(url: str, remote: Any, local_files_only: bool) -> tuple[DDUFArchive, RemoteFetch | None]:
     """The archive at ``url``: mapped from the remote cache when complete there, else opened over the fetch
     in progress (opening reads only the metadata, which is fetched first)."""
-    from ..remote.fetch import CacheSource, open_remote
+    from ..remote.fetch import CacheSource, RemoteFetch, open_remote
 
-    if is_zst(url):
+    if _is_zst(url):
         raise DDUFUsageError(f"{url}: remote .dduf.zst archives are not fetched by range; download the file "
                              "and load it locally, or serve the .dduf itself")
     opened = open_remote(url, remote, local_files_only=local_files_only)
