@@ -12,6 +12,8 @@ from __future__ import annotations
 import gc
 import json
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -273,3 +275,13 @@ def test_info_lists_components_dtypes_params_bytes(flux: dict[str, Path],
     assert main(["info", str(flux["full"])]) == 0
     text = capsys.readouterr().out
     assert "FLUX.1 dev (flux-dev)" in text and "text_encoders.t5xxl.transformer." in text and "530.5M" in text
+    # with --base: what a pack would store (the changed VAE) and reference (the identical transformer too)
+    assert main(["info", str(flux["full"]), "--base", str(flux["base"]), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)["pack_plan"]
+    assert list(plan["stored"]) == ["vae"] and plan["referenced"]["transformer"] is None
+    # header only: neither torch nor diffusers imported (a 1 GB file)
+    code = ("import sys; from dduf_plus.cli import main; rc = main(['info', sys.argv[1], '--json']); "
+            "assert rc == 0; assert 'torch' not in sys.modules and 'diffusers' not in sys.modules, 'imported'")
+    done = subprocess.run([sys.executable, "-c", code, str(flux["fp8"])], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout)["components"]["transformer"]["dtype"] == "float8_e4m3fn"
