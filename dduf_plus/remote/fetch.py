@@ -513,6 +513,14 @@ class RemoteFetch:
             prefix = component + "/"
             self.wait_entries([e.name for e in self._entries if e.name.startswith(prefix)])
 
+    def gate(self, component: str, files: Any) -> Any:
+        """``files`` (one component's :class:`~dduf_plus.loading.files.ComponentFiles`) whose reads wait for
+        the entries they read to arrive and match: a model is constructed (on the meta device, from its
+        config) while its weights are still arriving, and its tensors view only checked bytes."""
+        if self.verified or not hasattr(files, "archive"):  # a referenced component is not in this archive
+            return files
+        return _GatedFiles(self, component, files)
+
     def entry_sha256(self) -> dict[str, str]:
         """{entry: sha256} of the entries checked so far (every entry once :meth:`finish` returned)."""
         with self._cond:
@@ -636,6 +644,34 @@ class RemoteFetch:
                 os.close(fd)
             except OSError:
                 pass
+
+
+class _GatedFiles:
+    """A component's files over a fetch in progress: configs and tokenizer files are read once their own
+    entries have matched, tensors once every entry of the component has (:meth:`RemoteFetch.wait_component`);
+    everything else (listings, safetensors header metadata) is the wrapped object's."""
+
+    def __init__(self, fetch: RemoteFetch, component: str, files: Any):
+        self._fetch, self._component, self._files = fetch, component, files
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._files, name)
+
+    def read_bytes(self, filename: str) -> bytes:
+        self._fetch.wait_entries([f"{self._component}/{filename}"])
+        return self._files.read_bytes(filename)
+
+    def read_json(self, filename: str) -> Any:
+        self._fetch.wait_entries([f"{self._component}/{filename}"])
+        return self._files.read_json(filename)
+
+    def tensors(self, filenames: Any) -> Any:
+        self._fetch.wait_component(self._component)
+        return self._files.tensors(filenames)
+
+    def local_dir(self, filenames: Any = None) -> str:
+        self._fetch.wait_component(self._component)
+        return self._files.local_dir(filenames)
 
 
 def _size_file(fd: int, size: int, reserve: bool = True) -> None:
