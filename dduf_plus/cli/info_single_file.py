@@ -47,7 +47,7 @@ def run_single_file(args: argparse.Namespace) -> int:
     if "pack_plan" in info:
         _echo_plan(info["pack_plan"])
     elif info.get("pipeline"):
-        echo(f"  pack it: dduf pack {args.source} --base BASE -o OUT.dduf  (BASE: a {info['pipeline']} folder or Hub repo)")
+        echo(f"  pack it: dduf pack {args.source} --base BASE -o OUT.dduf  (BASE: a {info['pipeline']} folder, Hub repo or .dduf, local or URL)")
     return 0
 
 
