@@ -1,7 +1,9 @@
 #!/usr/bin/env python
-"""Load benchmark: ``load_dduf`` against diffusers' own loaders on an SD-1.5-shaped fp16 pipeline (2.1 GB).
+"""Load benchmark: ``load_dduf`` against diffusers' own loaders on an SD-1.5-shaped (2.1 GB) or SDXL-shaped
+(6.9 GB) fp16 pipeline, and the first load in a fresh process on the tiny fixture.
 
     python bench/bench_load.py                # full run (~10 min on 2 cores), writes bench/results/load.{json,png}
+    python bench/bench_load.py --shape sdxl   # SDXL-shaped: bench/results/load_sdxl.{json,png} (no 0.35.2 rows)
     python bench/bench_load.py --runs 3 --skip-old --skip-cold
 
 Every measurement runs in a fresh subprocess with the libraries and model classes imported before the
@@ -13,7 +15,12 @@ Loaders: ``load_dduf`` (auto dtype; with and without read-ahead; the pread path)
 load with ``dtype=float16``, and diffusers 0.35.2 ``from_pretrained(..., dduf_file=...)`` (the last diffusers
 that loads DDUF; installed in bench/_work/venv-diffusers-0.35) on a huggingface_hub-written archive and on
 ours. Cold cache: the files are evicted with ``posix_fadvise(DONTNEED)`` (no root needed; residency checked
-with ``mincore``), or ``/proc/sys/vm/drop_caches`` when writable; ``cat archive > /dev/null`` is the floor."""
+with ``mincore``), or ``/proc/sys/vm/drop_caches`` when writable; ``cat archive > /dev/null`` is the floor.
+
+Fresh process (``fresh:`` rows): what a new Python process pays for its first pipeline, imports included:
+``from dduf_plus import load_dduf; load_dduf(tiny archive)`` against ``from diffusers import DiffusionPipeline;
+DiffusionPipeline.from_pretrained(tiny folder)``, timed from before the first import to the pipeline object
+(and the whole process, interpreter start and exit included), on the fixture pipeline tiny-sd (1.3 MB)."""
 
 from __future__ import annotations
 
@@ -32,7 +39,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 VENV = ROOT / "bench" / "_work" / "venv-diffusers-0.35"
 OLD_DIFFUSERS = "0.35.2"
 TARGETS = {
-    "warm load+touch vs folder": ("<=", 0.7),
+    "warm load+touch vs folder": ("<=", 0.6),
+    "fresh-process first load vs folder": ("<=", 1.0),
     "peak RSS vs folder": ("<=", 1.05),
     "speed-up vs diffusers 0.35.2": (">=", 10.0),
     "peak RSS vs diffusers 0.35.2": ("<=", 0.5),
@@ -40,22 +48,54 @@ TARGETS = {
 }
 
 
+# The classes each shape's pipeline is built from: imported before the clock starts (warm and cold rows time
+# loading, not importing; the fresh rows time both).
+CLASSES = {
+    "sd15": ("diffusers:AutoencoderKL DiffusionPipeline PNDMScheduler StableDiffusionPipeline UNet2DConditionModel",
+             "transformers:CLIPTextModel CLIPTokenizer"),
+    "sdxl": ("diffusers:AutoencoderKL DiffusionPipeline EulerDiscreteScheduler StableDiffusionXLPipeline "
+             "UNet2DConditionModel", "transformers:CLIPTextModel CLIPTextModelWithProjection CLIPTokenizer"),
+}
+SHAPE_TITLES = {"sd15": "an SD-1.5-shaped", "sdxl": "an SDXL-shaped"}
+
+
 # --- child: one measurement ------------------------------------------------------------------------------
-def child(mode: str, path: str) -> None:
+def fresh_child(mode: str, path: str) -> None:
+    """The first load in this (fresh) process, imports included: the clock starts before the first import."""
+    started = time.perf_counter()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if mode == "fresh-dduf":
+        sys.path.insert(0, str(ROOT))
+        from dduf_plus import load_dduf
+
+        pipe = load_dduf(path)
+    else:
+        from diffusers import DiffusionPipeline
+
+        pipe = DiffusionPipeline.from_pretrained(path)
+    loaded = time.perf_counter()
+    print("RESULT " + json.dumps({"load": loaded - started, "load_touch": loaded - started, "rss_gb": 0.0,
+                                   "dtypes": {n: str(getattr(c, "dtype", "")) for n, c in pipe.components.items()
+                                              if hasattr(c, "dtype")}}))
+
+
+def child(mode: str, path: str, shape: str = "sd15") -> None:
+    if mode.startswith("fresh-"):
+        fresh_child(mode, path)
+        return
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    import importlib
     import resource
 
     import diffusers
     import torch
-    from diffusers import (  # noqa: F401
-        AutoencoderKL,
-        DiffusionPipeline,
-        PNDMScheduler,
-        StableDiffusionPipeline,
-        UNet2DConditionModel,
-    )
-    from transformers import CLIPTextModel, CLIPTokenizer  # noqa: F401
+    from diffusers import DiffusionPipeline
+
+    for spec in CLASSES[shape]:
+        module, names = spec.split(":")
+        for name in names.split():
+            getattr(importlib.import_module(module), name)
 
     diffusers.utils.logging.disable_progress_bar()
     diffusers.utils.logging.set_verbosity_error()
@@ -138,17 +178,19 @@ def resident_fraction(paths: list[Path]) -> float:
 
 
 # --- parent --------------------------------------------------------------------------------------------------
-def measure(mode: str, path: Path, python: str, files: list[Path], *, cold: bool) -> dict | None:
+def measure(mode: str, path: Path, python: str, files: list[Path], *, cold: bool, shape: str = "sd15") -> dict | None:
     if cold:
         if not evict(files):
             return None
     else:
         warm(files)
-    cmd = [python, str(Path(__file__).resolve()), "--child", mode, "--path", str(path)]
+    cmd = [python, str(Path(__file__).resolve()), "--child", mode, "--path", str(path), "--shape", shape]
+    started = time.perf_counter()
     out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    process = time.perf_counter() - started
     for line in out.stdout.splitlines():
         if line.startswith("RESULT "):
-            return json.loads(line[7:])
+            return {**json.loads(line[7:]), "process_s": process}
     raise RuntimeError(f"{mode} failed:\n{out.stderr[-3000:]}")
 
 
@@ -168,11 +210,17 @@ def cat_seconds(path: Path, cold: bool) -> float | None:
     return time.perf_counter() - started
 
 
-def prepare(skip_old: bool) -> dict[str, Path]:
-    from _common import WORK, sd15_archive, sd15_folder
+def prepare(skip_old: bool, shape: str = "sd15") -> dict[str, Path]:
+    import _common
+    from _common import WORK
 
-    folder, archive = sd15_folder(), sd15_archive()
-    paths = {"folder": folder, "dduf": archive}
+    if hasattr(_common, "pipeline_folder"):
+        folder, archive = _common.pipeline_folder(shape), _common.pipeline_archive(shape)
+    elif shape == "sd15":
+        folder, archive = _common.sd15_folder(), _common.sd15_archive()
+    else:
+        raise SystemExit(f"--shape {shape}: bench/_common.py has no generator for it")
+    paths = {"folder": folder, "dduf": archive, **tiny_pipeline()}
     if not skip_old:
         hub = WORK / "old-hub" / "sd15.dduf"
         if not hub.exists():
@@ -187,6 +235,21 @@ def prepare(skip_old: bool) -> dict[str, Path]:
             os.link(archive, ours)  # same bytes, in a folder of its own (dduf_file= wants one)
         paths["old-hub"], paths["old-ours"] = hub, ours
     return paths
+
+
+def tiny_pipeline() -> dict[str, Path]:
+    """The fixture tiny-sd as a folder and as an archive packed from it (once, under bench/_work)."""
+    from _common import WORK
+
+    folder = ROOT / "fixtures" / "pipelines" / "tiny-sd"
+    archive = WORK / "tiny-sd.dduf"
+    if not archive.exists():
+        sys.path.insert(0, str(ROOT))
+        from dduf_plus.format.pack import pack_folder
+
+        WORK.mkdir(parents=True, exist_ok=True)
+        pack_folder(folder, archive, quiet=True)
+    return {"fresh-folder": folder, "fresh-dduf": archive}
 
 
 def old_python() -> str:
@@ -204,86 +267,106 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
+    parser.add_argument("--shape", choices=sorted(CLASSES), default="sd15",
+                        help="the work pipeline: sd15 (2.1 GB, default) or sdxl (6.9 GB; no diffusers 0.35.2 rows)")
     parser.add_argument("--runs", type=int, default=5, help="warm runs per loader (median)")
     parser.add_argument("--cold-runs", type=int, default=3)
+    parser.add_argument("--fresh-runs", type=int, default=7, help="fresh-process first loads per loader (median)")
     parser.add_argument("--old-runs", type=int, default=3, help="runs of the (slow) diffusers 0.35.2 loader")
     parser.add_argument("--skip-old", action="store_true", help="skip diffusers 0.35.2")
     parser.add_argument("--skip-cold", action="store_true")
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "load.json"))
+    parser.add_argument("--skip-fresh", action="store_true", help="skip the fresh-process first-load rows")
+    parser.add_argument("--out", help="default: bench/results/load.json (sd15), load_sdxl.json (sdxl)")
     parser.add_argument("--from-json", help="re-render the table, ratios and chart from a saved load.json")
     args = parser.parse_args()
+    out = Path(args.out or ROOT / "bench" / "results" / ("load.json" if args.shape == "sd15" else f"load_{args.shape}.json"))
     if args.from_json:
         saved = json.loads(Path(args.from_json).read_text())
         for r in saved["results"].values():
             r["best_load_touch"] = min(x["load_touch"] for x in r["samples"])
-        finish(saved["results"], saved["cat_archive_s"], Path(args.out))
+        finish(saved["results"], saved["cat_archive_s"], out, saved.get("shape", "sd15"))
         return
     if args.child:
-        child(args.child, args.path)
+        child(args.child, args.path, args.shape)
         return
-
-    paths = prepare(args.skip_old)
-    pythons = {m: sys.executable for m in ("dduf", "dduf-noprefetch", "dduf-pread", "folder")}
-    if not args.skip_old:
+    skip_old = args.skip_old or args.shape != "sd15"  # 0.35.2 copies everything: 16+ GB for the SDXL shape
+    paths = prepare(skip_old, args.shape)
+    pythons = {m: sys.executable for m in ("dduf", "dduf-noprefetch", "dduf-pread", "folder", "fresh-dduf", "fresh-folder")}
+    if not skip_old:
         pythons["old-hub"] = pythons["old-ours"] = old_python()
-    source = {"dduf": "dduf", "dduf-noprefetch": "dduf", "dduf-pread": "dduf", "folder": "folder",
-              "old-hub": "old-hub", "old-ours": "old-ours"}
-    results: dict[str, dict] = {}
-    cat: dict[str, float] = {}
     # The old loader's 5-6 GB of anonymous memory pushes the others' page cache out: it gets a phase of its own.
     phases = [("warm", ["dduf", "dduf-noprefetch", "dduf-pread", "folder"])]
-    if not args.skip_old:
+    if not skip_old:
         phases.append(("warm", ["old-hub", "old-ours"]))
     if not args.skip_cold:
         phases.append(("cold", ["dduf", "dduf-noprefetch", "dduf-pread", "folder"]))
+    if not args.skip_fresh and args.shape == "sd15":  # tiny-sd whatever the shape: measured once, with sd15
+        phases.append(("fresh", ["dduf", "folder"]))
+    results: dict[str, dict] = {}
+    cat: dict[str, float] = {}
     for cache, modes in phases:
-        wanted = {m: args.old_runs if m.startswith("old") else (args.runs if cache == "warm" else args.cold_runs)
-                  for m in modes}
-        samples: dict[str, list[dict]] = {m: [] for m in modes}
-        cats: list[float] = []
-        # Rounds, every loader once per round: a machine that gets busier (or a host cache that warms up)
-        # moves all loaders alike, and the ratios stay meaningful.
-        for round_ in range(max(wanted.values())):
-            for mode in modes:
-                if round_ >= wanted[mode] or samples[mode] is None:
-                    continue
-                path = paths[source[mode]]
-                sample = measure(mode, path, pythons[mode], files_of(path), cold=cache == "cold")
-                if sample is None:
-                    print(f"cold cache cannot be produced here; skipping cold {mode}")
-                    samples[mode] = None
-                    continue
-                samples[mode].append(sample)
-                print(f"{cache:5} {mode:16} round {round_ + 1}: load {sample['load']:.3f} s  "
-                      f"load+touch {sample['load_touch']:.3f} s  RSS {sample['rss_gb']:.2f} GB", flush=True)
-            seconds = cat_seconds(paths["dduf"], cold=cache == "cold")
-            if seconds is not None:
-                cats.append(seconds)
-        if cats and cache not in cat:
-            cat[cache] = median(cats)
-        for mode, got in samples.items():
-            if got:
-                results[f"{cache}:{mode}"] = {
-                    "load": median([s["load"] for s in got]),
-                    "load_touch": median([s["load_touch"] for s in got]),
-                    "rss_gb": median([s["rss_gb"] for s in got]),
-                    "best_load_touch": min(s["load_touch"] for s in got),
-                    "runs": len(got), "dtypes": got[0]["dtypes"],
-                    "samples": [{k: s[k] for k in ("load", "load_touch", "rss_gb")} for s in got],
-                }
-    finish(results, cat, Path(args.out))
+        wanted = {m: args.old_runs if m.startswith("old") else
+                  {"warm": args.runs, "cold": args.cold_runs, "fresh": args.fresh_runs}[cache] for m in modes}
+        run_phase(cache, modes, wanted, paths, pythons, args.shape, results, cat)
+    finish(results, cat, out, args.shape)
 
 
-def finish(results: dict, cat: dict, out: Path) -> None:
+def run_phase(cache: str, modes: list[str], wanted: dict[str, int], paths: dict[str, Path], pythons: dict[str, str],
+              shape: str, results: dict, cat: dict) -> None:
+    """One cache state: every loader once per round (a machine that gets busier, or a host cache that warms
+    up, moves all loaders alike, and the ratios stay meaningful); medians into ``results``."""
+    samples: dict[str, list[dict] | None] = {m: [] for m in modes}
+    cats: list[float] = []
+    for round_ in range(max(wanted.values())):
+        for mode in modes:
+            got = samples[mode]
+            if round_ >= wanted[mode] or got is None:
+                continue
+            child_mode = f"fresh-{mode}" if cache == "fresh" else mode
+            path = paths[child_mode if cache == "fresh" else ("folder" if mode == "folder" else
+                                                              mode if mode.startswith("old") else "dduf")]
+            sample = measure(child_mode, path, pythons[child_mode], files_of(path), cold=cache == "cold", shape=shape)
+            if sample is None:
+                print(f"cold cache cannot be produced here; skipping cold {mode}")
+                samples[mode] = None
+                continue
+            got.append(sample)
+            print(f"{cache:5} {mode:16} round {round_ + 1}: load {sample['load']:.3f} s  "
+                  f"load+touch {sample['load_touch']:.3f} s  RSS {sample['rss_gb']:.2f} GB  "
+                  f"process {sample['process_s']:.2f} s", flush=True)
+        if cache != "fresh" and (seconds := cat_seconds(paths["dduf"], cold=cache == "cold")) is not None:
+            cats.append(seconds)
+    if cats and cache not in cat:
+        cat[cache] = median(cats)
+    for mode, got in samples.items():
+        if got:
+            results[f"{cache}:{mode}"] = {
+                "load": median([s["load"] for s in got]),
+                "load_touch": median([s["load_touch"] for s in got]),
+                "rss_gb": median([s["rss_gb"] for s in got]),
+                "process_s": median([s["process_s"] for s in got]),
+                "best_load_touch": min(s["load_touch"] for s in got),
+                "runs": len(got), "dtypes": got[0]["dtypes"],
+                "samples": [{k: s[k] for k in ("load", "load_touch", "rss_gb", "process_s")} for s in got],
+            }
+
+
+def finish(results: dict, cat: dict, out: Path, shape: str = "sd15") -> None:
     ratios = compute_ratios(results, cat)
-    archive = ROOT / "bench" / "_work" / "sd15.dduf"
-    report = {"archive_bytes": archive.stat().st_size if archive.exists() else None, "cpus": os.cpu_count(), "results": results,
+    from _common import WORK
+
+    archive = WORK / f"{shape}.dduf"
+    tiny = WORK / "tiny-sd.dduf"
+    report = {"shape": shape, "archive_bytes": archive.stat().st_size if archive.exists() else None,
+              "tiny_archive_bytes": tiny.stat().st_size if tiny.exists() else None,
+              "cpus": os.cpu_count(), "results": results,
               "cat_archive_s": cat, "ratios": ratios, "targets": {k: list(v) for k, v in TARGETS.items()},
-              "command": "python bench/bench_load.py", "unix_time": time.time()}
+              "command": "python bench/bench_load.py" + ("" if shape == "sd15" else f" --shape {shape}"),
+              "unix_time": time.time()}
     print_table(results, cat, ratios)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
-    chart(results, cat, out.with_suffix(".png"))
+    chart(results, cat, out.with_suffix(".png"), shape, report["archive_bytes"])
     print(f"wrote {out} and {out.with_suffix('.png')}")
 
 
@@ -301,6 +384,10 @@ def compute_ratios(results: dict, cat: dict) -> dict[str, float]:
         ratios["speed-up vs diffusers 0.35.2"] = old["load"] / ours["load"]
         ratios["speed-up vs diffusers 0.35.2 (load+touch)"] = old["load_touch"] / ours["load_touch"]
         ratios["peak RSS vs diffusers 0.35.2"] = ours["rss_gb"] / old["rss_gb"]
+    fresh, fresh_folder = results.get("fresh:dduf"), results.get("fresh:folder")
+    if fresh and fresh_folder:
+        ratios["fresh-process first load vs folder"] = fresh["load"] / fresh_folder["load"]
+        ratios["fresh-process first load vs folder, whole process"] = fresh["process_s"] / fresh_folder["process_s"]
     cold = results.get("cold:dduf")
     if cold and "cold" in cat:
         ratios["cold load+touch vs cat"] = cold["load_touch"] / cat["cold"]
@@ -317,7 +404,7 @@ def print_table(results: dict, cat: dict, ratios: dict) -> None:
     print("| --- | --- | --- | --- | --- | --- |")
     for key, r in results.items():
         cache, mode = key.split(":", 1)
-        print(f"| {cache} | {LABELS.get(mode, mode)} | {r['load']:.3f} | {r['load_touch']:.3f} | "
+        print(f"| {cache} | {LABELS.get(key, LABELS.get(mode, mode))} | {r['load']:.3f} | {r['load_touch']:.3f} | "
               f"{r['best_load_touch']:.3f} | {r['rss_gb']:.2f} |")
     for k, v in cat.items():
         print(f"| {k} | `cat archive > /dev/null` | | {v:.3f} | | |")
@@ -330,6 +417,8 @@ def print_table(results: dict, cat: dict, ratios: dict) -> None:
 
 
 LABELS = {
+    "fresh:dduf": "fresh process, imports + load_dduf (tiny-sd)",
+    "fresh:folder": "fresh process, imports + diffusers folder (tiny-sd)",
     "dduf": "dduf_plus load_dduf (auto)",
     "dduf-noprefetch": "load_dduf, prefetch=False",
     "dduf-pread": "load_dduf, use_mmap=False",
@@ -339,7 +428,7 @@ LABELS = {
 }
 
 
-def chart(results: dict, cat: dict, path: Path) -> None:
+def chart(results: dict, cat: dict, path: Path, shape: str = "sd15", archive_bytes: int | None = None) -> None:
     try:
         import matplotlib
 
@@ -349,7 +438,7 @@ def chart(results: dict, cat: dict, path: Path) -> None:
         print("matplotlib not installed: no chart")
         return
     keys = list(results)
-    labels = [f"{k.split(':')[0]}: {LABELS.get(k.split(':', 1)[1], k)}" for k in keys]
+    labels = [f"{k.split(':')[0]}: {LABELS.get(k, LABELS.get(k.split(':', 1)[1], k))}" for k in keys]
     fig, (ax_time, ax_rss) = plt.subplots(1, 2, figsize=(13, 0.5 * len(keys) + 2.5), sharey=True)
     y = range(len(keys))
     ax_time.barh([i + 0.2 for i in y], [results[k]["load"] for k in keys], height=0.4, label="load")
@@ -364,7 +453,9 @@ def chart(results: dict, cat: dict, path: Path) -> None:
     ax_time.legend(fontsize=8)
     ax_rss.barh(list(y), [results[k]["rss_gb"] for k in keys], height=0.5, color="tab:green")
     ax_rss.set_xlabel("peak RSS (GB)")
-    fig.suptitle("Loading an SD-1.5-shaped fp16 pipeline (2.1 GB), medians")
+    size = f" ({archive_bytes / 1e9:.1f} GB)" if archive_bytes else ""
+    fig.suptitle(f"Loading {SHAPE_TITLES.get(shape, shape)} fp16 pipeline{size}, medians; "
+                 "fresh: a new process's first load of tiny-sd, imports included")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
