@@ -1,17 +1,24 @@
-"""load_dduf(URL) against the link's own limit and against download-then-load.
+"""load_dduf(URL) against the link's own limit, against one plain GET and against download-then-load, with
+the work folder (remote cache, downloads) on the disk and on tmpfs.
 
-    python bench/bench_remote.py [--runs 3] [--latency 0.020] [--bandwidth 400e6]
+    python bench/bench_remote.py [--runs 3] [--latency 0.020] [--bandwidth 400e6] [--shape sd15|sdxl]
+                                 [--folders disk,tmpfs] [--out bench/results/remote.json]
 
-The SD-1.5-shaped archive (about 2.1 GB, bench/_common.sd15_archive()) is served from 127.0.0.1 by
-tests/servers.FileServer in a *separate process* (so the server does not share the loader's GIL), with an
-injected round trip (``latency``, per request) and a bandwidth cap shared by every connection. Rows:
+The SD-1.5-shaped archive (about 2.1 GB; ``--shape sdxl``: the SDXL-shaped 6.9 GB one, disk only: it does not
+fit tmpfs here) is served from 127.0.0.1 by tests/servers.FileServer in a *separate process* (so the server
+does not share the loader's GIL; its CPU time is reported: on 2 cores it competes with the client), with an
+injected round trip (``latency``, per request) and a bandwidth cap shared by every connection. The disk's own
+sequential write speed (512 MiB written and fsync'ed) is measured in the same run. Rows, per work folder:
 
 - link limit: bytes / cap (what no client can beat);
-- load_dduf(URL), first load: remote cache cleared before each run; then every weight page is touched;
-- load_dduf(URL), second load: the archive is in the remote cache (one tail request), pages touched;
-- download-then-load: one sequential GET of the whole file to disk, then load_dduf(local), pages touched.
+- single GET: one sequential GET of the whole file into the folder (``curl -O``), nothing else;
+- download-then-load: that GET, then load_dduf(local file), pages touched;
+- load_dduf(URL) first load: remote cache cleared before each run; then every weight page is touched;
+- load_dduf(URL, remote={"cache": False}): nothing kept, pages touched;
+- warm cached load: the archive is in the remote cache (one tail request), pages touched.
 
-Medians of ``--runs`` runs; writes bench/results/remote.json.
+Medians of ``--runs`` interleaved runs (every row sees the same drift of the shared machine's load);
+writes bench/results/remote.json.
 
     python bench/bench_remote.py --open-requests [--latency 0.020]
 
@@ -23,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -31,10 +39,14 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import ROOT, WORK, median, sd15_archive  # noqa: E402
+import _common  # noqa: E402
+from _common import ROOT, WORK, median  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "remote.json"
-CACHE = WORK / "remote-bench-cache"
+ROWS = ("single_get", "download_then_load", "first", "no_cache", "warm")
+LABELS = {"link_limit": "link limit (bytes / cap)", "single_get": "single GET (nothing else)",
+          "download_then_load": "download, then load_dduf + touch", "first": "load_dduf(URL) first load + touch",
+          "no_cache": "load_dduf(URL, cache=False) + touch", "warm": "warm cached load + touch"}
 
 
 def serve(root: str, latency: float, bandwidth: float) -> None:
@@ -52,12 +64,23 @@ def touch(pipe) -> int:
     import torch
 
     total = 0
-    for name in ("unet", "vae", "text_encoder"):
-        for tensor in getattr(pipe, name).state_dict().values():
-            flat = tensor.detach().reshape(-1)
-            if flat.numel():
-                total += int(flat.view(torch.uint8)[::4096].sum())
+    for module in pipe.components.values():
+        if isinstance(module, torch.nn.Module):
+            for tensor in module.state_dict().values():
+                flat = tensor.detach().reshape(-1)
+                if flat.numel():
+                    total += int(flat.view(torch.uint8)[::4096].sum())
     return total
+
+
+def _cpu(pid: int | None = None) -> float:
+    """CPU seconds (user + system) of this process (all threads) or of process ``pid``."""
+    if pid is None:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def load_and_touch(source: str, **options) -> float:
@@ -75,6 +98,21 @@ def download(url: str, target: Path) -> None:
         shutil.copyfileobj(response, out, 8 << 20)
 
 
+def disk_write_speed(folder: Path, size: int = 512 << 20) -> float:
+    """Bytes/s of one sequential write of ``size`` bytes into ``folder``, fsync included (the device's pace)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    target, block = folder / "write-speed.bin", os.urandom(8 << 20)
+    started = time.perf_counter()
+    with open(target, "wb") as f:
+        for _ in range(size // len(block)):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    seconds = time.perf_counter() - started
+    target.unlink()
+    return size / seconds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
@@ -82,6 +120,11 @@ def main() -> None:
     parser.add_argument("--bandwidth", type=float, default=400e6)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--chunk-size", type=int, default=16 << 20)
+    parser.add_argument("--shape", choices=("sd15", "sdxl"), default="sd15")
+    parser.add_argument("--folders", default=None, help="disk,tmpfs (default; sdxl: disk)")
+    parser.add_argument("--tmpfs", default="/dev/shm", help="where the tmpfs work folder goes")
+    parser.add_argument("--out", type=Path, default=None, help="results file (default bench/results/remote.json; "
+                                                               "sdxl: remote_sdxl.json)")
     parser.add_argument("--serve", help=argparse.SUPPRESS)
     parser.add_argument("--open-requests", action="store_true", help="only count the requests to open (seconds)")
     args = parser.parse_args()
@@ -89,10 +132,11 @@ def main() -> None:
         return serve(args.serve, args.latency, args.bandwidth)
     if args.open_requests:
         return open_requests(args.latency)
-
-    archive = sd15_archive()
-    size = archive.stat().st_size
-    os.environ["DDUF_PLUS_CACHE"] = str(CACHE)
+    folders = (args.folders or ("disk" if args.shape == "sdxl" else "disk,tmpfs")).split(",")
+    if args.shape == "sdxl" and "tmpfs" in folders:
+        parser.error("--shape sdxl runs on the disk only (the archive, its cache and a download do not fit in RAM)")
+    archive = _archive(args.shape)
+    work = {"disk": WORK / "remote-bench", "tmpfs": Path(args.tmpfs) / f"dduf-remote-bench-{os.getpid()}"}
     os.environ["HF_HUB_OFFLINE"] = "0"
     server = subprocess.Popen([sys.executable, __file__, "--serve", str(archive.parent), "--latency",
                                str(args.latency), "--bandwidth", str(args.bandwidth)],
@@ -100,59 +144,111 @@ def main() -> None:
     try:
         port = int(server.stdout.readline())
         url = f"http://127.0.0.1:{port}/{archive.name}"
-        rows = measure(url, archive, args)
+        result = measure(url, archive, args, {name: work[name] for name in folders}, server.pid)
     finally:
         server.stdin.close()
         server.wait(10)
-    report(rows, size, args)
+        for name in folders:
+            shutil.rmtree(work[name], ignore_errors=True)
+    report(result, archive.stat().st_size, args)
 
 
-def measure(url: str, archive: Path, args: argparse.Namespace) -> dict[str, list[float]]:
+def _archive(shape: str) -> Path:
+    if hasattr(_common, "pipeline_archive"):
+        return _common.pipeline_archive(shape)
+    if shape != "sd15":
+        raise SystemExit("bench/_common.py has no SDXL-shaped pipeline (pipeline_archive) yet")
+    return _common.sd15_archive()
+
+
+def _timed(server_pid: int, call) -> tuple[float, float, float]:
+    """(seconds, client CPU seconds, server CPU seconds) of ``call()``."""
+    s0, c0, t0 = _cpu(server_pid), _cpu(), time.perf_counter()
+    call()
+    return time.perf_counter() - t0, _cpu() - c0, _cpu(server_pid) - s0
+
+
+def _one_run(url: str, folder: Path, remote: dict, server_pid: int) -> dict[str, tuple[float, float, float]]:
+    """Every row once with the work folder ``folder`` (each row starts from an empty folder, synced)."""
+    from dduf_plus.remote import fetch
+
+    cache, target = folder / "cache", folder / "download.dduf"
+    out: dict[str, tuple[float, float, float]] = {}
+
+    def fresh() -> None:
+        shutil.rmtree(cache, ignore_errors=True)
+        target.unlink(missing_ok=True)
+        os.sync()  # the previous row's dirty pages are not this row's writeback
+
+    fresh()
+    out["first"] = _timed(server_pid, lambda: load_and_touch(url, remote={**remote, "cache_dir": str(cache)}))
+    # a write-behind finishes (not part of the load: reported apart; older dduf_plus wrote before returning)
+    written = getattr(fetch, "wait_cache_writes", lambda: 0.0)()
+    out["warm"] = _timed(server_pid, lambda: load_and_touch(url, remote={**remote, "cache_dir": str(cache)}))
+    out["cache_written_after"] = (written, 0.0, 0.0)
+    fresh()
+    if "cache" in getattr(fetch.RemoteOptions, "__dataclass_fields__", {}):
+        out["no_cache"] = _timed(server_pid, lambda: load_and_touch(url, remote={**remote, "cache": False}))
+    else:
+        out["no_cache"] = (float("nan"), float("nan"), float("nan"))
+    fresh()
+    out["single_get"] = _timed(server_pid, lambda: download(url, target))
+    out["download_then_load"] = tuple(a + b for a, b in zip(out["single_get"], _timed(
+        server_pid, lambda: load_and_touch(str(target))), strict=True))  # type: ignore[assignment]
+    fresh()
+    return out
+
+
+def measure(url: str, archive: Path, args: argparse.Namespace, folders: dict[str, Path],
+            server_pid: int) -> dict[str, object]:
     from dduf_plus import load_dduf
 
     remote = {"concurrency": args.concurrency, "chunk_size": args.chunk_size}
     touch(load_dduf(archive))  # warm-up: imports (not the link's cost); the served file is in the page cache
-    rows: dict[str, list[float]] = {"first": [], "second": [], "download_then_load": []}
-    target = WORK / "remote-bench-download.dduf"
+    speeds = {name: disk_write_speed(path) for name, path in folders.items()}
+    runs: dict[str, dict[str, list[list[float]]]] = {name: {} for name in folders}
     for _ in range(args.runs):  # interleaved: the other processes' load drifts, every row sees the same drift
-        shutil.rmtree(CACHE, ignore_errors=True)
-        rows["first"].append(load_and_touch(url, remote=remote))
-        rows["second"].append(load_and_touch(url, remote=remote))
-        target.unlink(missing_ok=True)
-        started = time.perf_counter()
-        download(url, target)
-        rows["download_then_load"].append(time.perf_counter() - started + load_and_touch(str(target)))
-        print(f"first load + touch {rows['first'][-1]:.2f} s, second {rows['second'][-1]:.2f} s, "
-              f"download then load + touch {rows['download_then_load'][-1]:.2f} s "
-              f"(load average {os.getloadavg()[0]:.1f})", flush=True)
-    target.unlink(missing_ok=True)
-    shutil.rmtree(CACHE, ignore_errors=True)
-    return rows
+        for name, folder in folders.items():
+            for row, value in _one_run(url, folder, remote, server_pid).items():
+                runs[name].setdefault(row, []).append(list(value))
+            line = ", ".join(f"{r} {runs[name][r][-1][0]:.2f} s" for r in ROWS)
+            print(f"[{name}] {line} (load average {os.getloadavg()[0]:.1f})", flush=True)
+    return {"write_speed_Bps": speeds, "runs": runs}
 
 
-def report(rows: dict[str, list[float]], size: int, args: argparse.Namespace) -> None:
+def report(result: dict, size: int, args: argparse.Namespace) -> None:
     limit = size / args.bandwidth
-    first, second, download_load = (median(rows[k]) for k in ("first", "second", "download_then_load"))
-    print(f"\nSD-1.5-shaped archive, {size / 1e9:.2f} GB; link: {args.latency * 1e3:.0f} ms round trip, "
-          f"{args.bandwidth / 1e6:.0f} MB/s cap; {os.cpu_count()} CPU cores (load average "
-          f"{os.getloadavg()[0]:.1f}); medians of {args.runs}")
-    print(f"{'row':34} {'seconds':>8} {'x link limit':>13}")
-    for label, value in (("link limit (bytes / cap)", limit), ("load_dduf(URL) first load + touch", first),
-                         ("load_dduf(URL) second load + touch", second),
-                         ("download, then load_dduf + touch", download_load)):
-        print(f"{label:34} {value:8.2f} {value / limit:13.2f}")
-    print(f"first load vs download-then-load: {download_load / first:.2f}x faster "
-          "(targets: first <= 1.15x link limit, >= 1.3x faster than download-then-load)")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
-        "archive_bytes": size, "latency_s": args.latency, "bandwidth_Bps": args.bandwidth,
+    out: dict[str, object] = {
+        "shape": args.shape, "archive_bytes": size, "latency_s": args.latency, "bandwidth_Bps": args.bandwidth,
         "concurrency": args.concurrency, "chunk_size": args.chunk_size, "cpu_count": os.cpu_count(),
         "load_average_after": os.getloadavg(),  # other processes sharing the cores while it ran
-        "runs": rows, "median_s": {"link_limit": limit, "first": first, "second": second,
-                                   "download_then_load": download_load},
-        "ratios": {"first_vs_link_limit": first / limit, "download_then_load_vs_first": download_load / first},
-    }, indent=2) + "\n")
-    print(f"wrote {RESULTS.relative_to(ROOT)}")
+        "link_limit_s": limit, "write_speed_Bps": result["write_speed_Bps"], "folders": {}}
+    print(f"\n{args.shape}-shaped archive, {size / 1e9:.2f} GB; link: {args.latency * 1e3:.0f} ms round trip, "
+          f"{args.bandwidth / 1e6:.0f} MB/s cap; {os.cpu_count()} CPU cores (load average "
+          f"{os.getloadavg()[0]:.1f}); medians of {args.runs}")
+    for name, runs in result["runs"].items():
+        med = {row: [median([r[i] for r in runs[row]]) for i in range(3)] for row in runs}
+        dtl = med["download_then_load"][0]
+        print(f"\n[{name}] work folder; its sequential write speed {result['write_speed_Bps'][name] / 1e6:.0f} MB/s")
+        print(f"{'row':38} {'seconds':>8} {'x link':>7} {'x dl+load':>10} {'client CPU':>11} {'server CPU':>11}")
+        print(f"{LABELS['link_limit']:38} {limit:8.2f} {1:7.2f} {limit / dtl:10.2f}")
+        for row in ROWS:
+            s, c, v = med[row]
+            print(f"{LABELS[row]:38} {s:8.2f} {s / limit:7.2f} {s / dtl:10.2f} {c:11.2f} {v:11.2f}")
+        print(f"(the cache file was complete {med['cache_written_after'][0]:.2f} s after the first load returned)")
+        out["folders"][name] = {  # type: ignore[index]
+            "runs": runs, "median_s": {row: med[row][0] for row in med},
+            "median_client_cpu_s": {row: med[row][1] for row in ROWS},
+            "median_server_cpu_s": {row: med[row][2] for row in ROWS},
+            "ratios": {"first_vs_link_limit": med["first"][0] / limit,
+                       "first_vs_download_then_load": med["first"][0] / dtl,
+                       "no_cache_vs_link_limit": med["no_cache"][0] / limit,
+                       "single_get_vs_link_limit": med["single_get"][0] / limit}}
+    print("targets: first load <= 1.15x link limit on tmpfs, <= 0.8x download-then-load")
+    target = args.out or (RESULTS if args.shape == "sd15" else RESULTS.with_name("remote_sdxl.json"))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {target}")
 
 
 def open_requests(latency: float) -> None:

@@ -269,7 +269,7 @@ def test_write_behind_load_does_not_wait_for_the_disk(served, packed, tmp_path, 
 
     monkeypatch.setattr(fetch_module, "_copy_range", slow_copy)
     with FileServer(served) as srv:
-        pipe = load_dduf(srv.url("tiny-sd.dduf"), torch_dtype=torch.float32, remote=SMALL)
+        pipe = load_dduf(srv.url("tiny-sd.dduf"), torch_dtype=torch.float32, remote={**SMALL, "memory_max": 1 << 30})
         assert any(n.endswith(".partial") for n in remote_files(tmp_path))  # nothing written yet: loaded anyway
         assert same_weights(pipe, load_dduf(packed["tiny-sd"], torch_dtype=torch.float32))
         slow_disk.set()
@@ -285,6 +285,6 @@ def test_write_behind_load_does_not_wait_for_the_disk(served, packed, tmp_path, 
         # original's, so its content key too: another cache, or the verified original would be used.)
         other = tmp_path / "other"
         with pytest.raises(DDUFIntegrityError, match=r"unet/diffusion_pytorch_model-00002.*sha256"):
-            load_dduf(srv.url(_tampered(served)), remote={**SMALL, "cache_dir": str(other)})
+            load_dduf(srv.url(_tampered(served)), remote={**SMALL, "cache_dir": str(other), "memory_max": 1 << 30})
         fetch_module.wait_cache_writes()
     assert not list(other.glob("*.dduf"))

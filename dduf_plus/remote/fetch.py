@@ -896,13 +896,33 @@ def _offline() -> bool:
 
 
 def _sink(options: RemoteOptions, folder: Path, size: int, in_memory: bool) -> str:
-    """Where the bytes land: straight in the cache file when it is in memory already (tmpfs) or the archive
-    is over ``memory_max``; else in memory, written to the cache file behind the load (a disk slower than
-    the link does not hold the load up)."""
+    """Where the bytes land: straight in the cache file when it is in memory already (tmpfs), when the page
+    cache takes it without making writers wait for the disk (``memory_max`` unset), or when the archive is
+    over ``memory_max``; else in memory, written to the cache file behind the load (a disk slower than the
+    link does not hold the load up)."""
     if not in_memory or size < WRITE_BEHIND_MIN or _in_ram(folder):
         return "file"
-    bound = options.memory_max if options.memory_max is not None else _available_memory() // 2
-    return "write-behind" if size <= bound else "file"
+    meminfo = _meminfo()
+    bound = options.memory_max if options.memory_max is not None else meminfo.get("MemAvailable", 0) // 2
+    if size > bound:
+        return "file"
+    return "file" if options.memory_max is None and size <= _dirty_room(meminfo) else "write-behind"
+
+
+def _dirty_room(meminfo: dict[str, int]) -> int:
+    """Bytes the page cache takes as dirty pages before the kernel makes writers wait for the disk (half of
+    the way to its free-run point, (vm.dirty_ratio + vm.dirty_background_ratio) / 2 of the available memory,
+    less what is dirty already): an archive that fits goes straight to the cache file (one copy fewer)."""
+    def knob(name: str, default: int) -> int:
+        try:
+            with open(f"/proc/sys/vm/{name}") as f:
+                return int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            return default
+    available = meminfo.get("MemAvailable", 0)
+    limit = knob("dirty_bytes", 0) or available * knob("dirty_ratio", 20) // 100
+    background = knob("dirty_background_bytes", 0) or available * knob("dirty_background_ratio", 10) // 100
+    return max(0, (limit + background) // 4 - meminfo.get("Dirty", 0) - meminfo.get("Writeback", 0))
 
 
 def _in_ram(folder: Path) -> bool:
@@ -922,16 +942,19 @@ def _in_ram(folder: Path) -> bool:
     return kind in ("tmpfs", "ramfs")
 
 
-def _available_memory() -> int:
-    """MemAvailable (bytes), 0 where unknown (then nothing is served from memory unless memory_max says)."""
+def _meminfo() -> dict[str, int]:
+    """/proc/meminfo in bytes ({} where unknown: then nothing is served from memory unless memory_max says)."""
+    out: dict[str, int] = {}
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
+                name, _, value = line.partition(":")
+                fields = value.split()
+                if fields and fields[0].isdigit():
+                    out[name] = int(fields[0]) * 1024
+    except OSError:
         pass
-    return 0
+    return out
 
 
 def _read_with_hint(url: str, options: RemoteOptions, record: dict[str, Any]) -> tuple[RangeReader, Tail]:

@@ -50,8 +50,9 @@ class RemoteOptions:
             verified there, and the pipeline's weights view that memory (as much memory as the archive's size,
             freed with the pipeline); no cache file, progress record or URL record is read or written.
         memory_max: the largest archive served from memory while it is written to a cache on a disk (not
-            tmpfs) behind the load (default: half of the memory available when the fetch starts; ``0``: never,
-            the load waits for the disk). Larger archives are received straight into the cache file.
+            tmpfs) behind the load; ``0``: never. Default: half of the memory available when the fetch starts,
+            for archives the page cache cannot take without making writers wait for the disk (smaller ones
+            go straight to the cache file: one copy fewer). Others are received straight into the cache file.
     """
 
     concurrency: int = DEFAULT_CONCURRENCY
