@@ -202,7 +202,6 @@ def build_transformers_model(cls: type[Any], files: ComponentFiles, request: Mod
         raise DDUFLoadError(f"{files.description}: fp8 storage is supported for diffusers models only")
     direct = build_transformers_direct(cls, config, files, weight_files, stored, plan, request)
     if direct is not None:
-        direct.config.name_or_path = request.name_or_path
         return direct
     state = dict(request.materialize(files.tensors(weight_files), device=request.device, dtype_for=plan.dtype_for))
     kwargs: dict[str, Any] = {"config": config, "state_dict": state, "dtype": plan.dtype, "output_loading_info": True}
@@ -272,7 +271,7 @@ def build_transformers_direct(cls: type[Any], config: Any, files: ComponentFiles
     for key in getattr(config, "sub_configs", {}) or {}:
         if (sub := getattr(config, key, None)) is not None:
             sub.dtype = plan.dtype
-    config.name_or_path = None  # from_pretrained(None, ...) records None; the caller sets the real one after
+    config.name_or_path = None  # from_pretrained(None, ...) records None (the model's name_or_path); set below
     from transformers.utils.generic import ContextManagers
 
     with ContextManagers(cls.get_init_context(plan.dtype, False, False, None, config)), \
@@ -291,6 +290,7 @@ def build_transformers_direct(cls: type[Any], config: Any, files: ComponentFiles
     model._initialize_missing_keys(False)  # ... computed by the class, as from_pretrained does
     model.eval()
     _direct_finish(model, stripped)
+    model.config.name_or_path = request.name_or_path
     return model
 
 
