@@ -5,7 +5,9 @@ diffusers models are built on the meta device from their config (``from_config``
 parameters *are* the views, nothing is copied. transformers models go through transformers' own loader
 (``from_pretrained(None, config=..., state_dict=...)``), which applies the class's checkpoint key renames,
 weight conversions, tied weights, non-persistent buffers and dtype plan; a tensor it receives in the right
-dtype and device is kept as it is (no copy)."""
+dtype and device is kept as it is (no copy). Text encoders whose stored names and shapes are exactly the
+model's (``DIRECT_TRANSFORMERS``) skip that loader's generic machinery and get the same model directly
+(:func:`build_transformers_direct`)."""
 
 from __future__ import annotations
 
