@@ -321,7 +321,7 @@ _RULES = (
          fix="re-save the component with diffusers' save_pretrained"),
     Rule("Q003", "error", "quantized data and scales disagree in shape or dtype",
          checked_by="validate",
-         meaning="a quantized weight's data, scales or zero points have dtypes or shapes that do not fit each other (SDNQ: a scale that is not a float [N, ..., 1] tensor with one value per group, a zero_point unlike its scale; bitsandbytes: a quant_state whose shape or blocksize does not fit its packed data and absmax)",
+         meaning="a quantized weight's data, scales or zero points have dtypes or shapes that do not fit each other (SDNQ: a scale that is not a float tensor with one value per group and its reduced axis kept as 1, a zero_point unlike its scale; bitsandbytes: a quant_state whose shape or blocksize does not fit its packed data and absmax)",
          why="the backend would read past a tensor or dequantize garbage",
          fix="re-save the component with diffusers' save_pretrained"),
     Rule("Q004", "error", "the config's quantization scheme does not match the stored tensors",

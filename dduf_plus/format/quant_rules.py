@@ -429,10 +429,11 @@ def _check_sdnq(name: str, parts: Mapping[str, TensorInfo], qc: Mapping[str, Any
         raise QuantError("Q002", f"{name}: quantized weight lacks its scale")
     if qc.get("scale_dtype") not in (None, "none"):
         return  # the scale is itself quantized (scale_2...): its layout is SDNQ's to check
-    transposed = len(weight.shape) > 1 and bool(qc.get("use_quantized_matmul")) and scale.shape[:1] == (1,)
+    # the reduced axis is kept as 1: [N, 1], [N, G, 1], a conv's [O, 1, kh, kw], a matmul-transposed [1, N]
     if scale.dtype not in _SCALE_DTYPES | {"float64"} or len(scale.shape) < 2 or not all(scale.shape) \
-            or (scale.shape[-1] != 1 and not transposed):  # [1, N] only for a matmul-transposed weight
-        raise QuantError("Q003", f"{name}: scale {scale.dtype} {list(scale.shape)} is not a float [N, ..., 1] tensor")
+            or 1 not in scale.shape:
+        raise QuantError("Q003", f"{name}: scale {scale.dtype} {list(scale.shape)} is not a float tensor with its "
+                         "reduced axis kept as 1")
     groups = prod(scale.shape)
     unpacked = prod(weight.shape) if len(weight.shape) > 1 else None
     if unpacked is not None and (unpacked % groups or scale.shape[0] not in (weight.shape[0], 1)):

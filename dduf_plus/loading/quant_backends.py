@@ -1,4 +1,5 @@
-"""Components quantized by diffusers' torchao quantizer, rebuilt from the archive's own tensor views.
+"""Components quantized by diffusers' torchao and bitsandbytes quantizers, rebuilt from the archive's own tensor
+views; SDNQ's are in :mod:`dduf_plus.loading.quant_sdnq`, dispatched from :func:`load_backend_component`.
 
 diffusers' ``from_pretrained(folder)`` of a torchao-quantized model reads the safetensors ``__metadata__``
 (one JSON description per tensor), regroups the flattened parts (``L._weight_qdata``, ``L._weight_scale``,
