@@ -228,6 +228,12 @@ def test_schnell_file_against_dev_base_is_refused(flux: dict[str, Path], tmp_pat
     schnell = _save({"double_blocks.0.img_attn.norm.key_norm.scale": torch.zeros(128)}, tmp_path / "s.safetensors")
     with pytest.raises(DDUFPackError, match="FLUX.1 schnell transformer .* use a FLUX.1 schnell base"):
         pack_single_file(schnell, tmp_path / "s.dduf", base=str(flux["base"]), quiet=True)
+    # a BFL file diffusers' converter fails on (blocks without the embedders): one error naming the component
+    broken = _save({"double_blocks.0.img_attn.norm.key_norm.scale": torch.zeros(128),
+                    "guidance_in.in_layer.bias": torch.zeros(3072), "img_in.weight": torch.zeros(3072, 16)},
+                   tmp_path / "b.safetensors")
+    with pytest.raises(DDUFPackError, match="transformer cannot be converted to diffusers' layout \\(IndexError"):
+        pack_single_file(broken, tmp_path / "b.dduf", base=str(flux["base"]), quiet=True)
     assert not list(tmp_path.glob("*.dduf*"))
 
 
