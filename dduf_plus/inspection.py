@@ -95,8 +95,10 @@ def _per_component(
 # --- archives ----------------------------------------------------------------------------------------
 def _from_archive(path: str, variant: str | None = None, **storage_options: Any) -> dict[str, ComponentDtypes]:
     from .format.archive import DDUFArchive
+    from .remote.indexed import open_indexed
 
-    with DDUFArchive(path, **storage_options) as archive:
+    # a URL: from the tail alone when the index agrees with the directory (one request), else the full open
+    with (open_indexed(path, **storage_options) if is_url(path) else DDUFArchive(path, **storage_options)) as archive:
         out: dict[str, ComponentDtypes] = {}
         for name, comp in archive.components.items():
             if comp.library is None or comp.external is not None:

@@ -9,6 +9,7 @@ from typing import Any
 
 from ._common import budget_arg, echo, human_bytes, human_count, plain_archive, print_json
 
+FROM_INDEX = "from the archive's index; `dduf validate` reads every header"
 HEADERS = ("COMPONENT", "CLASS", "DTYPE", "PARAMS", "SIZE", "NOTES")
 
 
@@ -35,10 +36,31 @@ def describe_source(source: str, variant: str | None, max_decompressed: str | No
         info = describe(hub, variant)
         info["path"] = source
         return info
+    remote = _remote_from_index(source, variant)
+    if remote is not None:
+        return remote
     with plain_archive(source, max_decompressed) as (plain, compressed):
         info = describe(plain, variant)
     if compressed is not None:
         info.update(path=source, compressed_size=compressed)
+    return info
+
+
+def _remote_from_index(source: str, variant: str | None) -> dict[str, Any] | None:
+    """``describe`` of a remote archive opened from its tail when its index agrees with its central directory
+    (one request: ``from_index`` is then True), else by the full open over the same source; None for a
+    source that is not a remote plain archive."""
+    from ..storage.urls import is_url
+    from ..storage.zst import is_zst
+
+    if not is_url(source) or is_zst(source):
+        return None
+    from ..format.describe import describe_archive
+    from ..remote.indexed import IndexedArchive, open_indexed
+
+    with open_indexed(source) as archive:
+        info = describe_archive(archive, variant)
+        info["from_index"] = isinstance(archive, IndexedArchive)
     return info
 
 
@@ -78,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
         echo(f"  null (not used): {', '.join(info['null_components'])}")
     for s in info.get("skipped", []):
         echo(f"  would skip {s['path']}: {s['reason']}")
+    if info.get("from_index"):
+        echo(f"  {FROM_INDEX}")
     return 0
 
 

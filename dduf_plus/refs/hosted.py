@@ -59,11 +59,11 @@ def fetch_component(url: str, member: str, component: str, recorded: Mapping[str
         DDUFReferenceError: the hosted archive has no such component or entry.
         DDUFIOError: the URL cannot be read (see :mod:`dduf_plus.storage.source`).
     """
-    from ..format.archive import DDUFArchive
+    from ..remote.indexed import open_indexed
 
     options: dict[str, Any] = {"token": token} if token not in (None, False) and url.startswith("hf://") else {}
     out: dict[str, Path] = {}
-    with DDUFArchive(url, **options) as archive:
+    with open_indexed(url, **options) as archive:  # from its tail when its index agrees (one request)
         if member not in archive.components or not archive.components[member].files:
             raise DDUFReferenceError(f"component {component!r}: {url} stores no component {member!r}")
         for fname in files:
@@ -108,10 +108,10 @@ def hosted_member_records(url: str, member: str, *, token: str | bool | None = N
                           ) -> tuple[dict[str, dict[str, Any]], dict[str, Any]] | None:
     """({filename: {size, sha256}}, model_index) of ``member`` in a hosted archive, from its index (range
     reads of the directory only); an entry the index does not hash is hashed by fetching it. None if absent."""
-    from ..format.archive import DDUFArchive
+    from ..remote.indexed import open_indexed
 
     options: dict[str, Any] = {"token": token} if token not in (None, False) and url.startswith("hf://") else {}
-    with DDUFArchive(url, **options) as archive:
+    with open_indexed(url, **options) as archive:  # from its tail when its index agrees (one request)
         comp = archive.components.get(member)
         if comp is None or not comp.files:
             return None
