@@ -910,9 +910,9 @@ def _sink(options: RemoteOptions, folder: Path, size: int, in_memory: bool) -> s
 
 
 def _dirty_room(meminfo: dict[str, int]) -> int:
-    """Bytes the page cache takes as dirty pages before the kernel makes writers wait for the disk (half of
-    the way to its free-run point, (vm.dirty_ratio + vm.dirty_background_ratio) / 2 of the available memory,
-    less what is dirty already): an archive that fits goes straight to the cache file (one copy fewer)."""
+    """Bytes the page cache takes as dirty pages before the kernel makes writers wait for the disk (its
+    free-run point, (vm.dirty_ratio + vm.dirty_background_ratio) / 2 of the available memory, less what is
+    dirty already): an archive that fits goes straight to the cache file (one copy fewer)."""
     def knob(name: str, default: int) -> int:
         try:
             with open(f"/proc/sys/vm/{name}") as f:
@@ -922,7 +922,7 @@ def _dirty_room(meminfo: dict[str, int]) -> int:
     available = meminfo.get("MemAvailable", 0)
     limit = knob("dirty_bytes", 0) or available * knob("dirty_ratio", 20) // 100
     background = knob("dirty_background_bytes", 0) or available * knob("dirty_background_ratio", 10) // 100
-    return max(0, (limit + background) // 4 - meminfo.get("Dirty", 0) - meminfo.get("Writeback", 0))
+    return max(0, (limit + background) // 2 - meminfo.get("Dirty", 0) - meminfo.get("Writeback", 0))
 
 
 def _in_ram(folder: Path) -> bool:
