@@ -198,3 +198,36 @@ def test_dtype_does_not_apply_to_backend_quantized_components(pipelines_dir: Pat
         assert archive.headers[WEIGHTS].tensors["conv_in.weight"].dtype == "float16"  # as quantized (bnb: fp16)
         assert archive.headers["vae/diffusion_pytorch_model.safetensors"].tensors["decoder.conv_in.weight"].dtype \
             == "bfloat16"
+
+
+def test_double_quantized_layers_repacked_by_a_cpu_forward_are_quantized_again(
+        pipelines_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With bnb_4bit_use_double_quant the repack dequantizes absmax; the save quantizes it again as quantize_4bit
+    does (blockwise 256 around its mean): same layout and packed data, weights equal within that rounding."""
+    import bitsandbytes as bnb
+    from diffusers import BitsAndBytesConfig, DiffusionPipeline, UNet2DConditionModel
+
+    bnb_cpu_gate(monkeypatch)
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)
+    unet = UNet2DConditionModel.from_pretrained(pipelines_dir / "tiny-sd" / "unet", quantization_config=config,
+                                                device_map="cpu")
+    pipe = DiffusionPipeline.from_pretrained(pipelines_dir / "tiny-sd", unet=unet)
+    save_dduf(pipe, tmp_path / "before.dduf", quiet=True)
+    repacked = _repack_for_cpu(pipe.unet)
+    save_dduf(pipe, tmp_path / "after.dduf", quiet=True)
+    assert repacked and all(m.weight.quant_state.packing_format_for_cpu for m in repacked)  # live model untouched
+    assert validate(tmp_path / "after.dduf", verify=True, strict=True).valid
+    before, after = load_dduf(tmp_path / "before.dduf").unet, load_dduf(tmp_path / "after.dduf").unet
+    a, b = before.state_dict(), after.state_dict()
+    assert set(a) == set(b) and all(a[k].dtype == b[k].dtype for k in a)
+    # same tensors and shapes; the packed quant_state JSON holds the new offset (other digits, other length)
+    assert all(a[k].shape == b[k].shape for k in a if not k.endswith("quant_state.bitsandbytes__nf4"))
+    key = f"{sorted(names := {n for n, m in pipe.unet.named_modules() if m in repacked})[0]}.weight"
+    state_a, state_b = (json.loads(bytes(t[f"{key}.quant_state.bitsandbytes__nf4"].tolist())) for t in (a, b))
+    assert set(state_a) == set(state_b) and state_a["nested_offset"] != state_b["nested_offset"]
+    for name in names:
+        x, y = before.get_submodule(name).weight, after.get_submodule(name).weight
+        assert torch.equal(x.data, y.data)  # the packed nibbles, exactly
+        wx = bnb.functional.dequantize_4bit(x.data, x.quant_state)
+        wy = bnb.functional.dequantize_4bit(y.data, y.quant_state)
+        assert torch.allclose(wx.float(), wy.float(), rtol=0.02, atol=1e-3), name
