@@ -51,6 +51,10 @@ def flux(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
     keys, bf16, transformer + 0.01), ComfyUI full file (bf16, transformer identical, VAE + 0.01), diffusers-layout
     transformer-only (fp16, transformer + 0.02), ComfyUI-prefixed transformer-only in plain fp8 (with a stray
     EMA scalar)."""
+    threads = torch.get_num_threads()
+    # one intra-op thread: a 1-step 8x8 image took 4.0 s of wall (1.15 s of CPU) with two threads on the shared
+    # 2-vCPU runner, 2.3 s (0.6 s) with one
+    torch.set_num_threads(1)
     out = tmp_path_factory.mktemp("single-file-flux")
     base = build_tiny_flux(out / "tiny-flux", TINY_SD / "tokenizer", PIPELINES / "tiny-dit" / "tokenizer")
     made = {"base": base}
@@ -66,6 +70,7 @@ def flux(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
         gc.collect()
     yield made
     shutil.rmtree(out, ignore_errors=True)  # ~4.8 GB
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True)
