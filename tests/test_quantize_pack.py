@@ -141,12 +141,19 @@ def test_cli_flag(tiny_sd: Path, tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert "did you mean bnb-nf4" in capsys.readouterr().err
 
 
-def test_what_cannot_be_quantized_at_pack_time(tiny_sd: Path, tmp_path: Path) -> None:
+def test_extracted_it_loads_with_diffusers_and_cannot_be_quantized_again(tiny_sd: Path, tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from diffusers import UNet2DConditionModel
+
     with pytest.raises(DDUFPackError, match="text_encoder: transformers.CLIPTextModel is not a diffusers model"):
         pack(tiny_sd, tmp_path / "x.dduf", quiet=True, quantize={"text_encoder": "bnb-nf4"})
     already = tmp_path / "already"
     pack(tiny_sd, tmp_path / "q.dduf", quiet=True, quantize={"unet": "bnb-int8"})
     main(["unpack", str(tmp_path / "q.dduf"), "-o", str(already), "--quiet"])
+    bnb_cpu_gate(monkeypatch)
+    theirs = UNet2DConditionModel.from_pretrained(already / "unet", device_map="cpu").state_dict()
+    ours = load_dduf(tmp_path / "q.dduf").unet.state_dict()
+    assert set(ours) == set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
     with pytest.raises(DDUFPackError, match="unet: it is already quantized"):
         pack(already, tmp_path / "y.dduf", quiet=True, quantize={"unet": "bnb-nf4"})
     with pytest.raises(DDUFPackError, match="stored as a reference"):
