@@ -66,7 +66,7 @@ def test_single_file_against_a_hosted_base(served, tmp_path: Path) -> None:
     # suffix range (directory, index; in this 1.3 MB archive part of the weights too) and the JSON entries
     opens = 1 + len(refs)
     assert server.body_bytes < opens * (SUFFIX_BYTES + (64 << 10)), (server.body_bytes, server.range_headers)
-    assert server.range_headers.count(f"bytes=-{SUFFIX_BYTES}") == opens
+    assert 1 <= server.range_headers.count(f"bytes=-{SUFFIX_BYTES}") <= opens  # fewer when a remote open is reused
     ours = load_dduf(out)
     base = load_dduf(server.root / "base.dduf")  # a UNet-only file: diffusers needs the other models given
     theirs = diffusers.StableDiffusionPipeline.from_single_file(
