@@ -159,3 +159,14 @@ def test_extracted_it_loads_with_diffusers_and_cannot_be_quantized_again(tiny_sd
     with pytest.raises(DDUFPackError, match="stored as a reference"):
         pack(tiny_sd, tmp_path / "z.dduf", quiet=True, quantize={"unet": "bnb-nf4"}, exclude=["unet"],
              refs={"unet": str(tiny_sd)})
+
+
+def test_scheme_names_are_checked_without_torch() -> None:
+    """`dduf pack --quantize unet=bnb-nf5` answers before torch (or a backend) is imported."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from dduf_plus.packing.quantize import parse_quantize; "
+            "assert parse_quantize(['unet=BNB-NF4']) == {'unet': 'bnb-nf4'}; "
+            "assert 'torch' not in sys.modules and 'diffusers' not in sys.modules, 'imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
