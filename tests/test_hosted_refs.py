@@ -178,3 +178,39 @@ def test_spec_grammar_for_urls() -> None:
     for bad in ("https://h/folder", "ftp://h/x.dduf", "simplecache::https://h/x.dduf"):
         with pytest.raises(DDUFReferenceError):
             parse_spec(bad)
+
+
+VAE_WEIGHTS = "vae/diffusion_pytorch_model.safetensors"
+
+
+def test_hosted_index_lying_about_a_safetensors_header_is_refused(hosted, tmp_path: Path) -> None:
+    """The hosted archive is opened from its tail (one request: its index is believed for where the entries
+    lie); the vae's safetensors header, which arrives with the entry, must be the one that index records. An
+    index that swaps a tensor's shape (same size, the entry's bytes and sha256 unchanged) is refused by rule
+    I002 before the entry is cached or a model built (before: by the full open, which read every header)."""
+    from test_remote_cache_identity import rewrite_index
+
+    from dduf_plus import load_dduf
+    from dduf_plus.refs.hosted import cached_files
+    from dduf_plus.remote.indexed import IndexedArchive, open_indexed
+
+    server, url, archive, partial = hosted
+    base = server.root / "base.dduf"
+    lied: list[str] = []
+
+    def lie(index: dict) -> None:
+        name, record = next((n, t) for n, t in index["files"][VAE_WEIGHTS]["tensors"].items()
+                            if t["shape"] != t["shape"][::-1])
+        record["shape"] = record["shape"][::-1]
+        lied.append(name)
+
+    base.write_bytes(rewrite_index(base.read_bytes(), lie))
+    server.reset()
+    with open_indexed(url) as opened:  # the tail alone cannot show the lie: believed until the header arrives
+        assert isinstance(opened, IndexedArchive) and server.gets == 1
+        assert tuple(opened.headers[VAE_WEIGHTS].tensors[lied[0]].shape) != ()
+    with pytest.raises(DDUFIntegrityError, match="I002") as info:
+        load_dduf(archive)
+    assert VAE_WEIGHTS in str(info.value) and url in str(info.value)
+    recorded = partial.references["vae"]["files"]
+    assert cached_files({"w": recorded["diffusion_pytorch_model.safetensors"]})[1] == ["w"]  # nothing kept

@@ -12,14 +12,18 @@ plan."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 from pathlib import Path
 
 import pytest
 from servers import FileServer
+from test_remote_cache_identity import rewrite_index
 
 from conftest import HOSTILE, PIPELINES, ROOT
+from dduf_plus.cli.info import FROM_INDEX
+from dduf_plus.errors import DDUFError
 from dduf_plus.format.validate import validate
 from dduf_plus.storage.http_range import SUFFIX_BYTES, HTTPSource
 from dduf_plus.storage.prefetch_source import PrefetchSource, coalesce
@@ -110,27 +114,142 @@ def test_validate_url_takes_a_few_merged_requests(served, name: str) -> None:
     assert _findings(given) == _findings(after) and direct == new, (direct, new)
 
 
-def test_info_and_archive_open_take_a_few_requests(served, capsys: pytest.CaptureFixture) -> None:
-    from dduf_plus.cli import main
+def test_archive_open_takes_a_few_requests(served) -> None:
     from dduf_plus.format.archive import DDUFArchive
 
     server, archives = served
     url = server.url("indexed.dduf")
     _, old = _count(server, lambda: DDUFArchive(_Plain(url)).close())
-    _, new = _count(server, lambda: DDUFArchive(url).close())
+    _, new = _count(server, lambda: DDUFArchive(url).close())  # the full open: every header, merged reads
     assert new <= 1 + WEIGHT_FILES and new * 5 < old, (old, new)
-    code, info = _count(server, lambda: main(["info", url, "--json"]))
-    assert code == 0 and info <= 1 + WEIGHT_FILES, (info, server.ranges)
-    assert '"unet"' in capsys.readouterr().out
 
 
-def test_hosted_reference_records_take_a_few_requests(served) -> None:
+def _info(url: str, capsys: pytest.CaptureFixture) -> tuple[dict, str]:
+    """(dduf info URL --json, dduf info URL's text)."""
+    import json
+
+    from dduf_plus.cli import main
+
+    assert main(["info", url, "--json"]) == 0
+    described = json.loads(capsys.readouterr().out)
+    assert main(["info", url]) == 0
+    return described, capsys.readouterr().out
+
+
+def test_info_of_an_indexed_archive_is_one_request(served, capsys: pytest.CaptureFixture) -> None:
+    """dduf info URL of a 5.4 MB indexed archive: the opening suffix range only (directory, index and the
+    index's copy of model_index.json); was 1 + one per weights file (5). Same description as from disk."""
+    from dduf_plus.cli import main
+
+    server, archives = served
+    url = server.url("indexed.dduf")
+    (described, text), gets = _count(server, lambda: _info(url, capsys))
+    assert gets == 2 and server.range_headers == [SUFFIX, SUFFIX], server.range_headers  # one per command
+    assert described.pop("from_index") is True and FROM_INDEX in text
+    assert main(["info", str(archives["indexed"]), "--json"]) == 0
+    local = json.loads(capsys.readouterr().out)
+    assert {**described, "path": None} == {**local, "path": None, "size": described["size"]}
+
+
+def test_inspect_dtypes_of_an_indexed_archive_is_one_request(served) -> None:
+    from dduf_plus.inspection import inspect_dtypes
+
+    server, archives = served
+    got, gets = _count(server, lambda: inspect_dtypes(server.url("indexed.dduf")))
+    assert gets == 1 and got == inspect_dtypes(archives["indexed"]) and got["unet"]["dtype"] == "float32"
+
+
+def test_hosted_reference_records_take_one_request(served) -> None:
     from dduf_plus.refs.hosted import hosted_member_records
 
     server, _ = served
     found, gets = _count(server, lambda: hosted_member_records(server.url("indexed.dduf"), "vae"))
     assert found is not None and set(found[0]) == {"config.json", "diffusion_pytorch_model.safetensors"}
-    assert gets <= 1 + WEIGHT_FILES, (gets, server.ranges)
+    assert found[1]["_class_name"] == "StableDiffusionPipeline"
+    assert gets == 1, (gets, server.ranges)  # was 1 + one per weights file
+
+
+def _rewritten(path: Path, out: Path, change) -> Path:
+    out.write_bytes(rewrite_index(path.read_bytes(), change))
+    return out
+
+
+def _first_2d(index: dict, entry: str) -> dict:
+    """The record of the entry's first tensor whose shape reversed is another shape (of the same size)."""
+    return next(t for t in index["files"][entry]["tensors"].values() if t["shape"] != t["shape"][::-1])
+
+
+VAE = "vae/diffusion_pytorch_model.safetensors"
+# index edits: one that only drops its copy of model_index.json (archives packed before it had one: one exact
+# range request more), and lies the tail alone shows (full open: every header read, the same verdict as before)
+EDITS = {
+    "older index": lambda i: i.pop("model_index_json"),
+    "offset off by one": lambda i: i["files"]["unet/config.json"].update(offset=i["files"]["unet/config.json"]["offset"] + 1),
+    "entry missing": lambda i: i["files"].pop("tokenizer/vocab.json"),
+    "tensor past its file": lambda i: _first_2d(i, VAE).update(offset=i["files"][VAE]["offset"] + i["files"][VAE]["size"]),
+    "nbytes not its shape": lambda i: _first_2d(i, VAE).update(nbytes=_first_2d(i, VAE)["nbytes"] + 4),
+}
+
+
+@pytest.mark.parametrize("edit", list(EDITS))
+def test_info_falls_back_when_the_index_does_not_answer(served, edit: str, capsys: pytest.CaptureFixture) -> None:
+    """An index that disagrees with the central directory or the safetensors rules is not believed: dduf info
+    opens the archive in full (every header read) and gives the full open's verdict (I002 here), as before."""
+    from dduf_plus.cli import main
+    from dduf_plus.format.archive import DDUFArchive
+
+    server, archives = served
+    name = f"edit-{list(EDITS).index(edit)}.dduf"
+    path = _rewritten(archives["indexed"], server.root / name, EDITS[edit])
+    try:
+        url = server.url(name)
+        if edit == "older index":  # still from the index: model_index.json's own bytes, one exact range more
+            (described, _), gets = _count(server, lambda: _info(url, capsys))
+            assert described["from_index"] and gets == 2 * 2 and server.range_headers[1].startswith("bytes=0-")
+            return
+        code, gets = _count(server, lambda: main(["info", url]))
+        captured = capsys.readouterr()
+        assert FROM_INDEX not in captured.out, captured
+        _, full = _count(server, lambda: DDUFArchive(url, check=False).close())
+        assert gets == full > 1, (gets, full)  # the full open's reads, over the same source
+        try:  # the same verdict as the full open from disk (the nbytes lie is one it never looked at)
+            DDUFArchive(path).close()
+            assert code == 0 and edit == "nbytes not its shape"
+        except DDUFError:
+            assert code == 1 and "I002" in captured.err, captured
+    finally:
+        path.unlink()
+
+
+def test_load_of_an_index_lying_about_a_safetensors_header_is_refused(served, tmp_path: Path, monkeypatch) -> None:
+    """load_dduf(URL) opens from the one suffix range, then checks every local and safetensors header against
+    the index as the bytes that hold them arrive, before any model is built: a swapped tensor shape (same
+    size, so the entry's sha256 still matches) is refused by rule I002."""
+    from dduf_plus import load_dduf
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    server, archives = served
+
+    def lie(index: dict) -> None:
+        record = _first_2d(index, VAE)
+        record["shape"] = record["shape"][::-1]
+
+    path = _rewritten(archives["indexed"], server.root / "lying-header.dduf", lie)
+    try:
+        with pytest.raises(DDUFError, match="I002") as info:
+            load_dduf(server.url(path.name), remote={"cache_dir": str(tmp_path)})
+        assert VAE in str(info.value) and "tensor records differ" in str(info.value)
+    finally:
+        path.unlink()
+
+
+@pytest.mark.parametrize("name", ["plain", "tiny"])
+def test_info_without_an_index_or_whole_in_the_tail_opens_as_before(served, name: str,
+                                                                     capsys: pytest.CaptureFixture) -> None:
+    server, _ = served
+    (described, text), gets = _count(server, lambda: _info(server.url(f"{name}.dduf"), capsys))
+    assert described["from_index"] is False and FROM_INDEX not in text
+    assert gets == (2 if name == "tiny" else 2 * 6), server.range_headers  # tiny: whole in the suffix range
 
 
 def test_tiny_indexed_archive_opens_in_one_request(served, tmp_path: Path, monkeypatch,

@@ -55,6 +55,15 @@ class _SourceReader:
     def read(self, offset: int, length: int) -> bytes:
         return self.source.read_at(offset, length)
 
+    def read_into(self, offset: int, out: memoryview) -> None:
+        out[:] = self.source.read_at(offset, len(out))
+
+    def remaining(self) -> float:
+        return float("inf")  # the source keeps its own deadline
+
+    def close(self) -> None:
+        pass  # the caller owns the source
+
 
 def open_indexed(url: str, **storage_options: Any) -> DDUFArchive:
     """The archive at ``url`` opened from its tail (an :class:`IndexedArchive`) when its index agrees with its
@@ -88,7 +97,7 @@ def _from_tail(source: PrefetchSource) -> IndexedArchive | None:
     if len(by_name) != len(tail.records) or set(files) != set(by_name) - {spec.INDEX_NAME}:
         return None
     entries, headers = _agreeing_entries(tail, files)
-    if entries is None:
+    if entries is None or headers is None:
         return None
     model_index = _model_index(source, index, by_name.get(spec.MODEL_INDEX), entries.get(spec.MODEL_INDEX))
     if model_index is None:
@@ -145,8 +154,8 @@ def _indexed_header(name: str, rec: Mapping[str, Any], offset: int, size: int, c
     data_at, tensors = rec.get("tensor_data_offset"), rec.get("tensors")
     if type(data_at) is not int or not isinstance(tensors, dict) or not offset + 8 <= data_at <= offset + size:
         return None
-    header_length = data_at - offset - 8
-    if header_length > spec.SAFETENSORS_MAX_HEADER:
+    header_length, allowed = data_at - offset - 8, min(spec.MAX_TENSORS_PER_FILE, cap)
+    if header_length > spec.SAFETENSORS_MAX_HEADER or len(tensors) > allowed:
         return None
     out: dict[str, Any] = {}
     for tname, t in tensors.items():
@@ -164,7 +173,7 @@ def _indexed_header(name: str, rec: Mapping[str, Any], offset: int, size: int, c
     if len(raw) > header_length:
         return None
     header, problems = parse_header(raw.ljust(header_length), header_length, size, name,
-                                    max_tensors=min(spec.MAX_TENSORS_PER_FILE, cap))
+                                    max_tensors=allowed)
     if header is None or any(p.severity == "error" for p in problems):
         return None
     return header
