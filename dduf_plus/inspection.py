@@ -44,7 +44,8 @@ def inspect_dtypes(
 ) -> dict[str, ComponentDtypes]:
     """Per model component of a pipeline, the dtypes its weights were saved in, before loading anything.
 
-    ``source``: a ``.dduf`` file (or fsspec URL of one), a diffusers pipeline folder, or a Hub repo id
+    ``source``: a ``.dduf`` file (or fsspec URL of one), a diffusers pipeline folder, a single-file
+    ``.safetensors`` checkpoint (the components it holds, by diffusers' names), or a Hub repo id
     (``revision`` and ``token`` apply there; a repo holding a single ``.dduf`` file is read through
     range requests; a folder repo's safetensors headers too; offline, the repo as cached, as ``load_dduf``
     reads it). Every source of the same pipeline gives the same answer (tests/test_load_folder.py).
@@ -60,6 +61,8 @@ def inspect_dtypes(
             (``DDUFValidationError`` for a malformed archive).
     """
     text = os.fspath(source)
+    if text.endswith(".safetensors") and os.path.isfile(text):
+        return _from_single_file(text)
     if is_url(text) or text.endswith(".dduf") or os.path.isfile(text):
         return _from_archive(text, variant)
     if os.path.isdir(text):
@@ -118,6 +121,23 @@ def _quantization_record(index: Any, name: str) -> dict[str, Any] | None:
     component = components.get(name) if isinstance(components, dict) else None
     record = component.get("quantization") if isinstance(component, dict) else None
     return record if isinstance(record, dict) else None
+
+
+# --- single-file checkpoints ------------------------------------------------------------------------
+def _from_single_file(path: str) -> dict[str, ComponentDtypes]:
+    """The components a single-file checkpoint holds, in diffusers' component names (header only)."""
+    from .packing.single_file import describe_checkpoint
+
+    described = describe_checkpoint(path)
+    if described["architecture"] is None:
+        raise DDUFError(f"{path}: {described['problem']}")
+    out: dict[str, ComponentDtypes] = {}
+    for name, comp in described["components"].items():
+        dtypes = dict(sorted(comp["dtypes"].items()))
+        floating = {k: v for k, v in dtypes.items() if spec.DTYPE_BY_TORCH[k].floating}
+        dominant = max(sorted(floating), key=lambda k: floating[k]) if floating else None
+        out[name] = ComponentDtypes(dtype=dominant, dtypes=dtypes, parameters=comp["parameters"], bytes=comp["bytes"])
+    return out
 
 
 # --- folders -----------------------------------------------------------------------------------------

@@ -389,3 +389,20 @@ def test_dduf_archive_as_base(sf: dict[str, Path], tmp_path: Path, packed: dict[
     assert all(torch.equal(pipe.vae.state_dict()[k], v) for k, v in _state(TINY_SD, "vae").items())
     with pytest.raises(DDUFPackError, match="SD 1.x checkpoint"):
         pack_single_file(sf["sd1"], tmp_path / "x.dduf", base=str(packed["tiny-dit"]), quiet=True)
+
+
+def test_inspect_dtypes_answers_for_a_single_file_like_the_folder(sf: dict[str, Path]) -> None:
+    """inspect_dtypes(CKPT) names the components the file holds by diffusers' names, with the same dtype,
+    parameter count and bytes as the same weights saved as a folder (the SDXL base's fp16 variant: the
+    checkpoint is that pipeline in fp16, its UNet nudged)."""
+    from dduf_plus import inspect_dtypes
+
+    mine = inspect_dtypes(sf["sdxl"])
+    folder = inspect_dtypes(sf["sdxl_base"], variant="fp16")
+    assert set(mine) == {"unet", "vae", "text_encoder", "text_encoder_2"}
+    for name in ("unet", "vae"):
+        assert mine[name] == folder[name], name
+    for name in ("text_encoder", "text_encoder_2"):  # the layout keeps buffers transformers drops (position_ids)
+        assert mine[name]["dtype"] == folder[name]["dtype"] == "float16", name
+    with pytest.raises(DDUFError, match="unknown architecture|not an"):
+        inspect_dtypes(_save({"foo.weight": torch.zeros(2)}, sf["sdxl"].parent / "odd.safetensors"))
