@@ -287,7 +287,10 @@ def _diffusers_config(backend: str) -> object:
     if backend == "quanto":
         return diffusers.QuantoConfig(weights_dtype="int8")
     if backend == "torchao-int8":
-        from torchao.quantization import Int8WeightOnlyConfig
+        try:
+            from torchao.quantization import Int8WeightOnlyConfig
+        except ImportError:  # the backends come with the quant extra, not the bench one
+            raise SystemExit("torchao-int8 needs torchao: pip install -e '.[quant]'") from None
 
         return diffusers.TorchAoConfig(Int8WeightOnlyConfig())
     if backend == "bnb-nf4":
