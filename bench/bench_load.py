@@ -256,6 +256,10 @@ def old_python() -> str:
     python = VENV / "bin" / "python"
     if not python.exists():
         subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(VENV)], check=True)
+    if sys.prefix != sys.base_prefix:  # run from a virtual environment: the old one sees its packages (torch...)
+        site = next(Path(VENV / "lib").glob("python3*/site-packages"))
+        ours = [p for p in sys.path if p.endswith("site-packages") and p.startswith(sys.prefix)]
+        (site / "_bench_parent_env.pth").write_text("".join(f"{p}\n" for p in ours))  # after its own diffusers
     probe = subprocess.run([str(python), "-c", "import diffusers; print(diffusers.__version__)"],
                            capture_output=True, text=True)
     if probe.stdout.strip() != OLD_DIFFUSERS:
@@ -276,6 +280,8 @@ def main() -> None:
     parser.add_argument("--skip-old", action="store_true", help="skip diffusers 0.35.2")
     parser.add_argument("--skip-cold", action="store_true")
     parser.add_argument("--skip-fresh", action="store_true", help="skip the fresh-process first-load rows")
+    parser.add_argument("--loaders", help="only these loaders (comma-separated: dduf,dduf-noprefetch,dduf-pread,"
+                                          "folder,old-hub,old-ours); fresh rows always compare dduf and folder")
     parser.add_argument("--out", help="default: bench/results/load.json (sd15), load_sdxl.json (sdxl)")
     parser.add_argument("--from-json", help="re-render the table, ratios and chart from a saved load.json")
     args = parser.parse_args()
@@ -296,19 +302,23 @@ def main() -> None:
         pythons["old-hub"] = pythons["old-ours"] = old_python()
     # The old loader's 5-6 GB of anonymous memory pushes the others' page cache out: it gets a phase of its own.
     phases = [("warm", ["dduf", "dduf-noprefetch", "dduf-pread", "folder"])]
+    if not args.skip_fresh and args.shape == "sd15":  # tiny-sd whatever the shape: measured once, with sd15
+        phases.append(("fresh", ["dduf", "folder"]))
     if not skip_old:
         phases.append(("warm", ["old-hub", "old-ours"]))
     if not args.skip_cold:
         phases.append(("cold", ["dduf", "dduf-noprefetch", "dduf-pread", "folder"]))
-    if not args.skip_fresh and args.shape == "sd15":  # tiny-sd whatever the shape: measured once, with sd15
-        phases.append(("fresh", ["dduf", "folder"]))
+    if args.loaders:
+        keep = set(args.loaders.split(","))
+        phases = [(c, [m for m in ms if c == "fresh" or m in keep]) for c, ms in phases]
+        phases = [(c, ms) for c, ms in phases if ms]
     results: dict[str, dict] = {}
     cat: dict[str, float] = {}
     for cache, modes in phases:
         wanted = {m: args.old_runs if m.startswith("old") else
                   {"warm": args.runs, "cold": args.cold_runs, "fresh": args.fresh_runs}[cache] for m in modes}
         run_phase(cache, modes, wanted, paths, pythons, args.shape, results, cat)
-    finish(results, cat, out, args.shape)
+        finish(results, cat, out, args.shape)  # after each phase: a long run that fails later keeps what it measured
 
 
 def run_phase(cache: str, modes: list[str], wanted: dict[str, int], paths: dict[str, Path], pythons: dict[str, str],
@@ -325,7 +335,13 @@ def run_phase(cache: str, modes: list[str], wanted: dict[str, int], paths: dict[
             child_mode = f"fresh-{mode}" if cache == "fresh" else mode
             path = paths[child_mode if cache == "fresh" else ("folder" if mode == "folder" else
                                                               mode if mode.startswith("old") else "dduf")]
-            sample = measure(child_mode, path, pythons[child_mode], files_of(path), cold=cache == "cold", shape=shape)
+            try:
+                sample = measure(child_mode, path, pythons[child_mode], files_of(path), cold=cache == "cold",
+                                 shape=shape)
+            except RuntimeError as e:  # one loader failing (the old diffusers' environment) leaves the others
+                print(f"{cache} {mode} failed, left out: {str(e)[-400:]}")
+                samples[mode] = None
+                continue
             if sample is None:
                 print(f"cold cache cannot be produced here; skipping cold {mode}")
                 samples[mode] = None
