@@ -119,9 +119,21 @@ def test_save_equals_packing_diffusers_save_pretrained(pipelines_dir: Path, tmp_
         return  # stored as diffusers writes it; recorded and loaded once dduf_plus reads SDNQ
     record = result.index["components"]["unet"]["quantization"]
     assert record["quantized"] > 10 and record["backend"].startswith(scheme.split("-")[0].replace("bnb", "bitsandb"))
-    reloaded = load_dduf(result.path).unet  # and it loads back as the same quantized model
-    a, b = reloaded.state_dict(), pipe.unet.state_dict()
+    reloaded = load_dduf(result.path)  # it loads back as the same quantized model, and saves again to the same
+    a, b = reloaded.unet.state_dict(), pipe.unet.state_dict()
     assert set(a) == set(b) and all(type(a[k]) is type(b[k]) for k in a)
+    again = save_dduf(reloaded, tmp_path / "again.dduf", quiet=True)  # (model_index's _name_or_path differs)
+    a_entries, b_entries = entries(again.path), entries(result.path)
+    assert a_entries[WEIGHTS] == b_entries[WEIGHTS] or \
+        split_safetensors(a_entries[WEIGHTS])[:2] == split_safetensors(b_entries[WEIGHTS])[:2]
+    configs = [[line for line in e["unet/config.json"].splitlines() if b'"_name_or_path"' not in line]
+               for e in (a_entries, b_entries)]
+    if not scheme.startswith("sdnq"):  # quantization_config included, as diffusers writes it
+        assert configs[0] == configs[1]
+    else:  # SDNQ's loaded quantizer rewrites some of its options (add_skip_keys...): the scheme at least
+        qc = [json.loads(e["unet/config.json"])["quantization_config"] for e in (a_entries, b_entries)]
+        assert [(c["quant_method"], c["weights_dtype"]) for c in qc] == [("sdnq", scheme.removeprefix("sdnq-"))] * 2
+    assert again.index["components"]["unet"]["quantization"] == record
 
 
 def test_torchao_parts_are_streamed_from_the_live_tensors(pipelines_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
