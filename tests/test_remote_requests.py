@@ -404,3 +404,49 @@ def test_prefetch_source_merges_bounds_and_falls_through() -> None:
     assert source.read_at(200_000, 10) == data[200_000:200_010] and inner.reads == 4  # read through, exact
     with pytest.raises(Exception, match="outside the file"):
         source.read_at(len(data) - 1, 2)
+
+
+def test_hostile_archives_opened_from_the_index_serve_only_what_the_full_open_would(tmp_path: Path) -> None:
+    """Every hostile archive over HTTP with a 4 KiB opening suffix (so few are whole in it): opened from the index
+    or not, the description is the full open's from disk, and each entry read either gives the bytes the full
+    open gives or is refused (a local or safetensors header that is not the index's: Z014/I002). An archive the
+    full open refuses is never described from its index unless its lie lies in a header that only the first read
+    of that entry shows, which then refuses it."""
+    from dduf_plus.format.archive import DDUFArchive
+    from dduf_plus.format.describe import describe_archive
+    from dduf_plus.remote.indexed import IndexedArchive, open_indexed
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr("dduf_plus.storage.http_range.WHOLE_FILE_BELOW", 0)
+    mp.setattr("dduf_plus.storage.http_range.SUFFIX_BYTES", 4096)
+    www = tmp_path / "www"
+    shutil.copytree(HOSTILE, www, ignore=shutil.ignore_patterns("*.py", "*.json"))
+    indexed = 0
+    try:
+        with FileServer(www) as server:
+            for path in sorted(www.glob("*.dduf")):
+                try:
+                    remote = open_indexed(server.url(path.name))
+                except DDUFError:
+                    continue  # the full open's verdict (the fallback): nothing was described
+                with remote:
+                    if not isinstance(remote, IndexedArchive):
+                        continue
+                    indexed += 1
+                    refused = 0
+                    for name in remote:
+                        try:
+                            got = remote.read_bytes(name)
+                        except DDUFError:
+                            refused += 1
+                            continue
+                        with DDUFArchive(path, check=False) as local:
+                            assert got == local.read_bytes(name), (path.name, name)
+                    try:
+                        with DDUFArchive(path) as local:
+                            assert describe_archive(remote) == {**describe_archive(local), "path": remote.path}
+                    except DDUFError:
+                        assert refused, path.name  # refused from disk: some entry's own read refuses it
+    finally:
+        mp.undo()
+    assert indexed >= 5, indexed

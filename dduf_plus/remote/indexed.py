@@ -4,8 +4,9 @@ hosted references answer in **one** request instead of one more per weights file
 
 The index is a claim of the archive's writer. It is used only when it agrees with the central directory
 (every entry and no other, sizes, CRC-32, each data offset where a local header of that name can put it, no
-entry running into the next) and each file's tensor records, written back as a safetensors header, pass the
-safetensors rules (dtypes, shapes, offsets, coverage, tensor caps) at the index's header length. Anything
+entry running into the next), each file's tensor records, written back as a safetensors header, pass the
+safetensors rules (dtypes, shapes, offsets, coverage, tensor caps) at the index's header length, and the
+entry names and ``model_index.json`` pass the DDUF structure rules. Anything
 else (no index, a newer format version, one disagreement) falls back to :class:`DDUFArchive`'s full open
 over the same source: the bytes already fetched are reused, and the verdict is the one it always gave.
 
@@ -23,7 +24,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import struct
 import threading
 import zlib
 from collections.abc import Mapping
@@ -32,9 +32,10 @@ from typing import Any
 from ..errors import DDUFError, DDUFIntegrityError
 from ..format import spec
 from ..format.archive import DDUFArchive, Entry
+from ..format.findings import Finding
 from ..format.safetensors_header import SafetensorsHeader, parse_header, read_safetensors_header
-from ..format.structure import parse_json
-from ..format.zipfmt import ZipEntry
+from ..format.structure import check_structure, parse_json
+from ..format.zipfmt import ZipEntry, _local_header_agrees, _place_local_header
 from ..storage.prefetch_source import PrefetchSource
 from ..storage.source import ByteSource, open_source
 from .tail import Tail, read_tail
@@ -99,10 +100,17 @@ def _from_tail(source: PrefetchSource) -> IndexedArchive | None:
     entries, headers = _agreeing_entries(tail, files)
     if entries is None or headers is None:
         return None
-    model_index = _model_index(source, index, by_name.get(spec.MODEL_INDEX), entries.get(spec.MODEL_INDEX))
+    model_index = _model_index(source, index, by_name.get(spec.MODEL_INDEX), entries.get(spec.MODEL_INDEX),
+                               tail.cd_offset)
     if model_index is None:
         return None
-    return IndexedArchive(source, tail, model_index, entries, headers)
+    first = min(tail.records, key=lambda r: r.header_offset).name
+    problems = check_structure(list(by_name), model_index, first_entry=first, parsed=True)
+    if any(p.severity == "error" for p in problems):
+        return None  # the full open says what is wrong, as it always did
+    opened = IndexedArchive(source, tail, model_index, entries, headers)
+    opened.findings.extend(problems)
+    return opened
 
 
 def _agreeing_entries(tail: Tail, files: Mapping[str, Any]
@@ -180,7 +188,7 @@ def _indexed_header(name: str, rec: Mapping[str, Any], offset: int, size: int, c
 
 
 def _model_index(source: PrefetchSource, index: Mapping[str, Any], record: ZipEntry | None,
-                 entry: Entry | None) -> dict[str, Any] | None:
+                 entry: Entry | None, cd_offset: int) -> dict[str, Any] | None:
     """model_index.json's object: the index's copy of its text when that is the entry's (size, CRC-32, sha256),
     else its bytes (already fetched, or one exact range request; the local header is checked with them)."""
     if record is None or entry is None:
@@ -192,7 +200,7 @@ def _model_index(source: PrefetchSource, index: Mapping[str, Any], record: ZipEn
     raw = text.encode("utf-8", "surrogateescape") if isinstance(text, str) else None
     if raw is None or not _is_entry(raw, entry):
         head = source.read_at(record.header_offset, entry.offset + entry.length - record.header_offset)
-        if _local_header_problem(head, record, entry.offset) is not None:
+        if _local_header_problem(head, record, entry.offset, cd_offset) is not None:
             return None
         raw = head[entry.offset - record.header_offset:]
         if zlib.crc32(raw) != entry.crc32:
@@ -207,20 +215,41 @@ def _is_entry(raw: bytes, entry: Entry) -> bool:
             and hashlib.sha256(raw).hexdigest() == entry.sha256.lower())
 
 
-def _local_header_problem(head: bytes, record: ZipEntry, data_offset: int) -> str | None:
-    """Why ``head`` (the bytes from ``record``'s local header on) is not a local header naming it whose data
-    starts at ``data_offset``, or None."""
-    name = record.name.encode("utf-8", "surrogateescape")
-    if len(head) < spec.LOCAL_HEADER_SIZE + len(name):
-        return "no local header"
-    fields = struct.unpack_from(spec.LOCAL_HEADER_FMT, head)
-    if fields[0] != spec.SIG_LOCAL or fields[9] != len(name) or head[spec.LOCAL_HEADER_SIZE:][:len(name)] != name:
-        return f"no local header naming it at byte {record.header_offset} (Z014)"
-    if fields[3] != 0:
-        return "not STORED (Z008)"
-    at = record.header_offset + spec.LOCAL_HEADER_SIZE + fields[9] + fields[10]
-    if at != data_offset:
-        return f"the index places its data at {data_offset}, its local header at {at} (I002)"
+class _Blob:
+    """A ByteSource over ``data`` fetched from ``at``: a read outside it raises :class:`_Outside`."""
+
+    def __init__(self, at: int, data: bytes):
+        self.name, self.at, self.data, self.size, self.bytes_read = "<fetched>", at, data, at + len(data), 0
+
+    def read_at(self, offset: int, length: int) -> bytes:
+        if offset < self.at or offset + length > self.at + len(self.data):
+            raise _Outside
+        return self.data[offset - self.at:offset - self.at + length]
+
+    def close(self) -> None:
+        pass
+
+
+class _Outside(Exception):
+    pass
+
+
+def _local_header_problem(head: bytes, record: ZipEntry, data_offset: int, cd_offset: int) -> str | None:
+    """Why ``head`` (the bytes from ``record``'s local header on) is not a local header that the full open
+    accepts for it (the validator's own checks: name, method, flags, CRC-32 and sizes) with its data at
+    ``data_offset``, or None."""
+    findings: list[Finding] = []
+    blob = _Blob(record.header_offset, head)
+    try:
+        placed = _place_local_header(blob, record, cd_offset, findings)
+        agrees = placed is not None and _local_header_agrees(blob, record, placed[0], findings)
+    except _Outside:
+        return f"its local header at byte {record.header_offset} does not end where the index places its data (I002)"
+    errors = [f for f in findings if f.severity == "error"]
+    if errors or placed is None or not agrees:
+        return f"{errors[0].message} ({errors[0].code})" if errors else "its local header is not the directory's (Z014)"
+    if placed[1] != data_offset:
+        return f"the index places its data at {data_offset}, its local header at {placed[1]} (I002)"
     return None
 
 
@@ -244,6 +273,7 @@ class IndexedArchive(DDUFArchive):
         self._entries = entries
         self._components = None
         self._records = {r.name: r for r in tail.records}
+        self._cd_offset = tail.cd_offset
         self._checked: set[str] = set()
         self._lock = threading.Lock()
 
@@ -270,7 +300,7 @@ class IndexedArchive(DDUFArchive):
 
     def _check_entry(self, name: str, record: ZipEntry, e: Entry, blob: bytes) -> None:
         where = f"{self.path}: entry {name!r}"
-        problem = _local_header_problem(blob, record, e.offset)
+        problem = _local_header_problem(blob, record, e.offset, self._cd_offset)
         if problem is not None:
             raise DDUFIntegrityError(f"{where}: {problem}; refused")
         expected = self.headers.get(name)
