@@ -1,5 +1,7 @@
 """Components referenced inside a hosted archive (``--ref vae=https://host/base.dduf``, ``hf://org/repo/x.dduf``).
 
+The hosted archive is opened from its tail when its index agrees with its central directory (one request:
+:mod:`dduf_plus.remote.indexed`, which checks each entry's local and safetensors header as its bytes arrive).
 Only that component's entries are fetched, by range reads through :mod:`dduf_plus.storage.source` (its
 deadlines, byte budgets and same-origin redirects); each is checked against the sha256 (or git blob id) the
 *referencing* archive records, since the hosted archive's own index is only its writer's claim, and kept in
