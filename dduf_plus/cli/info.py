@@ -48,7 +48,8 @@ def describe_source(source: str, variant: str | None, max_decompressed: str | No
 
 def _remote_from_index(source: str, variant: str | None) -> dict[str, Any] | None:
     """``describe`` of a remote archive opened from its tail when its index agrees with its central directory
-    (one request: ``from_index`` is then True), else by the full open over the same source; None for a
+    (one request: ``from_index`` is then True), else by the full open over the same source (as before, no
+    ``from_index``); None for a
     source that is not a remote plain archive."""
     from ..storage.urls import is_url
     from ..storage.zst import is_zst
@@ -60,7 +61,8 @@ def _remote_from_index(source: str, variant: str | None) -> dict[str, Any] | Non
 
     with open_indexed(source) as archive:
         info = describe_archive(archive, variant)
-        info["from_index"] = isinstance(archive, IndexedArchive)
+        if isinstance(archive, IndexedArchive):  # said only then: a full open's description is as before
+            info["from_index"] = True
     return info
 
 
