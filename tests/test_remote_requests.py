@@ -7,7 +7,9 @@ a 1-byte probe came first and the tail was a second request. Structural reads of
 which takes those bytes over and fetches the local headers, safetensors headers and configs the plan names in
 a few merged requests. Before the plan, each header was read with its own request(s): 54 requests to validate
 a 5.4 MB archive. Every hostile archive gives the same findings over HTTP as from disk, with or without the
-plan."""
+plan. ``dduf info URL``, ``inspect_dtypes(URL)`` and hosted references of an indexed archive answer from the tail
+alone (``remote/indexed.py``: one request) when the index agrees with the central directory, and check each
+entry's local and safetensors header as its bytes arrive; otherwise they open in full, as before."""
 
 from __future__ import annotations
 
