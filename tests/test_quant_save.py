@@ -243,3 +243,48 @@ def test_double_quantized_layers_repacked_by_a_cpu_forward_are_quantized_again(
         wx = bnb.functional.dequantize_4bit(x.data, x.quant_state)
         wy = bnb.functional.dequantize_4bit(y.data, y.quant_state)
         assert torch.allclose(wx.float(), wy.float(), rtol=0.02, atol=1e-3), name
+
+
+def _registered(model: Any) -> dict[str, Any]:
+    """What diffusers' from_pretrained leaves on a quantized model: attributes, config, quantizer state."""
+    config = {k: v.to_dict() if hasattr(v, "to_dict") else v for k, v in model.config.items() if k != "_name_or_path"}
+    quantizer = dict(vars(model.hf_quantizer))
+    quantizer.pop("_checkpoint_keys", None)  # bitsandbytes' bookkeeping while diffusers reads shards: unused after
+    if "torch_dtype" in quantizer and quant_rules_backend(model) == "sdnq":
+        quantizer.pop("torch_dtype")  # diffusers leaves None; ours is the saved compute dtype (docs/precision.md)
+    quantizer["quantization_config"] = quantizer["quantization_config"].to_dict()
+    return {"is_quantized": model.is_quantized, "quantization_method": model.quantization_method,
+            "quantizer": (type(model.hf_quantizer), quantizer), "config": config}
+
+
+def quant_rules_backend(model: Any) -> str:
+    return str(getattr(model.quantization_method, "value", model.quantization_method))
+
+
+@pytest.mark.parametrize("scheme", ["torchao-int8", "bnb-nf4", "bnb-int8", pytest.param("sdnq-int8", marks=SDNQ)])
+def test_loaded_model_carries_what_diffusers_from_pretrained_leaves(pipelines_dir: Path, tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch,
+                                                                    scheme: str) -> None:
+    """load_dduf's quantized model registers its quantizer as diffusers' from_pretrained(folder) does (torchao's
+    save_pretrained raised AttributeError 'offload'; config.quantization_config was missing), so diffusers' own
+    save_pretrained of it writes what it writes from its own load (config.json but _name_or_path; the same
+    tensors and __metadata__, whose key order safetensors picks)."""
+    from diffusers import UNet2DConditionModel
+
+    quantized_pipe(pipelines_dir, scheme, monkeypatch).save_pretrained(tmp_path / "folder")
+    pack(tmp_path / "folder", tmp_path / "p.dduf", quiet=True)
+    kwargs = {"device_map": "cpu"} if scheme.startswith("bnb") else {}
+    theirs = UNet2DConditionModel.from_pretrained(tmp_path / "folder" / "unet", **kwargs)
+    ours = load_dduf(tmp_path / "p.dduf").unet
+    assert "quantization_config" in ours.config and ours.config["_pre_quantization_dtype"] == \
+        theirs.config["_pre_quantization_dtype"]
+    assert _registered(ours) == _registered(theirs)
+    theirs.save_pretrained(tmp_path / "theirs")
+    ours.save_pretrained(tmp_path / "ours")
+    for name in ("config.json", "diffusion_pytorch_model.safetensors"):
+        a, b = ((tmp_path / who / name).read_bytes() for who in ("ours", "theirs"))
+        if name == "config.json":
+            a, b = ([line for line in x.splitlines() if b'"_name_or_path"' not in line] for x in (a, b))
+            assert a == b
+        else:
+            assert a == b or split_safetensors(a)[:2] == split_safetensors(b)[:2]

@@ -19,10 +19,11 @@ the backend and the pip command."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..errors import DDUFLoadError
@@ -124,12 +125,49 @@ def load_torchao_component(model_cls: type[Any], config: Mapping[str, Any], file
                 state[key] = tensor.to(target)
     quantizer = _quantizer(config)
     if quantizer is not None:  # as diffusers' from_pretrained: is_quantized, quantization_method, modules_to_not_convert
+        _validate_environment(quantizer, where, torch_dtype=target)  # torchao's sets `offload` (save reads it)
         _preprocess(quantizer, model, where)
+        quantizer._metadata = metadata  # what diffusers' set_metadata keeps (its `metadata` property)
     model.load_state_dict(state, strict=False, assign=True)
     if quantizer is not None:  # so that save_pretrained and dequantize work as after diffusers' load
-        quantizer.postprocess_model(model)
-        model.hf_quantizer = quantizer
+        register_quantizer(model, quantizer, target)
     return _finish(model, where, device)
+
+
+def _validate_environment(quantizer: Any, where: str, **kwargs: Any) -> None:
+    """diffusers' own environment step (versions; torchao's ``offload`` flag, False: nothing is offloaded)."""
+    try:
+        quantizer.validate_environment(device_map=None, **kwargs)
+    except Exception as e:  # noqa: BLE001 - a backend version diffusers refuses
+        raise DDUFLoadError(f"{where}: diffusers' {type(quantizer).__name__} refuses this environment "
+                            f"({type(e).__name__}: {e})"[:500]) from None
+
+
+def register_quantizer(model: torch.nn.Module, quantizer: Any, dtype: torch.dtype | None) -> None:
+    """Leave on ``model`` what diffusers' ``from_pretrained`` leaves on a quantized model, so that its own
+    ``save_pretrained``, ``dequantize`` and ``model.config`` work and read the same: the quantizer's
+    post-processing, ``hf_quantizer``, and ``config.quantization_config`` / ``config._pre_quantization_dtype``
+    (the dtype the quantizer picks for the caller's ``dtype``: torchao bfloat16, bitsandbytes float16 when none)."""
+    quantizer.postprocess_model(model)
+    model.hf_quantizer = quantizer  # type: ignore[assignment]
+    with _quiet(type(quantizer).__module__):  # its "overriding torch_dtype" advice is for from_pretrained's callers
+        pre = copy.copy(quantizer).update_torch_dtype(dtype)  # a copy: SDNQ's records the dtype it is given
+    register = getattr(model, "register_to_config", None)
+    if register is None:  # not a diffusers model: transformers keeps its quantization_config elsewhere
+        return
+    if "quantization_config" not in model.config:  # SDNQ's post-processing registers its own (a dict)
+        register(quantization_config=quantizer.quantization_config)  # diffusers' from_config keeps the object
+    register(_pre_quantization_dtype=pre)
+
+
+@contextlib.contextmanager
+def _quiet(name: str) -> Iterator[None]:
+    log = logging.getLogger(name)
+    before, log.disabled = log.disabled, True
+    try:
+        yield
+    finally:
+        log.disabled = before
 
 
 def _preprocess(quantizer: Any, model: torch.nn.Module, where: str) -> None:
@@ -216,8 +254,7 @@ def load_bnb_component(model_cls: type[Any], config: Mapping[str, Any], files: A
     _check_state_keys(state, {k for k in model.state_dict() if not _is_bnb_weight(model, k, layer_cls)}, model,
                       f"{where}: stored tensors do not match the {backend} {model_cls.__name__}")
     model.load_state_dict(state, strict=False, assign=True)
-    quantizer.postprocess_model(model)
-    model.hf_quantizer = quantizer
+    register_quantizer(model, quantizer, None)  # bitsandbytes components load as saved: diffusers' default dtype
     return _finish(model, where, device)
 
 

@@ -93,7 +93,13 @@ def load_sdnq_component(model_cls: type[Any], config: Mapping[str, Any], files: 
             stored tensor unlike the layer SDNQ builds (Q006), tensors missing or unexpected for the model.
     """
     from .quant import _check_state_keys, _empty_model, _finish, _torch_dtype
-    from .quant_backends import _preprocess, _quantizer, component_headers, require_backend
+    from .quant_backends import (
+        _preprocess,
+        _quantizer,
+        component_headers,
+        register_quantizer,
+        require_backend,
+    )
 
     where = str(getattr(files, "description", None) or getattr(files, "name", "component"))
     require_backend("sdnq", where)
@@ -119,6 +125,5 @@ def load_sdnq_component(model_cls: type[Any], config: Mapping[str, Any], files: 
     if target is not None:
         _cast(state, model.state_dict(), owned, target)
     model.load_state_dict(state, strict=False, assign=True)
-    quantizer.postprocess_model(model)  # as diffusers: requires_grad off, matmul layouts, quantization_config
-    model.hf_quantizer = quantizer
+    register_quantizer(model, quantizer, target)  # as diffusers: requires_grad off, matmul layouts, config
     return _finish(model, where, device)

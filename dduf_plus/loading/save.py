@@ -242,10 +242,6 @@ def _backend_sources(name: str, entry: str, model: Any, folder: Path, dtype: tor
     state, metadata = backend_state(name, model)
     weights = weight_source(entry, state, metadata=metadata, what=name)
     config = json.loads((folder / "config.json").read_bytes())
-    if "quantization_config" not in config:  # a model whose loader did not register it: diffusers' own form of it
-        config["quantization_config"] = model.hf_quantizer.quantization_config.to_dict()
-        raw = json.dumps(config, indent=2, sort_keys=True) + "\n"  # ConfigMixin.to_json_string's layout
-        Confined(folder).write_bytes(folder / "config.json", raw.encode("utf-8"), mode=0o644)
     try:
         record = quant_rules.index_record(config, [weights.header]) if weights.header is not None else None
     except ValueError as e:  # QuantError: what validate would refuse in the archive

@@ -66,17 +66,8 @@ def backend_state(name: str, model: Any) -> tuple[dict[str, torch.Tensor], dict[
 
 
 def _flag(quantizer: Any, name: str) -> bool:
-    """A quantizer capability: a property in diffusers' quantizers, a method in SDNQ's. torchao's reads ``offload``,
-    which only its ``validate_environment`` sets: a quantizer made without that step (a loader over an archive)
-    has offloaded nothing."""
-    try:
-        value = getattr(quantizer, name)
-    except AttributeError:
-        if name == "supports_safetensors_serialization" or "offload" in vars(quantizer):
-            return False
-        quantizer = copy.copy(quantizer)
-        quantizer.offload = False
-        value = getattr(quantizer, name, False)
+    """A quantizer capability: a property in diffusers' quantizers, a method in SDNQ's."""
+    value = getattr(quantizer, name, False)
     return bool(value() if callable(value) else value)
 
 
