@@ -230,7 +230,9 @@ def iter_python_files(repo: Path, roots: Iterable[str]) -> list[Path]:
         elif base.is_dir():
             for p in base.rglob("*.py"):
                 rel = p.relative_to(repo).parts
-                if not any(part in ("__pycache__", "node_modules") or part.startswith(".venv") for part in rel):
+                # bench/_work holds generated data and the benchmarks' own venvs (git-ignored, not ours)
+                if not any(part in ("__pycache__", "node_modules", "_work") or part.startswith(".venv")
+                           or part.startswith("venv") for part in rel):
                     found.add(p)
     return sorted(found)
 
