@@ -316,8 +316,16 @@ def test_a_backend_without_a_loader_is_a_clear_error(tmp_path: Path) -> None:
     (folder / "vae" / "config.json").write_text(json.dumps(config))
     archive = tmp_path / "pipe.dduf"
     pack(folder, archive, quiet=True)
-    with pytest.raises(DDUFLoadError, match=r"vae.*modelopt"):
+    with pytest.raises(DDUFLoadError, match=r"vae.*modelopt") as refused:
         load_dduf(archive)
+    # the message names what load_dduf does rebuild, from the loaders' own tables (it said "quanto, torchao and
+    # bitsandbytes" once SDNQ loaded too), and the CPU table covers every one of them
+    assert "rebuilds bitsandbytes, quanto, sdnq and torchao only" in str(refused.value)
+    from dduf_plus.loading.quant import CPU_BACKENDS
+    from dduf_plus.loading.quant_backends import SUPPORTED
+
+    assert {"quanto", *SUPPORTED} <= set(CPU_BACKENDS)
+    assert all(CPU_BACKENDS[m].startswith("yes: zero-copy load by dduf_plus") for m in {"quanto", *SUPPORTED})
 
 
 def _hostile_bnb(bnb_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, old: bytes, new: bytes) -> Path:

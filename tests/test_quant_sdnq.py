@@ -144,6 +144,31 @@ def test_pack_records_validates_and_loads_as_diffusers(sdnq_folder: Path, tmp_pa
     assert torch.equal(_run(_aligned(ours), torch.float32), _run(_aligned(ref), torch.float32))
 
 
+def test_sdnq_defaults_on_small_layers_validate_clean_and_load(tmp_path: Path) -> None:
+    """SDNQ's default minimum sizes (16,384 weights, 32 channels) skip every tiny-sd layer: diffusers writes a folder
+    with a quantization_config and no quantized tensor. Q004 refused it ("no stored tensor is quantized"); it is
+    what diffusers writes, so it validates clean and loads as diffusers' from_pretrained(folder) does."""
+    from diffusers import SDNQConfig, UNet2DConditionModel
+
+    folder = tmp_path / "tiny-sd"
+    shutil.copytree(TINY_SD, folder, ignore=shutil.ignore_patterns("unet"))
+    unet = UNet2DConditionModel.from_pretrained(TINY_SD / "unet", quantization_config=SDNQConfig(weights_dtype="int8"))
+    unet.save_pretrained(folder / "unet")
+    archive = tmp_path / "sdnq-defaults.dduf"
+    result, _ = pack(folder, archive, quiet=True)
+    record = result.index["components"]["unet"]["quantization"]
+    assert (record["backend"], record["scheme"], record["quantized"]) == ("sdnq", "int8", 0)
+    report = validate(archive, verify=True, strict=True)
+    assert report.valid and not report.codes, str(report)
+    ours = load_dduf(archive).unet
+    ref = UNet2DConditionModel.from_pretrained(folder / "unet")
+    a, b = ours.state_dict(), ref.state_dict()
+    assert set(a) == set(b) and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+    assert ours.is_quantized and ours.config["quantization_config"] == ref.config["quantization_config"]
+    torch.testing.assert_close(_run(ours, torch.float32), _run(ref, torch.float32), rtol=1e-5, atol=1e-5)  # as placed
+    assert torch.equal(_run(_aligned(ours), torch.float32), _run(_aligned(ref), torch.float32))
+
+
 def test_bf16_component_keeps_its_float32_scales(tmp_path: Path) -> None:
     """A bf16 SDNQ component: torch_dtype="auto" keeps everything as saved (bf16 biases and norms, float32
     scales). diffusers' reload with torch_dtype=bfloat16 rounds the scales through bf16 (then back to float32):

@@ -326,7 +326,7 @@ _RULES = (
          fix="re-save the component with diffusers' save_pretrained"),
     Rule("Q004", "error", "the config's quantization scheme does not match the stored tensors",
          checked_by="validate",
-         meaning="the scheme in quantization_config (e.g. torchao int8, bitsandbytes nf4, SDNQ int8 / uint4) differs from what the tensors hold, no stored tensor is quantized, or a weight SDNQ's modules_to_not_convert names is stored quantized",
+         meaning="the scheme in quantization_config (e.g. torchao int8, bitsandbytes nf4, SDNQ int8 / uint4) differs from what the tensors hold, a torchao / bitsandbytes config has no stored tensor quantized (SDNQ's may: its minimum layer sizes skip every layer of a small model), or a weight SDNQ's modules_to_not_convert names is stored quantized",
          why="the loader builds the modules the config names over tensors of another layout",
          fix="re-save the component with diffusers' save_pretrained"),
     Rule("Q005", "error", "backend metadata malformed or over budget",

@@ -520,8 +520,11 @@ def analyse(config: Any, headers: Iterable[SafetensorsHeader]) -> dict[str, Any]
     tensors = _all_tensors(headers)
     scheme = scheme_of(config)
     groups, kinds, check = _groups(backend, scheme, quantization_config(config) or {}, headers, tensors)
-    if not groups:
+    if not groups and backend != "sdnq":
         raise QuantError("Q004", f"config says {backend} {scheme or ''} but no stored tensor is quantized")
+    # SDNQ skips every layer under its minimum sizes (16,384 weights, 32 channels by default): diffusers writes a
+    # small model's config with no stored tensor quantized, which loads as it does in diffusers (the skeleton SDNQ
+    # builds from the config must still match the tensors, Q006 at load): recorded as quantized 0, not refused.
     roles: dict[str, str] = {}
     for name, parts in groups.items():
         stored = {part: tensors.get(tensor) for part, tensor in parts.items()}

@@ -18,8 +18,10 @@ quantized-sized transient per layer). Peak memory is the quantized size.
 
 Components that carry a diffusers ``quantization_config`` in config.json go through
 :func:`load_with_diffusers_quantizer`: ``quant_method == "quanto"`` (diffusers' QuantoConfig) stores the
-same tensors, so it is rebuilt the same zero-copy way from a map derived from the config; other methods
-(torchao, bitsandbytes, ...) are handed to diffusers' quantizers through ``from_pretrained``.
+same tensors, so it is rebuilt the same zero-copy way from a map derived from the config; torchao,
+bitsandbytes and SDNQ are rebuilt over the archive's views by :mod:`dduf_plus.loading.quant_backends`; any other
+method is handed to its diffusers quantizer through ``from_pretrained`` for a folder component, and refused inside
+an archive (:data:`CPU_BACKENDS` says what runs without a GPU).
 
 optimum-quanto is optional (``pip install "dduf_plus[quanto]"``); without it, loading a quanto component
 raises :class:`~dduf_plus.errors.DDUFLoadError` saying so. This module's top level imports neither torch nor
@@ -58,11 +60,21 @@ CPU_BACKENDS = {
                          "own from_pretrained refuses without a GPU)",
     "torchao": "yes: zero-copy load by dduf_plus (torchao>=0.16 safetensors layout; int8 weight-only checked on "
                "CPU with torchao 0.18)",
+    "sdnq": "yes: zero-copy load by dduf_plus (int8, uint4, float8_e4m3fn weights checked on CPU with sdnq 0.2.8)",
     "gguf": "not applicable: DDUF cannot hold .gguf files",
 }
 
 
 # --- torch-free helpers ------------------------------------------------------------------------------
+
+
+def rebuilt_here() -> str:
+    """The quantization methods load_dduf rebuilds from an archive, as a message names them (from the loaders'
+    own tables, so that it cannot go stale: quanto here, the others in quant_backends.BACKENDS)."""
+    from .quant_backends import SUPPORTED
+
+    methods = sorted({"quanto", *(m.partition("_")[0] for m in SUPPORTED)})
+    return ", ".join(methods[:-1]) + " and " + methods[-1]
 
 
 def _require_quanto() -> Any:
@@ -420,8 +432,9 @@ def load_with_diffusers_quantizer(
 ) -> torch.nn.Module:
     """Load a component whose config.json holds a ``quantization_config``.
 
-    ``quant_method == "quanto"`` is rebuilt zero-copy by :func:`load_quanto_component`. Every other method
-    needs its quantizer to read the files from disk: for a folder component (a reference resolved to a
+    ``quant_method == "quanto"`` is rebuilt zero-copy by :func:`load_quanto_component`; torchao, bitsandbytes
+    and SDNQ by :mod:`~dduf_plus.loading.quant_backends`. Every other method needs its quantizer to read the
+    files from disk: for a folder component (a reference resolved to a
     folder) it is passed to ``model_cls.from_pretrained`` on that folder; inside an archive it is refused
     with a message saying what to do (weights are never extracted). See :data:`CPU_BACKENDS` for what works without a GPU.
 
@@ -441,7 +454,7 @@ def load_with_diffusers_quantizer(
                                      qmap=qmap)
     from . import quant_backends
 
-    if method in quant_backends.SUPPORTED:  # torchao: rebuilt over the archive's views (quant_backends.py)
+    if method in quant_backends.SUPPORTED:  # torchao, bitsandbytes, sdnq: over the archive's views
         return quant_backends.load_backend_component(model_cls, config, files, device=device, dtype=dtype,
                                                      variant=variant)
     from .files import FolderComponentFiles
@@ -450,9 +463,9 @@ def load_with_diffusers_quantizer(
     if not isinstance(files, FolderComponentFiles):
         # Its quantizer reads the weights from disk itself, and dduf_plus never extracts weights from an archive.
         raise DDUFLoadError(
-            f"{where}: quantized with {method} (quantization_config), which load_dduf can only rebuild for "
-            f"quanto, torchao and bitsandbytes; its own quantizer needs the files on disk (CPU support: {hint}). Unpack the archive "
-            "(`dduf unpack`) and load that folder with diffusers, or reference the component from a folder")
+            f"{where}: quantized with {method} (quantization_config); load_dduf rebuilds {rebuilt_here()} "
+            f"only, and {method}'s own quantizer needs the files on disk (CPU support: {hint}). Unpack the "
+            "archive (`dduf unpack`) and load that folder with diffusers, or reference the component from a folder")
     target_dtype = _torch_dtype(dtype)
     folder = files.local_dir(files.listdir())  # a folder component: its own path, nothing is copied
     # A verified local folder: nothing is fetched and no code from the files runs.

@@ -149,13 +149,13 @@ def register_quantizer(model: torch.nn.Module, quantizer: Any, dtype: torch.dtyp
     post-processing, ``hf_quantizer``, and ``config.quantization_config`` / ``config._pre_quantization_dtype``
     (the dtype the quantizer picks for the caller's ``dtype``: torchao bfloat16, bitsandbytes float16 when none)."""
     quantizer.postprocess_model(model)
-    model.hf_quantizer = quantizer  # type: ignore[assignment]
+    model.hf_quantizer = quantizer
     with _quiet(type(quantizer).__module__):  # its "overriding torch_dtype" advice is for from_pretrained's callers
         pre = copy.copy(quantizer).update_torch_dtype(dtype)  # a copy: SDNQ's records the dtype it is given
     register = getattr(model, "register_to_config", None)
     if register is None:  # not a diffusers model: transformers keeps its quantization_config elsewhere
         return
-    if "quantization_config" not in model.config:  # SDNQ's post-processing registers its own (a dict)
+    if "quantization_config" not in getattr(model, "config", {}):  # SDNQ's post-processing registers its own
         register(quantization_config=quantizer.quantization_config)  # diffusers' from_config keeps the object
     register(_pre_quantization_dtype=pre)
 
