@@ -32,10 +32,34 @@ def load_rows(r: dict) -> list[str]:
             f"archive {r['cat_archive_s']['cold']:.2f} s", f"| {ratios['cold load+touch vs cat']:.2f}x |"]
 
 
-def old_diffusers_row(r: dict) -> list[str]:
-    ratios = r["ratios"]
-    return [f"| {r['results']['warm:dduf']['load']:.3f} s |", f"| {r['results']['warm:old-hub']['load']:.2f} s |",
-            f"{ratios['speed-up vs diffusers 0.35.2']:.1f}x faster", f"{ratios['peak RSS vs diffusers 0.35.2']:.2f}x RSS"]
+
+
+def fresh_row(r: dict) -> list[str]:
+    ours, folder = r["results"]["fresh:dduf"], r["results"]["fresh:folder"]
+    return [f"| {ours['load']:.2f} s |", f"folder {folder['load']:.2f} s",
+            f"| {r['ratios']['fresh-process first load vs folder']:.2f}x |"]
+
+
+def sdxl_row(r: dict) -> list[str]:
+    x = r["shapes"]["sdxl"]
+    warm, cold = x["warm"], x["cold"]
+    ours = [warm["load_dduf + touch"]["median"], cold["load_dduf + touch"]["median"]]
+    theirs = [warm["diffusers folder load + touch"]["median"], cold["diffusers folder load + touch"]["median"]]
+    return [f"({x['archive_bytes'] / 1e9:.2f} GB)", f"| {ours[0]:.2f} / {ours[1]:.2f} s |",
+            f"folder {theirs[0]:.2f} / {theirs[1]:.2f} s", f"| {ours[0] / theirs[0]:.2f}x / {ours[1] / theirs[1]:.2f}x |"]
+
+
+def backends_row(r: dict) -> list[str]:
+    rows = r["backends"]["rows"]
+    ours = [row["ratio_to_stored"] for row in rows.values() if row["loader"] == "dduf_plus"]
+    default = [row["ratio_to_stored"] for row in rows.values() if row["loader"] == "diffusers"]
+    return [f"{len(ours)} backends", f"| {min(ours):.2f}-{max(ours):.2f}x stored |",
+            f"diffusers' default {min(default):.2f}-{max(default):.2f}x"]
+
+
+def open_row(r: dict) -> list[str]:
+    counts = r["requests_to_open"]
+    return [f"{r['latency_s'] * 1e3:.0f} ms", f"| {max(counts.values())} request |", f"{len(counts)} archives"]
 
 
 def validate_row(r: dict) -> list[str]:
@@ -54,10 +78,6 @@ def pack_row(r: dict) -> list[str]:
     return [f"| {ours:.2f} s |", f"+ sync {hub:.2f} s", f"| {ours / hub:.2f}x |"]
 
 
-def quant_row(r: dict) -> list[str]:
-    ours, anchor = r["rows"]["qint8 dduf_plus"], r["rows"]["qint8 quanto requantize"]
-    return [f"| {gb(ours['peak_delta_bytes'])} |", f"`requantize` {gb(anchor['peak_delta_bytes'])}",
-            f"{gb(anchor['virtual_growth_bytes'])} address space", f"{ours['ratio_to_model']:.2f}x its size"]
 
 
 def partial_row(r: dict) -> list[str]:
@@ -68,7 +88,9 @@ def partial_row(r: dict) -> list[str]:
 def remote_row(r: dict) -> list[str]:
     median = r["median_s"]
     return [gb(r["archive_bytes"]), f"{r['latency_s'] * 1e3:.0f} ms / {r['bandwidth_Bps'] / 1e6:.0f} MB/s link",
-            f"| {median['first']:.1f} s / {median['second']:.2f} s |", f"download-then-load {median['download_then_load']:.1f} s"]
+            f"| {median['first']:.2f} s / {median['second']:.2f} s |",
+            f"download-then-load {median['download_then_load']:.2f} s", f"link limit {median['link_limit']:.2f} s",
+            f"| {r['ratios']['first_vs_link_limit']:.2f}x link limit |"]
 
 
 def hub_row(r: dict) -> list[str]:
@@ -97,14 +119,15 @@ def serve_row(r: dict) -> list[str]:
 ROWS: dict[str, tuple[str, Callable[[dict], list[str]], tuple[str, ...]]] = {
     "load SD-1.5-shaped fp16": ("load", lambda r: load_rows(r)[:4], ("SD-1.5", "fp16", "diffusers 0.42")),
     "same, cold page cache": ("load", lambda r: load_rows(r)[4:], ()),
-    "same vs diffusers 0.35.2": ("load", old_diffusers_row, ("diffusers 0.35.2",)),
+    "same, fresh process (tiny-sd, imports included)": ("load", fresh_row, ()),
+    "load SDXL-shaped fp16": ("scale", sdxl_row, ("SDXL", "fp16")),
     "`dduf validate`, structural": ("validate", validate_row, ()),
     "`dduf validate --verify`": ("validate", verify_row, ("sha256",)),
     "`dduf pack` (fsync)": ("pack", pack_row, ()),
-    "qint8 UNet load": ("quant", quant_row, ("qint8",)),
+    "quantized UNet load, peak RSS": ("quant", backends_row, ()),
     "partial archive": ("partial", partial_row, ()),
-    # the disk's write speed is a `dd` run beside the benchmark (docs/benchmarks.md), not a results field
-    "`load_dduf(URL)`": ("remote", remote_row, ("(53-59 MB/s writes)",)),
+    "`load_dduf(URL)`": ("remote", remote_row, ()),
+    "open a remote archive": ("remote_open", open_row, ()),
     "`load_dduf(\"org/repo\")` Hub step": ("hub", hub_row, ()),
     "`validate_many`": ("catalogue", catalogue_row, ()),
     "`dduf serve` upload": ("serve", serve_row, ("p50 (p99)",)),
