@@ -193,6 +193,26 @@ def _quantizer(config: Mapping[str, Any]) -> Any:
         return None
 
 
+def checked_quantizer(config: Mapping[str, Any], files: Any, variant: str | None, where: str,
+                      backend: str) -> tuple[list[str], Any]:
+    """(weight files, diffusers' quantizer) of a component once its tensors pass Q001-Q005 (torch-free, before the
+    backend parses its config).
+
+    Raises:
+        DDUFLoadError: the component is not self-consistent (its Q0xx code), or no quantizer can be made (Q001).
+    """
+    weight_files = files.weight_files(variant)
+    try:
+        analyse(config, component_headers(files, weight_files))
+    except QuantError as e:
+        raise DDUFLoadError(f"{where}: {e.code}: {backend} quantization: {e}", code=e.code) from None
+    quantizer = _quantizer(config)
+    if quantizer is None:
+        raise DDUFLoadError(f"{where}: Q001: diffusers cannot make its {backend} quantizer from this "
+                            "quantization_config (or diffusers is not installed)", code="Q001")
+    return weight_files, quantizer
+
+
 def load_backend_component(model_cls: type[Any], config: Mapping[str, Any], files: Any, *, device: Any = None,
                            dtype: Any = None, variant: str | None = None) -> torch.nn.Module:
     """Dispatch on the config's backend (see :data:`SUPPORTED`)."""
@@ -223,21 +243,12 @@ def load_bnb_component(model_cls: type[Any], config: Mapping[str, Any], files: A
     where = str(getattr(files, "description", None) or getattr(files, "name", "component"))
     backend = str(backend_of(config))
     bnb = require_backend(backend, where)
-    weight_files = files.weight_files(variant)
-    headers = component_headers(files, weight_files)
-    try:
-        analyse(config, headers)
-    except QuantError as e:
-        raise DDUFLoadError(f"{where}: {e.code}: bitsandbytes quantization: {e}", code=e.code) from None
-    quantizer = _quantizer(config)
-    if quantizer is None:
-        raise DDUFLoadError(f"{where}: Q001: diffusers cannot make its bitsandbytes quantizer from this "
-                            "quantization_config (or diffusers is not installed)", code="Q001")
+    weight_files, quantizer = checked_quantizer(config, files, variant, where, "bitsandbytes")
     model = _empty_model(model_cls, config, where, files, variant)
     _preprocess(quantizer, model, where)
     state = dict(files.tensors(weight_files))
     layer_cls = bnb.nn.Linear4bit if backend == "bitsandbytes_4bit" else bnb.nn.Linear8bitLt
-    tensors = {name: info for header in headers for name, info in header.tensors.items()}
+    tensors = {name: info for header in component_headers(files, weight_files) for name, info in header.tensors.items()}
     for name, parts in bnb_groups(tensors, backend).items():
         try:
             module = model.get_submodule(name.rpartition(".")[0])

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..errors import DDUFLoadError
-from ..format.quant_rules import SDNQ_PARTS, QuantError, analyse
+from ..format.quant_rules import SDNQ_PARTS
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -93,26 +93,11 @@ def load_sdnq_component(model_cls: type[Any], config: Mapping[str, Any], files: 
             stored tensor unlike the layer SDNQ builds (Q006), tensors missing or unexpected for the model.
     """
     from .quant import _check_state_keys, _empty_model, _finish, _torch_dtype
-    from .quant_backends import (
-        _preprocess,
-        _quantizer,
-        component_headers,
-        register_quantizer,
-        require_backend,
-    )
+    from .quant_backends import _preprocess, checked_quantizer, register_quantizer, require_backend
 
     where = str(getattr(files, "description", None) or getattr(files, "name", "component"))
     require_backend("sdnq", where)
-    weight_files = files.weight_files(variant)
-    headers = component_headers(files, weight_files)
-    try:
-        analyse(config, headers)  # Q001-Q005 torch-free, before sdnq parses its config
-    except QuantError as e:
-        raise DDUFLoadError(f"{where}: {e.code}: sdnq quantization: {e}", code=e.code) from None
-    quantizer = _quantizer(config)
-    if quantizer is None:
-        raise DDUFLoadError(f"{where}: Q001: diffusers cannot make its SDNQ quantizer from this quantization_config "
-                            "(or diffusers is not installed)", code="Q001")
+    weight_files, quantizer = checked_quantizer(config, files, variant, where, "sdnq")
     state = dict(files.tensors(weight_files))
     target = _torch_dtype(dtype)
     quantized = {k for k in state if k.rpartition(".")[2] in SDNQ_KEYS}
