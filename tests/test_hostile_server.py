@@ -284,7 +284,8 @@ def test_a_lying_answer_to_the_opening_suffix_range_is_refused(site, mode) -> No
     message = str(info.value)
     assert url in message, message
     if mode == "suffix-overrun":
-        assert "sent bytes after its answer" in message, message
+        # seen at the end of the opening answer, or (when the extra bytes arrive late) by the next request
+        assert "sent bytes after its answer" in message or "sent bytes after its previous answer" in message, message
     else:
         assert f"suffix range bytes=-{SUFFIX_BYTES}" in message and "the rule: a suffix range is answered with " \
             "the file's last" in message, message
