@@ -26,6 +26,7 @@ from .components import build_component, resolve_class
 from .dtypes import AUTO, requested_for, resolve_request
 from .files import ArchiveComponentFiles, ComponentFiles
 from .folder_source import FolderPipeline
+from .gc_pause import collector_paused
 from .models import ModelRequest
 from .prefetch import Prefetcher
 
@@ -378,7 +379,8 @@ def _build_components(ctx: _Context, plan: _Plan, sources: Mapping[str, Componen
             allow_missing_weights=ctx.allow_missing_weights,
         )
         files = sources[name] if ctx.before_build is None else ctx.before_build(name, sources[name])
-        plan.init_kwargs[name] = build_component(cls, files, model_request)
+        with collector_paused():  # construction makes no cyclic garbage; see gc_pause
+            plan.init_kwargs[name] = build_component(cls, files, model_request)
         logger.debug("built %s (%s) in %.3f s", name, class_name, time.perf_counter() - t0)
 
 
@@ -393,7 +395,8 @@ def _assemble(ctx: _Context, plan: _Plan) -> DiffusionPipeline:
     for name in missing:
         init_kwargs[name] = passed.get(name)
     try:
-        pipe = pipeline_class(**init_kwargs)
+        with collector_paused():
+            pipe = pipeline_class(**init_kwargs)
     except DDUFError:
         raise
     except Exception as e:
