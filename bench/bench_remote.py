@@ -1,8 +1,8 @@
 """load_dduf(URL) against the link's own limit, against one plain GET and against download-then-load, with
 the work folder (remote cache, downloads) on the disk and on tmpfs.
 
-    python bench/bench_remote.py [--runs 3] [--latency 0.020] [--bandwidth 400e6] [--shape sd15|sdxl]
-                                 [--folders disk,tmpfs] [--out bench/results/remote.json]
+    python bench/bench_remote.py [--runs 3] [--latency 0.020] [--bandwidth 400e6] [--per-connection BPS]
+                                 [--shape sd15|sdxl] [--folders disk,tmpfs] [--out bench/results/remote.json]
 
 The SD-1.5-shaped archive (about 2.1 GB; ``--shape sdxl``: the SDXL-shaped 6.9 GB one, disk only: it does not
 fit tmpfs here) is served from 127.0.0.1 by tests/servers.FileServer in a *separate process* (so the server
@@ -16,6 +16,12 @@ sequential write speed (512 MiB written and fsync'ed) is measured in the same ru
 - load_dduf(URL) first load: remote cache cleared before each run; then every weight page is touched;
 - load_dduf(URL, remote={"cache": False}): nothing kept, pages touched;
 - warm cached load: the archive is in the remote cache (one tail request), pages touched.
+
+``--per-connection 100e6`` also caps each connection on its own (the whole link still ``--bandwidth``): object
+stores and CDNs serve one stream slower than many, which is why huggingface_hub's fast paths and AWS's S3
+performance guidelines fetch in concurrent byte ranges. The link limit stays bytes / ``--bandwidth`` (16
+connections reach it); a single GET is held to bytes / ``--per-connection``. Written to
+``remote_per_connection.json``.
 
 Medians of ``--runs`` interleaved runs (every row sees the same drift of the shared machine's load);
 writes bench/results/remote.json.
@@ -49,12 +55,12 @@ LABELS = {"link_limit": "link limit (bytes / cap)", "single_get": "single GET (n
           "no_cache": "load_dduf(URL, cache=False) + touch", "warm": "warm cached load + touch"}
 
 
-def serve(root: str, latency: float, bandwidth: float) -> None:
+def serve(root: str, latency: float, bandwidth: float, per_connection: float | None) -> None:
     """Run FileServer in this process until stdin closes; print its port first."""
     sys.path.insert(0, str(ROOT / "tests"))
     from servers import FileServer
 
-    with FileServer(root, latency=latency, bandwidth=bandwidth) as srv:
+    with FileServer(root, latency=latency, bandwidth=bandwidth, per_connection=per_connection) as srv:
         print(srv.server_port, flush=True)
         sys.stdin.read()
 
@@ -118,6 +124,9 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--latency", type=float, default=0.020)
     parser.add_argument("--bandwidth", type=float, default=400e6)
+    parser.add_argument("--per-connection", type=float, default=None,
+                        help="also cap each connection at this many bytes/s (a link whose single stream is "
+                             "slower than the whole); results go to remote_per_connection.json by default")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--chunk-size", type=int, default=16 << 20)
     parser.add_argument("--shape", choices=("sd15", "sdxl"), default="sd15")
@@ -129,7 +138,7 @@ def main() -> None:
     parser.add_argument("--open-requests", action="store_true", help="only count the requests to open (seconds)")
     args = parser.parse_args()
     if args.serve:
-        return serve(args.serve, args.latency, args.bandwidth)
+        return serve(args.serve, args.latency, args.bandwidth, args.per_connection)
     if args.open_requests:
         return open_requests(args.latency)
     folders = (args.folders or ("disk" if args.shape == "sdxl" else "disk,tmpfs")).split(",")
@@ -139,7 +148,8 @@ def main() -> None:
     work = {"disk": WORK / "remote-bench", "tmpfs": Path(args.tmpfs) / f"dduf-remote-bench-{os.getpid()}"}
     os.environ["HF_HUB_OFFLINE"] = "0"
     server = subprocess.Popen([sys.executable, __file__, "--serve", str(archive.parent), "--latency",
-                               str(args.latency), "--bandwidth", str(args.bandwidth)],
+                               str(args.latency), "--bandwidth", str(args.bandwidth)]
+                              + (["--per-connection", str(args.per_connection)] if args.per_connection else []),
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         port = int(server.stdout.readline())
@@ -220,11 +230,14 @@ def report(result: dict, size: int, args: argparse.Namespace) -> None:
     limit = size / args.bandwidth
     out: dict[str, object] = {
         "shape": args.shape, "archive_bytes": size, "latency_s": args.latency, "bandwidth_Bps": args.bandwidth,
+        "per_connection_Bps": args.per_connection,
         "concurrency": args.concurrency, "chunk_size": args.chunk_size, "cpu_count": os.cpu_count(),
         "load_average_after": os.getloadavg(),  # other processes sharing the cores while it ran
         "link_limit_s": limit, "write_speed_Bps": result["write_speed_Bps"], "folders": {}}
     print(f"\n{args.shape}-shaped archive, {size / 1e9:.2f} GB; link: {args.latency * 1e3:.0f} ms round trip, "
-          f"{args.bandwidth / 1e6:.0f} MB/s cap; {os.cpu_count()} CPU cores (load average "
+          f"{args.bandwidth / 1e6:.0f} MB/s cap"
+          + (f", {args.per_connection / 1e6:.0f} MB/s per connection" if args.per_connection else "")
+          + f"; {os.cpu_count()} CPU cores (load average "
           f"{os.getloadavg()[0]:.1f}); medians of {args.runs}")
     for name, runs in result["runs"].items():
         med = {row: [median([r[i] for r in runs[row]]) for i in range(3)] for row in runs}
@@ -247,6 +260,8 @@ def report(result: dict, size: int, args: argparse.Namespace) -> None:
     _headline(out)
     print("targets: first load <= 1.15x link limit on tmpfs, <= 0.8x download-then-load")
     target = args.out or (RESULTS if args.shape == "sd15" else RESULTS.with_name("remote_sdxl.json"))
+    if args.per_connection and args.out is None:
+        target = target.with_name(target.stem + "_per_connection.json")
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(json.dumps(out, indent=2) + "\n")
     print(f"wrote {target}")

@@ -46,6 +46,8 @@ class FileServer(http.server.ThreadingHTTPServer):
     Args:
         latency: seconds slept before answering each request (an injected round trip).
         bandwidth: bytes/s shared by all responses (None: unlimited).
+        per_connection: bytes/s for each connection on its own, within ``bandwidth`` (None: unlimited): a link
+            whose single stream is slower than the whole, as object stores and CDNs serve.
         ranges: False answers every GET with the whole file (200), as a server that ignores Range.
         suffix: how a suffix range (``bytes=-N``, the last N bytes) is answered: ``"206"`` (the last N bytes),
             ``"200"`` (the whole file, as a server that knows only ``bytes=a-b``) or ``"416"``.
@@ -62,7 +64,7 @@ class FileServer(http.server.ThreadingHTTPServer):
     request_queue_size = 128  # many clients connect at once (concurrent range readers)
 
     def __init__(self, root: str | os.PathLike, *, latency: float = 0.0, bandwidth: float | None = None,
-                 ranges: bool = True, suffix: str = "206", lie_size: int = 0, stall_after: int | None = None,
+                 per_connection: float | None = None, ranges: bool = True, suffix: str = "206", lie_size: int = 0, stall_after: int | None = None,
                  stall_after_total: int | None = None, close_after: int | None = None,
                  on_request: Callable[[str, str, Any], None] | None = None, host: str = "127.0.0.1"):
         self.root = Path(root)
@@ -72,6 +74,7 @@ class FileServer(http.server.ThreadingHTTPServer):
             raise ValueError(f"suffix={suffix!r}: one of '206', '200', '416'")
         self.suffix = suffix
         self.bucket = TokenBucket(bandwidth) if bandwidth else None
+        self.per_connection = per_connection
         self.on_request = on_request
         self.lock = threading.Lock()
         self.stop_stalling = threading.Event()
@@ -222,6 +225,10 @@ class FileHandler(http.server.BaseHTTPRequestHandler):
                     n = min(n, limit)
                 if self.server.close_after is not None:
                     n = min(n, self.server.close_after - sent)
+                if self.server.per_connection:  # one bucket per connection (this handler), kept across requests
+                    if getattr(self, "_own_bucket", None) is None:
+                        self._own_bucket = TokenBucket(self.server.per_connection)
+                    self._own_bucket.take(n)
                 if self.server.bucket is not None:
                     self.server.bucket.take(n)
                 data = os.pread(fd, n, start + sent)
