@@ -288,3 +288,13 @@ def test_write_behind_load_does_not_wait_for_the_disk(served, packed, tmp_path, 
             load_dduf(srv.url(_tampered(served)), remote={**SMALL, "cache_dir": str(other), "memory_max": 1 << 30})
         fetch_module.wait_cache_writes()
     assert not list(other.glob("*.dduf"))
+
+
+def test_a_mismatching_entry_reaches_the_caller_as_a_public_integrity_error() -> None:
+    """The fetch's private mismatch kind (it only decides what a resume keeps) is never what a caller catches
+    or what an error line names."""
+    from dduf_plus.errors import DDUFIntegrityError
+    from dduf_plus.remote import fetch
+
+    raised = fetch._reraise(fetch._EntryMismatch("u: entry 'unet/x' does not match its sha256"))
+    assert type(raised) is DDUFIntegrityError and "unet/x" in str(raised)

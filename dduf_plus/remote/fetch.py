@@ -749,6 +749,8 @@ def wait_cache_writes(final: Path | None = None, timeout: float | None = None) -
 
 
 def _reraise(error: BaseException) -> BaseException:
+    if isinstance(error, _EntryMismatch):  # the private kind only steers the resume; callers see the public one
+        return DDUFIntegrityError(str(error))
     return error if isinstance(error, DDUFError) else DDUFIOError(f"fetch failed: {type(error).__name__}: {error}")
 
 
