@@ -34,6 +34,7 @@ request), per entry point, archive and client configuration; writes bench/result
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import resource
@@ -173,6 +174,7 @@ def _archive(shape: str) -> Path:
 
 def _timed(server_pid: int, call) -> tuple[float, float, float]:
     """(seconds, client CPU seconds, server CPU seconds) of ``call()``."""
+    gc.collect()  # nothing owed from the previous row falls into this one's clock
     s0, c0, t0 = _cpu(server_pid), _cpu(), time.perf_counter()
     call()
     return time.perf_counter() - t0, _cpu() - c0, _cpu(server_pid) - s0

@@ -1,6 +1,6 @@
-"""The cyclic collector is paused while components are built (a full collection there cost as much as the
-whole SD-1.5-shaped load) and is as it was afterwards: enabled, or left disabled by the application; also
-after a failed load, and with concurrent loads."""
+"""The cyclic collector is paused while a load imports (a first load's imports tripped about 1 s of full
+collections) and is as it was afterwards: enabled, or left disabled by the application; also after a failed
+load, and with concurrent loads."""
 
 from __future__ import annotations
 
@@ -77,29 +77,38 @@ def test_concurrent_pauses_end_with_the_last(collector_enabled) -> None:
     assert gc.isenabled()
 
 
-def test_load_builds_every_component_paused_and_restores_the_collector(packed, monkeypatch, collector_enabled) -> None:
+def test_a_load_pauses_its_imports_not_its_construction(packed, monkeypatch, collector_enabled) -> None:
+    """Class resolution (imports) runs paused; building models does not (a pause there would only move a
+    collection owed by earlier imports to after the load)."""
     from dduf_plus import load_dduf
 
-    seen: dict[str, bool] = {}
-    build = pipeline_module.build_component
+    resolving: dict[str, bool] = {}
+    building: dict[str, bool] = {}
+    resolve, build = pipeline_module.resolve_class, pipeline_module.build_component
 
-    def spy(cls, files, request):
-        seen[files.description.rsplit(":", 1)[-1]] = gc.isenabled()
+    def resolve_spy(name, library, class_name):
+        resolving[name] = gc.isenabled()
+        return resolve(name, library, class_name)
+
+    def build_spy(cls, files, request):
+        building[files.description.rsplit(":", 1)[-1]] = gc.isenabled()
         return build(cls, files, request)
 
-    monkeypatch.setattr(pipeline_module, "build_component", spy)
+    monkeypatch.setattr(pipeline_module, "resolve_class", resolve_spy)
+    monkeypatch.setattr(pipeline_module, "build_component", build_spy)
     pipe = load_dduf(packed["tiny-sd"])
-    assert set(seen) >= {"unet", "vae", "text_encoder", "tokenizer", "scheduler"} and not any(seen.values()), seen
+    assert set(resolving) >= {"unet", "vae", "text_encoder", "tokenizer", "scheduler"}, resolving
+    assert not any(resolving.values()) and all(building.values()), (resolving, building)
     assert gc.isenabled() and pipe.unet is not None
 
 
-def test_a_failed_build_restores_the_collector(packed, monkeypatch, collector_enabled) -> None:
+def test_a_failed_plan_restores_the_collector(packed, monkeypatch, collector_enabled) -> None:
     from dduf_plus import load_dduf
 
-    def broken(cls, files, request):
-        raise DDUFLoadError(f"{files.description}: broken on purpose")
+    def broken(name, library, class_name):
+        raise DDUFLoadError(f"{name}: broken on purpose")
 
-    monkeypatch.setattr(pipeline_module, "build_component", broken)
+    monkeypatch.setattr(pipeline_module, "resolve_class", broken)
     with pytest.raises(DDUFLoadError, match="broken on purpose"):
         load_dduf(packed["tiny-sd"])
     assert gc.isenabled()

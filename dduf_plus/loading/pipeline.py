@@ -115,7 +115,8 @@ def load_dduf(
     path_str, archive, fetch = _open_source(os.fspath(path), dduf_file, revision=revision, token=token,
                                             cache_dir=cache_dir, local_files_only=local_files_only,
                                             remote=remote, max_decompressed=max_decompressed, variant=variant)
-    request = resolve_request(torch_dtype, dtype)
+    with collector_paused():  # the first load in a process imports torch here (see gc_pause)
+        request = resolve_request(torch_dtype, dtype)
     device_for = _device_resolver(device, device_map)
     mapped = archive.mmap
     prefetcher = Prefetcher(mapped) if prefetch and use_mmap and fetch is None and mapped is not None else None
@@ -259,7 +260,8 @@ def _load(ctx: _Context, kwargs: dict[str, Any]) -> DiffusionPipeline:
     if ctx.build_order is None:
         _refuse_what_validate_refuses(ctx)
     _check_names(ctx)
-    plan = _plan(ctx, kwargs)
+    with collector_paused():  # imports the pipeline's module: diffusers and transformers, the first time
+        plan = _plan(ctx, kwargs)
     _check_variant(ctx, plan)
     if ctx.build_order is not None:
         ctx.build_order([name for name in plan.to_build if name not in plan.passed_components])
@@ -367,7 +369,8 @@ def _build_components(ctx: _Context, plan: _Plan, sources: Mapping[str, Componen
             plan.init_kwargs[name] = plan.passed_components[name]
             continue
         t0 = time.perf_counter()
-        cls = resolve_class(name, library, class_name)
+        with collector_paused():  # may import the component's module (a tokenizer's, a scheduler's)
+            cls = resolve_class(name, library, class_name)
         declared = declared_all.get(name) if isinstance(declared_all, dict) else None
         model_request = ModelRequest(
             variant=ctx.variant,
@@ -379,8 +382,7 @@ def _build_components(ctx: _Context, plan: _Plan, sources: Mapping[str, Componen
             allow_missing_weights=ctx.allow_missing_weights,
         )
         files = sources[name] if ctx.before_build is None else ctx.before_build(name, sources[name])
-        with collector_paused():  # construction makes no cyclic garbage; see gc_pause
-            plan.init_kwargs[name] = build_component(cls, files, model_request)
+        plan.init_kwargs[name] = build_component(cls, files, model_request)
         logger.debug("built %s (%s) in %.3f s", name, class_name, time.perf_counter() - t0)
 
 
@@ -395,8 +397,7 @@ def _assemble(ctx: _Context, plan: _Plan) -> DiffusionPipeline:
     for name in missing:
         init_kwargs[name] = passed.get(name)
     try:
-        with collector_paused():
-            pipe = pipeline_class(**init_kwargs)
+        pipe = pipeline_class(**init_kwargs)
     except DDUFError:
         raise
     except Exception as e:
