@@ -92,3 +92,4 @@ def test_cached_ranges_are_skipped(tmp_path):
     prefetcher.wait(30)
     assert prefetcher.bytes_resident == len(mm)
     assert prefetcher.bytes_done == 0
+    assert prefetcher._thread is None  # sampled by the caller: nothing to read, no thread to compete with

@@ -93,6 +93,13 @@ def remote_row(r: dict) -> list[str]:
             f"| {r['ratios']['first_vs_link_limit']:.2f}x link limit |"]
 
 
+def remote_per_connection_row(r: dict) -> list[str]:
+    median = r["median_s"]
+    return [f"capped at {r['per_connection_Bps'] / 1e6:.0f} MB/s", f"| {median['first']:.2f} s |",
+            f"download-then-load {median['download_then_load']:.2f} s",
+            f"| {r['ratios']['first_vs_download_then_load']:.2f}x |"]
+
+
 def hub_row(r: dict) -> list[str]:
     offline, first = r["load_repo"]["cached_offline"], r["load_repo"]["first"]
     return [f"| {offline['hub_step_s'] * 1e3:.1f} ms, {offline['requests']} requests |",
@@ -127,6 +134,7 @@ ROWS: dict[str, tuple[str, Callable[[dict], list[str]], tuple[str, ...]]] = {
     "quantized UNet load, peak RSS": ("quant", backends_row, ()),
     "partial archive": ("partial", partial_row, ()),
     "`load_dduf(URL)`": ("remote", remote_row, ()),
+    "same, each connection capped": ("remote_per_connection", remote_per_connection_row, ()),
     "open a remote archive": ("remote_open", open_row, ()),
     "`load_dduf(\"org/repo\")` Hub step": ("hub", hub_row, ()),
     "`validate_many`": ("catalogue", catalogue_row, ()),

@@ -66,14 +66,32 @@ class Prefetcher:
         return self._libc is not None
 
     def add(self, ranges: Iterable[tuple[int, int]]) -> None:
-        if self._libc is None:
+        """Queue the ranges' steps that are not in the page cache yet. Residency is sampled here, on the
+        caller's thread, before the builder starts allocating (about 1,000 ``mincore`` calls for 2 GB,
+        a few ms): on a warm cache nothing is queued and no thread starts (one that only found every step
+        cached still cost the builder ~0.03 s of GIL hand-offs)."""
+        if self._libc is None or self._stop.is_set():
             return
-        for offset, length in ranges:
-            start = max(0, offset // PAGE * PAGE)
-            end = min(self._size, offset + length)
-            if end > start:
-                self._queue.put((start, end - start))
-        if self._thread is None:
+        queued = False
+        try:
+            anchor = ctypes.c_char.from_buffer(self._mm)  # an export: the map stays mapped while we sample
+        except TypeError:  # a read-only map cannot be exported: queue everything, the thread samples nothing
+            anchor = None
+        try:
+            vector = ctypes.create_string_buffer(1)
+            for offset, length in ranges:
+                start = max(0, offset // PAGE * PAGE)
+                end = min(self._size, offset + length)
+                for at in range(start, end, CHUNK):
+                    n = min(CHUNK, end - at)
+                    if anchor is not None and self._resident(ctypes.addressof(anchor) + at, n, vector):
+                        self.bytes_resident += n
+                        continue  # already in the page cache: a touch maps it as cheaply as we would
+                    self._queue.put((at, n))
+                    queued = True
+        finally:
+            del anchor
+        if queued and self._thread is None:
             self._thread = threading.Thread(target=self._run, name="dduf_plus-prefetch", daemon=True)
             self._thread.start()
 
@@ -85,16 +103,8 @@ class Prefetcher:
                 item = self._queue.get()
                 if item is None:  # finish(): everything queued before it is done
                     return
-                start, length = item
-                vector = ctypes.create_string_buffer(1)
-                for at in range(start, start + length, CHUNK):
-                    if self._stop.is_set():
-                        return
-                    n = min(CHUNK, start + length - at)
-                    if self._resident(base + at, n, vector):
-                        self.bytes_resident += n
-                        continue  # already in the page cache: a touch maps it as cheaply as we would
-                    self._advise(base + at, n)
+                at, n = item  # one step (at most CHUNK) that was not cached when it was queued
+                self._advise(base + at, n)
         finally:
             del anchor
 
