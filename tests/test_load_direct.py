@@ -124,3 +124,34 @@ def test_shape_mismatch_keeps_the_loaders_error(tmp_path):
     (files.path / "config.json").write_text(json.dumps(config))
     with pytest.raises(DDUFLoadError, match="text_encoder.*CLIPTextModel"):  # the loader's refusal, named
         build_component(transformers.CLIPTextModel, files, _request())
+
+
+def test_another_transformers_internal_signature_falls_back_to_the_loader(packed, monkeypatch):
+    """transformers 5.17's ``get_init_context`` takes one argument fewer than the one the direct path calls:
+    where an internal has other parameters, the loader builds the model (it used to fail the whole load)."""
+    original = transformers.CLIPTextModel.get_init_context.__func__
+
+    def older(cls, dtype, is_quantized, _is_ds_init_called, *rest):  # other names than the direct path passes
+        return original(cls, dtype, is_quantized, _is_ds_init_called, *rest)  # (this loader's call still works)
+
+    monkeypatch.setattr(transformers.CLIPTextModel, "get_init_context", classmethod(older))
+    models._transformers_internals_fit.cache_clear()
+    try:
+        assert not models._transformers_internals_fit(transformers.CLIPTextModel)
+        files = ArchiveComponentFiles(DDUFArchive(packed["tiny-sd"]), "text_encoder")
+        taken = []
+        direct_builder = models.build_transformers_direct
+        monkeypatch.setattr(models, "build_transformers_direct",
+                            lambda *a, **k: taken.append(m := direct_builder(*a, **k)) or m)
+        built = build_transformers_model(transformers.CLIPTextModel, files, _request())
+        assert taken == [None]  # asked, declined: the loader built it
+        _assert_same_model(built, _through_loader(monkeypatch, transformers.CLIPTextModel, files))
+        pipe = load_dduf(packed["tiny-sd"])  # the whole load, which used to fail on it
+        assert taken == [None] * len(taken) and isinstance(pipe.text_encoder, transformers.CLIPTextModel)
+    finally:
+        models._transformers_internals_fit.cache_clear()
+
+
+def test_this_transformers_takes_the_direct_path():
+    """The check above must not refuse the transformers the suite runs with (else the direct path is dead)."""
+    assert models._transformers_internals_fit(transformers.CLIPTextModel)

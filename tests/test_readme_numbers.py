@@ -49,6 +49,12 @@ def sdxl_row(r: dict) -> list[str]:
             f"folder {theirs[0]:.2f} / {theirs[1]:.2f} s", f"| {ours[0] / theirs[0]:.2f}x / {ours[1] / theirs[1]:.2f}x |"]
 
 
+def gpu_row(r: dict) -> list[str]:
+    loads = r["pipeline_loads"]
+    ours, theirs = loads["load_dduf_s"], loads["diffusers_device_map_s"]
+    return [f"| {ours:.3f} s |", f"`device_map` {theirs:.3f} s", f"| {ours / theirs:.2f}x |"]
+
+
 def backends_row(r: dict) -> list[str]:
     rows = r["backends"]["rows"]
     ours = [row["ratio_to_stored"] for row in rows.values() if row["loader"] == "dduf_plus"]
@@ -128,6 +134,7 @@ ROWS: dict[str, tuple[str, Callable[[dict], list[str]], tuple[str, ...]]] = {
     "same, cold page cache": ("load", lambda r: load_rows(r)[4:], ()),
     "same, fresh process (tiny-sd, imports included)": ("load", fresh_row, ()),
     "load SDXL-shaped fp16": ("scale", sdxl_row, ("SDXL", "fp16")),
+    "load SD-1.5-shaped fp16 to an H200": ("gpu_load", gpu_row, ("SD-1.5", "fp16", "H200")),
     "`dduf validate`, structural": ("validate", validate_row, ()),
     "`dduf validate --verify`": ("validate", verify_row, ("sha256",)),
     "`dduf pack` (fsync)": ("pack", pack_row, ()),

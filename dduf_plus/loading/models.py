@@ -12,6 +12,8 @@ model's (``DIRECT_TRANSFORMERS``) skip that loader's generic machinery and get t
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import logging
 import re
 from collections.abc import Callable, Iterator, Mapping
@@ -246,8 +248,38 @@ DIRECT_TRANSFORMERS: dict[str, str | None] = {
     "T5EncoderModel": None,
     "UMT5EncoderModel": None,
 }
-_TRANSFORMERS_INTERNALS = ("get_init_context", "_move_missing_keys_from_meta_to_device", "_initialize_missing_keys",
-                           "get_parameter_or_buffer", "set_use_kernels")
+# transformers internals the direct path calls, with the parameters it passes (by name). Private API: another
+# transformers may rename or reshape them (5.17's get_init_context takes one argument fewer), so the path is
+# taken only where every one has exactly these parameters, any others optional; else transformers' own loader.
+_TRANSFORMERS_INTERNALS: dict[str, tuple[str, ...]] = {
+    "get_init_context": ("dtype", "is_quantized", "_is_ds_init_called", "allow_all_kernels", "config"),
+    "_move_missing_keys_from_meta_to_device": ("missing_keys", "device_map", "device_mesh", "hf_quantizer"),
+    "_initialize_missing_keys": ("is_quantized",),
+    "get_parameter_or_buffer": ("target",),
+    "set_use_kernels": ("use_kernels", "kernel_config", "mode", "device_map"),
+}
+
+
+@functools.cache
+def _transformers_internals_fit(cls: type[Any]) -> bool:
+    """Whether this transformers has the internals the direct path calls, with the parameters it passes."""
+    try:
+        from transformers.core_model_loading import PrefixChange  # noqa: F401  (used by _direct_finish)
+        from transformers.integrations.hub_kernels import _kernels_enabled  # noqa: F401
+        from transformers.utils.generic import ContextManagers  # noqa: F401
+        from transformers.utils.import_utils import is_kernels_available  # noqa: F401
+    except ImportError:
+        return False
+    for name, wanted in _TRANSFORMERS_INTERNALS.items():
+        try:
+            params = inspect.signature(getattr(cls, name)).parameters
+        except (AttributeError, TypeError, ValueError):
+            return False
+        names = [n for n, p in params.items() if n != "self"]
+        extra = [params[n] for n in names if n not in wanted]
+        if any(n not in params for n in wanted) or any(p.default is inspect.Parameter.empty for p in extra):
+            return False
+    return True
 
 
 def build_transformers_direct(cls: type[Any], config: Any, files: ComponentFiles, weight_files: list[str],
@@ -264,7 +296,7 @@ def build_transformers_direct(cls: type[Any], config: Any, files: ComponentFiles
     or missing weights, other names or shapes, a device, a generating model, another transformers)."""
     if (cls.__name__ not in DIRECT_TRANSFORMERS or not cls.__module__.startswith("transformers.")
             or request.device.type != "cpu" or request.allow_missing_weights or plan.storage_dtype is not None
-            or not all(hasattr(cls, n) for n in _TRANSFORMERS_INTERNALS) or cls.can_generate()):
+            or cls.can_generate() or not _transformers_internals_fit(cls)):
         return None
     names, stripped = _direct_names(stored, DIRECT_TRANSFORMERS[cls.__name__])
     if names is None:
@@ -276,7 +308,8 @@ def build_transformers_direct(cls: type[Any], config: Any, files: ComponentFiles
     config.name_or_path = None  # from_pretrained(None, ...) records None (the model's name_or_path); set below
     from transformers.utils.generic import ContextManagers
 
-    with ContextManagers(cls.get_init_context(plan.dtype, False, False, None, config)), \
+    with ContextManagers(cls.get_init_context(dtype=plan.dtype, is_quantized=False, _is_ds_init_called=False,
+                                                  allow_all_kernels=None, config=config)), \
             construction_budget(files.description, cls.__name__, stored):
         model = cls(config)
     expected = model.state_dict()  # meta tensors: names and shapes, nothing allocated
@@ -288,8 +321,9 @@ def build_transformers_direct(cls: type[Any], config: Any, files: ComponentFiles
     del views
     for name in names:
         model.get_parameter_or_buffer(name)._is_hf_initialized = True  # so initialisation leaves them alone
-    model._move_missing_keys_from_meta_to_device(set(), None, None, None)  # non-persistent buffers ...
-    model._initialize_missing_keys(False)  # ... computed by the class, as from_pretrained does
+    model._move_missing_keys_from_meta_to_device(missing_keys=set(), device_map=None, device_mesh=None,
+                                                hf_quantizer=None)  # non-persistent buffers ...
+    model._initialize_missing_keys(is_quantized=False)  # ... computed by the class, as from_pretrained does
     model.eval()
     _direct_finish(model, stripped)
     model.config.name_or_path = request.name_or_path
@@ -314,7 +348,8 @@ def _direct_finish(model: Any, stripped: str | None) -> None:
     from transformers.utils.import_utils import is_kernels_available
 
     model._weight_conversions = [PrefixChange(prefix_to_remove=stripped)] if stripped else []
-    model.set_use_kernels(_kernels_enabled() and is_kernels_available(), None, None, None)
+    model.set_use_kernels(use_kernels=_kernels_enabled() and is_kernels_available(), kernel_config=None, mode=None,
+                          device_map=None)
 
 
 # --- quantized -----------------------------------------------------------------------------------------------
