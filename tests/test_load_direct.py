@@ -135,7 +135,7 @@ def test_another_transformers_internal_signature_falls_back_to_the_loader(packed
         return original(cls, dtype, is_quantized, _is_ds_init_called, *rest)  # (this loader's call still works)
 
     monkeypatch.setattr(transformers.CLIPTextModel, "get_init_context", classmethod(older))
-    models._transformers_internals_fit.cache_clear()
+    models._INTERNALS_FIT.clear()
     try:
         assert not models._transformers_internals_fit(transformers.CLIPTextModel)
         files = ArchiveComponentFiles(DDUFArchive(packed["tiny-sd"]), "text_encoder")
@@ -149,7 +149,7 @@ def test_another_transformers_internal_signature_falls_back_to_the_loader(packed
         pipe = load_dduf(packed["tiny-sd"])  # the whole load, which used to fail on it
         assert taken == [None] * len(taken) and isinstance(pipe.text_encoder, transformers.CLIPTextModel)
     finally:
-        models._transformers_internals_fit.cache_clear()
+        models._INTERNALS_FIT.clear()
 
 
 def test_this_transformers_takes_the_direct_path():

@@ -12,7 +12,6 @@ model's (``DIRECT_TRANSFORMERS``) skip that loader's generic machinery and get t
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import logging
 import re
@@ -260,9 +259,17 @@ _TRANSFORMERS_INTERNALS: dict[str, tuple[str, ...]] = {
 }
 
 
-@functools.cache
+_INTERNALS_FIT: dict[type, bool] = {}  # class -> _transformers_internals_fit's answer (signatures do not change)
+
+
 def _transformers_internals_fit(cls: type[Any]) -> bool:
     """Whether this transformers has the internals the direct path calls, with the parameters it passes."""
+    if (known := _INTERNALS_FIT.get(cls)) is None:
+        known = _INTERNALS_FIT[cls] = _internals_fit(cls)
+    return known
+
+
+def _internals_fit(cls: type[Any]) -> bool:
     try:
         from transformers.core_model_loading import PrefixChange  # noqa: F401  (used by _direct_finish)
         from transformers.integrations.hub_kernels import _kernels_enabled  # noqa: F401
