@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import DDUFLoadError
 from ..format.quantization import QMAP_NAME as QUANTO_QMAP
 from ..format.weights import classify
+from .assign import assign_state
 from .budget import construction_budget
 from .dtypes import plan_dtypes
 from .files import ComponentFiles, tensor_metadata
@@ -108,9 +109,11 @@ def build_diffusers_model(cls: type[Any], files: ComponentFiles, request: ModelR
         model = cls.from_config(config)
     state = dict(request.materialize(files.tensors(weight_files), device=request.device, dtype_for=plan.dtype_for))
     model._fix_state_dict_keys_on_load(state)  # old attention-block key names, as diffusers renames them
-    result = model.load_state_dict(state, strict=False, assign=True)
+    assigned = assign_state(model, state)
+    if assigned is None:  # a module with its own loading, or a shape that does not fit: torch's loader decides
+        assigned = model.load_state_dict(state, strict=False, assign=True)
     del state
-    unexpected = list(result.unexpected_keys)
+    unexpected = list(assigned[1])
     for pattern in getattr(cls, "_keys_to_ignore_on_load_unexpected", None) or []:
         unexpected = [k for k in unexpected if re.search(pattern, k) is None]
     if unexpected:
@@ -324,7 +327,10 @@ def build_transformers_direct(cls: type[Any], config: Any, files: ComponentFiles
             or any(tuple(expected[n].shape) != tuple(stored[s][1]) for n, s in names.items())):
         return None
     views = request.materialize(files.tensors(weight_files), device=request.device, dtype_for=plan.dtype_for)
-    model.load_state_dict({n: views[s] for n, s in names.items()}, strict=True, assign=True)
+    state = {n: views[s] for n, s in names.items()}
+    if assign_state(model, state) != ([], []):  # the names matched the model's: only hooks or shapes differ
+        model.load_state_dict(state, strict=True, assign=True)
+    del state
     del views
     for name in names:
         model.get_parameter_or_buffer(name)._is_hf_initialized = True  # so initialisation leaves them alone

@@ -1,0 +1,60 @@
+"""Give a model built on the meta device its tensors: what ``load_state_dict(state, assign=True)`` does, in one
+pass over a name table instead of torch's recursive walk (which calls each module's hooks and
+``_load_from_state_dict``: about 25 ms of a warm SD-1.5-shaped load for ~1,100 tensors).
+
+Taken only where the two are the same: every module uses ``nn.Module``'s own ``_load_from_state_dict`` and has
+no state-dict hooks, and every stored tensor has the shape of the one it replaces. Anything else (a shape that
+does not fit, a module with its own loading) returns ``None`` and the caller uses ``load_state_dict``, whose
+errors and hooks then apply unchanged."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+
+def assign_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> tuple[list[str], list[str]] | None:
+    """Assign ``state``'s tensors to ``model``'s parameters and persistent buffers, as
+    ``load_state_dict(state, strict=False, assign=True)``; returns (missing keys, unexpected keys), or None
+    (nothing assigned) where that call could behave otherwise."""
+    import torch
+    from torch.nn.modules import module as module_impl
+
+    if module_impl._global_parameter_registration_hooks or module_impl._global_buffer_registration_hooks:
+        return None  # setattr would call them; a direct assignment would not
+    base, extra = torch.nn.Module._load_from_state_dict, torch.nn.Module.get_extra_state
+    slots: dict[str, tuple[torch.nn.Module, str, bool]] = {}  # state name -> (module, attribute, is parameter)
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        if (type(module)._load_from_state_dict is not base or type(module).get_extra_state is not extra
+                or module._load_state_dict_pre_hooks
+                or module._load_state_dict_post_hooks or module._state_dict_hooks
+                or getattr(module, "_state_dict_pre_hooks", None)):
+            return None
+        dot = f"{prefix}." if prefix else ""
+        for name, param in module._parameters.items():
+            if param is not None:
+                slots[dot + name] = (module, name, True)
+        for name, buf in module._buffers.items():
+            if buf is not None and name not in module._non_persistent_buffers_set:
+                slots[dot + name] = (module, name, False)
+    plan = []
+    for key, tensor in state.items():
+        slot = slots.get(key)
+        if slot is None:
+            continue
+        module, name, is_param = slot
+        current = module._parameters[name] if is_param else module._buffers[name]
+        if current is None or tuple(current.shape) != tuple(tensor.shape) or not isinstance(tensor, torch.Tensor):
+            return None  # load_state_dict reports it (size mismatch) in its own words
+        plan.append((module, name, is_param, current, tensor))
+    for module, name, is_param, current, tensor in plan:
+        if is_param:
+            module._parameters[name] = torch.nn.Parameter(tensor, requires_grad=current.requires_grad)
+        else:
+            module._buffers[name] = tensor
+    unexpected = [key for key in state if key not in slots]
+    missing = [key for key in slots if key not in state]
+    return missing, unexpected
