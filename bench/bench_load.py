@@ -336,6 +336,11 @@ def main() -> None:
         finish(results, cat, out, args.shape)  # after each phase: a long run that fails later keeps what it measured
 
 
+def _path_key(mode: str) -> str:
+    """The entry of ``paths`` a (non-fresh) loader mode reads: the folder, an old loader's archive, or ours."""
+    return "folder" if mode == "folder" else mode if mode.startswith("old") else "dduf"
+
+
 def run_phase(cache: str, modes: list[str], wanted: dict[str, int], paths: dict[str, Path], pythons: dict[str, str],
               shape: str, results: dict, cat: dict) -> None:
     """One cache state: every loader once per round (a machine that gets busier, or a host cache that warms
@@ -343,8 +348,7 @@ def run_phase(cache: str, modes: list[str], wanted: dict[str, int], paths: dict[
     samples: dict[str, list[dict] | None] = {m: [] for m in modes}
     cats: list[float] = []
     if cache == "warm":
-        keys = {"folder" if m == "folder" else m if m.startswith("old") else "dduf" for m in modes}
-        files = [f for key in sorted(keys) for f in files_of(paths[key])]
+        files = [f for key in sorted({_path_key(m) for m in modes}) for f in files_of(paths[key])]
         if not same_provenance(files):
             print("warm: files could not be evicted first; their page-cache state is whatever it was")
     for round_ in range(max(wanted.values())):
@@ -353,8 +357,7 @@ def run_phase(cache: str, modes: list[str], wanted: dict[str, int], paths: dict[
             if round_ >= wanted[mode] or got is None:
                 continue
             child_mode = f"fresh-{mode}" if cache == "fresh" else mode
-            path = paths[child_mode if cache == "fresh" else ("folder" if mode == "folder" else
-                                                              mode if mode.startswith("old") else "dduf")]
+            path = paths[child_mode if cache == "fresh" else _path_key(mode)]
             try:
                 sample = measure(child_mode, path, pythons[child_mode], files_of(path), cold=cache == "cold",
                                  shape=shape)

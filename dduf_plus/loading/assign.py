@@ -29,9 +29,7 @@ def assign_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> t
     slots: dict[str, tuple[torch.nn.Module, str, bool]] = {}  # state name -> (module, attribute, is parameter)
     for prefix, module in model.named_modules(remove_duplicate=False):
         if (type(module)._load_from_state_dict is not base or type(module).get_extra_state is not extra
-                or module._load_state_dict_pre_hooks
-                or module._load_state_dict_post_hooks or module._state_dict_hooks
-                or getattr(module, "_state_dict_pre_hooks", None)):
+                or module._load_state_dict_pre_hooks or module._load_state_dict_post_hooks):
             return None
         dot = f"{prefix}." if prefix else ""
         for name, param in module._parameters.items():
@@ -47,7 +45,7 @@ def assign_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> t
             continue
         module, name, is_param = slot
         current = module._parameters[name] if is_param else module._buffers[name]
-        if current is None or tuple(current.shape) != tuple(tensor.shape) or not isinstance(tensor, torch.Tensor):
+        if current is None or not isinstance(tensor, torch.Tensor) or current.shape != tensor.shape:
             return None  # load_state_dict reports it (size mismatch) in its own words
         plan.append((module, name, is_param, current, tensor))
     for module, name, is_param, current, tensor in plan:

@@ -267,9 +267,9 @@ _INTERNALS_FIT: dict[type, bool] = {}  # class -> _transformers_internals_fit's 
 
 def _transformers_internals_fit(cls: type[Any]) -> bool:
     """Whether this transformers has the internals the direct path calls, with the parameters it passes."""
-    if (known := _INTERNALS_FIT.get(cls)) is None:
-        known = _INTERNALS_FIT[cls] = _internals_fit(cls)
-    return known
+    if cls not in _INTERNALS_FIT:
+        _INTERNALS_FIT[cls] = _internals_fit(cls)
+    return _INTERNALS_FIT[cls]
 
 
 def _internals_fit(cls: type[Any]) -> bool:
