@@ -77,11 +77,8 @@ def test_concurrent_pauses_end_with_the_last(collector_enabled) -> None:
     assert gc.isenabled()
 
 
-def test_a_load_pauses_its_imports_not_its_construction(packed, monkeypatch, collector_enabled) -> None:
-    """Class resolution (imports) runs paused; building models does not (a pause there would only move a
-    collection owed by earlier imports to after the load)."""
-    from dduf_plus import load_dduf
-
+def _spy_on_pauses(monkeypatch) -> tuple[dict[str, bool], dict[str, bool]]:
+    """({component: collector enabled while its class was resolved}, {component: ... while it was built})."""
     resolving: dict[str, bool] = {}
     building: dict[str, bool] = {}
     resolve, build = pipeline_module.resolve_class, pipeline_module.build_component
@@ -96,9 +93,40 @@ def test_a_load_pauses_its_imports_not_its_construction(packed, monkeypatch, col
 
     monkeypatch.setattr(pipeline_module, "resolve_class", resolve_spy)
     monkeypatch.setattr(pipeline_module, "build_component", build_spy)
+    return resolving, building
+
+
+def test_a_local_load_pauses_its_imports_and_its_construction(packed, monkeypatch, collector_enabled) -> None:
+    from dduf_plus import load_dduf
+
+    resolving, building = _spy_on_pauses(monkeypatch)
     pipe = load_dduf(packed["tiny-sd"])
     assert set(resolving) >= {"unet", "vae", "text_encoder", "tokenizer", "scheduler"}, resolving
-    assert not any(resolving.values()) and all(building.values()), (resolving, building)
+    assert set(building) == set(resolving), building
+    assert not any(resolving.values()) and not any(building.values()), (resolving, building)
+    assert gc.isenabled() and pipe.unet is not None
+
+
+def test_a_remote_load_builds_with_the_collector_running(packed, tmp_path, monkeypatch, collector_enabled) -> None:
+    """A remote build waits for bytes between components: no pause spans a network wait."""
+    import shutil
+    import sys
+    from pathlib import Path
+
+    from dduf_plus import load_dduf
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from servers import FileServer
+
+    monkeypatch.setenv("DDUF_PLUS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    (tmp_path / "www").mkdir()
+    shutil.copyfile(packed["tiny-sd"], tmp_path / "www" / "tiny-sd.dduf")
+    resolving, building = _spy_on_pauses(monkeypatch)
+    with FileServer(tmp_path / "www") as server:
+        pipe = load_dduf(server.url("tiny-sd.dduf"))
+    assert building and all(building.values()), building
+    assert not any(resolving.values()), resolving
     assert gc.isenabled() and pipe.unet is not None
 
 

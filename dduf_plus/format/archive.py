@@ -365,16 +365,31 @@ def _tensor_records_agree(records: dict[str, Any], header: SafetensorsHeader, da
 
 
 
+_TORCH_DTYPES: dict[str, tuple[Any, int]] = {}  # spec dtype name -> (torch dtype or None, bytes per element)
+
+
+def _torch_dtype(name: str, torch: Any) -> tuple[Any, int]:
+    """(the torch dtype, its size in bytes) for a spec dtype name; (None, 0) where this torch lacks it or it
+    is narrower than a byte. Looked up once per name: a pipeline views about a thousand tensors."""
+    found = _TORCH_DTYPES.get(name)
+    if found is None:
+        dtype = spec.DTYPE_BY_TORCH[name]
+        torch_dtype = getattr(torch, dtype.torch, None)
+        found = _TORCH_DTYPES[name] = (torch_dtype, dtype.bits // 8) if torch_dtype is not None and dtype.bits >= 8 else (None, 0)
+    return found
+
+
 def tensor_view(buffer: Any, start: int, info: Any, torch: Any) -> torch.Tensor:
-    dtype = spec.DTYPE_BY_TORCH[info.dtype]
-    torch_dtype = getattr(torch, dtype.torch, None)
-    if torch_dtype is None or dtype.bits < 8:
-        raise DDUFFormatError(f"tensor {info.name}: dtype {dtype.torch} is not supported by this torch")
-    numel = info.nbytes * 8 // dtype.bits
+    torch_dtype, size = _torch_dtype(info.dtype, torch)
+    if torch_dtype is None:
+        raise DDUFFormatError(f"tensor {info.name}: dtype {spec.DTYPE_BY_TORCH[info.dtype].torch} is not supported "
+                              "by this torch")
+    numel = info.nbytes // size
     if numel == 0:
         return torch.empty(info.shape, dtype=torch_dtype)
-    if start % (dtype.bits // 8):
+    if start % size:
         data = bytearray(buffer[start : start + info.nbytes])  # misaligned by a foreign writer: copy
         return torch.frombuffer(data, dtype=torch_dtype).view(info.shape)
-    return torch.frombuffer(buffer, dtype=torch_dtype, count=numel, offset=start).view(info.shape)
+    flat = torch.frombuffer(buffer, dtype=torch_dtype, count=numel, offset=start)
+    return flat if len(info.shape) == 1 else flat.view(info.shape)
 

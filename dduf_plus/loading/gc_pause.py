@@ -6,10 +6,13 @@ again, and each full collection walks everything imported so far: about 1 s of a
 while the imports run, the collector walks the heap once afterwards (when the next allocations trip it, inside
 the same load) instead of many times over a growing heap. Reference counting frees as usual meanwhile.
 
-Only import steps are paused (resolving the dtype request, which imports torch; planning, which imports the
-pipeline's module; resolving each component's class). Building models is not: pausing there would not remove
-a collection, only move one that earlier imports left owing to after the load (the benchmarks collect before
-their clocks start, so neither loader is charged for the other's imports). No pause spans a network wait.
+Paused: the import steps (resolving the dtype request, which imports torch; planning, which imports the
+pipeline's module; resolving each component's class) and building a local pipeline's models, whose ~100,000
+new objects all live on: paused, they are walked once when the collector resumes (the pipeline's assembly
+right after allocates and trips it, inside the same load) instead of by ~50 young and 4 middle-generation
+collections, about a third less collector time (3 ms of a warm SD-1.5-shaped load, measured with
+``gc.callbacks``; nothing moves past the load). No pause spans a network wait: a remote build, which waits
+for bytes between components, is not paused.
 Pauses nest, are shared by concurrent loads in threads, and leave the collector disabled when the application
 had disabled it.
 """

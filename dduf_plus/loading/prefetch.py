@@ -28,7 +28,7 @@ MADV_WILLNEED = 3
 MADV_POPULATE_READ = 22  # Linux 5.14
 CHUNK = 32 << 20  # one system call at a time: stays responsive to close(), keeps disk order
 PAGE = mmap.PAGESIZE
-SAMPLE_STRIDE = 2 << 20  # residency is sampled, one page per stride: read-ahead is a hint
+SAMPLE_STRIDE = 8 << 20  # residency is sampled, one page per stride (4 per step): read-ahead is a hint
 
 
 def _libc() -> ctypes.CDLL | None:
@@ -109,7 +109,7 @@ class Prefetcher:
             del anchor
 
     def _resident(self, address: int, length: int, vector: ctypes.Array) -> bool:
-        """Whether the range looks cached: ``mincore`` of one page every 2 MiB (a whole-range check
+        """Whether the range looks cached: ``mincore`` of one page every 8 MiB (a whole-range check
         costs a page-cache lookup per page under the mmap lock, which slows the builder's allocations)."""
         assert self._libc is not None
         for at in range(address - address % PAGE, address + length, SAMPLE_STRIDE):

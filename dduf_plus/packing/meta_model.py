@@ -175,11 +175,11 @@ def meta_model(cls: type[Any], config: Mapping[str, Any], where: str, stored: St
         DDUFLoadError: the model code refused the config (it can raise anything; the message names
             ``where`` and the class).
     """
-    from accelerate import init_empty_weights
+    from .empty_init import meta_parameters
 
     config = {k: v for k, v in config.items() if k != "quantization_config"}
     try:
-        with init_empty_weights(include_buffers=False), \
+        with meta_parameters(), \
                 construction_budget(where, cls.__name__, stored, config=config):
             if is_diffusers_model(cls):
                 return cls.from_config(config)
