@@ -17,7 +17,7 @@ python3 -c "import torch, diffusers, transformers, dduf_plus; print('torch', tor
 
 echo "=== CUDA tests"
 python3 -m pytest -q -p no:cacheprovider -rs -o addopts="" tests/test_transfer.py tests/test_save.py \
-  tests/test_load_errors.py tests/test_bench_gpu_load.py > "$DEST/gpu_tests.log" 2>&1 || status=1
+  tests/test_load_errors.py tests/test_bench_gpu_load.py tests/test_empty_init.py > "$DEST/gpu_tests.log" 2>&1 || status=1
 tail -25 "$DEST/gpu_tests.log"
 
 echo "=== GPU load benchmark"

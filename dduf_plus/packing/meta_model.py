@@ -17,7 +17,7 @@ The limits are checked by torch's global module-registration hooks, active only 
 
 Why on the packing floor: both floors need it and layers point down only (packing < loading), so the
 shared helper lives on the lower of the two; ``loading`` imports it, ``packing`` never imports
-``loading``. It is not in ``format`` because it builds models (torch, accelerate, diffusers, transformers),
+``loading``. It is not in ``format`` because it builds models (torch, diffusers, transformers),
 which the byte-only floors never do. Those are imported when a model is built, not with this module, so
 importing ``dduf_plus.packing`` stays cheap."""
 
