@@ -2,7 +2,7 @@
 """Scale: how each step's cost grows from the SD-1.5-shaped (2.1 GB) to the SDXL-shaped (6.9 GB) fp16 pipeline.
 
     python bench/bench_scale.py                      # both shapes, every stage (~45 min on 2 shared cores)
-    python bench/bench_scale.py --shapes sdxl --stages load,remote
+    python bench/bench_scale.py --shapes sdxl --stages warm,cold,remote
     python bench/bench_scale.py --table              # print the markdown table of bench/results/scale.json
 
 Each step runs against its anchor in the same run, rounds interleaving the two, medians of the runs:
@@ -362,6 +362,9 @@ def main() -> None:
         return child(args.child, args.path)
     if args.serve:
         return serve(args.serve)
+    unknown = sorted(set(args.stages.split(",")) - set(STAGES))
+    if unknown:
+        parser.error(f"--stages: unknown {', '.join(unknown)} (stages: {', '.join(STAGES)})")
     report = json.loads(OUT.read_text()) if OUT.exists() else {"shapes": {}}
     if not args.table:
         runs = {k: int(v) for k, v in (item.split("=") for item in args.runs.split(","))}
