@@ -33,8 +33,12 @@ INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "constant_", "xavier_u
 _local = threading.local()  # .meta / .no_init: how deep this thread is in each kind of block
 _lock = threading.Lock()
 _users = {"meta": 0, "no_init": 0}  # threads' open blocks of each kind, all threads together
+# the functions patched, by key: kept after the patches are removed, so a patch captured meanwhile still works
 _originals: dict[str, dict[str, Callable[..., Any]]] = {"meta": {}, "no_init": {}}
-_installed: dict[str, dict[str, Callable[..., Any]]] = {"meta": {}, "no_init": {}}
+# what each kind has patched now: (owner, attribute, replacement, original)
+_installed: dict[str, list[tuple[Any, str, Callable[..., Any], Callable[..., Any]]]] = {"meta": [], "no_init": []}
+
+Patches = dict[str, tuple[Any, str, Callable[..., Any]]]  # key -> (owner, attribute, replacement)
 
 
 def _depth(kind: str) -> int:
@@ -42,14 +46,14 @@ def _depth(kind: str) -> int:
 
 
 @contextlib.contextmanager
-def _scope(kind: str, install: Callable[[], dict[str, tuple[Any, str, Callable[..., Any]]]]) -> Iterator[None]:
-    """Enter a block of ``kind`` in this thread; the first block of any thread installs the patches
-    (``install`` gives {key: (owner, attribute, replacement)}), the last one out removes those still ours."""
+def _scope(kind: str, patches: Callable[[], Patches]) -> Iterator[None]:
+    """Enter a block of ``kind`` in this thread; the first block of any thread installs ``patches()``, the last
+    one out removes those still ours (one patched over since is left alone)."""
     with _lock:
         if _users[kind] == 0:
-            for key, (owner, attribute, replacement) in install().items():
-                _originals[kind][key] = getattr(owner, attribute)
-                _installed[kind][key] = replacement
+            for key, (owner, attribute, replacement) in patches().items():
+                original = _originals[kind][key] = getattr(owner, attribute)
+                _installed[kind].append((owner, attribute, replacement, original))
                 setattr(owner, attribute, replacement)
         _users[kind] += 1
     setattr(_local, kind, _depth(kind) + 1)
@@ -60,10 +64,10 @@ def _scope(kind: str, install: Callable[[], dict[str, tuple[Any, str, Callable[.
         with _lock:
             _users[kind] -= 1
             if _users[kind] == 0:
-                for key, (owner, attribute, _) in install().items():
-                    if getattr(owner, attribute) is _installed[kind].get(key):  # else patched over since: leave it
-                        setattr(owner, attribute, _originals[kind][key])
-                _installed[kind].clear()  # the originals stay known: a patch captured meanwhile still works
+                for owner, attribute, replacement, original in _installed[kind]:
+                    if getattr(owner, attribute) is replacement:
+                        setattr(owner, attribute, original)
+                _installed[kind].clear()
 
 
 # --- no initialisation -------------------------------------------------------------------------------------
@@ -77,12 +81,10 @@ def _skipping(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     return init_function
 
 
-def _init_patches() -> dict[str, tuple[Any, str, Callable[..., Any]]]:
+def _init_patches() -> Patches:
     import torch.nn.init as init
 
-    if not _installed["no_init"]:
-        return {name: (init, name, _skipping(name, getattr(init, name))) for name in INIT_FUNCTIONS if hasattr(init, name)}
-    return {name: (init, name, fn) for name, fn in _installed["no_init"].items()}
+    return {name: (init, name, _skipping(name, getattr(init, name))) for name in INIT_FUNCTIONS if hasattr(init, name)}
 
 
 @contextlib.contextmanager
@@ -132,7 +134,7 @@ def _register_parameter(module: Any, name: Any, param: Any) -> None:
 _torch: dict[str, Any] = {}  # nn.Parameter and torch's global parameter-registration hooks, once imported
 
 
-def _meta_patches() -> dict[str, tuple[Any, str, Callable[..., Any]]]:
+def _meta_patches() -> Patches:
     import torch
     from torch.nn.modules import module as module_impl
 
