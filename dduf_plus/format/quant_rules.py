@@ -270,6 +270,29 @@ def check_quant_state(state: Mapping[str, Any], name: str, packed_bytes: int, ab
                          f"do not fit {packed_bytes} packed bytes and {absmax_count} absmax values")
 
 
+BNB_CPU_ROW_GROUP = 32  # bitsandbytes' AVX512-BF16 CPU kernel repacks a 4-bit weight's rows in groups of 32
+
+
+def bnb_cpu_repack_problem(shape: Iterable[int], blocksize: int) -> str | None:
+    """Why bitsandbytes' AVX512-BF16 CPU path cannot repack a 4-bit layer whose weight is ``shape`` [N, K]
+    quantized in blocks of ``blocksize``, or None when it can.
+
+    On a CPU with ``avx512_bf16``, ``Linear4bit.forward`` first repacks the weight for its fused kernel
+    (``_convert_weight_packed_for_cpu``, bitsandbytes 0.50): N rows in groups of 32, each row a whole number of
+    blocks (so at least one). Elsewhere the plain path takes any shape."""
+    dims = list(shape)
+    if len(dims) != 2:
+        return f"weight shape {dims[:4]} is not a matrix"
+    rows, columns = dims
+    if columns < blocksize:
+        return f"in_features {columns} is narrower than one block ({blocksize})"
+    if columns % blocksize:
+        return f"in_features {columns} is not a multiple of the block size {blocksize}"
+    if rows % BNB_CPU_ROW_GROUP:
+        return f"out_features {rows} is not a multiple of {BNB_CPU_ROW_GROUP}"
+    return None
+
+
 # --- SDNQ -------------------------------------------------------------------------------------------
 SDNQ_PARTS = ("scale", "zero_point", "scale_2", "scale_zero_point", "zero_point_scale", "zero_point_2", "svd_up",
               "svd_down")
