@@ -25,6 +25,14 @@ def pipelines_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def bnb_sd(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny SD pipeline whose UNet bitsandbytes runs in 4 bits on every CPU path (tests/bnb_shapes.py)."""
+    from bnb_shapes import build_bnb_ready_sd
+
+    return build_bnb_ready_sd(PIPELINES / "tiny-sd", tmp_path_factory.mktemp("bnb-sd") / "tiny-sd-64")
+
+
+@pytest.fixture(scope="session")
 def packed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Each fixture pipeline packed once per session with dduf_plus: {name: archive path}."""
     from dduf_plus.format.pack import pack_folder

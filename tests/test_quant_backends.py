@@ -20,6 +20,7 @@ if importlib.util.find_spec("torchao") is None:  # a reason without "could not i
     pytest.skip("torchao is not installed here (pip install -e '.[quant]')", allow_module_level=True)
 
 import torch  # noqa: E402
+from bnb_shapes import CPU_PATHS, assert_every_4bit_layer_repacks, require_cpu_path, use_cpu_path  # noqa: E402
 
 from dduf_plus import load_dduf  # noqa: E402
 from dduf_plus.errors import DDUFError, DDUFLoadError, DDUFValidationError  # noqa: E402
@@ -210,9 +211,9 @@ def test_missing_torchao_names_component_backend_and_pip(torchao_archive: Path, 
 
 # --- bitsandbytes (nf4, int8): recorded, checked, loaded over the archive ------------------------------------------
 @pytest.fixture(scope="module", params=["nf4", "int8"])
-def bnb_folder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """tiny-sd whose unet diffusers quantized with bitsandbytes (its "No GPU found" gate bypassed: the library
-    itself runs on CPU) and saved."""
+def bnb_folder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, bnb_sd: Path) -> Path:
+    """bnb_sd (tiny SD whose 4-bit layers fit every CPU path: tests/bnb_shapes.py) whose unet diffusers quantized
+    with bitsandbytes (its "No GPU found" gate bypassed: the library itself runs on CPU) and saved."""
     if importlib.util.find_spec("bitsandbytes") is None:
         pytest.skip("bitsandbytes is not installed here (pip install -e '.[quant]')")
     from diffusers import BitsAndBytesConfig, UNet2DConditionModel
@@ -224,9 +225,9 @@ def bnb_folder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     config = (BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4") if request.param == "nf4"
               else BitsAndBytesConfig(load_in_8bit=True))
     root = tmp_path_factory.mktemp(f"bnb-{request.param}") / "tiny-sd"
-    shutil.copytree(TINY_SD, root, ignore=shutil.ignore_patterns("unet"))
+    shutil.copytree(bnb_sd, root, ignore=shutil.ignore_patterns("unet"))
     try:
-        unet = UNet2DConditionModel.from_pretrained(TINY_SD / "unet", quantization_config=config, device_map="cpu")
+        unet = UNet2DConditionModel.from_pretrained(bnb_sd / "unet", quantization_config=config, device_map="cpu")
         unet.save_pretrained(root / "unet")  # before any forward: a CPU forward repacks 4-bit weights
     finally:
         patch.undo()
@@ -251,8 +252,11 @@ def test_bitsandbytes_is_recorded_validated_and_refused_clearly(bnb_folder: Path
     assert record["quantized"] > 10
 
 
-def test_bitsandbytes_load_equals_diffusers_reload(bnb_folder: Path, tmp_path: Path,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("cpu_path", CPU_PATHS)
+def test_bitsandbytes_load_equals_diffusers_reload(bnb_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   cpu_path: str) -> None:
+    """Same state and, on each of bitsandbytes' CPU paths for 4-bit layers (forced, not left to the machine),
+    the same output as diffusers' own reload of the folder."""
     import bitsandbytes as bnb
     from diffusers import UNet2DConditionModel
     from diffusers.quantizers.bitsandbytes import bnb_quantizer
@@ -260,6 +264,9 @@ def test_bitsandbytes_load_equals_diffusers_reload(bnb_folder: Path, tmp_path: P
     archive = tmp_path / "bnb4.dduf"
     pack(bnb_folder, archive, quiet=True)
     four_bit = json.loads((bnb_folder / "unet" / "config.json").read_text())["quantization_config"].get("load_in_4bit")
+    if not four_bit and cpu_path != CPU_PATHS[0]:
+        pytest.skip("8-bit layers have one CPU path")
+    require_cpu_path(cpu_path)  # before the work: skips where the CPU lacks the flag
     views: set[int] = set()
     real = ArchiveComponentFiles.tensors
 
@@ -280,6 +287,10 @@ def test_bitsandbytes_load_equals_diffusers_reload(bnb_folder: Path, tmp_path: P
     layers = [m for m in ours.modules() if isinstance(m, bnb.nn.Linear4bit if four_bit else bnb.nn.Linear8bitLt)]
     assert len(layers) > 10 and all(m.weight.data_ptr() in views for m in layers)  # quantized data: no copy
     assert ours.is_quantized and ours.hf_quantizer is not None
+    if four_bit:
+        assert_every_4bit_layer_repacks(ours)  # the shapes fit the AVX512-BF16 path, whatever this CPU has
+        use_cpu_path(ours, cpu_path)
+        use_cpu_path(ref, cpu_path)
     gen = torch.Generator().manual_seed(0)
     sample = torch.randn(1, 4, 16, 16, generator=gen, dtype=torch.float16)
     text = torch.randn(1, 77, ours.config.cross_attention_dim, generator=gen, dtype=torch.float16)
@@ -365,12 +376,12 @@ def test_hostile_bitsandbytes_quant_state_is_refused_by_validate_and_load(
 
 def test_quant_state_shape_unlike_the_layer_is_refused_at_load(bnb_folder: Path, tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """A [256, 32] layer whose quant_state says [32, 256]: the same values and blocks, so self-consistent for
+    """A [512, 64] layer whose quant_state says [64, 512]: the same values and blocks, so self-consistent for
     validate, but bitsandbytes would dequantize it transposed: Q006 at load, naming component and layer."""
     if not json.loads((bnb_folder / "unet" / "config.json").read_text())["quantization_config"].get("load_in_4bit"):
         return  # 8-bit stores no quant_state
-    archive = _hostile_bnb(bnb_folder, tmp_path, monkeypatch, b'"shape": [256, 32]', b'"shape": [32, 256]')
+    archive = _hostile_bnb(bnb_folder, tmp_path, monkeypatch, b'"shape": [512, 64]', b'"shape": [64, 512]')
     assert validate(archive).valid
-    with pytest.raises(DDUFLoadError, match=r"unet: Q006: \S+ff\.net\.0\.proj\.weight .*\[32, 256\].*\[256, 32\]") as caught:
+    with pytest.raises(DDUFLoadError, match=r"unet: Q006: \S+ff\.net\.0\.proj\.weight .*\[64, 512\].*\[512, 64\]") as caught:
         load_dduf(archive)
     assert caught.value.codes == ["Q006"]

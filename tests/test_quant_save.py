@@ -58,17 +58,23 @@ def quantization_config(scheme: str) -> Any:
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=scheme.removeprefix("bnb-"))
 
 
-def quantized_pipe(pipelines_dir: Path, scheme: str, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """tiny-sd with its unet quantized by diffusers itself."""
+def source_for(scheme: str, pipelines_dir: Path, bnb_sd: Path) -> Path:
+    """The pipeline a scheme's tests quantize: tiny-sd, or for bitsandbytes bnb_sd, whose 4-bit layers fit both
+    of bitsandbytes' CPU paths (tests/bnb_shapes.py; tiny-sd's are narrower than one block)."""
+    return bnb_sd if scheme.startswith("bnb") else pipelines_dir / "tiny-sd"
+
+
+def quantized_pipe(source: Path, scheme: str, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The pipeline folder ``source`` with its unet quantized by diffusers itself."""
     from diffusers import DiffusionPipeline, UNet2DConditionModel
     from diffusers.utils import logging as dlog
 
     dlog.disable_progress_bar()
     bnb_cpu_gate(monkeypatch)
     kwargs: dict[str, Any] = {"torch_dtype": torch.bfloat16} if scheme.startswith("torchao") else {"device_map": "cpu"}
-    unet = UNet2DConditionModel.from_pretrained(pipelines_dir / "tiny-sd" / "unet",
-                                                quantization_config=quantization_config(scheme), **kwargs)
-    return DiffusionPipeline.from_pretrained(pipelines_dir / "tiny-sd", unet=unet)
+    unet = UNet2DConditionModel.from_pretrained(source / "unet", quantization_config=quantization_config(scheme),
+                                                **kwargs)
+    return DiffusionPipeline.from_pretrained(source, unet=unet)
 
 
 def entries(path: Path) -> dict[str, bytes]:
@@ -104,11 +110,11 @@ SDNQ = pytest.mark.skipif(importlib.util.find_spec("sdnq") is None, reason="sdnq
 
 @pytest.mark.parametrize("scheme", ["torchao-int8", "bnb-nf4", "bnb-fp4", "bnb-int8",
                                     pytest.param("sdnq-int8", marks=SDNQ), pytest.param("sdnq-uint4", marks=SDNQ)])
-def test_save_equals_packing_diffusers_save_pretrained(pipelines_dir: Path, tmp_path: Path,
+def test_save_equals_packing_diffusers_save_pretrained(pipelines_dir: Path, bnb_sd: Path, tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch, scheme: str) -> None:
     from dduf_plus.loading.quant_backends import SUPPORTED
 
-    pipe = quantized_pipe(pipelines_dir, scheme, monkeypatch)
+    pipe = quantized_pipe(source_for(scheme, pipelines_dir, bnb_sd), scheme, monkeypatch)
     result = save_dduf(pipe, tmp_path / "ours.dduf", quiet=True)
     pipe.save_pretrained(tmp_path / "folder")
     pack(tmp_path / "folder", tmp_path / "theirs.dduf", quiet=True)
@@ -142,7 +148,7 @@ def test_torchao_parts_are_streamed_from_the_live_tensors(pipelines_dir: Path, m
 
     from dduf_plus.packing.quant_state import torchao_flat_state
 
-    unet = quantized_pipe(pipelines_dir, "torchao-int8", monkeypatch).unet
+    unet = quantized_pipe(pipelines_dir / "tiny-sd", "torchao-int8", monkeypatch).unet
     state = unet.state_dict()
     ours, meta = torchao_flat_state(state)
     theirs, their_meta = flatten_tensor_state_dict(state)
@@ -154,27 +160,27 @@ def test_torchao_parts_are_streamed_from_the_live_tensors(pipelines_dir: Path, m
 
 
 def _repack_for_cpu(unet: Any) -> list[Any]:
-    """What a CPU forward does to each 4-bit layer on an AVX512-BF16 machine (bitsandbytes' own function)."""
-    import bitsandbytes as bnb
+    """What a CPU forward does to each 4-bit layer on an AVX512-BF16 machine (bitsandbytes' own function): every
+    layer of bnb_sd's unet fits it (tests/bnb_shapes.py), as quant_rules.bnb_cpu_repack_problem agrees."""
     from bitsandbytes.functional import _convert_weight_packed_for_cpu
+    from bnb_shapes import four_bit_layers
 
-    repacked = []
-    for module in unet.modules():
-        if isinstance(module, bnb.nn.Linear4bit):
-            n, k = module.weight.quant_state.shape
-            if n % 32 == 0 and k % module.weight.quant_state.blocksize == 0:  # the layers it can repack
-                module.weight.data, module.weight.quant_state = _convert_weight_packed_for_cpu(
-                    module.weight.data, module.weight.quant_state)
-                repacked.append(module)
+    from dduf_plus.format.quant_rules import bnb_cpu_repack_problem
+
+    repacked = four_bit_layers(unet)
+    for module in repacked:
+        state = module.weight.quant_state
+        assert bnb_cpu_repack_problem(state.shape, state.blocksize) is None
+        module.weight.data, module.weight.quant_state = _convert_weight_packed_for_cpu(module.weight.data, state)
     return repacked
 
 
-def test_bitsandbytes_repacked_by_a_cpu_forward_is_saved_canonical(pipelines_dir: Path, tmp_path: Path,
+def test_bitsandbytes_repacked_by_a_cpu_forward_is_saved_canonical(bnb_sd: Path, tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch,
                                                                    caplog: pytest.LogCaptureFixture) -> None:
     """The trap: bitsandbytes' own save of a repacked layer writes absmax transposed in bfloat16 (and undoes the
     live layer's repack). save_dduf writes the canonical layout, the live model keeps its repack."""
-    pipe = quantized_pipe(pipelines_dir, "bnb-nf4", monkeypatch)
+    pipe = quantized_pipe(bnb_sd, "bnb-nf4", monkeypatch)
     save_dduf(pipe, tmp_path / "before.dduf", quiet=True)
     repacked = _repack_for_cpu(pipe.unet)
     assert len(repacked) >= 4
@@ -200,9 +206,9 @@ def test_bitsandbytes_repacked_by_a_cpu_forward_is_saved_canonical(pipelines_dir
     assert own[key].dtype == torch.bfloat16 and own[key].dim() == 2
 
 
-def test_dtype_does_not_apply_to_backend_quantized_components(pipelines_dir: Path, tmp_path: Path,
+def test_dtype_does_not_apply_to_backend_quantized_components(bnb_sd: Path, tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    pipe = quantized_pipe(pipelines_dir, "bnb-int8", monkeypatch)
+    pipe = quantized_pipe(bnb_sd, "bnb-int8", monkeypatch)
     with pytest.raises(DDUFPackError, match=r"'unet' is quantized with bitsandbytes: dtype float16"):
         save_dduf(pipe, tmp_path / "x.dduf", dtype={"unet": "float16"}, quiet=True)
     result = save_dduf(pipe, tmp_path / "x.dduf", dtype="bfloat16", quiet=True)  # a default: the others convert
@@ -213,7 +219,7 @@ def test_dtype_does_not_apply_to_backend_quantized_components(pipelines_dir: Pat
 
 
 def test_double_quantized_layers_repacked_by_a_cpu_forward_are_quantized_again(
-        pipelines_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        bnb_sd: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With bnb_4bit_use_double_quant the repack dequantizes absmax; the save quantizes it again as quantize_4bit
     does (blockwise 256 around its mean): same layout and packed data, weights equal within that rounding."""
     import bitsandbytes as bnb
@@ -221,9 +227,8 @@ def test_double_quantized_layers_repacked_by_a_cpu_forward_are_quantized_again(
 
     bnb_cpu_gate(monkeypatch)
     config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)
-    unet = UNet2DConditionModel.from_pretrained(pipelines_dir / "tiny-sd" / "unet", quantization_config=config,
-                                                device_map="cpu")
-    pipe = DiffusionPipeline.from_pretrained(pipelines_dir / "tiny-sd", unet=unet)
+    unet = UNet2DConditionModel.from_pretrained(bnb_sd / "unet", quantization_config=config, device_map="cpu")
+    pipe = DiffusionPipeline.from_pretrained(bnb_sd, unet=unet)
     save_dduf(pipe, tmp_path / "before.dduf", quiet=True)
     repacked = _repack_for_cpu(pipe.unet)
     save_dduf(pipe, tmp_path / "after.dduf", quiet=True)
@@ -262,7 +267,8 @@ def quant_rules_backend(model: Any) -> str:
 
 
 @pytest.mark.parametrize("scheme", ["torchao-int8", "bnb-nf4", "bnb-int8", pytest.param("sdnq-int8", marks=SDNQ)])
-def test_loaded_model_carries_what_diffusers_from_pretrained_leaves(pipelines_dir: Path, tmp_path: Path,
+def test_loaded_model_carries_what_diffusers_from_pretrained_leaves(pipelines_dir: Path, bnb_sd: Path,
+                                                                    tmp_path: Path,
                                                                     monkeypatch: pytest.MonkeyPatch,
                                                                     scheme: str) -> None:
     """load_dduf's quantized model registers its quantizer as diffusers' from_pretrained(folder) does (torchao's
@@ -271,7 +277,7 @@ def test_loaded_model_carries_what_diffusers_from_pretrained_leaves(pipelines_di
     tensors and __metadata__, whose key order safetensors picks)."""
     from diffusers import UNet2DConditionModel
 
-    quantized_pipe(pipelines_dir, scheme, monkeypatch).save_pretrained(tmp_path / "folder")
+    quantized_pipe(source_for(scheme, pipelines_dir, bnb_sd), scheme, monkeypatch).save_pretrained(tmp_path / "folder")
     pack(tmp_path / "folder", tmp_path / "p.dduf", quiet=True)
     kwargs = {"device_map": "cpu"} if scheme.startswith("bnb") else {}
     theirs = UNet2DConditionModel.from_pretrained(tmp_path / "folder" / "unet", **kwargs)

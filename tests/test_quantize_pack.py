@@ -19,6 +19,7 @@ if importlib.util.find_spec("torchao") is None or importlib.util.find_spec("bits
     pytest.skip("torchao / bitsandbytes are not installed here (pip install -e '.[quant]')", allow_module_level=True)
 
 import torch  # noqa: E402
+from bnb_shapes import assert_every_4bit_layer_repacks, four_bit_layers, require_cpu_path, use_cpu_path  # noqa: E402
 from test_quant_save import SDNQ, assert_same_archive, bnb_cpu_gate, quantization_config  # noqa: E402
 
 from dduf_plus import load_dduf  # noqa: E402
@@ -34,6 +35,15 @@ quantize_module = importlib.import_module("dduf_plus.packing.quantize")
 @pytest.fixture(scope="module")
 def tiny_sd(pipelines_dir: Path) -> Path:
     return pipelines_dir / "tiny-sd"
+
+
+def forward_on(unet: Any, dtype: torch.dtype, cpu_path: str) -> torch.Tensor:
+    """:func:`forward` with a bitsandbytes 4-bit unet's layers on ``cpu_path`` (forced: the tests never depend on
+    the CPU they run on; tests/bnb_shapes.py)."""
+    if four_bit_layers(unet):
+        assert_every_4bit_layer_repacks(unet)
+        use_cpu_path(unet, cpu_path)
+    return forward(unet, dtype)
 
 
 def diffusers_then_pack(src: Path, out: Path, config: Any, monkeypatch: pytest.MonkeyPatch, **kwargs: Any) -> Any:
@@ -61,24 +71,29 @@ def forward(unet: Any, dtype: torch.dtype) -> torch.Tensor:
         return unet(sample, 1, encoder_hidden_states=text).sample
 
 
-@pytest.mark.parametrize("scheme", ["bnb-nf4", "bnb-fp4", "bnb-int8", "torchao-int8",
-                                    pytest.param("sdnq-int8", marks=SDNQ)])
-def test_pack_time_quantization_equals_diffusers_then_pack(tiny_sd: Path, tmp_path: Path,
-                                                           monkeypatch: pytest.MonkeyPatch, scheme: str) -> None:
+@pytest.mark.parametrize(("scheme", "cpu_path"), [("bnb-nf4", "plain"), ("bnb-nf4", "avx512_bf16"),
+                                                  ("bnb-fp4", "plain"), ("bnb-fp4", "avx512_bf16"),
+                                                  ("bnb-int8", "plain"), ("torchao-int8", "plain"),
+                                                  pytest.param("sdnq-int8", "plain", marks=SDNQ)])
+def test_pack_time_quantization_equals_diffusers_then_pack(tiny_sd: Path, bnb_sd: Path, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch, scheme: str,
+                                                           cpu_path: str) -> None:
     # SDNQ's default minimum layer size (16384 elements) leaves every tiny-sd layer alone: its config object, sized
     # down, is passed as the value (the Python API takes one); the others by name
     config = quantization_config(scheme)
     given: Any = config if scheme.startswith("sdnq") else scheme
+    require_cpu_path(cpu_path)  # before the work: skips where the CPU lacks the flag
+    source = bnb_sd if scheme.startswith("bnb") else tiny_sd  # bnb_sd: 4-bit layers fit both CPU paths
     ours = tmp_path / "ours.dduf"
-    result, _ = pack(tiny_sd, ours, quiet=True, quantize={"unet": given})
-    unet = diffusers_then_pack(tiny_sd, tmp_path / "theirs.dduf", quantization_config(scheme), monkeypatch)
+    result, _ = pack(source, ours, quiet=True, quantize={"unet": given})
+    unet = diffusers_then_pack(source, tmp_path / "theirs.dduf", quantization_config(scheme), monkeypatch)
     assert_same_archive(ours, tmp_path / "theirs.dduf")  # every entry, and the index's quantization record
     assert result.index["components"]["unet"]["quantization"]["quantized"] > 10
     report = validate(ours, verify=True, strict=True)
     assert report.valid and not report.codes, str(report)
     loaded = load_dduf(ours).unet  # loads, and computes what diffusers' quantized model computes
     dtype = next(p.dtype for n, p in unet.named_parameters() if n == "conv_in.weight")
-    assert torch.equal(forward(loaded, dtype), forward(unet, dtype))
+    assert torch.equal(forward_on(loaded, dtype, cpu_path), forward_on(unet, dtype, cpu_path))
 
 
 def test_dtype_is_the_torch_dtype_of_the_unquantized_layers(tiny_sd: Path, tmp_path: Path,
