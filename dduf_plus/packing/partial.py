@@ -31,7 +31,7 @@ import re
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from ..assignments import PackNameError, check_names
 from ..errors import DDUFError, DDUFNotFoundError, DDUFPackError
@@ -47,10 +47,11 @@ from ..format.pack import (
     write_archive,
 )
 from ..format.structure import component_specs, model_index_object
-from ..format.weights import classify, select_weights
+from ..format.weights import classify, select_weights, variants
 from ..refs import cache as _cache
 from ..refs.resolve import Spec, component_folder, parse_ref_args, parse_spec
 from ..remote.hub import HubSourceNotFoundError, hub_unreachable
+from .identity import ComponentBytes, component_difference
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,14 @@ ORIGINAL_MODEL_INDEX_KEY = "_dduf_plus_original_model_index"
 
 FileRecords = dict[str, dict[str, Any]]
 _COMMIT = re.compile(r"[0-9a-f]{40}")
+
+
+class BaseMatch(NamedTuple):
+    """A local component found to be a source's: what its reference records."""
+
+    files: FileRecords  # the source's files (the loader verifies them by these)
+    variant: str | None  # the source's weight variant that matched
+    how: str  # "identical bytes" or "same content" (re-serialized: other bytes, same tensors and settings)
 
 
 class PartialPlan(NamedTuple):
@@ -201,8 +210,16 @@ class _Source:
             return files
         return None
 
-    def component_files(self, sub: str) -> tuple[FileRecords, dict[str, Path]] | None:
-        """({filename: record}, {filename: local path}) of the source's component folder, None if absent."""
+    def component_files(self, sub: str, variant: str | None | Literal[False] = False
+                        ) -> tuple[FileRecords, dict[str, Path]] | None:
+        """({filename: record}, {filename: local path}) of the source's component folder, None if absent;
+        the weights of ``variant`` (False: the pack's)."""
+        if variant is not False:
+            saved, self.variant = self.variant, variant
+            try:
+                return self.component_files(sub)
+            finally:
+                self.variant = saved
         kind = self.spec.kind
         if kind == "folder":
             root = Path(self.spec.location)
@@ -246,6 +263,48 @@ class _Source:
         names = _pack_selection(list(records), self.variant)
         paths = {n: self.cache_paths[prefix + n] for n in names if prefix + n in self.cache_paths}
         return {n: records[n] for n in names}, paths
+
+    def variants(self, sub: str) -> set[str]:
+        """The weight variants the source's component folder has (``fp16``, ...)."""
+        if self.spec.kind == "folder":
+            folder = Path(self.spec.location) / sub
+            return variants(e.name for e in os.scandir(folder) if e.is_file()) if folder.is_dir() else set()
+        if self.spec.kind == "dduf":
+            from ..format.archive import DDUFArchive
+
+            with DDUFArchive(self.spec.location) as archive:
+                return variants(archive.components[sub].files) if sub in archive.components else set()
+        if self.spec.kind == "hub":
+            prefix = sub.rstrip("/") + "/"
+            return variants(p[len(prefix):] for p in self.hub_files() if p.startswith(prefix))
+        return set()
+
+    def open_copy(self, sub: str, names: Sequence[str]) -> ComponentBytes | None:
+        """The bytes of the source's ``sub`` files ``names`` (mapped files, or the archive's entries), or None
+        where they are not on this machine (a Hub repo not in the cache, a hosted archive)."""
+        where = f"BASE {self.spec}/{sub}"
+        if self.spec.kind == "folder":
+            folder = Path(self.spec.location) / sub
+            return ComponentBytes.from_paths(where, {n: folder / n for n in names})
+        if self.spec.kind == "dduf":
+            from ..format.archive import DDUFArchive
+
+            archive = DDUFArchive(self.spec.location)
+            return ComponentBytes(where, names, lambda n: archive.view(f"{sub}/{n}"), archive.close)
+        if self.spec.kind == "hub":
+            for cache in _cache.hf_cache_dirs(None):
+                snap = _cache.snapshot_dir(cache, self.spec.location, self.revision or self.spec.revision)
+                paths = {n: snap / sub / n for n in names} if snap is not None else {}
+                if paths and all(p.is_file() for p in paths.values()):
+                    return ComponentBytes.from_paths(where, paths)
+        return None
+
+    def records(self, found: tuple[FileRecords, dict[str, Path]]) -> FileRecords:
+        """What a reference records of the source's files: their records, files at hand hashed (once)."""
+        records, paths = found
+        if self.spec.kind == "folder":
+            return hash_local_files(paths)
+        return {**records, **hash_local_files(paths)}
 
     def type_hint(self, component: str) -> tuple[str | None, str | None] | None:
         """(library, class) the source's model_index.json gives ``component``, when it is at hand."""
@@ -429,10 +488,11 @@ class _Planner:
                 files.update(s.folded.originals)
         return files
 
-    def reference(self, name: str, src: Spec | None, files: FileRecords, revision: str | None) -> dict[str, Any]:
+    def reference(self, name: str, src: Spec | None, files: FileRecords, revision: str | None,
+                  variant: str | None | Literal[False] = False) -> dict[str, Any]:
         library, cls = self.specs[name]
         sub = (src.subfolder if src else None) or name
-        variant = self.variant
+        variant = self.variant if variant is False else variant
         has_variant = variant is not None and any((w := classify(f)) and w.variant == variant for f in files)
         location = None if src is None else src.location
         snap = hf_snapshot(src.location) if src is not None and src.kind == "folder" else None
@@ -457,19 +517,20 @@ class _Planner:
         if paths is not None and _nested(paths):
             raise DDUFPackError(f"{name} cannot be referenced: {_nested(paths)[0]} is in a sub-folder, which a "
                                 "reference cannot name; store it (drop --exclude/--ref for it)")
+        variant: str | None | Literal[False] = False
         if paths is not None:
-            files = hash_local_files(paths)
-            self.local_bytes[name] = sum(r["size"] for r in files.values())
-            origin = "hashes of the local copy"
+            self.local_bytes[name] = sum(p.stat().st_size for p in paths.values())
+            files, origin = hash_local_files(paths), "hashes of the local copy"
             if src is not None:
-                checked = _check_against_source(name, src, self.source_for(src), files, paths, self.report)
+                checked = self._check_against_source(name, src, paths)
                 if checked is not None:
-                    revision = checked
+                    match, revision = checked
+                    files, variant, origin = match.files, match.variant, f"{match.how} as the source"
         elif src is not None:
             files, revision, origin = self._records_from_source(name, src)
         else:
             files, origin = {}, "no local copy: nothing to verify"
-        self.references[name] = self.reference(name, src, files, revision)
+        self.references[name] = self.reference(name, src, files, revision, variant)
         where = str(src) if src is not None else "no source (must be passed to load_dduf as an argument)"
         self.report.append(f"referenced {name} -> {where} ({_files(len(files))}, "
                            f"{_human(self.local_bytes.get(name, 0))}; {origin})")
@@ -497,33 +558,85 @@ class _Planner:
             if paths is None:
                 continue
             nested = _nested(paths)
-            why = (f"{nested[0]} is in a sub-folder, which a reference cannot name" if nested
-                   else self._differs_from_base(name, paths, source, base_spec))
-            if why is not None:
+            why, match = ((f"{nested[0]} is in a sub-folder, which a reference cannot name", None) if nested
+                          else self._match_base(name, paths, source, base_spec))
+            if match is None:
                 self.report.append(f"stored {name}: {why}")
                 continue
-            files = hash_local_files(paths)
-            self.local_bytes[name] = sum(r["size"] for r in files.values())
-            self.references[name] = self.reference(name, base_spec, files, source.revision)
-            self.report.append(f"referenced {name} -> {base_spec} (identical: {_files(len(files))}, "
-                               f"{_human(self.local_bytes[name])})")
+            self.local_bytes[name] = sum(p.stat().st_size for p in paths.values())
+            self.references[name] = self.reference(name, base_spec, match.files, source.revision, match.variant)
+            variant = f", BASE's {match.variant} variant" if match.variant and match.variant != self.variant else ""
+            self.report.append(f"referenced {name} -> {base_spec} ({match.how}{variant}: {_files(len(match.files))} "
+                               f"there, {_human(self.local_bytes[name])} here)")
 
-    def _differs_from_base(self, name: str, paths: Mapping[str, Path], source: _Source, base_spec: Spec) -> str | None:
-        """Why the local ``name`` is not BASE's (cheap checks first: listing, class, sizes), or None."""
+    def _match_base(self, name: str, paths: Mapping[str, Path], source: _Source,
+                    base_spec: Spec) -> tuple[str, BaseMatch | None]:
+        """(why not, None) or ("", what the reference records): the local ``name`` against BASE's ``name``."""
         found = source.component_files(name)
         if found is None:
-            return f"BASE {base_spec} has no {name}/"
+            return f"BASE {base_spec} has no {name}/", None
         hint = source.type_hint(name)
         if hint is not None and tuple(hint) != tuple(self.specs[name]):
-            return f"BASE's is {hint[0]}.{hint[1]}, this one {self.specs[name][0]}.{self.specs[name][1]}"
-        other, other_paths = found
-        mine = {f: {"size": p.stat().st_size} for f, p in paths.items()}
-        if any(f not in other or other[f].get("size") not in (None, r["size"]) for f, r in mine.items()):
-            return f"differs from BASE {base_spec} (file list or sizes)"
-        why = _same_content(name, hash_local_files(paths), paths, other, other_paths)
+            return f"BASE's is {hint[0]}.{hint[1]}, this one {self.specs[name][0]}.{self.specs[name][1]}", None
+        why, match = self.compare(name, paths, source, name, found)
+        return (f"differs from BASE {base_spec} ({why})" if match is None else ""), match
+
+    def compare(self, name: str, paths: Mapping[str, Path], source: _Source, sub: str,
+                found: tuple[FileRecords, dict[str, Path]]) -> tuple[str, BaseMatch | None]:
+        """The local copy of ``name`` against the source's ``sub``: by content where the source's bytes are on
+        this machine (its other weight variants tried when only the weights differ), else by file hashes."""
+        library, cls = self.specs[name]
+        theirs = source.open_copy(sub, list(found[0]))
+        if theirs is None:  # not on this machine: what the file hashes say
+            return self._compare_hashes(name, paths, found)
+        others = sorted((source.variants(sub) | {None}) - {self.variant}, key=str)
+        with ComponentBytes.from_paths(name, paths) as mine:
+            with theirs:
+                first = component_difference(mine, theirs, library=library, cls=cls)
+            if first is None:
+                return "", BaseMatch(source.records(found), self.variant, "same content")
+            for variant in others if first.in_weights else []:
+                at = source.component_files(sub, variant)
+                copy = source.open_copy(sub, list(at[0])) if at is not None else None
+                if at is None or copy is None:
+                    continue
+                with copy:
+                    if component_difference(mine, copy, library=library, cls=cls) is None:
+                        return "", BaseMatch(source.records(at), variant, "same content")
+        why = first.text
+        if first.dtype_only:  # say what would help
+            why += f"; compared with its {', '.join(str(v) for v in others if v)} variant too" if any(others) else \
+                "; it has no other variant: pack in its precision"
+        return why, None
+
+    def _compare_hashes(self, name: str, paths: Mapping[str, Path],
+                        found: tuple[FileRecords, dict[str, Path]]) -> tuple[str, BaseMatch | None]:
+        files = hash_local_files(paths)
+        why = _same_content(name, files, paths, found[0], found[1])
         if why:
-            return f"differs from BASE {base_spec} ({why[0]}" + (", ..." if len(why) > 1 else "") + ")"
-        return None
+            return (f"{why[0]}" + (", ..." if len(why) > 1 else "") + "; compared by file hashes: its files are not "
+                    "on this machine to compare by content"), None
+        return "", BaseMatch(files, self.variant, "identical bytes")
+
+    def _check_against_source(self, name: str, src: Spec, paths: Mapping[str, Path]) -> tuple[BaseMatch, str | None] | None:
+        """Refuse a reference that could never resolve: SPEC's copy is not the local one by content. Returns what
+        the reference records and the revision it was compared at, or None (a Hub source that cannot be read
+        now: noted, the local copy's hashes recorded)."""
+        source, sub = self.source_for(src), src.subfolder or name
+        try:
+            found = source.component_files(sub)
+        except DDUFPackError as e:
+            if src.kind != "hub":
+                raise
+            self.report.append(f"note: {name} not compared with {src} ({e})")
+            return None
+        if found is None:
+            raise DDUFPackError(f"--ref for {name}: {src if src.kind == 'hub' else src.location} has no {sub}/ folder")
+        why, match = self.compare(name, paths, source, sub, found)
+        if match is None:
+            raise DDUFPackError(f"{name} differs from its reference {src}: {why}. The reference could never "
+                                f"resolve: store {name} (drop --exclude) or point --ref at a source holding this copy")
+        return match, (source.revision if src.kind == "hub" else src.revision)
 
     # --- the rest ---------------------------------------------------------------------------------------
     def keep_previous_references(self) -> None:
@@ -560,29 +673,6 @@ class _Planner:
 def _nested(paths: Mapping[str, Path]) -> list[str]:
     """Files of a component in a sub-folder (``additional_chat_templates/NAME.jinja``, folded when stored)."""
     return sorted(f for f in paths if "/" in f)
-
-
-def _check_against_source(name: str, src: Spec, source: _Source, files: FileRecords, paths: Mapping[str, Path],
-                          report: list[str]) -> str | None:
-    """Refuse a reference that could never resolve: SPEC's copy differs from the local one. Returns the
-    revision the source was compared at (Hub commit) or None. A source that cannot be read is noted."""
-    sub = src.subfolder or name
-    try:
-        found = source.component_files(sub)
-    except DDUFPackError as e:
-        if src.kind != "hub":
-            raise
-        report.append(f"note: {name} not compared with {src} ({e})")
-        return None
-    if found is None:
-        if src.kind == "hub":
-            raise DDUFPackError(f"--ref for {name}: {src} has no {sub}/ folder")
-        raise DDUFPackError(f"--ref for {name}: {src.location} has no {sub}/ folder")
-    why = _same_content(name, files, paths, found[0], found[1])
-    if why:
-        raise DDUFPackError(f"{name} differs from its reference {src}: {'; '.join(why[:3])}. The reference could never "
-                            f"resolve: store {name} (drop --exclude) or point --ref at a source holding this exact copy")
-    return source.revision if src.kind == "hub" else None
 
 
 def _model_index_with(plan: FolderPlan, references: Mapping[str, Any]) -> tuple[dict[str, Any], bytes]:

@@ -1,0 +1,328 @@
+"""Content identity of a pipeline component: is this copy the same component as BASE's, as its libraries read it?
+
+Trainers re-serialize: ``save_pretrained`` adds ``_name_or_path`` and library versions to every config,
+transformers 5 rewrites ``tokenizer_config.json`` and no longer writes the slow tokenizer's files, and weights
+come back in another file layout (one file instead of shards, another tensor order). Byte identity then finds
+nothing in common although only the denoiser changed. Here two copies are the same when, per kind of file:
+
+* **weights** (every ``.safetensors`` file of the chosen variant, shards together): the same tensor names, each
+  with the same dtype, shape and bytes, whatever the files, their order, padding or ``__metadata__``;
+* **configs** (``config.json``, ``scheduler_config.json``, ``preprocessor_config.json`` and other ``.json``):
+  equal as parsed, less the bookkeeping keys libraries add on save (:data:`BOOKKEEPING_KEYS`); a key one side
+  lacks is read as the value of the other only when it is the library's default (:mod:`.config_defaults`);
+* **tokenizers**: ``tokenizer.json`` (vocabulary, merges, normalizer, added tokens) equal as parsed,
+  ``tokenizer_config.json`` less the keys transformers adds on save (:data:`TOKENIZER_SAVE_KEYS`; the
+  ``added_tokens_decoder`` it drops is in ``tokenizer.json``), the slow tokenizer's files (``vocab.json``,
+  ``merges.txt``, ...) redundant where both sides have the same ``tokenizer.json``;
+* **anything else** (``.txt``, ``.model``, templates): equal bytes.
+
+torch-free (a pack against BASE imports no torch): tensors are compared on the mapped bytes, and the largest
+absolute difference of the first differing tensor is decoded with the standard library."""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+from array import array
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from ..errors import DDUFError
+from ..format import spec
+from ..format.safetensors_header import SafetensorsHeader, TensorInfo, checked, read_safetensors_header
+from ..format.weights import classify
+
+BOOKKEEPING_KEYS = frozenset({"_name_or_path", "_diffusers_version", "_commit_hash", "transformers_version",
+                              "_use_default_values"})
+TOKENIZER_SAVE_KEYS = frozenset({"is_local", "local_files_only", "name_or_path", "tokenizer_file"})
+SLOW_TOKENIZER_FILES = frozenset({"vocab.json", "merges.txt", "vocab.txt", "special_tokens_map.json",
+                                  "added_tokens.json"})
+COMPARE_CHUNK = 8 << 20  # bytes compared at a time: two copies of this stay in the CPU caches' neighbourhood
+MAX_DIFF_VALUES = 1 << 24  # values decoded to report the largest difference of a differing tensor
+_DECODE = {"float16": "e", "float32": "f", "float64": "d", "int8": "b", "uint8": "B", "int16": "h", "int32": "i",
+           "int64": "q"}
+
+
+class ComponentBytes:
+    """One copy of a component's files as read-only buffers: files on disk mapped, or an archive's entries.
+
+    ``where`` names the copy in messages. Use as a context manager: the buffers are released on exit."""
+
+    def __init__(self, where: str, names: Iterable[str], opener: Callable[[str], memoryview],
+                 close: Callable[[], None] | None = None):
+        self.where = where
+        self.names = sorted(names)
+        self._opener, self._close = opener, close
+        self._views: dict[str, memoryview] = {}
+
+    @classmethod
+    def from_paths(cls, where: str, paths: Mapping[str, Path]) -> ComponentBytes:
+        maps: list[mmap.mmap] = []
+
+        def opener(name: str) -> memoryview:
+            with open(paths[name], "rb") as f:
+                if os.fstat(f.fileno()).st_size == 0:
+                    return memoryview(b"")
+                mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            maps.append(mapped)
+            return memoryview(mapped)
+
+        def close() -> None:
+            for mapped in maps:
+                mapped.close()
+
+        return cls(where, paths, opener, close)
+
+    def buffer(self, name: str) -> memoryview:
+        if name not in self._views:
+            self._views[name] = self._opener(name)
+        return self._views[name]
+
+    def __enter__(self) -> ComponentBytes:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for view in self._views.values():
+            view.release()
+        self._views.clear()
+        if self._close is not None:
+            self._close()
+
+
+class Located(NamedTuple):
+    """A tensor of a component: its record and where its bytes are."""
+
+    info: TensorInfo
+    buffer: memoryview
+    start: int  # absolute offset of its bytes in ``buffer``
+
+
+def tensor_table(copy: ComponentBytes, files: Iterable[str]) -> dict[str, Located]:
+    """{tensor name: where it is} over the safetensors ``files`` of ``copy`` (checked headers: the copy may
+    be hostile). A name in two files is refused: which one a loader takes is not defined."""
+    table: dict[str, Located] = {}
+    for name in sorted(files):
+        buf = copy.buffer(name)
+        entry = f"{copy.where}/{name}"
+
+        def read_at(offset: int, length: int, buf: memoryview = buf) -> bytes:
+            return bytes(buf[offset : offset + length])
+
+        found, problems = read_safetensors_header(read_at, 0, len(buf), entry)
+        header: SafetensorsHeader = checked(found, problems, entry, DDUFError)
+        for tname, info in header.tensors.items():
+            if tname in table:
+                raise DDUFError(f"{entry}: tensor {tname} is also in another weight file of {copy.where}")
+            table[tname] = Located(info, buf, header.data_start + info.begin)
+    return table
+
+
+def _same_bytes(a: Located, b: Located) -> bool:
+    n = a.info.nbytes
+    for offset in range(0, n, COMPARE_CHUNK):
+        step = min(COMPARE_CHUNK, n - offset)
+        if a.buffer[a.start + offset : a.start + offset + step].tobytes() != \
+                b.buffer[b.start + offset : b.start + offset + step].tobytes():
+            return False
+    return True
+
+
+def _values(t: Located, count: int) -> list[float] | None:
+    """The first ``count`` values of ``t`` as Python numbers (bfloat16 widened to float32), or None for a
+    dtype the standard library cannot decode (float8 and narrower)."""
+    raw = t.buffer[t.start : t.start + count * spec.DTYPE_BY_TORCH[t.info.dtype].bits // 8].tobytes()
+    if t.info.dtype == "bfloat16":  # the high half of a float32: put two zero bytes below each value
+        wide = bytearray(2 * len(raw))
+        wide[2::4], wide[3::4] = raw[0::2], raw[1::2]
+        return array("f", bytes(wide)).tolist()
+    code = _DECODE.get(t.info.dtype)
+    return list(struct.unpack(f"<{count}{code}", raw)) if code else None
+
+
+def largest_difference(a: Located, b: Located) -> str:
+    """'max abs difference X' between two same-dtype, same-shape tensors (over the first
+    :data:`MAX_DIFF_VALUES` values, said so), or what can be said without decoding."""
+    bits = spec.DTYPE_BY_TORCH[a.info.dtype].bits
+    count = min(a.info.nbytes * 8 // bits if bits else 0, MAX_DIFF_VALUES)
+    xs, ys = (_values(a, count), _values(b, count)) if count else (None, None)
+    if xs is None or ys is None:
+        return f"{a.info.dtype} bytes differ"
+    diff = max(map(abs, map(float.__sub__, map(float, xs), map(float, ys))), default=0.0)
+    within = "" if count * bits // 8 == a.info.nbytes else f" in the first {count:,} values"
+    return f"max abs difference {diff:.4g}{within}"
+
+
+def tensors_difference(mine: Mapping[str, Located], base: Mapping[str, Located]) -> str | None:
+    """Why two tensor tables differ (names, then dtypes and shapes, then bytes: cheap checks first), or None."""
+    if set(mine) != set(base):
+        only_here, only_there = sorted(set(mine) - set(base)), sorted(set(base) - set(mine))
+        if only_here:
+            return f"tensor {only_here[0]} is not in BASE" + (f" (and {len(only_here) - 1} more)" if len(only_here) > 1 else "")
+        return f"BASE's tensor {only_there[0]} is not here" + (f" (and {len(only_there) - 1} more)" if len(only_there) > 1 else "")
+    for name in sorted(mine):
+        a, b = mine[name].info, base[name].info
+        if (a.dtype, a.shape) != (b.dtype, b.shape):
+            return f"tensor {name}: {a.dtype} {list(a.shape)} here, {b.dtype} {list(b.shape)} in BASE"
+    for name in sorted(mine):
+        if not _same_bytes(mine[name], base[name]):
+            return f"tensor {name} differs ({largest_difference(mine[name], base[name])})"
+    return None
+
+
+def only_dtypes_differ(mine: Mapping[str, Located], base: Mapping[str, Located]) -> bool:
+    """Same names and shapes, some dtype differs: another variant of BASE (fp16 of an fp32 BASE) may match."""
+    return set(mine) == set(base) and all(mine[n].info.shape == base[n].info.shape for n in mine) \
+        and any(mine[n].info.dtype != base[n].info.dtype for n in mine)
+
+
+# --- JSON files ---------------------------------------------------------------------------------------------
+def _json(copy: ComponentBytes, name: str) -> Any:
+    try:
+        return json.loads(copy.buffer(name).tobytes())
+    except (ValueError, RecursionError):
+        return None
+
+
+def _first_key_difference(a: Mapping[str, Any], b: Mapping[str, Any]) -> str | None:
+    for key in sorted(set(a) | set(b)):
+        if key not in a:
+            return f"key {key!r} only in BASE's"
+        if key not in b:
+            return f"key {key!r} not in BASE's"
+        if a[key] != b[key]:
+            return f"key {key!r}: {_short(a[key])} here, {_short(b[key])} in BASE"
+    return None
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value, sort_keys=True)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def json_difference(name: str, mine: Any, base: Any, ignored: frozenset[str] = BOOKKEEPING_KEYS,
+                    defaults: Callable[[Mapping[str, Any]], Mapping[str, Any] | None] | None = None) -> str | None:
+    """Why two parsed JSON files differ once ``ignored`` keys are dropped (``defaults(config)``: the library's
+    default for keys a side may lack), or None."""
+    if not isinstance(mine, dict) or not isinstance(base, dict):
+        return None if mine == base and mine is not None else f"{name} differs"
+    a = {k: v for k, v in mine.items() if k not in ignored}
+    b = {k: v for k, v in base.items() if k not in ignored}
+    why = _first_key_difference(a, b)
+    if why is not None and defaults is not None and set(a) != set(b):
+        known = defaults(a) or defaults(b)
+        if known is not None:  # a key one side lacks counts as its default value
+            a, b = {**known, **a}, {**known, **b}
+            why = _first_key_difference(a, b)
+    return None if why is None else f"{name}: {why}"
+
+
+def _jsonable(value: Any) -> Any:
+    """A default as a JSON file would hold it (tuples as lists)."""
+    try:
+        return json.loads(json.dumps(value))
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def library_defaults(library: str | None, cls: str | None) -> Callable[[Mapping[str, Any]], Mapping[str, Any] | None]:
+    """``defaults(config)``: what ``library.cls`` reads for a config key it lacks, or None when that is not known
+    (a class the library does not have, a ``model_type`` transformers does not know). Imports the library only
+    when called: configs that differ in values alone never need it."""
+
+    def defaults(config: Mapping[str, Any]) -> Mapping[str, Any] | None:
+        try:
+            if library == "diffusers" and cls and cls.isidentifier():
+                return _diffusers_defaults(cls)
+            if library == "transformers" and isinstance(config.get("model_type"), str):
+                return _transformers_defaults(config["model_type"])
+        except Exception:  # noqa: BLE001 - a library that cannot say: compare as written
+            return None
+        return None
+
+    return defaults
+
+
+def _diffusers_defaults(cls: str) -> Mapping[str, Any] | None:
+    import inspect
+
+    import diffusers
+
+    found = getattr(diffusers, cls, None)
+    if not (isinstance(found, type) and issubclass(found, diffusers.ConfigMixin)):
+        return None
+    parameters = inspect.signature(found.__init__).parameters.values()
+    return {p.name: _jsonable(p.default) for p in parameters
+            if p.default is not inspect.Parameter.empty and p.kind is p.POSITIONAL_OR_KEYWORD}
+
+
+def _transformers_defaults(model_type: str) -> Mapping[str, Any] | None:
+    from transformers import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        return None
+    return {k: _jsonable(v) for k, v in CONFIG_MAPPING[model_type]().to_dict().items()}
+
+
+# --- a whole component ----------------------------------------------------------------------------------------
+def _weights(names: Iterable[str]) -> list[str]:
+    return [n for n in names if (w := classify(n)) is not None and not w.is_index]
+
+
+def _layout_only(name: str) -> bool:
+    """A shard index: which file holds which tensor, not what the tensors are."""
+    found = classify(name)
+    return found is not None and found.is_index
+
+
+class Difference(NamedTuple):
+    """Why two copies of a component differ."""
+
+    text: str  # the first difference: a tensor (name, largest difference), a file, a config key
+    in_weights: bool  # the tensors differ (another weight variant of BASE may match; configs are shared)
+    dtype_only: bool  # only the tensors' dtypes differ (an fp16 copy of an fp32 BASE)
+
+
+def component_difference(mine: ComponentBytes, base: ComponentBytes, *, library: str | None = None,
+                         cls: str | None = None) -> Difference | None:
+    """Why ``mine`` is not the same component as ``base`` by content (module docstring), or None.
+
+    Raises:
+        DDUFError: a weight file of either copy is not a valid safetensors file."""
+    weights_mine, weights_base = _weights(mine.names), _weights(base.names)
+    if weights_mine or weights_base:
+        ours, theirs = tensor_table(mine, weights_mine), tensor_table(base, weights_base)
+        why = tensors_difference(ours, theirs)
+        if why is not None:
+            return Difference(why, True, only_dtypes_differ(ours, theirs))
+    others_mine = {n for n in mine.names if n not in weights_mine and not _layout_only(n)}
+    others_base = {n for n in base.names if n not in weights_base and not _layout_only(n)}
+    tokenizer_same = "tokenizer.json" in others_mine & others_base and \
+        json_difference("tokenizer.json", _json(mine, "tokenizer.json"), _json(base, "tokenizer.json")) is None
+    if tokenizer_same:  # the slow tokenizer's files say again what tokenizer.json says
+        others_mine -= SLOW_TOKENIZER_FILES
+        others_base -= SLOW_TOKENIZER_FILES
+    if others_mine != others_base:
+        extra = sorted(others_mine - others_base)
+        text = f"{extra[0]} is not in BASE's" if extra else f"BASE's {sorted(others_base - others_mine)[0]} is not here"
+        return Difference(text, False, False)
+    defaults = library_defaults(library, cls)
+    for name in sorted(others_mine):
+        why = _file_difference(name, mine, base, defaults, tokenizer_same)
+        if why is not None:
+            return Difference(why, False, False)
+    return None
+
+
+def _file_difference(name: str, mine: ComponentBytes, base: ComponentBytes,
+                     defaults: Callable[[Mapping[str, Any]], Mapping[str, Any] | None], tokenizer_same: bool) -> str | None:
+    if not name.endswith(".json"):
+        return None if mine.buffer(name) == base.buffer(name) else f"{name} differs"
+    ignored = BOOKKEEPING_KEYS
+    if name == "tokenizer_config.json":
+        # transformers 5 adds these on save and drops added_tokens_decoder, which tokenizer.json holds as well
+        ignored = ignored | TOKENIZER_SAVE_KEYS | ({"added_tokens_decoder"} if tokenizer_same else set())
+    return json_difference(name, _json(mine, name), _json(base, name), ignored,
+                           defaults if name in spec.CONFIG_FILES else None)
