@@ -193,3 +193,26 @@ def test_flux_trainer_workflow(tmp_path: Path) -> None:
         assert set(archive.references) == {"scheduler", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2",
                                            "vae"}
     assert_loads_like_folder(out, ft, prompt_steps=0)
+
+
+def test_a_hostile_base_is_never_the_same_and_never_a_crash(sd_ft: Path, tmp_path: Path,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    """BASE is untrusted input: a VAE whose safetensors header lies (a byte span unlike its shape) is compared without
+    reading past it, and the VAE is stored, saying why; as a --ref it is refused naming the rule."""
+    base = tmp_path / "hostile-base"
+    shutil.copytree(TINY_SD, base)
+    weights = base / "vae" / "diffusion_pytorch_model.safetensors"
+    raw = bytearray(weights.read_bytes())
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    first = next(k for k in header if k != "__metadata__")
+    header[first]["data_offsets"][1] += 1  # the same digits: a byte span unlike its shape
+    text = json.dumps(header, separators=(",", ":")).encode().ljust(n)
+    assert len(text) == n
+    weights.write_bytes(bytes(raw[:8]) + text + bytes(raw[8 + n :]))
+    with caplog.at_level(logging.INFO, logger="dduf_plus"):
+        pack_partial(sd_ft, tmp_path / "ft.dduf", base=str(base), quiet=True)
+    assert any(line.startswith("stored vae: differs from BASE") and "cannot be compared" in line and "S00" in line
+               for line in report_lines(caplog)), report_lines(caplog)
+    with pytest.raises(DDUFPackError, match=r"vae differs from its reference .*cannot be compared.*S00"):
+        pack_partial(sd_ft, tmp_path / "x.dduf", exclude=["vae"], refs={"vae": str(base)}, quiet=True)

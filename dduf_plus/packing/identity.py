@@ -32,6 +32,7 @@ from typing import Any, NamedTuple
 
 from ..errors import DDUFError
 from ..format import spec
+from ..format.json_budget import parse_json_entry
 from ..format.safetensors_header import SafetensorsHeader, TensorInfo, checked, read_safetensors_header
 from ..format.weights import classify
 
@@ -40,7 +41,6 @@ BOOKKEEPING_KEYS = frozenset({"_name_or_path", "_diffusers_version", "_commit_ha
 TOKENIZER_SAVE_KEYS = frozenset({"is_local", "local_files_only", "name_or_path", "tokenizer_file"})
 SLOW_TOKENIZER_FILES = frozenset({"vocab.json", "merges.txt", "vocab.txt", "special_tokens_map.json",
                                   "added_tokens.json"})
-COMPARE_CHUNK = 8 << 20  # bytes compared at a time: two copies of this stay in the CPU caches' neighbourhood
 MAX_DIFF_VALUES = 1 << 24  # values decoded to report the largest difference of a differing tensor
 _DECODE = {"float16": "e", "float32": "f", "float64": "d", "int8": "b", "uint8": "B", "int16": "h", "int32": "i",
            "int64": "q"}
@@ -121,13 +121,17 @@ def tensor_table(copy: ComponentBytes, files: Iterable[str]) -> dict[str, Locate
 
 
 def _same_bytes(a: Located, b: Located) -> bool:
+    """Equal bytes, compared in place: as 8-byte words (memoryview's own comparison, no copy; ~8x faster than
+    byte by byte), the tail as bytes."""
     n = a.info.nbytes
-    for offset in range(0, n, COMPARE_CHUNK):
-        step = min(COMPARE_CHUNK, n - offset)
-        if a.buffer[a.start + offset : a.start + offset + step].tobytes() != \
-                b.buffer[b.start + offset : b.start + offset + step].tobytes():
-            return False
-    return True
+    words = n - n % 8
+    left = a.buffer[a.start : a.start + n]
+    right = b.buffer[b.start : b.start + n]
+    try:
+        return left[:words].cast("Q") == right[:words].cast("Q") and left[words:].tobytes() == right[words:].tobytes()
+    finally:
+        left.release()
+        right.release()
 
 
 def _values(t: Located, count: int) -> list[float] | None:
@@ -180,10 +184,9 @@ def only_dtypes_differ(mine: Mapping[str, Located], base: Mapping[str, Located])
 
 # --- JSON files ---------------------------------------------------------------------------------------------
 def _json(copy: ComponentBytes, name: str) -> Any:
-    try:
-        return json.loads(copy.buffer(name).tobytes())
-    except (ValueError, RecursionError):
-        return None
+    """The parsed file, within the budget of its kind (a BASE is untrusted input), or None."""
+    value, code, _why = parse_json_entry(copy.buffer(name).tobytes(), f"component/{name}")
+    return None if code is not None else value
 
 
 def _first_key_difference(a: Mapping[str, Any], b: Mapping[str, Any]) -> str | None:

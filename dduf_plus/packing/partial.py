@@ -591,18 +591,21 @@ class _Planner:
             return self._compare_hashes(name, paths, found)
         others = sorted((source.variants(sub) | {None}) - {self.variant}, key=str)
         with ComponentBytes.from_paths(name, paths) as mine:
-            with theirs:
-                first = component_difference(mine, theirs, library=library, cls=cls)
-            if first is None:
-                return "", BaseMatch(source.records(found), self.variant, "same content")
-            for variant in others if first.in_weights else []:
-                at = source.component_files(sub, variant)
-                copy = source.open_copy(sub, list(at[0])) if at is not None else None
-                if at is None or copy is None:
-                    continue
-                with copy:
-                    if component_difference(mine, copy, library=library, cls=cls) is None:
-                        return "", BaseMatch(source.records(at), variant, "same content")
+            try:
+                with theirs:
+                    first = component_difference(mine, theirs, library=library, cls=cls)
+                if first is None:
+                    return "", BaseMatch(source.records(found), self.variant, "same content")
+                for variant in others if first.in_weights else []:
+                    at = source.component_files(sub, variant)
+                    copy = source.open_copy(sub, list(at[0])) if at is not None else None
+                    if at is None or copy is None:
+                        continue
+                    with copy:
+                        if component_difference(mine, copy, library=library, cls=cls) is None:
+                            return "", BaseMatch(source.records(at), variant, "same content")
+            except DDUFError as e:  # a weight file that is no valid safetensors (either side): never the same
+                return f"cannot be compared: {e}", None
         why = first.text
         if first.dtype_only:  # say what would help
             why += f"; compared with its {', '.join(str(v) for v in others if v)} variant too" if any(others) else \
