@@ -216,3 +216,30 @@ def test_a_hostile_base_is_never_the_same_and_never_a_crash(sd_ft: Path, tmp_pat
                for line in report_lines(caplog)), report_lines(caplog)
     with pytest.raises(DDUFPackError, match=r"vae differs from its reference .*cannot be compared.*S00"):
         pack_partial(sd_ft, tmp_path / "x.dduf", exclude=["vae"], refs={"vae": str(base)}, quiet=True)
+
+
+@pytest.mark.parametrize("base_kind", ["folder", "dduf"])
+def test_save_dduf_with_base_from_memory(tmp_path: Path, base_kind: str, caplog: pytest.LogCaptureFixture) -> None:
+    """The trainer's pipeline in memory becomes the partial archive in one call: the references are those
+    save_pretrained + pack --base gives, the stored entries the same, the weights compared as they stream."""
+    from diffusers import DiffusionPipeline
+
+    from dduf_plus import save_dduf
+
+    base = str(TINY_SD) if base_kind == "folder" else str(pack(TINY_SD, tmp_path / "base.dduf", quiet=True)[0].path)
+    pipe = DiffusionPipeline.from_pretrained(TINY_SD)
+    with torch.no_grad():
+        for p in pipe.unet.parameters():
+            p.add_(0.01)
+    with caplog.at_level(logging.INFO, logger="dduf_plus"):
+        result = save_dduf(pipe, tmp_path / "ft.dduf", base=base, quiet=True)
+    assert any(line.startswith("stored unet: differs from BASE") for line in report_lines(caplog))
+    pipe.save_pretrained(tmp_path / "ft")
+    pack_partial(tmp_path / "ft", tmp_path / "packed.dduf", base=base, quiet=True)
+    with DDUFArchive(result.path) as ours, DDUFArchive(tmp_path / "packed.dduf") as theirs:
+        assert ours.references == theirs.references and set(ours.references) == FROZEN_SD
+        assert {n for n in ours.entries if "/" in n} == {n for n in theirs.entries if "/" in n}
+    loaded = load_dduf(result.path)
+    for name in ("unet", "vae", "text_encoder"):
+        a, b = getattr(loaded, name).state_dict(), getattr(pipe, name).state_dict()
+        assert all(torch.equal(a[k], b[k]) for k in b), name

@@ -42,6 +42,8 @@ from ..format import spec
 from ..format.chat_template import TEMPLATE_DIR, is_template_name
 from ..format.pack import EntrySource, PackResult, Skipped, fold_sources, write_archive
 from ..format.structure import component_specs
+from ..packing.identity import SourcesCopy
+from ..packing.partial import BaseComparer, model_index_with, warn_local_paths
 from ..packing.tensor_stream import DtypeRule, tensor_bytes, tensor_source  # noqa: F401 (tensor_bytes re-exported)
 from ..storage.confined import Confined
 
@@ -58,8 +60,17 @@ def save_dduf(
     variant: str | None = None,
     dtype: Any = None,
     quiet: bool = False,
+    base: str | None = None,
+    token: str | bool | None = None,
+    local_files_only: bool = False,
 ) -> PackResult:
     """Write ``pipeline`` (a diffusers ``DiffusionPipeline``) to ``path`` as a DDUF archive.
+
+    ``base`` (a folder, a ``.dduf`` or a Hub repo ``org/name[@rev]``, as ``dduf pack --base``) makes a partial
+    archive: every component that is BASE's by content (docs/partial.md) is referenced instead of stored,
+    compared tensor by tensor with BASE's mapped files as the weights stream, nothing written to a temporary
+    folder; ``token`` and ``local_files_only`` as for the Hub. A trainer's pipeline in memory becomes the
+    archive ``save_pretrained`` + ``dduf pack --base`` would give.
 
     ``variant`` names the weight files as ``save_pretrained(variant=...)`` does
     (``diffusion_pytorch_model.fp16.safetensors``). ``dtype`` converts floating tensors (fp16/bf16/fp32/
@@ -100,19 +111,40 @@ def save_dduf(
     sources: list[EntrySource] = []
     skipped: list[Skipped] = []
     records: dict[str, dict[str, Any]] = {}
+    comparer = BaseComparer(base, variant=variant, token=token, local_files_only=local_files_only) if base else None
+    references: dict[str, Any] = {}
     for name, component in _saveable_components(pipeline, model_index).items():
         target = _component_dtype(dtype, name)
         explicit = isinstance(dtype, Mapping) and dtype.get(name) is not None
         comp_sources, comp_skipped, record = _component_sources(name, component, variant, target,
                                                                 explicit=explicit)
+        if comparer is not None and _referenced(comparer, name, model_index, comp_sources, references):
+            continue
         sources.extend(comp_sources)
         skipped.extend(comp_skipped)
         if record:
             records[name] = record
     for item in skipped:
         logger.warning("save_dduf: not stored: %s (%s)", item.path, item.reason)
+    if comparer is not None:
+        warn_local_paths(comparer.local_paths)
+        model_index, model_index_bytes = model_index_with(model_index, model_index_bytes, references)
     return write_archive(path, model_index, model_index_bytes, sources, skipped=skipped,
-                         extra_components=records or None, quiet=quiet)
+                         extra_components=records or None, references=references or None, quiet=quiet)
+
+
+def _referenced(comparer: BaseComparer, name: str, model_index: Mapping[str, Any], sources: list[EntrySource],
+                references: dict[str, Any]) -> bool:
+    """Whether component ``name`` is BASE's by content: then its reference is added to ``references``. Says
+    which on the ``dduf_plus`` logger, as ``dduf pack --base`` does."""
+    type_hint = component_specs(model_index)[name]
+    why, reference = comparer.reference_for(name, type_hint, SourcesCopy(name, sources))
+    if reference is None:
+        logger.info("stored %s: %s", name, why)
+        return False
+    references[name] = reference
+    logger.info("referenced %s -> %s (same content: %d files there)", name, comparer.spec, len(reference["files"]))
+    return True
 
 
 # --- which components, and how -----------------------------------------------------------------------

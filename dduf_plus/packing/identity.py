@@ -26,14 +26,22 @@ import mmap
 import os
 import struct
 from array import array
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from ..errors import DDUFError
 from ..format import spec
 from ..format.json_budget import parse_json_entry
-from ..format.safetensors_header import SafetensorsHeader, TensorInfo, checked, read_safetensors_header
+from ..format.pack import EntrySource
+from ..format.safetensors_header import (
+    SafetensorsHeader,
+    TensorInfo,
+    checked,
+    parse_header,
+    read_header_length,
+    read_safetensors_header,
+)
 from ..format.weights import classify
 
 BOOKKEEPING_KEYS = frozenset({"_name_or_path", "_diffusers_version", "_commit_hash", "transformers_version",
@@ -80,6 +88,13 @@ class ComponentBytes:
         if name not in self._views:
             self._views[name] = self._opener(name)
         return self._views[name]
+
+    def tensor_infos(self, files: Iterable[str]) -> dict[str, TensorInfo]:
+        return {name: t.info for name, t in tensor_table(self, files).items()}
+
+    def first_different(self, files: Iterable[str], base: Mapping[str, Located]) -> tuple[Located, Located] | None:
+        mine = tensor_table(self, files)
+        return next(((mine[n], base[n]) for n in sorted(mine) if not _same_bytes(mine[n], base[n])), None)
 
     def __enter__(self) -> ComponentBytes:
         return self
@@ -159,31 +174,47 @@ def largest_difference(a: Located, b: Located) -> str:
     return f"max abs difference {diff:.4g}{within}"
 
 
-def tensors_difference(mine: Mapping[str, Located], base: Mapping[str, Located]) -> str | None:
-    """Why two tensor tables differ (names, then dtypes and shapes, then bytes: cheap checks first), or None."""
+def infos_difference(mine: Mapping[str, TensorInfo], base: Mapping[str, TensorInfo]) -> str | None:
+    """Why two tensor tables differ in names, dtypes or shapes (cheap: headers only), or None."""
     if set(mine) != set(base):
         only_here, only_there = sorted(set(mine) - set(base)), sorted(set(base) - set(mine))
         if only_here:
             return f"tensor {only_here[0]} is not in BASE" + (f" (and {len(only_here) - 1} more)" if len(only_here) > 1 else "")
         return f"BASE's tensor {only_there[0]} is not here" + (f" (and {len(only_there) - 1} more)" if len(only_there) > 1 else "")
     for name in sorted(mine):
-        a, b = mine[name].info, base[name].info
+        a, b = mine[name], base[name]
         if (a.dtype, a.shape) != (b.dtype, b.shape):
             return f"tensor {name}: {a.dtype} {list(a.shape)} here, {b.dtype} {list(b.shape)} in BASE"
-    for name in sorted(mine):
-        if not _same_bytes(mine[name], base[name]):
-            return f"tensor {name} differs ({largest_difference(mine[name], base[name])})"
     return None
 
 
-def only_dtypes_differ(mine: Mapping[str, Located], base: Mapping[str, Located]) -> bool:
+def only_dtypes_differ(mine: Mapping[str, TensorInfo], base: Mapping[str, TensorInfo]) -> bool:
     """Same names and shapes, some dtype differs: another variant of BASE (fp16 of an fp32 BASE) may match."""
-    return set(mine) == set(base) and all(mine[n].info.shape == base[n].info.shape for n in mine) \
-        and any(mine[n].info.dtype != base[n].info.dtype for n in mine)
+    return set(mine) == set(base) and all(mine[n].shape == base[n].shape for n in mine) \
+        and any(mine[n].dtype != base[n].dtype for n in mine)
+
+
+class ComponentCopy(Protocol):
+    """One side of a comparison: its files, their bytes, its tensors."""
+
+    where: str
+    names: list[str]  # file names in the component folder
+
+    def buffer(self, name: str) -> memoryview:
+        """A non-weight file's bytes."""
+        ...
+
+    def tensor_infos(self, files: Iterable[str]) -> dict[str, TensorInfo]:
+        """{tensor name: record} over the weight ``files``."""
+        ...
+
+    def first_different(self, files: Iterable[str], base: Mapping[str, Located]) -> tuple[Located, Located] | None:
+        """(this side's tensor, ``base``'s) for the first tensor whose bytes differ, or None (same infos given)."""
+        ...
 
 
 # --- JSON files ---------------------------------------------------------------------------------------------
-def _json(copy: ComponentBytes, name: str) -> Any:
+def _json(copy: ComponentCopy, name: str) -> Any:
     """The parsed file, within the budget of its kind (a BASE is untrusted input), or None."""
     value, code, _why = parse_json_entry(copy.buffer(name).tobytes(), f"component/{name}")
     return None if code is not None else value
@@ -288,7 +319,7 @@ class Difference(NamedTuple):
     dtype_only: bool  # only the tensors' dtypes differ (an fp16 copy of an fp32 BASE)
 
 
-def component_difference(mine: ComponentBytes, base: ComponentBytes, *, library: str | None = None,
+def component_difference(mine: ComponentCopy, base: ComponentBytes, *, library: str | None = None,
                          cls: str | None = None) -> Difference | None:
     """Why ``mine`` is not the same component as ``base`` by content (module docstring), or None.
 
@@ -296,10 +327,14 @@ def component_difference(mine: ComponentBytes, base: ComponentBytes, *, library:
         DDUFError: a weight file of either copy is not a valid safetensors file."""
     weights_mine, weights_base = _weights(mine.names), _weights(base.names)
     if weights_mine or weights_base:
-        ours, theirs = tensor_table(mine, weights_mine), tensor_table(base, weights_base)
-        why = tensors_difference(ours, theirs)
+        theirs = tensor_table(base, weights_base)
+        ours, their_infos = mine.tensor_infos(weights_mine), {n: t.info for n, t in theirs.items()}
+        why = infos_difference(ours, their_infos)
         if why is not None:
-            return Difference(why, True, only_dtypes_differ(ours, theirs))
+            return Difference(why, True, only_dtypes_differ(ours, their_infos))
+        found = mine.first_different(weights_mine, theirs)
+        if found is not None:
+            return Difference(f"tensor {found[0].info.name} differs ({largest_difference(*found)})", True, False)
     others_mine = {n for n in mine.names if n not in weights_mine and not _layout_only(n)}
     others_base = {n for n in base.names if n not in weights_base and not _layout_only(n)}
     tokenizer_same = "tokenizer.json" in others_mine & others_base and \
@@ -319,7 +354,7 @@ def component_difference(mine: ComponentBytes, base: ComponentBytes, *, library:
     return None
 
 
-def _file_difference(name: str, mine: ComponentBytes, base: ComponentBytes,
+def _file_difference(name: str, mine: ComponentCopy, base: ComponentBytes,
                      defaults: Callable[[Mapping[str, Any]], Mapping[str, Any] | None], tokenizer_same: bool) -> str | None:
     if not name.endswith(".json"):
         return None if mine.buffer(name) == base.buffer(name) else f"{name} differs"
@@ -329,3 +364,75 @@ def _file_difference(name: str, mine: ComponentBytes, base: ComponentBytes,
         ignored = ignored | TOKENIZER_SAVE_KEYS | ({"added_tokens_decoder"} if tokenizer_same else set())
     return json_difference(name, _json(mine, name), _json(base, name), ignored,
                            defaults if name in spec.CONFIG_FILES else None)
+
+
+# --- a component not written yet: the entries a writer would store ---------------------------------------------
+class _ExactReader:
+    """Exact-length reads from a stream of byte pieces (a streamed safetensors file)."""
+
+    def __init__(self, pieces: Iterator[Any]):
+        self._pieces, self._pending = pieces, bytearray()
+
+    def read(self, n: int) -> bytes:
+        while len(self._pending) < n:
+            piece = next(self._pieces, None)
+            if piece is None:
+                raise DDUFError(f"the stream ended {n - len(self._pending)} bytes early")
+            self._pending += piece
+        out = bytes(self._pending[:n])
+        del self._pending[:n]
+        return out
+
+
+class SourcesCopy:
+    """A component as the entries a writer would store (``save_dduf``'s: small files as bytes, weights streamed
+    from the live tensors), compared with BASE without writing it or holding more than one tensor's bytes."""
+
+    def __init__(self, where: str, sources: Iterable[EntrySource]):
+        self.where = where
+        self._by_name = {s.name.split("/", 1)[1]: s for s in sources}
+        self.names = sorted(self._by_name)
+
+    def _pieces(self, name: str) -> Iterator[Any]:
+        src = self._by_name[name]
+        if src.data is not None:
+            yield src.data
+        elif src.path is not None:
+            with open(src.path, "rb") as f:
+                while block := f.read(16 << 20):
+                    yield block
+        elif src.chunks is not None:
+            yield from src.chunks()
+
+    def buffer(self, name: str) -> memoryview:
+        return memoryview(b"".join(bytes(p) for p in self._pieces(name)))
+
+    def _header(self, name: str) -> SafetensorsHeader:
+        src = self._by_name[name]
+        if src.header is not None:
+            return src.header
+        reader = _ExactReader(self._pieces(name))
+        prefix = reader.read(8)
+        length = read_header_length(prefix)
+        found, problems = parse_header(reader.read(length), length, src.nbytes, f"{self.where}/{name}")
+        return checked(found, problems, f"{self.where}/{name}", DDUFError)
+
+    def tensor_infos(self, files: Iterable[str]) -> dict[str, TensorInfo]:
+        out: dict[str, TensorInfo] = {}
+        for name in sorted(files):
+            out.update(self._header(name).tensors)
+        return out
+
+    def first_different(self, files: Iterable[str], base: Mapping[str, Located]) -> tuple[Located, Located] | None:
+        for name in sorted(files):
+            header = self._header(name)
+            reader = _ExactReader(self._pieces(name))
+            reader.read(header.data_start)
+            position = 0
+            for info in sorted(header.tensors.values(), key=lambda t: t.begin):
+                reader.read(info.begin - position)  # a gap a checked header does not have: nothing
+                ours = Located(info, memoryview(reader.read(info.nbytes)), 0)
+                position = info.end
+                if not _same_bytes(ours, base[info.name]):
+                    return ours, base[info.name]
+        return None

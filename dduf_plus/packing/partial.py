@@ -29,7 +29,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
@@ -51,12 +51,12 @@ from ..format.weights import classify, select_weights, variants
 from ..refs import cache as _cache
 from ..refs.resolve import Spec, component_folder, parse_ref_args, parse_spec
 from ..remote.hub import HubSourceNotFoundError, hub_unreachable
-from .identity import ComponentBytes, component_difference
+from .identity import ComponentBytes, ComponentCopy, component_difference
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ORIGINAL_MODEL_INDEX_KEY", "PartialPlan", "make_references", "pack_partial", "parse_ref_args",
-           "canonical_model_index_bytes"]
+__all__ = ["ORIGINAL_MODEL_INDEX_KEY", "BaseComparer", "PartialPlan", "make_references", "pack_partial",
+           "parse_ref_args", "canonical_model_index_bytes", "model_index_with", "warn_local_paths"]
 
 # Set only when the source model_index.json is not in diffusers' canonical form: its exact text, so that
 # ``dduf complete`` can restore it and equal a direct full pack byte for byte.
@@ -445,6 +445,91 @@ def _parse_sources(refs: Mapping[str, str], base: str | None) -> tuple[dict[str,
     return parsed, base_spec
 
 
+def reference_record(name: str, type_hint: tuple[str | None, str | None], src: Spec | None, files: FileRecords,
+                     revision: str | None, variant: str | None, local_paths: set[str]) -> dict[str, Any]:
+    """The reference of component ``name`` to ``src`` recording ``files``; a machine-bound source (a folder or
+    .dduf outside the Hugging Face cache) is added to ``local_paths`` (the pack warns about those)."""
+    library, cls = type_hint
+    sub = (src.subfolder if src else None) or name
+    has_variant = variant is not None and any((w := classify(f)) and w.variant == variant for f in files)
+    location = None if src is None else src.location
+    snap = hf_snapshot(src.location) if src is not None and src.kind == "folder" else None
+    if snap is not None and src is not None:  # a folder in the HF cache is its repo at its commit: it travels
+        location, revision = snap.repo, snap.revision
+        sub = "/".join(p for p in (snap.subfolder, src.subfolder) if p) or name
+    elif src is not None and src.kind in ("folder", "dduf"):
+        local_paths.add(src.location)
+    return {
+        "pretrained_model_name_or_path": location,
+        "subfolder": sub,
+        "revision": revision,
+        "variant": variant if has_variant else None,
+        "type_hint": [library, cls],
+        "files": files,
+    }
+
+
+def compare_with_source(source: _Source, variant: str | None, sub: str, found: tuple[FileRecords, dict[str, Path]],
+                        mine: ComponentCopy, type_hint: tuple[str | None, str | None],
+                        by_hashes: Callable[[], tuple[str, BaseMatch | None]] | None) -> tuple[str, BaseMatch | None]:
+    """``mine`` against the source's ``sub`` (its ``found`` files): by content where the source's bytes are on this
+    machine (its other weight variants tried when only the weights differ), else ``by_hashes()``. Returns
+    (why not, None) or ("", what a reference records)."""
+    theirs = source.open_copy(sub, list(found[0]))
+    if theirs is None:
+        return by_hashes() if by_hashes is not None else ("its files are not on this machine to compare", None)
+    library, cls = type_hint
+    others = sorted((source.variants(sub) | {None}) - {variant}, key=str)
+    try:
+        with theirs:
+            first = component_difference(mine, theirs, library=library, cls=cls)
+        if first is None:
+            return "", BaseMatch(source.records(found), variant, "same content")
+        for other in others if first.in_weights else []:
+            at = source.component_files(sub, other)
+            copy = source.open_copy(sub, list(at[0])) if at is not None else None
+            if at is None or copy is None:
+                continue
+            with copy:
+                if component_difference(mine, copy, library=library, cls=cls) is None:
+                    return "", BaseMatch(source.records(at), other, "same content")
+    except DDUFError as e:  # a weight file that is no valid safetensors (either side): never the same
+        return f"cannot be compared: {e}", None
+    why = first.text
+    if first.dtype_only:  # say what would help
+        why += f"; compared with its {', '.join(str(v) for v in others if v)} variant too" if any(others) else \
+            "; it has no other variant: pack in its precision"
+    return why, None
+
+
+class BaseComparer:
+    """BASE (a folder, a .dduf, a Hub repo) as the other side of content comparisons of components that are not
+    in a folder (``save_dduf(pipeline, path, base=BASE)``): what to reference, or why to store."""
+
+    def __init__(self, base: str, *, variant: str | None = None, token: str | bool | None = None,
+                 local_files_only: bool = False):
+        spec_ = _parse_sources({}, base)[1]
+        assert spec_ is not None
+        self.spec, self.variant = spec_, variant
+        self.source = _Source(spec_, variant=variant, token=token, local_files_only=local_files_only)
+        self.local_paths: set[str] = set()
+
+    def reference_for(self, name: str, type_hint: tuple[str | None, str | None],
+                      mine: ComponentCopy) -> tuple[str, dict[str, Any] | None]:
+        """("", the reference) when ``mine`` is BASE's ``name`` by content, else (why not, None)."""
+        found = self.source.component_files(name)
+        if found is None:
+            return f"BASE {self.spec} has no {name}/", None
+        hint = self.source.type_hint(name)
+        if hint is not None and tuple(hint) != tuple(type_hint):
+            return f"BASE's is {hint[0]}.{hint[1]}, this one {type_hint[0]}.{type_hint[1]}", None
+        why, match = compare_with_source(self.source, self.variant, name, found, mine, type_hint, None)
+        if match is None:
+            return f"differs from BASE {self.spec} ({why})", None
+        return "", reference_record(name, type_hint, self.spec, match.files, self.source.revision, match.variant,
+                                    self.local_paths)
+
+
 class _Planner:
     """The state of one :func:`make_references` run: what is stored, what is referenced so far, the report."""
 
@@ -490,25 +575,8 @@ class _Planner:
 
     def reference(self, name: str, src: Spec | None, files: FileRecords, revision: str | None,
                   variant: str | None | Literal[False] = False) -> dict[str, Any]:
-        library, cls = self.specs[name]
-        sub = (src.subfolder if src else None) or name
-        variant = self.variant if variant is False else variant
-        has_variant = variant is not None and any((w := classify(f)) and w.variant == variant for f in files)
-        location = None if src is None else src.location
-        snap = hf_snapshot(src.location) if src is not None and src.kind == "folder" else None
-        if snap is not None and src is not None:  # a folder in the HF cache is its repo at its commit: it travels
-            location, revision = snap.repo, snap.revision
-            sub = "/".join(p for p in (snap.subfolder, src.subfolder) if p) or name
-        elif src is not None and src.kind in ("folder", "dduf"):
-            self.local_paths.add(src.location)
-        return {
-            "pretrained_model_name_or_path": location,
-            "subfolder": sub,
-            "revision": revision,
-            "variant": variant if has_variant else None,
-            "type_hint": [library, cls],
-            "files": files,
-        }
+        return reference_record(name, self.specs[name], src, files, revision,
+                                self.variant if variant is False else variant, self.local_paths)
 
     # --- explicit references (--exclude, --ref) ----------------------------------------------------------
     def add_explicit(self, name: str, src: Spec | None) -> None:
@@ -583,34 +651,11 @@ class _Planner:
 
     def compare(self, name: str, paths: Mapping[str, Path], source: _Source, sub: str,
                 found: tuple[FileRecords, dict[str, Path]]) -> tuple[str, BaseMatch | None]:
-        """The local copy of ``name`` against the source's ``sub``: by content where the source's bytes are on
-        this machine (its other weight variants tried when only the weights differ), else by file hashes."""
-        library, cls = self.specs[name]
-        theirs = source.open_copy(sub, list(found[0]))
-        if theirs is None:  # not on this machine: what the file hashes say
-            return self._compare_hashes(name, paths, found)
-        others = sorted((source.variants(sub) | {None}) - {self.variant}, key=str)
+        """The local copy of ``name`` against the source's ``sub`` (:func:`compare_with_source`; by the file
+        hashes where the source's bytes are not on this machine)."""
         with ComponentBytes.from_paths(name, paths) as mine:
-            try:
-                with theirs:
-                    first = component_difference(mine, theirs, library=library, cls=cls)
-                if first is None:
-                    return "", BaseMatch(source.records(found), self.variant, "same content")
-                for variant in others if first.in_weights else []:
-                    at = source.component_files(sub, variant)
-                    copy = source.open_copy(sub, list(at[0])) if at is not None else None
-                    if at is None or copy is None:
-                        continue
-                    with copy:
-                        if component_difference(mine, copy, library=library, cls=cls) is None:
-                            return "", BaseMatch(source.records(at), variant, "same content")
-            except DDUFError as e:  # a weight file that is no valid safetensors (either side): never the same
-                return f"cannot be compared: {e}", None
-        why = first.text
-        if first.dtype_only:  # say what would help
-            why += f"; compared with its {', '.join(str(v) for v in others if v)} variant too" if any(others) else \
-                "; it has no other variant: pack in its precision"
-        return why, None
+            return compare_with_source(source, self.variant, sub, found, mine, self.specs[name],
+                                       lambda: self._compare_hashes(name, paths, found))
 
     def _compare_hashes(self, name: str, paths: Mapping[str, Path],
                         found: tuple[FileRecords, dict[str, Path]]) -> tuple[str, BaseMatch | None]:
@@ -665,12 +710,17 @@ class _Planner:
                                f"component{'s' if len(references) != 1 else ''}")
         else:
             self.report.append("nothing referenced: the archive is complete")
-        for path in sorted(self.local_paths):  # a warning (stderr), seen with --quiet and --json too
-            logger.warning("references record the local path %s: recipients need the same files (found by content "
-                           "in their Hugging Face cache, or given with --ref/refs=); for an archive that travels, "
-                           "reference the Hub repo this copy came from (--base org/repo)", path)
+        warn_local_paths(self.local_paths)
         model_index, raw = _model_index_with(plan, references)
         return PartialPlan(model_index, raw, sources, skipped, references, self.report, saved, self.root)
+
+
+def warn_local_paths(paths: set[str]) -> None:
+    """A warning (stderr, seen with --quiet and --json too) per machine-bound path references record."""
+    for path in sorted(paths):
+        logger.warning("references record the local path %s: recipients need the same files (found by content "
+                       "in their Hugging Face cache, or given with --ref/refs=); for an archive that travels, "
+                       "reference the Hub repo this copy came from (--base org/repo)", path)
 
 
 def _nested(paths: Mapping[str, Path]) -> list[str]:
@@ -679,23 +729,27 @@ def _nested(paths: Mapping[str, Path]) -> list[str]:
 
 
 def _model_index_with(plan: FolderPlan, references: Mapping[str, Any]) -> tuple[dict[str, Any], bytes]:
+    return model_index_with(plan.model_index, plan.model_index_bytes, references)
+
+
+def model_index_with(source: Mapping[str, Any], source_bytes: bytes,
+                     references: Mapping[str, Any]) -> tuple[dict[str, Any], bytes]:
     """model_index.json with the references, in diffusers' canonical form; keeps the source text when it
     was not canonical, so ``complete`` can restore it exactly. No references: the source bytes as they are."""
-    original = {k: v for k, v in plan.model_index.items() if k not in (spec.REFERENCES_KEY, ORIGINAL_MODEL_INDEX_KEY)}
+    original = {k: v for k, v in source.items() if k not in (spec.REFERENCES_KEY, ORIGINAL_MODEL_INDEX_KEY)}
     if not references:
-        if spec.REFERENCES_KEY in plan.model_index:
+        if spec.REFERENCES_KEY in source:
             return original, canonical_model_index_bytes(original)
-        return dict(plan.model_index), plan.model_index_bytes
+        return dict(source), source_bytes
     model_index = dict(original)
     model_index[spec.REFERENCES_KEY] = {n: references[n] for n in sorted(references)}
-    if plan.model_index_bytes != canonical_model_index_bytes(original) and spec.REFERENCES_KEY not in plan.model_index:
+    if source_bytes != canonical_model_index_bytes(original) and spec.REFERENCES_KEY not in source:
         try:
-            text = plan.model_index_bytes.decode("utf-8")
+            text = source_bytes.decode("utf-8")
         except UnicodeDecodeError:
             logger.info("model_index.json is not UTF-8: dduf complete will write it in canonical form")
         else:
-            model_index[ORIGINAL_MODEL_INDEX_KEY] = {
-                "sha256": hashlib.sha256(plan.model_index_bytes).hexdigest(), "text": text}
+            model_index[ORIGINAL_MODEL_INDEX_KEY] = {"sha256": hashlib.sha256(source_bytes).hexdigest(), "text": text}
     return model_index, canonical_model_index_bytes(model_index)
 
 
