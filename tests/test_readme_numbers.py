@@ -63,11 +63,6 @@ def backends_row(r: dict) -> list[str]:
             f"diffusers' default {min(default):.2f}-{max(default):.2f}x"]
 
 
-def open_row(r: dict) -> list[str]:
-    counts = r["requests_to_open"]
-    return [f"{r['latency_s'] * 1e3:.0f} ms", f"| {max(counts.values())} request |", f"{len(counts)} archives"]
-
-
 def validate_row(r: dict) -> list[str]:
     warm = r["structural_warm"]
     return [f"| {warm['dduf_validate_s'] * 1e3:.1f} ms |", f"`read_dduf_file` {warm['read_dduf_file_s'] * 1e3:.2f} ms"]
@@ -106,12 +101,6 @@ def remote_per_connection_row(r: dict) -> list[str]:
             f"| {r['ratios']['first_vs_download_then_load']:.2f}x |"]
 
 
-def hub_row(r: dict) -> list[str]:
-    offline, first = r["load_repo"]["cached_offline"], r["load_repo"]["first"]
-    return [f"| {offline['hub_step_s'] * 1e3:.1f} ms, {offline['requests']} requests |",
-            f"first download {first['hub_step_s'] * 1e3:.1f} ms"]
-
-
 def catalogue_row(r: dict) -> list[str]:
     threads = {run["jobs"]: run for run in r["runs"] if run["mode"] == "api-threads"}
     most = max(threads)
@@ -142,8 +131,6 @@ ROWS: dict[str, tuple[str, Callable[[dict], list[str]], tuple[str, ...]]] = {
     "partial archive": ("partial", partial_row, ()),
     "`load_dduf(URL)`": ("remote", remote_row, ()),
     "same, each connection capped": ("remote_per_connection", remote_per_connection_row, ()),
-    "open a remote archive": ("remote_open", open_row, ()),
-    "`load_dduf(\"org/repo\")` Hub step": ("hub", hub_row, ()),
     "`validate_many`": ("catalogue", catalogue_row, ()),
     "`dduf serve` upload": ("serve", serve_row, ("p50 (p99)",)),
 }
