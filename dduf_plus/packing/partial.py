@@ -29,14 +29,13 @@ import logging
 import os
 import re
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
 from ..assignments import PackNameError, check_names
 from ..errors import DDUFError, DDUFNotFoundError, DDUFPackError
 from ..format import spec
-from ..format.chat_template import TEMPLATE_FILE
 from ..format.pack import (
     EntrySource,
     FolderPlan,
@@ -47,11 +46,17 @@ from ..format.pack import (
     write_archive,
 )
 from ..format.structure import component_specs, model_index_object
-from ..format.weights import classify, select_weights, variants
-from ..refs import cache as _cache
+from ..format.weights import classify
 from ..refs.resolve import Spec, component_folder, parse_ref_args, parse_spec
-from ..remote.hub import HubSourceNotFoundError, hub_unreachable
-from .identity import ComponentBytes, ComponentCopy, component_difference
+from .identity import ComponentBytes, ComponentCopy
+from .reference_source import (
+    BaseMatch,
+    FileRecords,
+    ReferenceSource,
+    compare_with_source,
+    hash_local_files,
+    same_file_hashes,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -62,16 +67,7 @@ __all__ = ["ORIGINAL_MODEL_INDEX_KEY", "BaseComparer", "PartialPlan", "make_refe
 # ``dduf complete`` can restore it and equal a direct full pack byte for byte.
 ORIGINAL_MODEL_INDEX_KEY = "_dduf_plus_original_model_index"
 
-FileRecords = dict[str, dict[str, Any]]
 _COMMIT = re.compile(r"[0-9a-f]{40}")
-
-
-class BaseMatch(NamedTuple):
-    """A local component found to be a source's: what its reference records."""
-
-    files: FileRecords  # the source's files (the loader verifies them by these)
-    variant: str | None  # the source's weight variant that matched
-    how: str  # "identical bytes" or "same content" (re-serialized: other bytes, same tensors and settings)
 
 
 class PartialPlan(NamedTuple):
@@ -100,261 +96,6 @@ def _human(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000
     return f"{n} B"
-
-
-# --- file identities -------------------------------------------------------------------------------------
-def hash_local_files(files: Mapping[str, Path]) -> FileRecords:
-    """{filename: {size, sha256[, git_sha1]}} of local files; sha256 through the verified-hash memory, so
-    packing a fine-tune and loading it later on the same machine hash each referenced file once."""
-    hv = _cache.verified_hashes()
-    out: FileRecords = {}
-    for fname, path in sorted(files.items()):
-        size = path.stat().st_size
-        rec: dict[str, Any] = {"size": size, "sha256": hv.sha256(path)}
-        if not _cache.is_lfs_by_default(fname, size):
-            rec["git_sha1"] = _cache.git_blob_sha1_file(path)
-        out[fname] = rec
-    return out
-
-
-def _pack_selection(filenames: Sequence[str], variant: str | None) -> list[str]:
-    """The files a pack keeps from a component listing: allowed types, the chosen variant's weights."""
-    allowed = [f for f in filenames if (f.endswith(spec.ALLOWED_EXTENSIONS) or f == TEMPLATE_FILE)
-               and not f.startswith(".") and "/" not in f]
-    weights = set(select_weights(allowed, variant))
-    return sorted(f for f in allowed if classify(f) is None or f in weights)
-
-
-def _sibling_record(sibling: Any) -> dict[str, Any]:
-    """{size, sha256 (LFS files) or git_sha1} of one ``model_info(files_metadata=True)`` sibling."""
-    lfs = sibling.lfs
-    sha = (getattr(lfs, "sha256", None) or (lfs.get("sha256") if isinstance(lfs, dict) else None)) \
-        if lfs is not None else None
-    rec: dict[str, Any] = {"size": sibling.size}
-    if sha:
-        rec["sha256"] = sha
-    elif sibling.blob_id:
-        rec["git_sha1"] = sibling.blob_id
-    return rec
-
-
-class _Source:
-    """A SPEC's side of the comparison: per component, {filename: record} (records may lack sha256 when
-    only the Hub's git id is known) and the revision the records were read at."""
-
-    def __init__(self, spec_: Spec, *, variant: str | None, token: str | bool | None, local_files_only: bool):
-        self.spec = spec_
-        self.variant = variant
-        self.token = token
-        self.local_files_only = local_files_only
-        self.revision: str | None = spec_.revision
-        self._hub: dict[str, dict[str, Any]] | None = None
-        self.hub_from: str = ""
-        self.model_index: dict[str, Any] | None = None
-        # Files of a Hugging Face cache written without symlinks (real files in snapshots/): no blob name
-        # gives their hash, so they are hashed, once, when compared (remembered by stat key).
-        self.cache_paths: dict[str, Path] = {}
-
-    def hub_files(self) -> dict[str, dict[str, Any]]:
-        """{repo path: record} from the Hub's file metadata, or from the local HF cache when offline."""
-        if self._hub is not None:
-            return self._hub
-        problems: list[str] = []
-        if not (self.local_files_only or _cache.is_offline() or hub_unreachable()):
-            try:
-                return self._files_from_hub()
-            except Exception as e:  # network, auth, not found: say so; the cache may still know it
-                problems.append(f"Hub metadata unavailable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
-        found = self._files_from_cache(problems)
-        if found is not None:
-            return found
-        rev = self.spec.revision
-        problems.append(f"{self.spec.location}" + (f"@{rev}" if rev else "") + " is not in the Hugging Face cache")
-        if why := (not (self.local_files_only or _cache.is_offline()) and hub_unreachable()):
-            problems.append(f"the Hub cannot be reached ({why})")
-        raise HubSourceNotFoundError(f"cannot read the file list of {self.spec}: " + "; ".join(problems),
-                                     self.spec.location)
-
-    def _files_from_hub(self) -> dict[str, dict[str, Any]]:
-        from huggingface_hub import HfApi
-
-        info = HfApi().model_info(self.spec.location, revision=self.spec.revision, files_metadata=True,
-                                  token=self.token)
-        files = {s.rfilename: _sibling_record(s) for s in info.siblings or []}
-        self._hub, self.revision, self.hub_from = files, info.sha or self.spec.revision, "the Hub's file metadata"
-        return files
-
-    def _files_from_cache(self, problems: list[str]) -> dict[str, dict[str, Any]] | None:
-        """Records of the cached snapshot: blob names give the hashes (sha256 for LFS files, git blob id
-        for the others); files of a cache without links are kept in ``cache_paths``, hashed when compared."""
-        for cache in _cache.hf_cache_dirs(None):
-            snap = _cache.snapshot_dir(cache, self.spec.location, self.spec.revision)
-            if snap is None:
-                continue
-            files: dict[str, dict[str, Any]] = {}
-            for path in sorted(snap.rglob("*")):
-                if not path.is_file():
-                    continue
-                rel = path.relative_to(snap).as_posix()
-                name = _cache.blob_name_of(path, snap.parent.parent) or ""  # only a link into its own blobs/
-                rec: dict[str, Any] = {"size": path.stat().st_size}
-                if len(name) == 64:
-                    rec["sha256"] = name
-                elif len(name) == 40:
-                    rec["git_sha1"] = name
-                else:
-                    self.cache_paths[rel] = path
-                files[rel] = rec
-            why = f"; {problems[0]}" if problems else ""
-            self._hub, self.revision, self.hub_from = files, snap.name, f"the Hugging Face cache ({snap}{why})"
-            return files
-        return None
-
-    def component_files(self, sub: str, variant: str | None | Literal[False] = False
-                        ) -> tuple[FileRecords, dict[str, Path]] | None:
-        """({filename: record}, {filename: local path}) of the source's component folder, None if absent;
-        the weights of ``variant`` (False: the pack's)."""
-        if variant is not False:
-            saved, self.variant = self.variant, variant
-            try:
-                return self.component_files(sub)
-            finally:
-                self.variant = saved
-        kind = self.spec.kind
-        if kind == "folder":
-            root = Path(self.spec.location)
-            folder = root / sub
-            if not folder.is_dir():
-                return None
-            names = _pack_selection(sorted(e.name for e in os.scandir(folder) if e.is_file()), self.variant)
-            return {n: {"size": (folder / n).stat().st_size} for n in names}, {n: folder / n for n in names}
-        if kind == "url":  # a hosted archive: its index records, read by range requests (no entry fetched)
-            from ..refs.hosted import hosted_member_records
-
-            found = hosted_member_records(self.spec.location, sub, token=self.token)
-            if found is None:
-                return None
-            records, self.model_index = found
-            names = _pack_selection(list(records), self.variant)
-            return {n: records[n] for n in names}, {}
-        if kind == "dduf":
-            from ..format.archive import DDUFArchive
-
-            with DDUFArchive(self.spec.location) as archive:
-                if sub not in archive.components or not archive.components[sub].files:
-                    return None
-                names = _pack_selection(list(archive.components[sub].files), self.variant)
-                records = {}  # FileRecords, as declared by the hosted branch above
-                for n in names:
-                    view = archive.view(f"{sub}/{n}")
-                    try:
-                        rec: dict[str, Any] = {"size": len(view), "sha256": hashlib.sha256(view).hexdigest()}
-                        if not _cache.is_lfs_by_default(n, len(view)):
-                            rec["git_sha1"] = _cache.git_blob_sha1(bytes(view))
-                    finally:
-                        view.release()
-                    records[n] = rec
-                return records, {}
-        files = self.hub_files()
-        prefix = sub.rstrip("/") + "/"
-        records = {p[len(prefix):]: r for p, r in files.items() if p.startswith(prefix) and "/" not in p[len(prefix):]}
-        if not records:
-            return None
-        names = _pack_selection(list(records), self.variant)
-        paths = {n: self.cache_paths[prefix + n] for n in names if prefix + n in self.cache_paths}
-        return {n: records[n] for n in names}, paths
-
-    def variants(self, sub: str) -> set[str]:
-        """The weight variants the source's component folder has (``fp16``, ...)."""
-        if self.spec.kind == "folder":
-            folder = Path(self.spec.location) / sub
-            return variants(e.name for e in os.scandir(folder) if e.is_file()) if folder.is_dir() else set()
-        if self.spec.kind == "dduf":
-            from ..format.archive import DDUFArchive
-
-            with DDUFArchive(self.spec.location) as archive:
-                return variants(archive.components[sub].files) if sub in archive.components else set()
-        if self.spec.kind == "hub":
-            prefix = sub.rstrip("/") + "/"
-            return variants(p[len(prefix):] for p in self.hub_files() if p.startswith(prefix))
-        return set()
-
-    def open_copy(self, sub: str, names: Sequence[str]) -> ComponentBytes | None:
-        """The bytes of the source's ``sub`` files ``names`` (mapped files, or the archive's entries), or None
-        where they are not on this machine (a Hub repo not in the cache, a hosted archive)."""
-        where = f"BASE {self.spec}/{sub}"
-        if self.spec.kind == "folder":
-            folder = Path(self.spec.location) / sub
-            return ComponentBytes.from_paths(where, {n: folder / n for n in names})
-        if self.spec.kind == "dduf":
-            from ..format.archive import DDUFArchive
-
-            archive = DDUFArchive(self.spec.location)
-            return ComponentBytes(where, names, lambda n: archive.view(f"{sub}/{n}"), archive.close)
-        if self.spec.kind == "hub":
-            for cache in _cache.hf_cache_dirs(None):
-                snap = _cache.snapshot_dir(cache, self.spec.location, self.revision or self.spec.revision)
-                paths = {n: snap / sub / n for n in names} if snap is not None else {}
-                if paths and all(p.is_file() for p in paths.values()):
-                    return ComponentBytes.from_paths(where, paths)
-        return None
-
-    def records(self, found: tuple[FileRecords, dict[str, Path]]) -> FileRecords:
-        """What a reference records of the source's files: their records, files at hand hashed (once)."""
-        records, paths = found
-        if self.spec.kind == "folder":
-            return hash_local_files(paths)
-        return {**records, **hash_local_files(paths)}
-
-    def type_hint(self, component: str) -> tuple[str | None, str | None] | None:
-        """(library, class) the source's model_index.json gives ``component``, when it is at hand."""
-        if self.model_index is None:
-            raw: bytes | None = None
-            try:
-                if self.spec.kind == "folder":
-                    raw = (Path(self.spec.location) / spec.MODEL_INDEX).read_bytes()
-                elif self.spec.kind == "dduf":
-                    from ..format.archive import DDUFArchive
-
-                    with DDUFArchive(self.spec.location) as archive:
-                        raw = archive.read_bytes(spec.MODEL_INDEX)
-            except (OSError, DDUFError):
-                raw = None
-            try:
-                self.model_index = json.loads(raw) if raw else {}
-            except ValueError:
-                self.model_index = {}
-        specs = component_specs(self.model_index) if isinstance(self.model_index, dict) else {}
-        return specs.get(component)
-
-
-def _same_content(name: str, local: FileRecords, local_paths: Mapping[str, Path], other: FileRecords,
-                  other_paths: Mapping[str, Path]) -> list[str]:
-    """Why the local component differs from ``other`` (empty: every local file is there, same bytes)."""
-    hv = _cache.verified_hashes()
-    why = []
-    for fname, rec in sorted(local.items()):
-        o = other.get(fname)
-        if o is None:
-            why.append(f"{name}/{fname} is not in it")
-            continue
-        if o.get("size") is not None and o["size"] != rec["size"]:
-            why.append(f"{name}/{fname}: {o['size']} bytes there, {rec['size']} here")
-            continue
-        if fname in other_paths and "sha256" not in o:
-            src, dst = other_paths[fname], local_paths.get(fname)
-            same_inode = dst is not None and os.path.samefile(src, dst)
-            o = {**o, "sha256": rec["sha256"] if same_inode else hv.sha256(src)}
-        if o.get("sha256"):
-            if o["sha256"] != rec["sha256"]:
-                why.append(f"{name}/{fname}: sha256 differs")
-        elif o.get("git_sha1"):
-            mine = rec.get("git_sha1") or _cache.git_blob_sha1_file(local_paths[fname])
-            if o["git_sha1"] != mine:
-                why.append(f"{name}/{fname}: git blob id differs")
-        else:
-            why.append(f"{name}/{fname}: no hash known there")
-    return why
 
 
 def _infer_variant(plan: FolderPlan) -> str | None:
@@ -469,39 +210,6 @@ def reference_record(name: str, type_hint: tuple[str | None, str | None], src: S
     }
 
 
-def compare_with_source(source: _Source, variant: str | None, sub: str, found: tuple[FileRecords, dict[str, Path]],
-                        mine: ComponentCopy, type_hint: tuple[str | None, str | None],
-                        by_hashes: Callable[[], tuple[str, BaseMatch | None]] | None) -> tuple[str, BaseMatch | None]:
-    """``mine`` against the source's ``sub`` (its ``found`` files): by content where the source's bytes are on this
-    machine (its other weight variants tried when only the weights differ), else ``by_hashes()``. Returns
-    (why not, None) or ("", what a reference records)."""
-    theirs = source.open_copy(sub, list(found[0]))
-    if theirs is None:
-        return by_hashes() if by_hashes is not None else ("its files are not on this machine to compare", None)
-    library, cls = type_hint
-    others = sorted((source.variants(sub) | {None}) - {variant}, key=str)
-    try:
-        with theirs:
-            first = component_difference(mine, theirs, library=library, cls=cls)
-        if first is None:
-            return "", BaseMatch(source.records(found), variant, "same content")
-        for other in others if first.in_weights else []:
-            at = source.component_files(sub, other)
-            copy = source.open_copy(sub, list(at[0])) if at is not None else None
-            if at is None or copy is None:
-                continue
-            with copy:
-                if component_difference(mine, copy, library=library, cls=cls) is None:
-                    return "", BaseMatch(source.records(at), other, "same content")
-    except DDUFError as e:  # a weight file that is no valid safetensors (either side): never the same
-        return f"cannot be compared: {e}", None
-    why = first.text
-    if first.dtype_only:  # say what would help
-        why += f"; compared with its {', '.join(str(v) for v in others if v)} variant too" if any(others) else \
-            "; it has no other variant: pack in its precision"
-    return why, None
-
-
 class BaseComparer:
     """BASE (a folder, a .dduf, a Hub repo) as the other side of content comparisons of components that are not
     in a folder (``save_dduf(pipeline, path, base=BASE)``): what to reference, or why to store."""
@@ -511,7 +219,7 @@ class BaseComparer:
         spec_ = _parse_sources({}, base)[1]
         assert spec_ is not None
         self.spec, self.variant = spec_, variant
-        self.source = _Source(spec_, variant=variant, token=token, local_files_only=local_files_only)
+        self.source = ReferenceSource(spec_, variant=variant, token=token, local_files_only=local_files_only)
         self.local_paths: set[str] = set()
 
     def reference_for(self, name: str, type_hint: tuple[str | None, str | None],
@@ -546,16 +254,16 @@ class _Planner:
         self.local_paths: set[str] = set()  # machine-bound sources recorded (said so in the report)
         self.references: dict[str, dict[str, Any]] = {}
         self.local_bytes: dict[str, int] = {}
-        self._sources: dict[Spec, _Source] = {}
+        self._sources: dict[Spec, ReferenceSource] = {}
 
     def check_names(self, names: set[str], what: str = "--exclude/--ref") -> None:
         check_names(sorted(names), self.real, what=what, where=str(self.root / spec.MODEL_INDEX),
                     error=PackNameError, wildcards=("*",))
 
-    def source_for(self, s: Spec) -> _Source:
+    def source_for(self, s: Spec) -> ReferenceSource:
         key = s._replace(subfolder=None)
         if key not in self._sources:
-            self._sources[key] = _Source(key, variant=self.variant, token=self.token,
+            self._sources[key] = ReferenceSource(key, variant=self.variant, token=self.token,
                                          local_files_only=self.local_files_only)
         return self._sources[key]
 
@@ -637,7 +345,7 @@ class _Planner:
             self.report.append(f"referenced {name} -> {base_spec} ({match.how}{variant}: {_files(len(match.files))} "
                                f"there, {_human(self.local_bytes[name])} here)")
 
-    def _match_base(self, name: str, paths: Mapping[str, Path], source: _Source,
+    def _match_base(self, name: str, paths: Mapping[str, Path], source: ReferenceSource,
                     base_spec: Spec) -> tuple[str, BaseMatch | None]:
         """(why not, None) or ("", what the reference records): the local ``name`` against BASE's ``name``."""
         found = source.component_files(name)
@@ -649,7 +357,7 @@ class _Planner:
         why, match = self.compare(name, paths, source, name, found)
         return (f"differs from BASE {base_spec} ({why})" if match is None else ""), match
 
-    def compare(self, name: str, paths: Mapping[str, Path], source: _Source, sub: str,
+    def compare(self, name: str, paths: Mapping[str, Path], source: ReferenceSource, sub: str,
                 found: tuple[FileRecords, dict[str, Path]]) -> tuple[str, BaseMatch | None]:
         """The local copy of ``name`` against the source's ``sub`` (:func:`compare_with_source`; by the file
         hashes where the source's bytes are not on this machine)."""
@@ -660,7 +368,7 @@ class _Planner:
     def _compare_hashes(self, name: str, paths: Mapping[str, Path],
                         found: tuple[FileRecords, dict[str, Path]]) -> tuple[str, BaseMatch | None]:
         files = hash_local_files(paths)
-        why = _same_content(name, files, paths, found[0], found[1])
+        why = same_file_hashes(name, files, paths, found[0], found[1])
         if why:
             return (f"{why[0]}" + (", ..." if len(why) > 1 else "") + "; compared by file hashes: its files are not "
                     "on this machine to compare by content"), None
