@@ -23,7 +23,7 @@ from ..format.validate import load_findings
 from ..format.weights import variants
 from ..storage.urls import is_url
 from .bridge import install_bridge
-from .components import build_component, resolve_class
+from .components import build_component, did_you_mean, resolve_class
 from .dtypes import AUTO, requested_for, resolve_request
 from .files import ArchiveComponentFiles, ComponentFiles
 from .folder_source import FolderPipeline
@@ -441,8 +441,9 @@ def _pipeline_class(model_index: Mapping[str, Any], path: str) -> type[Diffusion
         raise DDUFLoadError(f"{path}: model_index.json has no _class_name")
     cls = getattr(diffusers, name.removeprefix("Flax"), None) if name.isidentifier() else None
     if not (isinstance(cls, type) and issubclass(cls, DiffusionPipeline)):
-        raise DDUFLoadError(f"{path}: model_index.json names the pipeline class {name!r}, which diffusers "
-                            f"{diffusers.__version__} does not have (upgrade diffusers?)")
+        raise DDUFLoadError(f"{path}: D017: model_index.json names the pipeline class {name!r}, which diffusers "
+                            f"{diffusers.__version__} does not have{did_you_mean(name, diffusers)} (upgrade "
+                            "diffusers?)", code="D017")
     return cls
 
 
