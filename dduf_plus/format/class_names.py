@@ -142,13 +142,13 @@ def _renamed_transformers_classes() -> dict[str, str]:
     return dict(_REMAPPED.findall(path.read_text(encoding="utf-8", errors="replace")))
 
 
-def unknown_classes(model_index: Mapping[str, Any]) -> list[UnknownClass]:
-    """Every class model_index.json names (the pipeline's, each component's) that its library, installed here,
-    does not have. Reads the libraries' source text (milliseconds); imports transformers (its lazy table, no
+def unknown_classes(model_index: Mapping[str, Any], *, include_pipeline: bool = True) -> list[UnknownClass]:
+    """Every class model_index.json names (each component's; the pipeline's with ``include_pipeline``) that
+    its library, installed here, does not have. Reads the libraries' source text (milliseconds); imports transformers (its lazy table, no
     torch) only for a name found nowhere else."""
     wanted: list[tuple[str | None, str, str]] = []  # (component, library, class)
     pipeline = model_index.get("_class_name")
-    if isinstance(pipeline, str):
+    if include_pipeline and isinstance(pipeline, str):
         wanted.append((None, "diffusers", pipeline.removeprefix("Flax")))
     for name, (library, cls) in sorted(component_specs(model_index).items()):
         if library in CHECKED and isinstance(cls, str):
@@ -173,10 +173,12 @@ def unknown_class_problems(model_index: Mapping[str, Any]) -> list[str]:
 
 
 def class_findings(model_index: Mapping[str, Any]) -> list[Finding]:
-    """D017 for each class its library does not have: the entry is the component (``model_index.json`` for
-    the pipeline class). A library that cannot even be read (a broken install) checks nothing."""
+    """D017 for each component class its library does not have (the entry is the component). The pipeline
+    class is ``dduf pack``'s warning only: test and example archives name made-up pipelines, and the loader
+    names it itself (D017) when it cannot find it. A library that cannot be read (a broken install) checks
+    nothing."""
     try:
-        found = unknown_classes(model_index)
+        found = unknown_classes(model_index, include_pipeline=False)
     except (OSError, ImportError) as e:
         logger.debug("class name check skipped: %s", e)
         return []

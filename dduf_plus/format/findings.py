@@ -214,9 +214,9 @@ _RULES = (
          meaning="a stored component whose class is a model (not a scheduler, tokenizer, feature extractor, processor or guider: known from its library's class name, its config file or, when its class is unknown, `config.json` with no other config) holds a config but no `.safetensors` weights (also when its shard index names none)",
          why="the loader has nothing to give the model: it refuses, or random weights would load",
          fix="add the component's `.safetensors` files, or reference it (`dduf pack --ref`)"),
-    Rule("D017", "error", "a component or pipeline class its library does not have",
+    Rule("D017", "error", "a component class its library does not have",
          checked_by="validate (the loader too; only for diffusers and transformers, when installed)",
-         meaning="`model_index.json` names a class (`_class_name`, or `[library, class]` of a component) that the installed diffusers or transformers does not export; the message says the closest name; looked up in the libraries' source text, without importing torch",
+         meaning="`model_index.json` names a component class (`[library, class]`) that the installed diffusers or transformers does not export (old names diffusers itself maps, such as `CLIPFeatureExtractor`, pass); the message says the closest name; looked up in the libraries' source text, without importing torch. The pipeline class (`_class_name`) is `dduf pack`'s warning and the loader's error, not a rule",
          why="no loader can build it: a typo (`UNet2DConditionModle`) makes an archive every tool accepts and none loads",
          fix="fix the class name; if it is a newer class, upgrade the library the validator runs with"),
     # safetensors

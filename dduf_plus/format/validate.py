@@ -26,7 +26,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -68,8 +68,9 @@ class ValidationReport:
     valid: bool
     errors: tuple[Finding, ...]
     warnings: tuple[Finding, ...]
-    bytes_read: int
-    seconds: float
+    # two reports with the same verdict and findings are equal, however they read and how long each took
+    bytes_read: int = field(compare=False)
+    seconds: float = field(compare=False)
     infos: tuple[Finding, ...] = ()
     io_error: str | None = None
 

@@ -441,9 +441,10 @@ def _pipeline_class(model_index: Mapping[str, Any], path: str) -> type[Diffusion
         raise DDUFLoadError(f"{path}: model_index.json has no _class_name")
     cls = getattr(diffusers, name.removeprefix("Flax"), None) if name.isidentifier() else None
     if not (isinstance(cls, type) and issubclass(cls, DiffusionPipeline)):
-        raise DDUFLoadError(f"{path}: D017: model_index.json names the pipeline class {name!r}, which diffusers "
+        # no rule code: validate leaves the pipeline class to `dduf pack`'s warning (D017 is for components)
+        raise DDUFLoadError(f"{path}: model_index.json names the pipeline class {name!r}, which diffusers "
                             f"{diffusers.__version__} does not have{did_you_mean(name, diffusers)} (upgrade "
-                            "diffusers?)", code="D017")
+                            "diffusers?)")
     return cls
 
 
