@@ -52,9 +52,10 @@ def validate(source: str | os.PathLike | ByteSource, verify: bool = False, stric
         >>> report.valid, report.codes
         (True, [])
     """
+    from .format.validate import ArchiveCheck
     from .format.validate import validate as validate_archive
 
-    checks = ()
+    checks: tuple[ArchiveCheck, ...] = ()
     if load_check:
         from .loading.load_check import load_check_findings
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 from dduf_plus.format.findings import (
     RULES,
-    SEVERITIES,
     RULES_TABLE_BEGIN,
     RULES_TABLE_END,
+    SEVERITIES,
     rules_markdown,
     write_rules_table,
 )
