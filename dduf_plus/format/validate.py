@@ -344,8 +344,9 @@ def json_entry_findings(archive: DDUFArchive, read: Callable[[Entry], bytes], *,
     budget of its kind (:func:`~dduf_plus.format.json_budget.budget_for`). ``read`` gives an entry's bytes."""
     out: list[Finding] = []
     entries = archive.entries
+    compressed = getattr(archive, "compressed", frozenset())  # a loader's folder view has none
     for name, e in entries.items():
-        if not name.endswith(".json") or name in (spec.MODEL_INDEX, spec.INDEX_NAME) or name in archive.compressed:
+        if not name.endswith(".json") or name in (spec.MODEL_INDEX, spec.INDEX_NAME) or name in compressed:
             continue  # a compressed entry's bytes are not its content: Z011 is what is wrong with it
         basename = name.rsplit("/", 1)[-1]
         is_config = "/" in name and basename in spec.CONFIG_FILES
@@ -378,8 +379,8 @@ def _check_budgets(archive: DDUFArchive, source: _GuardedSource, verify: bool) -
 
 def _check_components(archive: DDUFArchive, source: _GuardedSource, verify: bool) -> list[Finding]:
     """D016: model components stored without weights; D017: classes their library does not have (looked up
-    in the installed diffusers / transformers source text, no torch). The loader refuses both where it builds
-    the component (same codes), so a caller who passes the component itself still loads."""
+    in the installed diffusers / transformers source text, no torch). The loader runs the same two checks
+    before it resolves anything (same codes), for the components the caller does not pass itself."""
     from .class_names import class_findings, missing_weight_findings
 
     return missing_weight_findings(archive.components.values()) + class_findings(archive.model_index)
