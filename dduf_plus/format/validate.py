@@ -344,7 +344,7 @@ def json_entry_findings(archive: DDUFArchive, read: Callable[[Entry], bytes], *,
     budget of its kind (:func:`~dduf_plus.format.json_budget.budget_for`). ``read`` gives an entry's bytes."""
     out: list[Finding] = []
     entries = archive.entries
-    compressed = getattr(archive, "compressed", frozenset())  # a loader's folder view has none
+    compressed: frozenset[str] = getattr(archive, "compressed", frozenset())  # a loader's folder view has none
     for name, e in entries.items():
         if not name.endswith(".json") or name in (spec.MODEL_INDEX, spec.INDEX_NAME) or name in compressed:
             continue  # a compressed entry's bytes are not its content: Z011 is what is wrong with it
