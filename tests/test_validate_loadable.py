@@ -184,3 +184,19 @@ def test_load_check_is_opt_in(tmp_path):
     """Default validation never builds a model: the same archive, no L finding without load_check."""
     archive = variant(tmp_path, configs={"text_encoder/config.json": {"num_hidden_layers": 3}})
     assert validate(archive).valid and "L001" in codes(validate(archive, load_check=True))
+
+
+def test_class_lookups_from_many_threads_agree(tmp_path):
+    """dduf serve and validate_many validate on threads: the per-process name tables grow under a lock, so
+    concurrent lookups (a typo makes one read more of transformers) never see a set change under them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dduf_plus.format import class_names
+
+    class_names.forget_libraries()  # every thread starts from nothing
+    index = json.loads((TINY_SD / "model_index.json").read_text())
+    typo = dict(index, text_encoder=["transformers", "CLIPTextModle"], unet=["diffusers", "UNet2DConditionModle"])
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(class_names.class_findings, [index, typo] * 8))
+    assert all(r == [] for r in results[::2])
+    assert all(sorted(f.entry for f in r) == ["text_encoder", "unet"] for r in results[1::2])

@@ -96,11 +96,19 @@ class _Library:
 
 
 _LIBRARIES: dict[str, _Library | None] = {}  # per process: a server reads each library's source once
-_LIBRARIES_LOCK = threading.Lock()
+# validate runs on many threads (validate_many, dduf serve): a lookup grows a library's name set, so every
+# lookup holds the lock (after the first, each is a few set look-ups)
+_LIBRARIES_LOCK = threading.RLock()
+
+
+def forget_libraries() -> None:
+    """Drop what was read of the libraries (after installing or upgrading one in a running server)."""
+    with _LIBRARIES_LOCK:
+        _LIBRARIES.clear()
 
 
 def _library(name: str) -> _Library | None:
-    with _LIBRARIES_LOCK:  # validate runs on many threads (validate_many, dduf serve)
+    with _LIBRARIES_LOCK:
         if name not in _LIBRARIES:
             root = _package_root(name)
             _LIBRARIES[name] = _Library(name, root) if root is not None else None
@@ -155,15 +163,16 @@ def unknown_classes(model_index: Mapping[str, Any], *, include_pipeline: bool = 
             wanted.append((name, library, cls))
     renamed: dict[str, str] | None = None
     found: list[UnknownClass] = []
-    for component, library, cls in wanted:
-        lib = _library(library)
-        if lib is None or lib.has(cls):
-            continue  # not installed here: nothing to check against
-        if library == "transformers":
-            renamed = _renamed_transformers_classes() if renamed is None else renamed
-            if cls in renamed and lib.has(renamed[cls]):
-                continue
-        found.append(UnknownClass(component, library, cls, lib.closest(cls)))
+    with _LIBRARIES_LOCK:
+        for component, library, cls in wanted:
+            lib = _library(library)
+            if lib is None or lib.has(cls):
+                continue  # not installed here: nothing to check against
+            if library == "transformers":
+                renamed = _renamed_transformers_classes() if renamed is None else renamed
+                if cls in renamed and lib.has(renamed[cls]):
+                    continue
+            found.append(UnknownClass(component, library, cls, lib.closest(cls)))
     return found
 
 
