@@ -160,6 +160,8 @@ def test_load_check_finds_stored_tensors_the_model_does_not_have(tmp_path):
     archive = variant(tmp_path, configs={"text_encoder/config.json": {"num_hidden_layers": 1}})
     found = [f for f in validate(archive, load_check=True).errors if f.code == "L002"]
     assert [f.entry for f in found] == ["text_encoder"] and "encoder.layers.1." in found[0].message
+    assert cli_main(["validate", "-q", str(archive)]) == 0  # without the flag: valid
+    assert cli_main(["validate", "-q", "--load-check", str(archive)]) == 1
 
 
 @pytest.mark.parametrize("change", [
