@@ -1,8 +1,9 @@
 """Class names in model_index.json checked against the installed libraries, cheaply and without importing torch.
 
 A typo (``UNet2DConditionModle``) makes an archive every ZIP and DDUF reader accepts and no loader can build:
-``dduf validate`` reports it (D017, an error, with the closest name) and ``dduf pack`` warns before writing
-(:mod:`dduf_plus.packing.class_names`). Only diffusers and transformers are checked, and only when installed
+``dduf validate`` and ``load_dduf`` refuse it (D017, an error, with the closest name), ``dduf pack`` says so
+before it packs (:mod:`dduf_plus.packing.class_names`) and then refuses to write it. D016 lives here too: a
+component the class name and config files say is a model, stored without weights. Only diffusers and transformers are checked, and only when installed
 here: a class of another library, or of a library this machine lacks, is nothing to check against.
 Importing diffusers imports torch and importing transformers scans ~2,600 files (seconds on a busy machine),
 so names are first looked up in the libraries' source text: diffusers' top-level ``__init__.py`` lists every
@@ -184,8 +185,8 @@ def unknown_class_problems(model_index: Mapping[str, Any]) -> list[str]:
 def class_findings(model_index: Mapping[str, Any]) -> list[Finding]:
     """D017 for each component class its library does not have (the entry is the component). The pipeline
     class is ``dduf pack``'s warning only: test and example archives name made-up pipelines, and the loader
-    names it itself (D017) when it cannot find it. A library that cannot be read (a broken install) checks
-    nothing."""
+    says itself (no rule code) when it cannot find one. A library that cannot be read (a broken install)
+    checks nothing."""
     try:
         found = unknown_classes(model_index, include_pipeline=False)
     except (OSError, ImportError) as e:
