@@ -136,6 +136,10 @@ def test_load_check_passes_a_good_pipeline(tmp_path, capsys):
     assert report.valid and not [c for c in codes(report) if c.startswith("L")], report
     assert cli_main(["validate", "--load-check", str(archive)]) == 0
     assert [r.valid for r in validate_many([archive], load_check=True)] == [True]
+    for name in ("tiny-dit", "tiny-sd-finetune"):  # T5EncoderModel (tied embeddings) and PixArt; a fine-tune
+        other = pack_folder(PIPELINES / name, tmp_path / f"{name}.dduf", quiet=True).path
+        report = validate(other, load_check=True)
+        assert report.valid and not [c for c in codes(report) if c.startswith("L")], (name, report)
 
 
 def test_load_check_finds_tensors_that_do_not_fit(tmp_path):
