@@ -21,6 +21,7 @@ import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import RESULTS, ROOT, WORK, median  # noqa: E402
@@ -95,8 +96,9 @@ def run_cli(urls: list[str], jobs: int, listing: Path) -> tuple[float, Counter]:
     return seconds, Counter("io_error" if "io_error" in x else x["valid"] for x in lines)
 
 
-def _verdict(result: dict) -> object:
-    return "io_error" if result["error"] is not None else result["valid"]
+def _verdict(report: Any) -> object:
+    """validate_many yields ValidationReport objects (``io_error`` set for a source it could not read)."""
+    return "io_error" if report.io_error is not None else report.valid
 
 
 def run_dask(urls: list[str], jobs: int, repeat: int) -> tuple[float, list[float], Counter] | None:

@@ -3,6 +3,13 @@ SD-1.5-shaped fp16 archive (2.1 GB), warm and cold page cache, same run; `--veri
 hostile corpus cases each checker refuses (read_dduf_file, the npm @huggingface/dduf checkDDUF, ours).
 
     python bench/bench_validate.py [--repeat 20] [--no-cold] [--no-npm]
+    python bench/bench_validate.py --load-check-only [--before DIR] [--repeat 20]
+
+``--load-check-only`` times the opt-in load check (``dduf validate --load-check``: every model built on the
+meta device, its state-dict table matched to the stored headers) in a fresh interpreter and warm, and default
+structural validation, in process and as a CLI, against an earlier dduf_plus (``--before DIR``: a folder
+holding its ``dduf_plus`` package, e.g. ``git archive REV dduf_plus | tar -x -C DIR``); it writes
+bench/results/validate_load_check.json and leaves validate.json alone.
 
 Cold-cache figures need write access to /proc/sys/vm/drop_caches (skipped otherwise). The npm checker
 is installed into bench/_work/node on first use when npm is present.
@@ -151,12 +158,75 @@ def hostile_table(use_npm: bool) -> list[dict]:
     return rows
 
 
+_IN_PROCESS = """
+import json, statistics, sys, time
+from dduf_plus.format.validate import validate
+path, repeat = sys.argv[1], int(sys.argv[2])
+first = validate(path)
+runs = []
+for _ in range(repeat):
+    t = time.perf_counter(); validate(path); runs.append(time.perf_counter() - t)
+print(json.dumps({"median_s": statistics.median(runs), "runs": runs, "valid": first.valid, "codes": first.codes}))
+"""
+
+_LOAD_CHECK = """
+import json, sys, time
+started = time.perf_counter()
+import dduf_plus
+report = dduf_plus.validate(sys.argv[1], load_check=True)
+first = time.perf_counter() - started
+runs = []
+for _ in range(int(sys.argv[2])):
+    t = time.perf_counter(); dduf_plus.validate(sys.argv[1], load_check=True); runs.append(time.perf_counter() - t)
+print(json.dumps({"fresh_process_s": first, "warm_runs": runs, "valid": report.valid, "codes": report.codes}))
+"""
+
+
+def _python_json(code: str, args: list[str], pythonpath: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=pythonpath)
+    done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def load_check_bench(archive: Path, repeat: int, before: Path | None) -> dict:
+    """Default validation before/after (in process, CLI wall) and the load check (fresh process, warm)."""
+    trees = {"after": str(ROOT)} | ({"before": str(before)} if before is not None else {})
+    out: dict = {"archive_bytes": archive.stat().st_size, "cpus": os.cpu_count(), "structural": {}, "cli_wall_s": {}}
+    for label, tree in trees.items():
+        out["structural"][label] = _python_json(_IN_PROCESS, [str(archive), str(repeat)], tree)
+        env = dict(os.environ, PYTHONPATH=tree)
+        runs = []
+        for _ in range(max(5, repeat // 2)):
+            started = time.perf_counter()
+            subprocess.run([sys.executable, "-m", "dduf_plus.cli", "validate", str(archive)], env=env,
+                           stdout=subprocess.DEVNULL, check=False)
+            runs.append(time.perf_counter() - started)
+        out["cli_wall_s"][label] = median(runs)
+        print(f"{label}: structural {out['structural'][label]['median_s'] * 1e3:.2f} ms in process, "
+              f"CLI {median(runs) * 1e3:.0f} ms", flush=True)
+    check = _python_json(_LOAD_CHECK, [str(archive), str(max(3, repeat // 4))], str(ROOT))
+    check["warm_s"] = median(check["warm_runs"])
+    out["load_check"] = check
+    print(f"load check: {check['fresh_process_s']:.2f} s in a fresh interpreter (imports included), "
+          f"{check['warm_s']:.3f} s warm; valid={check['valid']} {check['codes']}", flush=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--no-cold", action="store_true", help="skip the cold-cache runs (they drop the page cache)")
     parser.add_argument("--no-npm", action="store_true")
+    parser.add_argument("--load-check-only", action="store_true",
+                        help="time the load check and default validation before/after, nothing else")
+    parser.add_argument("--before", type=Path, default=None,
+                        help="with --load-check-only: a folder holding an earlier dduf_plus package to compare")
     args = parser.parse_args()
+    if args.load_check_only:
+        archive = sd15_archive()
+        result = load_check_bench(archive, args.repeat, args.before)
+        (RESULTS / "validate_load_check.json").write_text(json.dumps(result, indent=2) + "\n")
+        return
     from huggingface_hub import read_dduf_file  # imported before timing, like ours
 
     archive = sd15_archive()

@@ -21,7 +21,7 @@ _LAZY: dict[str, str] = {
     "load_dduf": "dduf_plus.loading.pipeline",
     "save_dduf": "dduf_plus.loading.save",
     "inspect_dtypes": "dduf_plus.inspection",
-    "validate": "dduf_plus.format.validate",
+    "validate": "dduf_plus.catalogue",  # the format floor's validate, plus the opt-in load check
     "ValidationReport": "dduf_plus.format.validate",
     "validate_many": "dduf_plus.catalogue",
     "DDUFError": "dduf_plus.errors",
@@ -40,6 +40,7 @@ _LAZY: dict[str, str] = {
 
 if TYPE_CHECKING:  # pragma: no cover
     # `X as X`: an explicit re-export, for checkers that do not count a plain import in a py.typed package
+    from .catalogue import validate as validate
     from .catalogue import validate_many as validate_many
     from .compat import read_dduf_file as read_dduf_file
     from .errors import DDUFEntryNotFoundError as DDUFEntryNotFoundError
@@ -57,7 +58,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from .format.archive import DDUFArchive as DDUFArchive
     from .format.pack import pack_folder as pack_folder
     from .format.validate import ValidationReport as ValidationReport
-    from .format.validate import validate as validate
     from .format.writer import DDUFWriter as DDUFWriter
     from .inspection import inspect_dtypes as inspect_dtypes
     from .loading.pipeline import load_dduf as load_dduf

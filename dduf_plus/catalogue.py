@@ -1,18 +1,20 @@
 """Catalogue-scale validation: :func:`validate_many` checks many archives (local paths or URLs) on any
 :class:`concurrent.futures.Executor`: threads (the default), processes, a Dask cluster
-(``distributed.Client(...).get_executor()``) or Ray.
+(``distributed.Client(...).get_executor()``) or Ray. It yields what :func:`validate` returns, a
+:class:`~dduf_plus.format.validate.ValidationReport` per source, whatever happens to it; ``report.as_dict()`` is
+exactly one entry of ``dduf validate --json``'s ``"files"`` list::
 
-Every source gives one result dict, whatever happens to it::
-
-    {"source": "https://host/a.dduf", "valid": False,
-     "report": {...},      # exactly one entry of `dduf validate --json`'s "files" list
-     "error": None}        # why the source could not be read (missing file, unreachable URL...), else None
+    {"path": "https://host/a.dduf", "valid": False, "errors": [...], "warnings": [...], "infos": [...]}
 
 A source that cannot be read (a :class:`~dduf_plus.errors.DDUFError`), a worker that dies or a result that
-cannot be sent back becomes such a result with ``error`` set; nothing a source does stops the batch. The
-per-source work is :func:`validate_one`, a top-level function with picklable arguments and result, so process
-pools and Dask workers can run it. Sources are submitted through a bounded window (a few per worker), so a
-catalogue of millions of URLs read from a file or stdin never sits in memory as futures."""
+cannot be sent back becomes a report with ``io_error`` set (``valid`` False, no findings); nothing a source does
+stops the batch. The per-source work is :func:`validate_one`, a top-level function with picklable arguments and
+result, so process pools and Dask workers can run it. Sources are submitted through a bounded window (a few per
+worker), so a catalogue of millions of URLs read from a file or stdin never sits in memory as futures.
+
+:func:`validate` (``dduf_plus.validate``) is the format floor's validator plus, when asked
+(``load_check=True``), the load check of :mod:`dduf_plus.loading.load_check`, which imports torch: it lives
+here, on the top floor, so that ``dduf_plus.format`` never imports it."""
 
 from __future__ import annotations
 
@@ -22,46 +24,74 @@ import time
 from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, ThreadPoolExecutor, wait
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 log = logging.getLogger("dduf_plus.catalogue")
 
 DEFAULT_MAX_WORKERS = 32  # catalogue checks wait on the network: threads, many more than cores
 WINDOW_PER_WORKER = 4  # futures in flight per worker: enough to keep workers busy, bounded memory
 
-Result = dict[str, Any]
+if TYPE_CHECKING:  # pragma: no cover
+    from .format.validate import ValidationReport
+    from .storage.source import ByteSource
+
+
+def validate(source: str | os.PathLike | ByteSource, verify: bool = False, strict: bool = False, *,
+             load_check: bool = False, max_decompressed: Any = None, **storage_options: Any) -> ValidationReport:
+    """Check an archive against every DDUF and dduf_plus rule: :func:`dduf_plus.format.validate.validate`
+    (its arguments, its report, its ``Raises``), plus the load check when ``load_check`` is True.
+
+    Args:
+        load_check: also build every stored model component on the meta device and match its state-dict
+            table (names, shapes, dtype kinds) to the stored tensors' headers, reading no weight: L001-L004
+            errors, L005 infos (:mod:`dduf_plus.loading.load_check`). Imports torch and the components'
+            libraries (seconds the first time); the rest of validation never does.
+
+    Example:
+        >>> report = validate("model.dduf", load_check=True)
+        >>> report.valid, report.codes
+        (True, [])
+    """
+    from .format.validate import ArchiveCheck
+    from .format.validate import validate as validate_archive
+
+    checks: tuple[ArchiveCheck, ...] = ()
+    if load_check:
+        from .loading.load_check import load_check_findings
+
+        checks = (load_check_findings,)
+    return validate_archive(source, verify, strict, max_decompressed=max_decompressed, checks=checks,
+                            **storage_options)
 
 
 def unreadable_report(path: str, message: str) -> dict[str, Any]:
     """The ``dduf validate --json`` entry for a source that could not be read (exit status 2)."""
-    return {"path": path, "valid": False, "errors": [], "warnings": [], "io_error": message}
+    from .format.validate import unreadable
 
-
-def _result(source: str, report: dict[str, Any], error: str | None) -> Result:
-    return {"source": source, "valid": bool(report["valid"]) and error is None, "report": report, "error": error}
+    return unreadable(path, message).as_dict()
 
 
 def validate_one(source: str | os.PathLike, verify: bool = False, strict: bool = False,
                  max_decompressed: Any = None, timeout: float | None = None,
-                 storage_options: dict[str, Any] | None = None) -> Result:
-    """Validate one archive and return its result dict (see the module docstring); never raises for a
-    source. ``timeout`` is the deadline of a remote source in seconds (``deadline=`` of
-    :func:`~dduf_plus.storage.source.open_source`); local files are bounded by the validator's own budgets."""
+                 storage_options: dict[str, Any] | None = None, load_check: bool = False) -> ValidationReport:
+    """Validate one archive and return its report (see the module docstring); never raises for a source: one
+    that cannot be read gives a report with ``io_error``. ``timeout`` is the deadline of a remote source in
+    seconds (``deadline=`` of :func:`~dduf_plus.storage.source.open_source`); local files are bounded by the
+    validator's own budgets."""
     from .errors import DDUFError
-    from .format.validate import validate
+    from .format.validate import unreadable
 
     name = os.fspath(source)
     options = dict(storage_options or {})
     if timeout is not None and _is_url(name):
         options.setdefault("deadline", timeout)
     try:
-        report = validate(name, verify=verify, strict=strict, max_decompressed=max_decompressed, **options)
+        return validate(name, verify=verify, strict=strict, load_check=load_check,
+                        max_decompressed=max_decompressed, **options)
     except DDUFError as e:
-        return _result(name, unreadable_report(name, str(e)), str(e))
+        return unreadable(name, str(e))
     except Exception as e:  # noqa: BLE001 - validate() catches its own bugs; this is a last line
-        message = f"internal error: {type(e).__name__}: {e}"
-        return _result(name, unreadable_report(name, message), message)
-    return _result(name, report.as_dict(), None)
+        return unreadable(name, f"internal error: {type(e).__name__}: {e}")
 
 
 def _is_url(name: str) -> bool:
@@ -73,26 +103,28 @@ def _is_url(name: str) -> bool:
 def validate_many(sources: Iterable[str | os.PathLike], *, executor: Executor | None = None,
                   verify: bool = False, strict: bool = False, max_workers: int | None = None,
                   timeout: float | None = None, max_decompressed: Any = None, ordered: bool = True,
-                  **storage_options: Any) -> Iterator[Result]:
-    """Validate every source on ``executor`` and yield one result dict per source.
+                  load_check: bool = False, **storage_options: Any) -> Iterator[ValidationReport]:
+    """Validate every source on ``executor`` and yield one :class:`~dduf_plus.format.validate.ValidationReport`
+    per source (what :func:`validate` returns; ``io_error`` set for a source that could not be read).
 
     Args:
         sources: local paths and URLs (any iterable; read lazily, so a generator over stdin works).
         executor: any ``concurrent.futures.Executor`` (processes, ``distributed.Client().get_executor()``,
             Ray's); it is not shut down here. None: a thread pool of ``max_workers`` threads, closed at the end.
-        verify, strict, max_decompressed: as for :func:`dduf_plus.validate`.
+        verify, strict, max_decompressed, load_check: as for :func:`dduf_plus.validate`.
         max_workers: threads of the default pool (default 32) and the in-flight window with any executor.
         timeout: per-source deadline in seconds for remote sources (default ``DDUF_REMOTE_DEADLINE``).
         ordered: yield in the order of ``sources`` (default); False yields each result as it finishes.
         storage_options: passed to fsspec / the http client for URLs.
 
     Returns:
-        An iterator of result dicts; ``list(validate_many(...))`` for all of them.
+        An iterator of reports; ``list(validate_many(...))`` for all of them, ``[r.as_dict() for r in ...]``
+        for the ``dduf validate --json`` records.
 
     Example:
         >>> from concurrent.futures import ProcessPoolExecutor
         >>> with ProcessPoolExecutor(2) as pool:
-        ...     bad = [r["source"] for r in validate_many(paths, executor=pool) if not r["valid"]]
+        ...     bad = [r.path for r in validate_many(paths, executor=pool) if not r.valid]
     """
     from .errors import DDUFUsageError
 
@@ -101,12 +133,12 @@ def validate_many(sources: Iterable[str | os.PathLike], *, executor: Executor | 
         raise DDUFUsageError(f"max_workers must be at least 1, not {workers}")
     if isinstance(sources, (str, bytes, os.PathLike)):  # iterating it would validate one character at a time
         raise DDUFUsageError(f"validate_many takes a list of sources, not one ({sources!r}): validate_many([...])")
-    args = (verify, strict, max_decompressed, timeout, storage_options or None)
+    args = (verify, strict, max_decompressed, timeout, storage_options or None, load_check)
     return _batch(executor, sources, args, workers, ordered)
 
 
 def _batch(executor: Executor | None, sources: Iterable[str | os.PathLike], args: tuple[Any, ...], workers: int,
-           ordered: bool) -> Iterator[Result]:
+           ordered: bool) -> Iterator[ValidationReport]:
     own = executor is None
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dduf-validate") if own else executor
     assert pool is not None
@@ -120,7 +152,7 @@ def _batch(executor: Executor | None, sources: Iterable[str | os.PathLike], args
 
 
 def _run(pool: Executor, sources: Iterable[str | os.PathLike], args: tuple[Any, ...], window: int,
-         ordered: bool) -> Iterator[Result]:
+         ordered: bool) -> Iterator[ValidationReport]:
     """Keep at most ``window`` sources in flight; yield results in order or as they finish."""
     pending: deque[tuple[str, Any]] = deque()  # (source, its future, or its result when submit failed)
     it = iter(sources)
@@ -148,12 +180,12 @@ def _run(pool: Executor, sources: Iterable[str | os.PathLike], args: tuple[Any, 
                 yield _collect(*p)
     finally:  # a consumer that stopped early: what has not started yet never will
         for _, item in pending:
-            if not isinstance(item, dict):
+            if hasattr(item, "cancel"):
                 item.cancel()
 
 
 def _done(item: Any) -> bool:
-    return isinstance(item, dict) or bool(item.done())
+    return not hasattr(item, "done") or bool(item.done())
 
 
 def _wait_any(futures: list[Any]) -> None:
@@ -172,19 +204,23 @@ def _submit(pool: Executor, name: str, args: tuple[Any, ...]) -> Any:
         return _failed(name, e)
 
 
-def _collect(name: str, item: Any) -> Result:
-    if isinstance(item, dict):
+def _collect(name: str, item: Any) -> ValidationReport:
+    from .format.validate import ValidationReport
+
+    if isinstance(item, ValidationReport):  # submit failed: already a report
         return item
     try:
         result = item.result()
     except Exception as e:  # noqa: BLE001 - a worker that died, a result that could not be sent back
         return _failed(name, e)
-    if not isinstance(result, dict) or result.get("source") != name:  # an executor that mixed results up
+    if not isinstance(result, ValidationReport) or result.path != name:  # an executor that mixed results up
         return _failed(name, RuntimeError(f"the executor returned {type(result).__name__} for {name}"))
     return result
 
 
-def _failed(name: str, error: BaseException) -> Result:
+def _failed(name: str, error: BaseException) -> ValidationReport:
+    from .format.validate import unreadable
+
     message = f"executor error: {type(error).__name__}: {error}"
     log.warning("%s: %s", name, message)
-    return _result(name, unreadable_report(name, message), message)
+    return unreadable(name, message)

@@ -20,7 +20,7 @@ import pytest
 from servers import FileServer
 
 from conftest import HOSTILE
-from dduf_plus import validate_many
+from dduf_plus import validate, validate_many
 from dduf_plus.catalogue import validate_one
 from dduf_plus.cli import main as cli_main
 from dduf_plus.errors import DDUFUsageError
@@ -61,27 +61,32 @@ def sources(served) -> list[str]:
     return hostile_corpus() + [server.url(n) for n in names] + bad
 
 
-def serial(sources: list[str], **kwargs) -> list[dict]:
+def serial(sources: list[str], **kwargs) -> list:
     return [validate_one(s, **kwargs) for s in sources]
 
 
-def test_results_are_one_stable_dict_per_source(sources):
+def test_results_are_what_validate_returns_one_per_source(sources):
+    """validate_many / validate_one yield ValidationReport objects, as validate returns them (``as_dict()``: the
+    ``--json`` record); an unreadable source is a report with ``io_error``."""
+    from dduf_plus.format.validate import ValidationReport
+
     results = serial(sources)
-    assert [r["source"] for r in results] == sources
+    assert [r.path for r in results] == sources
     for r in results:
-        assert set(r) == {"source", "valid", "report", "error"}
-        assert r["report"]["path"] == r["source"]
-        assert r["valid"] == r["report"]["valid"]
-        assert (r["error"] is None) == ("io_error" not in r["report"])
-    by_source = {r["source"]: r for r in results}
-    assert by_source[str(HOSTILE / "valid.dduf")]["valid"]
+        assert isinstance(r, ValidationReport)
+        d = r.as_dict()
+        assert d["path"] == r.path and d["valid"] == r.valid
+        assert (r.io_error is None) == ("io_error" not in d)
+    by_source = {r.path: r for r in results}
+    assert by_source[str(HOSTILE / "valid.dduf")].valid
+    assert by_source[str(HOSTILE / "valid.dduf")] == validate(HOSTILE / "valid.dduf")  # the same object
     for name, case in CASES.items():  # the corpus' own verdicts (test_hostile) survive the batch form
         r = by_source[str(HOSTILE / name)]
-        assert r["error"] is None and case["code"] in {f["code"] for f in r["report"]["errors"] + r["report"]["warnings"]} \
-            or case["verify"], name
-    bad = [r for r in results if r["error"] is not None]
-    assert [r["source"] for r in bad] == sources[-3:]
-    assert "No such file" in bad[0]["error"] and "404" in bad[1]["error"] and "refused" in bad[2]["error"]
+        assert r.io_error is None and case["code"] in r.codes or case["verify"], name
+    bad = [r for r in results if r.io_error is not None]
+    assert [r.path for r in bad] == sources[-3:]
+    assert all(not r.valid and not r.findings for r in bad)
+    assert "No such file" in bad[0].io_error and "404" in bad[1].io_error and "refused" in bad[2].io_error
 
 
 def test_thread_and_process_executors_match_serial(sources):
@@ -90,17 +95,17 @@ def test_thread_and_process_executors_match_serial(sources):
     with ThreadPoolExecutor(3) as pool:
         assert list(validate_many(sources, executor=pool, verify=True)) == expected
         unordered = list(validate_many(sources, executor=pool, verify=True, ordered=False))
-    assert sorted(unordered, key=lambda r: r["source"]) == sorted(expected, key=lambda r: r["source"])
+    assert sorted(unordered, key=lambda r: r.path) == sorted(expected, key=lambda r: r.path)
     with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
         assert list(validate_many(sources, executor=pool, verify=True)) == expected
-    assert any(r["report"]["errors"] and r["report"]["errors"][0]["code"] == "H001" for r in expected)  # verify ran
+    assert any(r.errors and r.errors[0].code == "H001" for r in expected)  # verify ran
 
 
 def test_strict_reaches_the_workers():
-    path = str(HOSTILE / "index-missing.dduf")  # a warning-only case
-    assert validate_one(path)["valid"] and not validate_one(path, strict=True)["valid"]
+    path = str(HOSTILE / "reference-without-source.dduf")  # a warning-only case (R003)
+    assert validate_one(path).valid and not validate_one(path, strict=True).valid
     with ThreadPoolExecutor(2) as pool:
-        assert [r["valid"] for r in validate_many([path], executor=pool, strict=True)] == [False]
+        assert [r.valid for r in validate_many([path], executor=pool, strict=True)] == [False]
 
 
 def test_sources_are_read_lazily_through_a_bounded_window():
@@ -113,7 +118,7 @@ def test_sources_are_read_lazily_through_a_bounded_window():
 
     results = validate_many(sources(), max_workers=2)
     first = next(results)
-    assert first["valid"] and len(consumed) <= 2 * 4 + 1
+    assert first.valid and len(consumed) <= 2 * 4 + 1
     assert sum(1 for _ in results) == 199
 
 
@@ -121,8 +126,8 @@ def test_a_broken_executor_gives_results_not_an_exception():
     pool = ThreadPoolExecutor(1)
     pool.shutdown()
     results = list(validate_many(hostile_corpus()[:3], executor=pool))
-    assert len(results) == 3 and not any(r["valid"] for r in results)
-    assert all("executor error: RuntimeError" in r["error"] for r in results)
+    assert len(results) == 3 and not any(r.valid for r in results)
+    assert all("executor error: RuntimeError" in r.io_error for r in results)
     with pytest.raises(DDUFUsageError, match="at least 1"):
         validate_many([], max_workers=0)
     with pytest.raises(DDUFUsageError, match="list of sources"):
@@ -135,8 +140,8 @@ def test_per_source_time_limit(tmp_path):
         started = time.perf_counter()
         results = list(validate_many([slow.url("slow.dduf"), str(HOSTILE / "valid.dduf")], timeout=0.5))
         elapsed = time.perf_counter() - started
-    assert "deadline of 0.5 s" in results[0]["error"] and not results[0]["valid"]
-    assert results[1]["valid"] and elapsed < 2.5
+    assert "deadline of 0.5 s" in results[0].io_error and not results[0].valid
+    assert results[1].valid and elapsed < 2.5
 
 
 def test_stopping_early_does_not_wait_for_running_checks(tmp_path):
@@ -144,7 +149,7 @@ def test_stopping_early_does_not_wait_for_running_checks(tmp_path):
     with FileServer(tmp_path, latency=2.0) as slow:
         started = time.perf_counter()
         results = validate_many([str(HOSTILE / "valid.dduf")] + [slow.url("slow.dduf")] * 8, max_workers=2)
-        assert next(results)["valid"]
+        assert next(results).valid
         results.close()  # a consumer that has seen enough (or Ctrl-C): the queued checks are cancelled
         assert time.perf_counter() - started < 1.5
 
@@ -185,7 +190,7 @@ def test_json_lines_from_stdin_and_exit_codes(tmp_path, capsys, monkeypatch):
     code, out, _ = run_cli(capsys, invalid, "--from-file", str(write_list(tmp_path / "l.txt", [valid])), "--json-lines")
     assert code == 1 and len(out.splitlines()) == 2
     code, out, _ = run_cli(capsys, "--from-file", str(tmp_path / "l.txt"))  # human output, threads
-    assert code == 0 and out.startswith("OK ")
+    assert code == 0 and out.startswith("VALID ")
     code, out, _ = run_cli(capsys, "--from-file", str(tmp_path / "l.txt"), "--json")  # one document, in order
     assert code == 0 and [f["path"] for f in json.loads(out)["files"]] == [valid]
 
@@ -261,4 +266,4 @@ def test_dask_local_cluster_matches_the_local_run(sources):
         with client.get_executor() as executor:
             assert list(validate_many(sources, executor=executor)) == expected
             unordered = list(validate_many(sources, executor=executor, ordered=False))
-    assert sorted(unordered, key=lambda r: r["source"]) == sorted(expected, key=lambda r: r["source"])
+    assert sorted(unordered, key=lambda r: r.path) == sorted(expected, key=lambda r: r.path)

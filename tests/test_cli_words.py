@@ -26,8 +26,8 @@ def test_group_findings_lists_each_entry_once_in_order() -> None:
              finding("Z018", "a", "entry has no ZIP64 extra field"),
              {"code": "Z018", "entry": "b", "message": "entry has no ZIP64 extra field"}]  # a report dict too
     groups = group_findings(items)
-    assert [(g.code, g.severity, g.entries) for g in groups] == [("Z018", "warning", ["b", "a"]),
-                                                                 ("I003", "warning", [])]
+    assert [(g.code, g.severity, g.entries) for g in groups] == [("Z018", "info", ["b", "a"]),
+                                                                 ("I003", "info", [])]
     assert groups[0].message == "entry has no ZIP64 extra field" and groups[0].same_message
     assert len(groups[0].findings) == 3  # nothing dropped: every finding stays in its group
 
@@ -52,8 +52,8 @@ def test_validate_prints_a_repeated_rule_once_and_json_keeps_every_finding(capsy
     assert len(z018) == 1 and "entries): entry has no ZIP64 extra field" in z018[0], out
     assert out.count("model_index.json") == 1  # each entry named once
     code, out, _ = run_cli(capsys, "validate", "--json", str(hub))
-    warnings = json.loads(out)["files"][0]["warnings"]
-    assert sum(w["code"] == "Z018" for w in warnings) >= 10
+    infos = json.loads(out)["files"][0]["infos"]  # Z018: a foreign archive, an info
+    assert sum(w["code"] == "Z018" for w in infos) >= 10
 
 
 # --- what a file is, when it is no DDUF archive -----------------------------------------------------------

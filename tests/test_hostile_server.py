@@ -142,8 +142,8 @@ def _validate_many(site: dict[str, Any], _service: Any) -> str:
 
     results = list(validate_many([site["server"].url("base.dduf")] * 2, max_workers=2))
     for r in results:
-        assert not (r["error"] or "").startswith("internal error"), r["error"]
-    return ",".join("error" if r["error"] else f"valid={r['valid']}" for r in results)
+        assert not (r.io_error or "").startswith("internal error"), r.io_error
+    return ",".join("error" if r.io_error else f"valid={r.valid}" for r in results)
 
 
 def _serve_url(site: dict[str, Any], service: Any) -> str:

@@ -68,8 +68,9 @@ def test_a_class_name_typo_is_said_at_pack(tmp_path):
     assert unknown_class_problems(json.loads((TINY_DIT / "model_index.json").read_text())) == []
     assert unknown_class_problems({"tokenizer": ["transformers", "T5TokenizerFast"]}) == []  # v5 alias
     done = dduf("pack", src, "-o", tmp_path / "x.dduf", "-q")
-    assert done.returncode == EXIT_OK  # still valid DDUF: a warning, the archive is written
-    assert "UNet2DConditionModle" in done.stderr and "did you mean UNet2DConditionModel?" in done.stderr
+    # said at once as a warning, then refused as dduf validate refuses it: no loader can build it (D017)
+    assert done.returncode == EXIT_INVALID and not (tmp_path / "x.dduf").exists()
+    assert "D017" in done.stderr and "did you mean UNet2DConditionModel?" in done.stderr
 
 
 def test_fast_tokenizer_covers_spiece_model_so_strict_and_npm_accept(tmp_path):

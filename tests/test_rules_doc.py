@@ -10,6 +10,7 @@ from dduf_plus.format.findings import (
     RULES,
     RULES_TABLE_BEGIN,
     RULES_TABLE_END,
+    SEVERITIES,
     rules_markdown,
     write_rules_table,
 )
@@ -29,7 +30,7 @@ def test_docs_table_is_the_rule_data() -> None:
 
 def test_every_rule_says_what_why_and_how() -> None:
     for rule in RULES.values():
-        assert rule.severity in ("error", "warning"), rule.code
+        assert rule.severity in SEVERITIES, rule.code
         for field in ("title", "checked_by", "meaning", "why", "fix"):
             value = getattr(rule, field)
             assert value.strip() and "|" not in value and "\n" not in value, (rule.code, field)

@@ -59,7 +59,7 @@ def test_report_shape_and_immutability(tmp_path):
     path = build(tmp_path, entries=mh.base_entries() | {"unet/config.json": b"[1]"})
     report = validate(path)
     d = report.as_dict()
-    assert list(d) == ["path", "valid", "errors", "warnings"]
+    assert list(d) == ["path", "valid", "errors", "warnings", "infos"]
     assert d["path"] == str(path) and d["valid"] is False
     assert d["errors"] == [{"code": "D007", "entry": "unet/config.json", "message": d["errors"][0]["message"]}]
     assert "not an object" in d["errors"][0]["message"]
@@ -346,7 +346,7 @@ def test_entries_past_the_file_are_never_read(tmp_path):
 
 def test_rule_table_has_every_code_once_and_X000_last():
     assert list(RULES)[-1] == "X000"
-    assert all(rule.severity in ("error", "warning") for rule in RULES.values())
+    assert all(rule.severity in ("error", "warning", "info") for rule in RULES.values())
 
 
 # --- import weight ----------------------------------------------------------------------------------
@@ -372,7 +372,8 @@ def test_cli_exit_codes(tmp_path, capsys):
     bad = HOSTILE / "duplicate-name.dduf"
     assert run_cli(capsys, str(good))[0] == 0
     assert run_cli(capsys, str(good), str(warn))[0] == 0
-    assert run_cli(capsys, "--strict", str(warn))[0] == 1
+    assert run_cli(capsys, "--strict", str(warn))[0] == 0  # I003 is an info: --strict never promotes infos
+    assert run_cli(capsys, "--strict", str(HOSTILE / "reference-without-source.dduf"))[0] == 1  # R003: a warning
     assert run_cli(capsys, str(good), str(bad))[0] == 1
     rc, _, err = run_cli(capsys, str(good), str(tmp_path / "missing.dduf"), str(bad))
     assert rc == 2 and "missing.dduf" in err
@@ -388,8 +389,8 @@ def test_cli_human_output(tmp_path, capsys):
     rc, out, _ = run_cli(capsys, str(good), str(warn), str(bad))
     lines = out.splitlines()
     assert rc == 1
-    assert lines[0] == f"OK       {good}"
-    assert lines[1] == f"OK       {warn} (1 warning)" and lines[2].split()[:2] == ["warning", "I003"]
+    assert lines[0] == f"VALID    {good}"  # the serve page's words (findings.VERDICT_LABELS)
+    assert lines[1] == f"VALID    {warn} (1 info)" and lines[2].split()[:2] == ["info", "I003"]
     assert lines[3].startswith(f"INVALID  {bad} (1 error)")
     assert lines[4].split()[:3] == ["error", "S006", "unet/diffusion_pytorch_model.safetensors:b:"]
     rc, out, _ = run_cli(capsys, "--quiet", str(good), str(warn), str(bad))
@@ -404,7 +405,7 @@ def test_cli_json(tmp_path, capsys):
     doc = json.loads(out)
     assert list(doc) == ["files"] and [f["path"] for f in doc["files"]] == [str(good), str(bad), str(tmp_path / "nope.dduf")]
     first, second, third = doc["files"]
-    assert first == {"path": str(good), "valid": True, "errors": [], "warnings": []}
+    assert first == {"path": str(good), "valid": True, "errors": [], "warnings": [], "infos": []}
     assert second["valid"] is False and {e["code"] for e in second["errors"]} == {"H001", "H002"}
     assert all(set(e) == {"code", "entry", "message"} for e in second["errors"])
     assert third["valid"] is False and "No such file" in third["io_error"]

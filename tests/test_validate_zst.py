@@ -72,9 +72,9 @@ def test_cli_json_and_human_output(multi_frame, capsys):
     rc, out, err = run_cli(capsys, "--json", "--verify", str(multi_frame))
     assert rc == 0, err
     (entry,) = json.loads(out)["files"]
-    assert entry == {"path": str(multi_frame), "valid": True, "errors": [], "warnings": []}
+    assert entry == {"path": str(multi_frame), "valid": True, "errors": [], "warnings": [], "infos": []}
     rc, out, _ = run_cli(capsys, str(multi_frame))
-    assert rc == 0 and out.startswith(f"OK       {multi_frame}")
+    assert rc == 0 and out.startswith(f"VALID    {multi_frame}")
 
 
 def test_relative_path_is_kept(multi_frame, monkeypatch):
@@ -185,7 +185,9 @@ def test_verify_only_damage_inside_needs_verify(tmp_path, capsys):
 def test_warnings_inside_and_strict(tmp_path):
     path = _compress(HOSTILE / "no-zip64.dduf", tmp_path / "no-zip64.dduf.zst")
     assert validate(path).valid and "Z018" in validate(path).codes
-    assert not validate(path, strict=True).valid
+    assert validate(path, strict=True).valid  # Z018 is an info: --strict never promotes infos
+    path = _compress(HOSTILE / "reference-without-source.dduf", tmp_path / "no-source.dduf.zst")
+    assert validate(path).valid and not validate(path, strict=True).valid  # R003, a warning
 
 
 # --- import weight --------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 Exit status: 0 every file is valid, 1 at least one is not, 2 usage or I/O errors (a file that is missing
 or a URL that cannot be reached; those win over 1). Imports only the format layer (no torch; zstandard
-only for ``.zst`` files)."""
+only for ``.zst`` files), unless ``--load-check`` asks for the load check (torch and the components' libraries)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,13 @@ import json
 import sys
 import textwrap
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._common import budget_arg, echo, echo_error, plural
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..format.findings import Finding
+    from ..format.validate import ValidationReport
 
 EXIT_OK, EXIT_INVALID, EXIT_IO = 0, 1, 2  # the table of every command: docs/cli.md
 
@@ -32,6 +36,10 @@ Catalogues: --from-file LIST (one path or URL a line, '-' for stdin; blank lines
 validates them on --jobs N threads and, with --json-lines, prints one JSON object a line as each archive
 finishes (the same object as one entry of --json's "files"); a source that cannot be read is a line with
 "io_error" and the batch goes on. Python: dduf_plus.validate_many(sources, executor=...).
+Severities: error (will not load, unsafe, or loads differently: invalid), warning (loads, but you must know;
+--strict counts it as an error), info (a foreign or slower archive: no dduf_plus index, unaligned, no ZIP64;
+never an error). --load-check also builds each model component on the meta device (torch; no weight is read)
+and matches its tensors' names, shapes and dtypes to the stored headers (L001-L005).
 Exit status: 0 all valid, 1 any invalid, 2 usage or I/O errors (docs/cli.md)."""
 
 
@@ -44,9 +52,12 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                         help="also check every path or URL listed in LIST, one a line ('-': stdin); uses threads")
     parser.add_argument("--json-lines", action="store_true",
                         help="print one JSON object per archive, a line each, as each finishes")
-    parser.add_argument("--json", action="store_true", help='print {"files": [{path, valid, errors, warnings}]}')
+    parser.add_argument("--json", action="store_true", help='print {"files": [{path, valid, errors, warnings, infos}]}')
     parser.add_argument("--verify", action="store_true", help="also check CRC-32 and sha256 of every entry (reads all data)")
-    parser.add_argument("--strict", action="store_true", help="treat warnings (e.g. not mmap-aligned) as errors")
+    parser.add_argument("--strict", action="store_true", help="treat warnings as errors (infos stay infos)")
+    parser.add_argument("--load-check", action="store_true",
+                        help="also build each model on the meta device (imports torch; reads no weight) and match "
+                             "its tensor names, shapes and dtypes to the stored ones (L001-L005)")
     parser.add_argument("-j", "--jobs", type=_jobs, default=1, metavar="N", help="validate N files in parallel (processes; threads with --from-file or --json-lines)")
     parser.add_argument("-q", "--quiet", action="store_true", help="print only invalid files and their errors")
     parser.add_argument("--max-decompressed", type=budget_arg, default=None, metavar="SIZE",
@@ -66,14 +77,13 @@ def _jobs(text: str) -> int:
     return value
 
 
-def check_one(path: str, verify: bool, strict: bool,
-              max_decompressed: str | None = None) -> tuple[str, dict[str, Any] | None, str | None]:
-    """(path, report as a dict, None) or (path, None, why it could not be read). Runs in worker processes;
-    the one place that turns a DDUFError into a result is :func:`dduf_plus.catalogue.validate_one`."""
+def check_one(path: str, verify: bool, strict: bool, max_decompressed: str | None = None,
+              load_check: bool = False) -> ValidationReport:
+    """The report on ``path`` (``io_error`` set when it could not be read). Runs in worker processes; the one
+    place that turns a DDUFError into a report is :func:`dduf_plus.catalogue.validate_one`."""
     from ..catalogue import validate_one
 
-    result = validate_one(path, verify, strict, max_decompressed)
-    return path, (result["report"] if result["error"] is None else None), result["error"]
+    return validate_one(path, verify, strict, max_decompressed, load_check=load_check)
 
 
 def _listed(name: str) -> Iterator[str]:
@@ -96,32 +106,33 @@ def _listed(name: str) -> Iterator[str]:
     return lines()
 
 
-def _catalogue(args: argparse.Namespace) -> Iterator[tuple[str, dict[str, Any] | None, str | None]]:
+def _catalogue(args: argparse.Namespace) -> Iterator[ValidationReport]:
     """--from-file / --json-lines: every source through validate_many on threads, as each finishes."""
     import itertools
 
     from ..catalogue import validate_many
 
     sources = itertools.chain(args.files, _listed(args.from_file) if args.from_file is not None else ())
-    for r in validate_many(sources, verify=args.verify, strict=args.strict, max_workers=args.jobs,
-                           max_decompressed=args.max_decompressed, ordered=bool(args.json)):
-        yield r["source"], (r["report"] if r["error"] is None else None), r["error"]
+    yield from validate_many(sources, verify=args.verify, strict=args.strict, max_workers=args.jobs,
+                             max_decompressed=args.max_decompressed, ordered=bool(args.json),
+                             load_check=args.load_check)
 
 
-def _results(args: argparse.Namespace) -> Iterator[tuple[str, dict[str, Any] | None, str | None]]:
+def _results(args: argparse.Namespace) -> Iterator[ValidationReport]:
     if args.from_file is not None or args.json_lines:
         yield from _catalogue(args)
         return
     jobs = min(args.jobs, len(args.files))
     if jobs <= 1:
         for path in args.files:
-            yield check_one(path, args.verify, args.strict, args.max_decompressed)
+            yield check_one(path, args.verify, args.strict, args.max_decompressed, args.load_check)
         return
     from concurrent.futures import ProcessPoolExecutor
 
     with ProcessPoolExecutor(max_workers=jobs) as pool:
         n = len(args.files)
-        yield from pool.map(check_one, args.files, [args.verify] * n, [args.strict] * n, [args.max_decompressed] * n)
+        yield from pool.map(check_one, args.files, [args.verify] * n, [args.strict] * n, [args.max_decompressed] * n,
+                            [args.load_check] * n)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -134,25 +145,17 @@ def run(args: argparse.Namespace) -> int:
     status = EXIT_OK
     out = sys.stdout
     collected: list[dict[str, Any]] = []
-    for path, report, io_error in _results(args):
-        if io_error is not None:
+    for report in _results(args):
+        if report.io_error is not None:
             status = EXIT_IO
-            from ..catalogue import unreadable_report
-
-            echo_error("validate", io_error)
-            if args.json_lines:
-                _line(unreadable_report(path, io_error), out)
-            else:
-                collected.append(unreadable_report(path, io_error))
-            continue
-        assert report is not None
-        if not report["valid"] and status == EXIT_OK:
+            echo_error("validate", report.io_error)
+        elif not report.valid and status == EXIT_OK:
             status = EXIT_INVALID
         if args.json_lines:
-            _line(report, out)
+            _line(report.as_dict(), out)
         elif args.json:
-            collected.append(report)
-        else:
+            collected.append(report.as_dict())
+        elif report.io_error is None:
             _print_human(report, args.quiet, out)
     if args.json:
         json.dump({"files": collected}, out, indent=2, ensure_ascii=True)  # \u escapes: inert on a terminal
@@ -167,34 +170,35 @@ def _line(report: dict[str, Any], out: Any) -> None:
     out.flush()
 
 
-def _print_human(report: dict[str, Any], quiet: bool, out: Any) -> None:
-    errors, warnings = report["errors"], report["warnings"]
-    if report["valid"]:
-        if quiet:
-            return
-        tail = f" ({len(warnings)} warning{'s' * (len(warnings) != 1)})" if warnings else ""
-        echo(f"OK       {report['path']}{tail}", file=out)
-    else:
-        tail = f"{len(errors)} error{'s' * (len(errors) != 1)}"
-        if warnings and not quiet:
-            tail += f", {len(warnings)} warning{'s' * (len(warnings) != 1)}"
-        echo(f"INVALID  {report['path']} ({tail})", file=out)
-    _print_findings(errors + ([] if quiet else warnings), out)
+def _print_human(report: ValidationReport, quiet: bool, out: Any) -> None:
+    """The verdict line (labels and counts from the table the serve page uses: findings.SEVERITIES), then the
+    findings: errors, warnings, infos (``quiet``: invalid archives and their errors only)."""
+    from ..format.findings import VERDICT_LABELS, count_text
+
+    if report.valid and quiet:
+        return
+    counts = {"error": len(report.errors), "warning": len(report.warnings), "info": len(report.infos)}
+    if quiet:
+        counts = {"error": counts["error"]}
+    tail = count_text(counts)
+    echo(f"{VERDICT_LABELS[report.valid]:<8} {report.path}{f' ({tail})' if tail else ''}", file=out)
+    _print_findings(list(report.errors if quiet else report.findings), out)
 
 
-def _print_findings(findings: list[dict[str, Any]], out: Any) -> None:
+def _print_findings(findings: list[Finding], out: Any) -> None:
     """One line per finding, except that a rule found on several entries is one group: its message once and
     the entries listed (huggingface_hub's writer gets Z018 on every entry). JSON keeps every finding."""
-    from ..format.findings import group_findings
+    from ..format.findings import SEVERITIES, group_findings
 
     for group in group_findings(findings):
+        label = SEVERITIES[group.severity].label if group.severity in SEVERITIES else group.severity
         if len(group.findings) == 1:
             f = group.findings[0]
             where = f" {f.entry}:" if f.entry else ""
-            echo(f"  {f.severity:<7} {f.code}{where} {f.message}", file=out)
+            echo(f"  {label:<7} {f.code}{where} {f.message}", file=out)
             continue
         count = plural(len(group.entries), "entry", "entries") if group.entries else plural(len(group.findings), "time")
-        echo(f"  {group.severity:<7} {group.code} ({count}): {group.message}", file=out)
+        echo(f"  {label:<7} {group.code} ({count}): {group.message}", file=out)
         if group.same_message:
             for line in textwrap.wrap(", ".join(group.entries), 100, break_long_words=False, break_on_hyphens=False):
                 echo(f"          {line}", file=out)

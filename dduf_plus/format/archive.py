@@ -61,6 +61,10 @@ class DDUFArchive:
         DDUFError: the file cannot be opened.
     """
 
+    # compressed entries (Z011): listed, never read as they are (their bytes are not the content); only
+    # model_index.json and the index, when deflated, are inflated within their budget to check the rest
+    compressed: frozenset[str] = frozenset()
+
     def __init__(self, path: str | os.PathLike | ByteSource, *, check: bool = True, **storage_options: Any):
         self._source: ByteSource = (
             open_source(path, **storage_options) if isinstance(path, (str, os.PathLike)) else path)
@@ -92,6 +96,7 @@ class DDUFArchive:
             return
         self.layout = layout
         zip_entries: dict[str, ZipEntry] = {e.name: e for e in layout.entries}
+        self.compressed = frozenset(name for name, e in zip_entries.items() if e.compressed)
         torch_zip = None if spec.MODEL_INDEX in zip_entries else torch_zip_kind(list(zip_entries))
         if torch_zip is not None:  # say what the file is, not a ZIP or DDUF error per pickle entry
             self.findings[:] = [finding("D001", None, f"model_index.json is missing: the file is {torch_zip}")]
@@ -134,7 +139,23 @@ class DDUFArchive:
         if e.size > limit:
             self.findings.append(finding("D013", e.name, f"{e.size} bytes is more than the {limit} allowed"))
             return None
+        if e.compressed:
+            return self._inflate(e)
         return self._source.read_at(e.data_offset, e.size)
+
+    def _inflate(self, e: ZipEntry) -> bytes | None:
+        """A small deflated entry's content (the caller bounded ``e.size``), when it inflates to exactly its
+        size and CRC-32; else None (nothing more is said about its content than Z011)."""
+        import zlib
+
+        if e.method != spec.METHOD_DEFLATED or e.span > e.size + (e.size >> 6) + 1024:  # deflate barely grows data
+            return None
+        inflater = zlib.decompressobj(-zlib.MAX_WBITS)
+        try:
+            data = inflater.decompress(self._source.read_at(e.data_offset, e.span), e.size + 1)
+        except zlib.error:
+            return None
+        return data if len(data) == e.size and zlib.crc32(data) == e.crc32 else None
 
     def _read_headers(self, zip_entries: dict[str, ZipEntry]) -> None:
         """Parse every safetensors header within the tensor caps (S011): each file may declare at most
@@ -143,7 +164,7 @@ class DDUFArchive:
         more than the per-archive cap's worth of tensors, however its tensors are spread over files."""
         cap = spec.MAX_TENSORS_PER_ARCHIVE
         total = 0
-        files = [(name, e) for name, e in zip_entries.items() if name.endswith(".safetensors")]
+        files = [(name, e) for name, e in zip_entries.items() if name.endswith(".safetensors") and not e.compressed]
         for done, (name, e) in enumerate(files):
             if total > cap:
                 self.findings.append(finding("S011", None, f"the archive declares more than {cap} tensors (the "

@@ -13,7 +13,7 @@ class Rule(NamedTuple):
     (generated from this data by :func:`rules_markdown`, checked by tests/test_rules_doc.py)."""
 
     code: str
-    severity: str  # "error" | "warning"
+    severity: str  # "error" | "warning" | "info" (what each means: SEVERITIES)
     title: str
     checked_by: str  # "open" (DDUFArchive on open and validate), "validate", "verify", or a mix in words
     meaning: str
@@ -108,7 +108,7 @@ _RULES = (
          meaning="an entry's data runs into the central directory or past the end of the file",
          why="truncated download or forged sizes; such an entry is never read",
          fix="re-download the file"),
-    Rule("Z018", "warning", "entry has no ZIP64 extra field",
+    Rule("Z018", "info", "entry has no ZIP64 extra field",
          checked_by="open",
          meaning="entry without a ZIP64 extra field",
          why="the DDUF spec asks for ZIP64 on every entry; some readers assume it",
@@ -209,6 +209,16 @@ _RULES = (
          meaning="`scheduler_config.json` or `guider_config.json` (the loader: the config of every scheduler, guider or image processor it builds) holds a number, integer or float, over 1,048,576 in magnitude (`Infinity`/`NaN` pass: diffusers writes `-Infinity` itself, and they size nothing)",
          why="config-only components allocate in proportion to some of their numbers: `num_train_timesteps: 1e8` (a float) took 1.9 GB from a 1.4 MB archive, `solver_order: 4294967296` asked for 32 GB; real configs stay far below (`num_train_timesteps` 1000)",
          fix="fix the config"),
+    Rule("D016", "error", "a model component has its config but no weights",
+         checked_by="validate (the loader too)",
+         meaning="a stored component whose class is a model (not a scheduler, tokenizer, feature extractor, processor or guider: known from its library's class name, its config file or, when its class is unknown, `config.json` with no other config) holds a config but no `.safetensors` weights (also when its shard index names none)",
+         why="the loader has nothing to give the model: it refuses, or random weights would load",
+         fix="add the component's `.safetensors` files, or reference it (`dduf pack --ref`)"),
+    Rule("D017", "error", "a component class its library does not have",
+         checked_by="validate (the loader too; only for diffusers and transformers, when installed)",
+         meaning="`model_index.json` names a component class (`[library, class]`) that the installed diffusers or transformers does not export (old names diffusers itself maps, such as `CLIPFeatureExtractor`, pass); the message says the closest name; looked up in the libraries' source text, without importing torch. The pipeline class (`_class_name`) is `dduf pack`'s warning and the loader's error, not a rule",
+         why="no loader can build it: a typo (`UNet2DConditionModle`) makes an archive every tool accepts and none loads",
+         fix="fix the class name; if it is a newer class, upgrade the library the validator runs with"),
     # safetensors
     Rule("S001", "error", "safetensors header length runs past the entry or over 100 MB",
          checked_by="open",
@@ -245,12 +255,12 @@ _RULES = (
          meaning="`__metadata__` is not a mapping of strings to strings",
          why="the safetensors format requires it; other readers fail",
          fix="store only strings in metadata"),
-    Rule("S008", "warning", "tensor data section not page-aligned in the archive (no zero-copy mmap)",
+    Rule("S008", "info", "tensor data section not page-aligned in the archive (no zero-copy mmap)",
          checked_by="open",
          meaning="tensor data section not 4096-byte aligned in the archive",
          why="no zero-copy mmap or page-aligned DMA: loaders copy",
          fix="re-pack with `dduf pack`"),
-    Rule("S009", "warning", "tensor not aligned to its element size (loader must copy it)",
+    Rule("S009", "info", "tensor not aligned to its element size (loader must copy it)",
          checked_by="open",
          meaning="a tensor not aligned to its element size",
          why="every loader must copy it before use",
@@ -276,7 +286,7 @@ _RULES = (
          meaning="the index disagrees with the archive",
          why="the archive was edited after packing; index-based fast paths would read the wrong bytes",
          fix="re-pack"),
-    Rule("I003", "warning", "no dduf_plus index (foreign archive): hashes unknown",
+    Rule("I003", "info", "no dduf_plus index (foreign archive): hashes unknown",
          checked_by="open",
          meaning="no dduf_plus index (a foreign archive)",
          why="no sha256s: `--verify` can only check CRC-32",
@@ -308,6 +318,32 @@ _RULES = (
          meaning="an entry's sha256 differs from the dduf_plus index",
          why="the bytes are damaged or were replaced (a CRC-32 is easy to forge, a sha256 is not)",
          fix="re-download the file"),
+    # load check (only with `load_check=True` / `--load-check`: models built on the meta device, no weight read)
+    Rule("L001", "error", "a tensor the model needs is not stored",
+         checked_by="load check",
+         meaning="the model the component's class and config build (on the meta device, no weight read) has a parameter or persistent buffer that no stored tensor provides (after the library's own key renames)",
+         why="the loader refuses the component, or it would run with random weights",
+         fix="re-save the component with its library's save_pretrained, or fix its config"),
+    Rule("L002", "error", "a stored tensor the model does not have",
+         checked_by="load check",
+         meaning="a stored tensor names no parameter or buffer of the model the config builds (and the class does not list it as ignorable)",
+         why="the weights are for another model or config: the loader drops them silently and the output is not what was saved",
+         fix="re-save the component with its library's save_pretrained, or fix its config"),
+    Rule("L003", "error", "a stored tensor's shape or dtype kind does not fit the model",
+         checked_by="load check",
+         meaning="a stored tensor has another shape than the model's tensor of that name, or stores integers or booleans where the model holds floats (or the reverse)",
+         why="the loader refuses it (shape), or it would compute with the wrong values",
+         fix="re-save the component with its library's save_pretrained, or fix its config"),
+    Rule("L004", "error", "the model cannot be built from its config",
+         checked_by="load check",
+         meaning="the component's class refused its config, or the config asks for a model far bigger than the weights stored for it (the construction budget, docs/security.md)",
+         why="the loader fails on this component",
+         fix="fix the config"),
+    Rule("L005", "info", "component not load-checked",
+         checked_by="load check",
+         meaning="a component the load check leaves out: quantized (its layers are rebuilt by a backend), referenced (stored elsewhere), of a library that is not installed, or not a model",
+         why="its tensors are checked by the other rules only (Q001-Q006 for quantized ones)",
+         fix="nothing to fix"),
     # quantized components (torchao, bitsandbytes, SDNQ), checked without importing the backend
     Rule("Q001", "error", "quantization_config names no method or no scheme",
          checked_by="validate",
@@ -347,6 +383,44 @@ _RULES = (
          fix="report it to dduf_plus with the file"),
 )
 RULES: dict[str, Rule] = {rule.code: rule for rule in _RULES}
+
+
+class Severity(NamedTuple):
+    """What a severity means, and the words every surface shows for it (the CLI, ``dduf serve``'s page and
+    its JavaScript through ``/v1/rules``, docs/validation.md): one table, so they never drift apart."""
+
+    name: str
+    label: str  # one finding: "error"
+    plural: str  # counts: "2 errors"
+    meaning: str
+
+
+SEVERITIES: dict[str, Severity] = {s.name: s for s in (
+    Severity("error", "error", "errors",
+             "the archive will not load, is unsafe to load, or loads differently than it says: it is invalid"),
+    Severity("warning", "warning", "warnings",
+             "it loads, but a user must know (`--strict` counts warnings as errors)"),
+    Severity("info", "info", "infos",
+             "a foreign or slower archive (no dduf_plus index, unaligned tensors, no ZIP64): it loads as it "
+             "says; never an error, not even with `--strict`"),
+)}
+VERDICT_LABELS = {True: "VALID", False: "INVALID"}  # a report's verdict, as the CLI and the page show it
+
+
+def count_text(counts: Mapping[str, int], *, all_severities: bool = False) -> str:
+    """``{"error": 2, "warning": 1}`` as ``2 errors, 1 warning``, in severity order; severities with no finding
+    are left out unless ``all_severities`` (the page always shows the three).
+
+    Example:
+        >>> count_text({"error": 0, "warning": 1, "info": 2})
+        '1 warning, 2 infos'
+    """
+    parts = []
+    for s in SEVERITIES.values():
+        n = counts.get(s.name, 0)
+        if n or all_severities:
+            parts.append(f"{n} {s.label if n == 1 else s.plural}")
+    return ", ".join(parts)
 
 
 class Finding(NamedTuple):

@@ -24,9 +24,9 @@ import os
 import re
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,7 @@ from ..storage.prefetch_source import PrefetchSource
 from ..storage.source import ByteSource, is_url, open_source
 from . import spec
 from .archive import DDUFArchive, Entry
-from .findings import Finding, finding
+from .findings import SEVERITIES, VERDICT_LABELS, Finding, finding
 from .json_budget import SETTINGS_FILES, json_budget_problem, over_size
 from .references import SHA256
 from .structure import component_specs, parse_json
@@ -57,33 +57,56 @@ _CRC32 = re.compile(r"[0-9a-f]{8}")
 
 @dataclass(frozen=True)
 class ValidationReport:
-    """The verdict on one archive. ``errors`` and ``warnings`` hold :class:`Finding` records (stable
-    rule ``code``, ``entry`` or component concerned, ``message``); ``valid`` is True when there are no errors."""
+    """The verdict on one archive. ``errors``, ``warnings`` and ``infos`` hold :class:`Finding` records (stable
+    rule ``code``, ``entry`` or component concerned, ``message``; what each severity means:
+    :data:`~dduf_plus.format.findings.SEVERITIES`); ``valid`` is True when there are no errors.
+    ``io_error`` is set (and ``valid`` False) when the source could not be read at all: only
+    :func:`dduf_plus.validate_many` makes such reports (:func:`validate` raises instead).
+    :meth:`as_dict` is the ``dduf validate --json`` record."""
 
     path: str
     valid: bool
     errors: tuple[Finding, ...]
     warnings: tuple[Finding, ...]
-    bytes_read: int
-    seconds: float
+    # two reports with the same verdict and findings are equal, however they read and how long each took
+    bytes_read: int = field(compare=False)
+    seconds: float = field(compare=False)
+    infos: tuple[Finding, ...] = ()
+    io_error: str | None = None
 
     @property
     def codes(self) -> list[str]:
-        """Rule codes of the errors, then of the warnings, in the order they were found."""
-        return [f.code for f in self.errors] + [f.code for f in self.warnings]
+        """Rule codes of the errors, then of the warnings, then of the infos, in the order they were found."""
+        return [f.code for f in (*self.errors, *self.warnings, *self.infos)]
+
+    @property
+    def findings(self) -> tuple[Finding, ...]:
+        """Every finding: errors, then warnings, then infos."""
+        return (*self.errors, *self.warnings, *self.infos)
 
     def as_dict(self) -> dict[str, Any]:
-        return {
+        """The ``dduf validate --json`` record: ``path``, ``valid``, ``errors``, ``warnings``, ``infos`` (each a
+        list of ``{code, entry, message}``), and ``io_error`` for a source that could not be read."""
+        out: dict[str, Any] = {
             "path": self.path,
             "valid": self.valid,
             "errors": [f.as_dict() for f in self.errors],
             "warnings": [f.as_dict() for f in self.warnings],
+            "infos": [f.as_dict() for f in self.infos],
         }
+        if self.io_error is not None:
+            out["io_error"] = self.io_error
+        return out
 
     def __str__(self) -> str:
-        head = f"{'OK' if self.valid else 'INVALID'} {self.path}"
-        lines = [f"  error   {f}" for f in self.errors] + [f"  warning {f}" for f in self.warnings]
+        head = f"{VERDICT_LABELS[self.valid]} {self.path}"
+        lines = [f"  {SEVERITIES[f.severity].label:<7} {f}" for f in self.findings]
         return "\n".join([head, *lines])
+
+
+def unreadable(path: str, message: str) -> ValidationReport:
+    """The report of a source that could not be read (``io_error``; ``dduf validate`` exits with 2)."""
+    return ValidationReport(path, False, (), (), 0, 0.0, io_error=message)
 
 
 class _SourceFailure(DDUFIOError):
@@ -147,17 +170,27 @@ class _GuardedSource:
         pass
 
 
+# A check beyond the format's rules, run on the opened archive like every rule (its exceptions become X000):
+# how the top floor adds the load check (dduf_plus.validate(..., load_check=True)) without this floor
+# importing torch.
+ArchiveCheck = Callable[[DDUFArchive], Iterable[Finding]]
+
+
 def validate(source: str | os.PathLike | ByteSource, verify: bool = False, strict: bool = False, *,
-             max_decompressed: Any = None, **storage_options: Any) -> ValidationReport:
+             max_decompressed: Any = None, checks: Sequence[ArchiveCheck] = (),
+             **storage_options: Any) -> ValidationReport:
     """Check an archive against every DDUF and dduf_plus rule.
 
     Args:
         source: a local path, any fsspec URL (``https://``, ``hf://``, ``s3://``...) or a ByteSource.
         verify: also hash every entry: CRC-32 vs the ZIP records (H001), sha256 vs the index (H002).
-        strict: count warnings (e.g. "not mmap-aligned") as errors.
+        strict: count warnings as errors (infos stay infos: see
+            :data:`~dduf_plus.format.findings.SEVERITIES`).
         max_decompressed: the decompression budget for a ``.zst`` (see
             :func:`dduf_plus.storage.zst.decompression_budget`; default ``$DDUF_PLUS_MAX_DECOMPRESSED``,
             else 256 GiB and 16x the compressed size above 256 MiB); over it is a ``Z022`` error.
+        checks: more checks to run on the opened archive (each gives findings; an exception is an X000
+            finding). :func:`dduf_plus.validate` passes the load check here when ``load_check=True``.
         storage_options: passed to fsspec for URLs.
 
     Returns:
@@ -178,7 +211,7 @@ def validate(source: str | os.PathLike | ByteSource, verify: bool = False, stric
         (True, [])
     """
     if isinstance(source, (str, os.PathLike)) and os.fspath(source).endswith(".zst"):
-        return _validate_zst(source, verify, strict, max_decompressed, storage_options)
+        return _validate_zst(source, verify, strict, max_decompressed, checks, storage_options)
     started = time.perf_counter()
     owned = isinstance(source, (str, os.PathLike))
     inner: ByteSource = open_source(source, **storage_options) if isinstance(source, (str, os.PathLike)) else source
@@ -191,11 +224,14 @@ def validate(source: str | os.PathLike | ByteSource, verify: bool = False, stric
         archive = _guard(findings, "archive", lambda: DDUFArchive(guarded, check=False))
         if archive is not None:
             findings.extend(archive.findings)
-            for rule in (_check_json_entries, _check_index, _check_budgets, _check_quantization):
+            for rule in (_check_json_entries, _check_index, _check_budgets, _check_quantization, _check_components):
                 findings.extend(_guard(findings, rule.__name__.strip("_"), rule, archive, guarded, verify) or ())
             if verify:
                 problems, hashed = _guard(findings, "verify", _verify_entries, archive, guarded) or ((), 0)
                 findings.extend(problems)
+            for check in checks:
+                findings.extend(_guard(findings, getattr(check, "__name__", "check"), lambda c=check: list(c(archive)))
+                                or ())
     finally:
         bytes_read = inner.bytes_read + hashed
         if owned:
@@ -204,7 +240,7 @@ def validate(source: str | os.PathLike | ByteSource, verify: bool = False, stric
 
 
 def _validate_zst(source: str | os.PathLike, verify: bool, strict: bool, max_decompressed: Any,
-                  storage_options: dict[str, Any]) -> ValidationReport:
+                  checks: Sequence[ArchiveCheck], storage_options: dict[str, Any]) -> ValidationReport:
     """Decompress a ``.dduf.zst`` into a private temporary file (never the persistent cache), validate the
     plain archive, report under ``source``; the file is removed after the verdict, whatever happens."""
     started = time.perf_counter()
@@ -240,7 +276,7 @@ def _validate_zst(source: str | os.PathLike, verify: bool, strict: bool, max_dec
         except Exception as e:  # noqa: BLE001 - a decoder bug on hostile input: an incomplete verdict, never a crash
             return _report(name, [finding("X000", None, f"internal error in zst: {type(e).__name__}: {e}"[:500])],
                            strict, size, time.perf_counter() - started)
-        inner = validate(archive, verify=verify, strict=strict, **storage_options)
+        inner = validate(archive, verify=verify, strict=strict, checks=checks, **storage_options)
     return replace(inner, path=name, bytes_read=inner.bytes_read + size, seconds=time.perf_counter() - started)
 
 
@@ -256,12 +292,15 @@ def _guard(findings: list[Finding], label: str, rule: Callable[..., Any], *args:
 
 
 def _report(path: str, findings: Iterable[Finding], strict: bool, bytes_read: int, seconds: float) -> ValidationReport:
+    """Findings sorted by severity. ``strict`` makes warnings errors, never infos: an archive another writer
+    made from a good folder (no index, no ZIP64, unaligned) passes ``--strict``."""
     unique = list(dict.fromkeys(findings))
     errors = tuple(f for f in unique if f.severity == "error")
-    warnings = tuple(f for f in unique if f.severity != "error")
+    warnings = tuple(f for f in unique if f.severity == "warning")
+    infos = tuple(f for f in unique if f.severity not in ("error", "warning"))
     if strict:
         errors, warnings = errors + tuple(f._replace(severity="error") for f in warnings), ()
-    return ValidationReport(path, not errors, errors, warnings, bytes_read, seconds)
+    return ValidationReport(path, not errors, errors, warnings, bytes_read, seconds, infos)
 
 
 # --- rules the reader does not run on open ---------------------------------------------------------
@@ -274,7 +313,8 @@ def load_findings(archive: DDUFArchive) -> list[Finding]:
     entries = archive.entries
     return (json_entry_findings(archive, lambda e: archive.read_bytes(e.name), verify=False)
             + _check_index(archive, None, False)
-            + budget_findings(((name, e.length) for name, e in entries.items()), archive.read_bytes)
+            + budget_findings(((name, e.length) for name, e in entries.items() if name not in archive.compressed),
+                              archive.read_bytes)
             + quantization_findings(archive, lambda e: archive.read_bytes(e.name), archive.read_bytes))
 
 
@@ -304,9 +344,10 @@ def json_entry_findings(archive: DDUFArchive, read: Callable[[Entry], bytes], *,
     budget of its kind (:func:`~dduf_plus.format.json_budget.budget_for`). ``read`` gives an entry's bytes."""
     out: list[Finding] = []
     entries = archive.entries
+    compressed: frozenset[str] = getattr(archive, "compressed", frozenset())  # a loader's folder view has none
     for name, e in entries.items():
-        if not name.endswith(".json") or name in (spec.MODEL_INDEX, spec.INDEX_NAME):
-            continue
+        if not name.endswith(".json") or name in (spec.MODEL_INDEX, spec.INDEX_NAME) or name in compressed:
+            continue  # a compressed entry's bytes are not its content: Z011 is what is wrong with it
         basename = name.rsplit("/", 1)[-1]
         is_config = "/" in name and basename in spec.CONFIG_FILES
         shard_index = ".safetensors.index" in basename
@@ -332,8 +373,17 @@ def _check_budgets(archive: DDUFArchive, source: _GuardedSource, verify: bool) -
     guider configs hold no number out of range (format/tokenizer_budget.py, the checks the loader runs too).
     Tokenizer files are read whole: the few MB a real pipeline holds, what the loader reads anyway."""
     entries = archive.entries
-    return budget_findings(((name, e.length) for name, e in entries.items()),
+    return budget_findings(((name, e.length) for name, e in entries.items() if name not in archive.compressed),
                            lambda name: source.read_at(entries[name].offset, entries[name].length))
+
+
+def _check_components(archive: DDUFArchive, source: _GuardedSource, verify: bool) -> list[Finding]:
+    """D016: model components stored without weights; D017: classes their library does not have (looked up
+    in the installed diffusers / transformers source text, no torch). The loader runs the same two checks
+    before it resolves anything (same codes), for the components the caller does not pass itself."""
+    from .class_names import class_findings, missing_weight_findings
+
+    return missing_weight_findings(archive.components.values()) + class_findings(archive.model_index)
 
 
 def _check_quantization(archive: DDUFArchive, source: _GuardedSource, verify: bool) -> list[Finding]:
@@ -354,8 +404,8 @@ def quantization_findings(archive: DDUFArchive, read: Callable[[Entry], bytes],
     entries = archive.entries
     for name in sorted({n.split("/", 1)[0] for n in entries if n.endswith("/config.json") and n.count("/") == 1}):
         e = entries[f"{name}/config.json"]
-        if over_size(e.length, e.name) is not None:
-            continue  # D013 already says so
+        if over_size(e.length, e.name) is not None or e.name in archive.compressed:
+            continue  # D013 / Z011 already say so
         config, problems = parse_json(read(e), e.name)
         if problems or not isinstance(config, dict) or "quantization_config" not in config:
             continue  # D007 / D013 already say so; not quantized
@@ -438,7 +488,8 @@ def _check_index(archive: DDUFArchive, source: _GuardedSource | None, verify: bo
 def _verify_entries(archive: DDUFArchive, source: _GuardedSource, workers: int | None = None) -> tuple[list[Finding], int]:
     """H001/H002 findings for every entry whose bytes don't match, and the number of bytes hashed from the
     local file's descriptor (reads through the source count themselves)."""
-    entries = [e for e in archive.entries.values() if e.length]
+    # a compressed entry's CRC-32 is that of its content, not of the bytes stored (Z011 already says so)
+    entries = [e for e in archive.entries.values() if e.length and e.name not in archive.compressed]
     fd = getattr(source.inner, "fd", None)
     local = isinstance(fd, int) and fd >= 0
     if isinstance(fd, int) and local:

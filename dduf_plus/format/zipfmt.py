@@ -26,6 +26,17 @@ class ZipEntry(NamedTuple):
     method: int
     flags: int
     zip64: bool  # a ZIP64 extra field is present in the central record
+    # bytes the entry's data takes in the file: ``size`` when STORED, the compressed size otherwise (a
+    # compressed entry, Z011, still has a place: its neighbours are checked against it, never against ``size``)
+    stored_size: int = -1
+
+    @property
+    def span(self) -> int:
+        return self.size if self.stored_size < 0 else self.stored_size
+
+    @property
+    def compressed(self) -> bool:
+        return self.method != spec.METHOD_STORED
 
 
 class ZipLayout(NamedTuple):
@@ -318,7 +329,7 @@ def _vet_central_record(record: _CentralRecord, name_bytes: bytes, extra: bytes,
         findings.append(finding("Z018", label, "entry has no ZIP64 extra field"))
     if name is None:
         return None
-    return ZipEntry(name, header_offset, -1, usize, record.crc32, record.method, flags, zip64)
+    return ZipEntry(name, header_offset, -1, usize, record.crc32, record.method, flags, zip64, csize)
 
 
 # The ZIP64 extra field holds, in this order, those values whose 32-bit (disk: 16-bit) slot is full:
@@ -356,7 +367,7 @@ def _check_dduf_rules(record: _CentralRecord, csize: int, usize: int, label: str
         findings.append(finding("Z012", label, "entry is encrypted"))
     if record.method != spec.METHOD_STORED:
         findings.append(finding("Z011", label, f"compression method {record.method} (DDUF requires 0, STORED)"))
-    if csize != usize:
+    if csize != usize and record.method == spec.METHOD_STORED:  # compressed: Z011 says what is wrong
         findings.append(finding("Z019", label, f"sizes differ: {csize} stored vs {usize} uncompressed"))
     mode = (record.ext_attr >> 16) & spec.S_IFMT
     if (record.made_by >> 8) == spec.MADE_BY_UNIX and mode in (spec.S_IFLNK, spec.S_IFDIR):
@@ -430,7 +441,7 @@ def _place_local_header(source: ByteSource, entry: ZipEntry, cd_offset: int,
     if data_offset > cd_offset:
         findings.append(finding("Z017", entry.name, "local header runs past the central directory"))
         return None
-    end = data_offset + entry.size
+    end = data_offset + entry.span
     if end > cd_offset:
         findings.append(finding("Z017", entry.name, "entry data runs into the central directory or past the file"))
         return None
@@ -461,7 +472,7 @@ def _local_header_agrees(source: ByteSource, entry: ZipEntry, head: tuple, findi
             findings.append(finding("Z014", entry.name, "local ZIP64 extra field missing or too short"))
             return False
         usize, csize = values.get("usize", usize), values.get("csize", csize)
-    if crc != entry.crc32 or usize != entry.size or csize != entry.size:
+    if crc != entry.crc32 or usize != entry.size or csize != entry.span:
         findings.append(finding("Z014", entry.name, "local header and central directory disagree on CRC-32 or sizes"))
         return False
     return True

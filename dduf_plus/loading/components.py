@@ -45,14 +45,28 @@ def resolve_class(component: str, library: str, class_name: str) -> type[Any]:
     except (ImportError, RuntimeError) as e:  # lazy modules import the class's backends on access
         raise DDUFLoadError(f"component {component!r}: {library}.{class_name} cannot be imported: {e}") from e
     if cls is None or not isinstance(cls, type):
-        raise DDUFLoadError(f"component {component!r}: {library} has no class {class_name!r} "
-                            f"(model_index.json names [{library!r}, {class_name!r}]); upgrade {library} or "
-                            f"pass the component yourself: load_dduf(..., {component}=...)")
+        raise DDUFLoadError(f"component {component!r}: D017: {library} has no class {class_name!r}"
+                            f"{did_you_mean(class_name, module)} (model_index.json names [{library!r}, "
+                            f"{class_name!r}]); upgrade {library} or pass the component yourself: "
+                            f"load_dduf(..., {component}=...)", code="D017")
     if type(cls).__name__ == "DummyObject":  # diffusers/transformers placeholder for a missing backend
         backends = [b for b in getattr(cls, "_backends", []) if isinstance(b, str)]
         raise DDUFLoadError(f"component {component!r}: {class_name} needs {', '.join(backends) or 'a missing library'}; "
                             f"pip install {' '.join(backends)}".rstrip())
     return cls
+
+
+def did_you_mean(name: str, module: Any) -> str:
+    """`` (did you mean X?)`` with the closest class name ``module`` exports (``dir`` of a lazy module lists
+    its names without importing them), or nothing."""
+    import difflib
+
+    try:
+        names = sorted(n for n in dir(module) if n[:1].isupper())
+    except Exception:  # noqa: BLE001 - a module's own __dir__ failing: no hint then
+        return ""
+    close = difflib.get_close_matches(name, names, n=1, cutoff=0.8)
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def _library(component: str, library: str) -> Any:

@@ -58,7 +58,8 @@ def pick_weight_files(files: ComponentFiles, variant: str | None, preferred_stem
     if len(stems) > 1:
         chosen = [f for f in chosen if (w := classify(f)) is not None and w.stem == preferred_stem] or chosen
     if not chosen:
-        raise DDUFLoadError(f"{files.description}: no safetensors weights (has: {', '.join(files.listdir()) or 'nothing'})")
+        raise DDUFLoadError(f"{files.description}: D016: no safetensors weights (has: "
+                            f"{', '.join(files.listdir()) or 'nothing'})", code="D016")
     return chosen
 
 

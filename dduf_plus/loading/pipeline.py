@@ -23,7 +23,7 @@ from ..format.validate import load_findings
 from ..format.weights import variants
 from ..storage.urls import is_url
 from .bridge import install_bridge
-from .components import build_component, resolve_class
+from .components import build_component, did_you_mean, resolve_class
 from .dtypes import AUTO, requested_for, resolve_request
 from .files import ArchiveComponentFiles, ComponentFiles
 from .folder_source import FolderPipeline
@@ -261,6 +261,7 @@ def _load(ctx: _Context, kwargs: dict[str, Any]) -> DiffusionPipeline:
     if ctx.build_order is None:
         _refuse_what_validate_refuses(ctx)
     _check_names(ctx)
+    _refuse_unbuildable(ctx, kwargs)
     with collector_paused():  # imports the pipeline's module: diffusers and transformers, the first time
         plan = _plan(ctx, kwargs)
     _check_variant(ctx, plan)
@@ -308,6 +309,21 @@ def _refuse_what_validate_refuses(ctx: _Context) -> None:
         problems = [f for f in load_findings(ctx.archive) if f.severity == "error"]
     if problems:
         raise DDUFValidationError(ctx.path, problems)
+
+
+def _refuse_unbuildable(ctx: _Context, kwargs: Mapping[str, Any]) -> None:
+    """D016 (a model component stored without weights) and D017 (a component class its library does not have)
+    as validate finds them, before anything is resolved; a component the caller passes (``unet=...``) is not
+    built, so it is not asked about. (Building refuses both again with the same codes, should a check miss.)"""
+    from ..format.class_names import class_findings, missing_weight_findings
+
+    problems = [f for f in missing_weight_findings(ctx.archive.components.values())
+                + class_findings(ctx.archive.model_index) if f.entry not in kwargs]
+    if problems:
+        named = sorted({str(f.entry) for f in problems})
+        raise DDUFLoadError(f"{ctx.path}: " + "; ".join(f"{f.code} {f.entry}: {f.message}" for f in problems)
+                            + f"; pass {'it' if len(named) == 1 else 'them'} yourself: load_dduf(..., "
+                            + ", ".join(f"{n}=..." for n in named) + ")", code=problems[0].code)
 
 
 def _plan(ctx: _Context, kwargs: dict[str, Any]) -> _Plan:
@@ -441,8 +457,10 @@ def _pipeline_class(model_index: Mapping[str, Any], path: str) -> type[Diffusion
         raise DDUFLoadError(f"{path}: model_index.json has no _class_name")
     cls = getattr(diffusers, name.removeprefix("Flax"), None) if name.isidentifier() else None
     if not (isinstance(cls, type) and issubclass(cls, DiffusionPipeline)):
+        # no rule code: validate leaves the pipeline class to `dduf pack`'s warning (D017 is for components)
         raise DDUFLoadError(f"{path}: model_index.json names the pipeline class {name!r}, which diffusers "
-                            f"{diffusers.__version__} does not have (upgrade diffusers?)")
+                            f"{diffusers.__version__} does not have{did_you_mean(name, diffusers)} (upgrade "
+                            "diffusers?)")
     return cls
 
 

@@ -57,7 +57,7 @@ def pack(
     refs = dict(refs or {})
     folder = pack_source(folder, variant=variant, token=token, local_files_only=local_files_only, quiet=quiet)
     plan = plan_folder(folder, variant=variant, exclude=[n for n in exclude])
-    warn_unknown_classes(plan.model_index)  # a typo'd class name: a warning (the archive is still valid DDUF)
+    warn_unknown_classes(plan.model_index)  # a typo'd class name, said before the work (the written archive is D017)
     return _pack_plan(plan, output, variant=variant, exclude=exclude, refs=refs, base=base, dtype=dtype,
                       token=token, local_files_only=local_files_only, quiet=quiet, fsync=fsync, quantize=quantize)
 

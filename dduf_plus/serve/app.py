@@ -282,7 +282,7 @@ def _routes(service: Service) -> list[Route]:
     async def rules(_request: Request) -> Response:
         return JSONResponse({"rules": [
             {"code": r.code, "severity": r.severity, "title": r.title, "checked_by": r.checked_by,
-             "meaning": r.meaning, "why": r.why, "fix": r.fix} for r in RULES.values()]})
+             "meaning": r.meaning, "why": r.why, "fix": r.fix} for r in RULES.values()], **page.labels()})
 
     async def index(_request: Request) -> Response:
         return HTMLResponse(page.render_page(), headers=PAGE_HEADERS)

@@ -8,7 +8,7 @@ from html import escape
 from importlib.resources import files
 from typing import Any
 
-from ..format.findings import RULES, group_findings
+from ..format.findings import RULES, SEVERITIES, VERDICT_LABELS, count_text, group_findings
 
 RESULT_MARKER = "<!-- result -->"
 STATIC = {"app.css": "text/css; charset=utf-8", "app.js": "text/javascript; charset=utf-8"}
@@ -53,10 +53,26 @@ def _entries(entries: list[str]) -> str:
     return shown + (f" and {len(entries) - MAX_LISTED} more" if len(entries) > MAX_LISTED else "")
 
 
+def _by_severity(report: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(severity, finding) for every finding of a ``--json`` report: its ``errors``, ``warnings``, ``infos``."""
+    return [(s, f) for s in SEVERITIES for f in report.get(SEVERITIES[s].plural, [])]
+
+
+def counts(report: dict[str, Any]) -> str:
+    """``0 errors, 1 warning, 2 infos``: the words of the shared table (findings.SEVERITIES), as the CLI."""
+    return count_text({s: len(report.get(SEVERITIES[s].plural, [])) for s in SEVERITIES}, all_severities=True)
+
+
+def labels() -> dict[str, Any]:
+    """What ``/v1/rules`` sends app.js so that it shows the same words: severities and verdicts."""
+    return {"severities": {s.name: {"label": s.label, "plural": s.plural, "meaning": s.meaning}
+                           for s in SEVERITIES.values()},
+            "verdicts": {"valid": VERDICT_LABELS[True], "invalid": VERDICT_LABELS[False]}}
+
+
 def _findings(report: dict[str, Any]) -> str:
     """One row per rule (findings grouped, entries listed once); JSON keeps every finding."""
-    groups = group_findings([{**f, "severity": "error"} for f in report["errors"]]
-                            + [{**f, "severity": "warning"} for f in report["warnings"]])
+    groups = group_findings([{**f, "severity": severity} for severity, f in _by_severity(report)])
     if not groups:
         return "<p>No findings.</p>"
     rows = []
@@ -67,7 +83,8 @@ def _findings(report: dict[str, Any]) -> str:
                                         for f in g.findings[:MAX_LISTED]) + "</ul>"
         count = f" ({len(g.findings)})" if len(g.findings) > 1 else ""
         fix = rich(RULES[g.code].fix) if g.code in RULES else ""
-        rows.append(f"<tr class='{g.severity}'><td><code>{escape(g.code)}</code>{count}</td><td>{g.severity}</td>"
+        label = SEVERITIES[g.severity].label if g.severity in SEVERITIES else g.severity
+        rows.append(f"<tr class='{escape(g.severity)}'><td><code>{escape(g.code)}</code>{count}</td><td>{escape(label)}</td>"
                     f"<td>{escape(_entries(g.entries))}</td><td>{message}</td><td>{fix}</td></tr>")
     return ("<table id='findings'><caption>Findings</caption><thead><tr><th scope='col'>Rule</th>"
             "<th scope='col'>Severity</th><th scope='col'>Entries</th><th scope='col'>Message</th>"
@@ -94,9 +111,8 @@ def render_result(result: dict[str, Any] | None, error: str | None = None) -> st
         return f"<p id='verdict' class='invalid' role='alert'>Not checked: {escape(error or 'no input')}</p>"
     report = result["files"][0]
     verdict = "valid" if report["valid"] else "invalid"
-    counts = f"{len(report['errors'])} error(s), {len(report['warnings'])} warning(s)"
-    return (f"<p id='verdict' class='{verdict}'><strong>{verdict.upper()}</strong> "
-            f"<span class='path'>{escape(report['path'])}</span>: {counts}</p>"
+    return (f"<p id='verdict' class='{verdict}'><strong>{VERDICT_LABELS[bool(report['valid'])]}</strong> "
+            f"<span class='path'>{escape(report['path'])}</span>: {counts(report)}</p>"
             + _findings(report) + _components(result.get("info")))
 
 

@@ -7,6 +7,7 @@
   const drop = document.getElementById("drop");
   const fileInput = document.getElementById("file");
   let rules = null; // code -> {title, fix}, from /v1/rules
+  let labels = null; // {severities: {error: {label, plural}}, verdicts: {valid, invalid}}: the CLI's words, from /v1/rules
 
   function el(tag, attrs, ...children) {
     const node = document.createElement(tag);
@@ -45,9 +46,20 @@
     return parts.map((p, i) => (i % 2 ? el("code", {}, p) : document.createTextNode(p)));
   }
 
+  function bySeverity(report) { // [severity, finding] for errors, warnings, infos (page.py's _by_severity)
+    return Object.entries(labels.severities).flatMap(([sev, s]) => (report[s.plural] || []).map((f) => [sev, f]));
+  }
+
+  function counts(report) { // "0 errors, 1 warning, 2 infos", as page.py's counts and the CLI
+    return Object.values(labels.severities).map((s) => {
+      const n = (report[s.plural] || []).length;
+      return `${n} ${n === 1 ? s.label : s.plural}`;
+    }).join(", ");
+  }
+
   function groups(report) { // as dduf_plus.format.findings.group_findings: one row per (severity, rule)
     const found = new Map();
-    const all = report.errors.map((f) => ["error", f]).concat(report.warnings.map((f) => ["warning", f]));
+    const all = bySeverity(report);
     for (const [sev, f] of all) {
       const key = sev + " " + f.code;
       if (!found.has(key)) found.set(key, { sev, code: f.code, findings: [] });
@@ -66,16 +78,15 @@
     if (!same) message.append(el("ul", {}, ...g.findings.slice(0, MAX_LISTED).map((f) => el("li", {}, `${f.entry || ""}: ${f.message}`))));
     const code = el("td", {}, el("code", {}, g.code));
     if (g.findings.length > 1) code.append(` (${g.findings.length})`);
-    return el("tr", { class: g.sev }, code, el("td", {}, g.sev), el("td", {}, listed), message,
+    return el("tr", { class: g.sev }, code, el("td", {}, labels.severities[g.sev].label), el("td", {}, listed), message,
       el("td", {}, ...(rule ? rich(rule.fix) : [])));
   }
 
   function render(data) {
     const report = data.files[0];
     const verdict = report.valid ? "valid" : "invalid";
-    const counts = `: ${report.errors.length} error(s), ${report.warnings.length} warning(s)`;
-    const nodes = [el("p", { id: "verdict", class: verdict }, el("strong", {}, verdict.toUpperCase()), " ",
-      el("span", { class: "path" }, report.path), counts)];
+    const nodes = [el("p", { id: "verdict", class: verdict }, el("strong", {}, labels.verdicts[verdict]), " ",
+      el("span", { class: "path" }, report.path), ": " + counts(report))];
     const rows = groups(report);
     if (rows.length === 0) nodes.push(el("p", {}, "No findings."));
     else nodes.push(table("findings", "Findings", ["Rule", "Severity", "Entries", "Message", "Fix"], rows.map(findingRow)));
@@ -95,7 +106,9 @@
   async function loadRules() {
     if (rules) return;
     const response = await fetch("/v1/rules");
-    rules = Object.fromEntries((await response.json()).rules.map((r) => [r.code, r]));
+    const data = await response.json();
+    rules = Object.fromEntries(data.rules.map((r) => [r.code, r]));
+    labels = { severities: data.severities, verdicts: data.verdicts };
   }
 
   form.addEventListener("submit", async (event) => {
