@@ -394,3 +394,16 @@ def test_misaligned_quanto_int8_with_fp16_scales_loaded_as_bf16(tmp_path: Path) 
                           capture_output=True, text=True, env=env, timeout=600, check=False)
     assert done.returncode == 0, f"child died with {done.returncode}: {done.stderr[-2000:]}"
     assert json.loads(done.stdout.splitlines()[-1]) == {"equal": True}
+
+
+def test_sdnq_wildcard_patterns_are_capped() -> None:
+    """SDNQ matches every parameter name against each '*' pattern with re.match on a pattern string: past the re
+    module's cache (512) every call compiles again. 8,000 such patterns made a tiny UNet's load take 81 s here
+    (0.31 s without; 19 s on a quieter machine); 256 take 0.36 s. Past 256: Q005, validate and loader alike."""
+    cap = quant_rules.MAX_SDNQ_WILDCARD_PATTERNS
+    names = [f"block{i}.attn" for i in range(4000)]  # plain names stay cheap (string compares): still allowed
+    quant_rules.check_sdnq_config({"modules_to_not_convert": names + [f"x{i}.*.proj" for i in range(cap)]})
+    with pytest.raises(quant_rules.QuantError, match=r"257 module patterns with '\*'") as refused:
+        quant_rules.check_sdnq_config({"modules_to_not_convert": [f"x{i}.*.proj" for i in range(cap)],
+                                       "modules_to_not_use_matmul": ["y.*"]})
+    assert refused.value.code == "Q005"
