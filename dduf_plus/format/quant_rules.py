@@ -320,8 +320,9 @@ def parse_quant_state(raw: bytes, name: str) -> dict[str, Any]:
 
 
 def check_quant_state(state: Mapping[str, Any], name: str, parts: Mapping[str, TensorInfo]) -> None:
-    """A parsed 4-bit quant state fits its stored tensors as bitsandbytes' kernels index them (see
-    :func:`bnb_kernel_bounds`): its shape holds the packed values (two per byte) and one absmax per block.
+    """A parsed 4-bit quant state fits its stored tensors as bitsandbytes' kernels index them (the header checks
+    of the same parts ran in :func:`analyse`): its shape holds the packed values (two per byte) and one absmax
+    per block; with double quantization, one nested_absmax per nested block of absmax bytes.
 
     Raises:
         QuantError: ``Q003`` (shape / blocksize against the packed data and absmax) or ``Q007`` (a field a
