@@ -407,3 +407,37 @@ def test_sdnq_wildcard_patterns_are_capped() -> None:
         quant_rules.check_sdnq_config({"modules_to_not_convert": [f"x{i}.*.proj" for i in range(cap)],
                                        "modules_to_not_use_matmul": ["y.*"]})
     assert refused.value.code == "Q005"
+
+
+@pytest.mark.parametrize(("part", "make"), [("_scale", lambda t: t[:1]), ("_data", lambda t: t.reshape(-1)),
+                                            ("_data", lambda t: t[:4])])
+def test_quanto_parts_unlike_their_layer_are_refused_at_load(tmp_path: Path, part: str,
+                                                             make: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """quanto wraps whatever shapes it is given; torch's int8 kernel then indexes one scale per output row in
+    the first forward. The loader compares the stored parts with the layer first: Q006, nothing built."""
+    pytest.importorskip("optimum.quanto")
+    from diffusers import PixArtTransformer2DModel
+    from optimum.quanto import freeze, qint8, quantize
+
+    from conftest import PIPELINES
+    from dduf_plus import load_dduf
+    from dduf_plus.errors import DDUFError
+    from dduf_plus.loading import quant
+
+    model = PixArtTransformer2DModel.from_pretrained(PIPELINES / "tiny-dit", subfolder="transformer",
+                                                     torch_dtype=torch.bfloat16)
+    quantize(model, weights=qint8)
+    freeze(model)
+    root = tmp_path / "pipe"
+    shutil.copytree(PIPELINES / "tiny-dit", root)
+    for f in (root / "transformer").glob("*.safetensors*"):
+        f.unlink()
+    tensors, qmap = quant.quanto_state(model)
+    key = next(k for k in tensors if k.endswith(f"attn1.to_q.weight.{part}"))
+    tensors[key] = make(tensors[key]).contiguous()
+    save_file(tensors, str(root / "transformer" / WEIGHTS), metadata={"format": "pt"})
+    (root / "transformer" / quant.QMAP_NAME).write_bytes(qmap)
+    pack(root, tmp_path / "pipe.dduf", quiet=True)
+    with pytest.raises(DDUFError, match=r"Q006: \S*attn1\.to_q \(qint8\) is stored with weight\." + part) as refused:
+        load_dduf(tmp_path / "pipe.dduf")
+    assert "Q006" in refused.value.codes

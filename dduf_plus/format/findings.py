@@ -336,7 +336,7 @@ _RULES = (
          fix="re-save the component with diffusers' save_pretrained"),
     Rule("Q006", "error", "a quantized layer's stored shape does not fit the model's layer",
          checked_by="load (it needs the model class)",
-         meaning="a quantized weight's stored tensors (bitsandbytes quant_state shape, 8-bit weight, SDNQ weight / scale / zero_point) have another shape or dtype than the layer the component's class and quantization_config build",
+         meaning="a quantized weight's stored tensors (bitsandbytes quant_state shape, 8-bit weight, SDNQ weight / scale / zero_point, optimum-quanto 8-bit `_data` / `_scale` and 4/2-bit `_shift`) have another shape or dtype than the layer the component's class and quantization_config (or quanto's map) build",
          why="the backend would dequantize into the wrong shape: garbage outputs or an out-of-bounds read",
          fix="re-save the component with diffusers' save_pretrained"),
     Rule("Q007", "error", "a quantization field a native kernel indexes with does not fit its tensors",

@@ -333,6 +333,7 @@ def load_quanto_component(
     state = dict(files.tensors(files.weight_files(variant)))
     _check_state_keys(state, _expected_keys(model, quanto), model, f"{where}: stored tensors do not match the "
                       f"quantized {model_cls.__name__}")
+    check_quanto_shapes(model, state, quanto, where)
     _realign_int8(state, where)
     if target_dtype is not None:
         _cast_floating(state, target_dtype, set(getattr(model, "_keep_in_fp32_modules", None) or []))
@@ -357,6 +358,33 @@ def _check_state_keys(state: Mapping[str, Any], expected: set[str], model: torch
         shown = ", ".join(sorted(missing)[:5]) or "-"
         extra = ", ".join(sorted(unexpected)[:5]) or "-"
         raise DDUFLoadError(f"{problem} ({len(missing)} missing: {shown}; {len(unexpected)} unexpected: {extra})")
+
+
+def check_quanto_shapes(model: torch.nn.Module, state: Mapping[str, Any], quanto: Any, where: str) -> None:
+    """Q006: each quanto layer's stored weight parts have the shapes the layer computes with, before quanto wraps
+    them (it takes any shape at load; the first forward then hands them to torch's int8 kernel, which indexes
+    one scale per output row, or to its own unpacking). 8-bit (qint8, qfloat8): ``_data`` is the layer's weight
+    shape and ``_scale`` one value per output (``[out, 1, ...]``); 4 / 2-bit: ``_shift`` shaped like ``_scale``."""
+    for name, module in model.named_modules():
+        qtype = getattr(module, "weight_qtype", None) if isinstance(module, quanto.QModuleMixin) else None
+        if qtype is None:
+            continue
+        dot, wanted = f"{name}." if name else "", tuple(module.weight.shape)
+        scale = state.get(f"{dot}weight._scale")
+        problem = None
+        if qtype.bits == 8:
+            data = state.get(f"{dot}weight._data")
+            per_row = (wanted[0], *([1] * (len(wanted) - 1)))
+            if data is not None and tuple(data.shape) != wanted:
+                problem = f"weight._data {list(data.shape)}, the layer's weight {list(wanted)}"
+            elif scale is not None and tuple(scale.shape) != per_row:
+                problem = f"weight._scale {list(scale.shape)}, one scale per output {list(per_row)}"
+        else:
+            shift = state.get(f"{dot}weight._shift")
+            if scale is not None and shift is not None and shift.shape != scale.shape:
+                problem = f"weight._shift {list(shift.shape)} unlike weight._scale {list(scale.shape)}"
+        if problem is not None:
+            raise DDUFLoadError(f"{where}: Q006: {name} ({qtype.name}) is stored with {problem}", code="Q006")
 
 
 def _realign_int8(state: dict[str, Any], where: str) -> None:
