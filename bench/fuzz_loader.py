@@ -8,6 +8,7 @@ reference source / canary folders.
     python bench/fuzz_loader.py --count 200 --seed 3       # a fixed set
     python bench/fuzz_loader.py --replay bench/results/fuzz/X.dduf   # run the targets on one saved input
     python bench/fuzz_loader.py --remote --seconds 600     # through the hostile server (tests/hostile_server.py)
+    python bench/fuzz_loader.py --quant --seconds 300      # quantized bases: quantization states mutated too
 
 ``--remote`` serves each input from tests/hostile_server.py on 127.0.0.1 in a mode drawn from the seed and the
 input's number (honest a third of the time, so mutants get loaded through the remote path too; otherwise any
@@ -70,6 +71,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=OUT, help="where findings and summary.json go")
     p.add_argument("--replay", type=Path, nargs="+", help="run the targets on these archives and print the outcomes")
     p.add_argument("--remote", action="store_true", help="serve each input from the hostile server (random modes)")
+    p.add_argument("--quant", action="store_true",
+                   help="add bases with a quantized transformer (bitsandbytes 4-bit nested / 8-bit, torchao, SDNQ, "
+                        "quanto) and mutate their quantization states")
     return p.parse_args(argv)
 
 
@@ -131,7 +135,7 @@ def reset_peak_rss() -> None:
 class Fuzzer:
     """Generates input N and runs the targets on it, in whichever process calls :meth:`run_one`."""
 
-    def __init__(self, work: Path, seed: int, limit: float, remote: bool = False):
+    def __init__(self, work: Path, seed: int, limit: float, remote: bool = False, quant: bool = False):
         import mutations
 
         self.m = mutations
@@ -139,7 +143,7 @@ class Fuzzer:
         self.server: Any = None  # the hostile server (--remote), started in the process that runs inputs
         self.served = work / "served"
         self.served.mkdir(exist_ok=True)
-        self.bases, self.ctx = mutations.make_bases(work / "bases")
+        self.bases, self.ctx = mutations.make_bases(work / "bases", quant=quant)
         self.canary = work / "canary"
         self.canary.mkdir(exist_ok=True)
         (self.canary / "keep.txt").write_text("nothing may touch this\n")
@@ -473,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.replay:
         return replay(args.replay, args.limit)
     preload()
-    fuzzer = Fuzzer(work, args.seed, args.limit, args.remote)
+    fuzzer = Fuzzer(work, args.seed, args.limit, args.remote, args.quant)
     fuzzer.m.run_targets(fuzzer.ctx.archive_paths[0])  # warm: the first load imports what loading needs
     report = Report(args.out, args.seed)
     report.baseline_rss = peak_rss_mb()

@@ -81,6 +81,8 @@ HUGE_DIMENSION = 1 << 20  # a "dimension" a config may ask for: tests whether bu
 #: How often each kind of mutation is picked (relative weights).
 WEIGHTS = {"model_index": 3, "component_class": 3, "pipeline_class": 1, "config": 6, "tokenizer_json": 2,
            "tokenizer_bytes": 1, "references": 3, "index": 2, "safetensors": 5, "entries": 2, "raw": 1}
+#: With quantized bases (make_bases(quant=True)): quantization states, picked often (they apply to those bases only).
+QUANT_WEIGHTS = {**WEIGHTS, "quant": 12}
 
 
 # --- the archive, taken apart ---------------------------------------------------------------------------------
@@ -114,6 +116,7 @@ class Context:
     # Integers far out of range (2**31, 2**63, HUGE_DIMENSION) in configs. They make the model builder run
     # for minutes (num_layers=2**31 builds layers until stopped): the bench keeps them, CI does not.
     huge: bool = True
+    quant: bool = False  # bases with quantized components among them: quantization mutations picked often
 
     def paths(self) -> list[str]:
         return [str(self.source), str(self.source / REFERENCED), str(self.work), str(self.work / "missing"),
@@ -126,9 +129,10 @@ def take_apart(path: Path, name: str) -> Base:
         return Base(name, dict(archive.model_index), entries)
 
 
-def make_bases(work: Path, *, huge: bool = True) -> tuple[list[Base], Context]:
+def make_bases(work: Path, *, huge: bool = True, quant: bool = False) -> tuple[list[Base], Context]:
     """Pack the fixture twice under ``work``: self-contained, and with ``vae`` as a reference to a copy of the
-    fixture folder (so that reference mutations reach the resolver)."""
+    fixture folder (so that reference mutations reach the resolver). With ``quant``, also the fixture with its
+    transformer quantized by each backend load_dduf rebuilds (:func:`quant_bases`)."""
     from dduf_plus.format.pack import pack_folder
     from dduf_plus.packing.partial import pack_partial
 
@@ -139,7 +143,74 @@ def make_bases(work: Path, *, huge: bool = True) -> tuple[list[Base], Context]:
     full = pack_folder(source, work / "full.dduf", quiet=True).path
     partial = pack_partial(source, work / "partial.dduf", exclude=[REFERENCED], refs={"*": str(source)}, quiet=True).path
     bases = [take_apart(Path(full), "full"), take_apart(Path(partial), "partial")]
-    return bases, Context(work, source, [Path(full), Path(partial)], huge)
+    if quant:
+        bases += quant_bases(work / "quant", source)
+    return bases, Context(work, source, [Path(full), Path(partial)], huge, quant)
+
+
+QUANT_BASES = ("bnb4-nested", "bnb8", "torchao", "sdnq", "quanto")
+
+
+def _quantized_transformer(kind: str, folder: Path) -> None:
+    """Save the fixture's transformer quantized by ``kind`` into ``folder`` (as diffusers / dduf_plus save it)."""
+    import torch
+    from diffusers import BitsAndBytesConfig, PixArtTransformer2DModel, SDNQConfig, TorchAoConfig
+
+    src = PIPELINES / FIXTURE / "transformer"
+    if kind == "quanto":
+        from optimum.quanto import freeze, qint8, quantize
+
+        from dduf_plus.loading.quant import save_quanto_component
+
+        model = PixArtTransformer2DModel.from_pretrained(src, torch_dtype=torch.bfloat16)
+        quantize(model, weights=qint8)
+        freeze(model)
+        save_quanto_component(model, folder)
+        return
+    if kind == "torchao":
+        from torchao.quantization import Int8WeightOnlyConfig
+
+        config: Any = TorchAoConfig(Int8WeightOnlyConfig())
+    elif kind == "sdnq":
+        config = SDNQConfig(weights_dtype="uint4", minimum_allowed_numel=256, minimum_allowed_channel_size=16)
+    else:
+        config = (BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)
+                  if kind == "bnb4-nested" else BitsAndBytesConfig(load_in_8bit=True))
+    from diffusers.quantizers.bitsandbytes import bnb_quantizer
+
+    saved = {c: c.validate_environment for c in (bnb_quantizer.BnB4BitDiffusersQuantizer,
+                                                  bnb_quantizer.BnB8BitDiffusersQuantizer)}
+    try:  # bitsandbytes runs on CPU; diffusers' "No GPU found" gate is bypassed while saving
+        for c in saved:
+            c.validate_environment = lambda self, *args, **kwargs: None  # type: ignore[method-assign]
+        model = PixArtTransformer2DModel.from_pretrained(src, quantization_config=config, torch_dtype=torch.float32,
+                                                         **({"device_map": "cpu"} if kind.startswith("bnb") else {}))
+        model.save_pretrained(folder)
+    finally:
+        for c, method in saved.items():
+            c.validate_environment = method  # type: ignore[method-assign]
+
+
+def quant_bases(work: Path, source: Path) -> list[Base]:
+    """The fixture with its transformer quantized by each of :data:`QUANT_BASES` whose backend is installed."""
+    import importlib.util
+
+    from dduf_plus.format.pack import pack_folder
+
+    os.environ.setdefault("SDNQ_USE_TORCH_COMPILE", "0")  # sdnq would torch.compile its quantizer: minutes on CPU
+    modules = {"bnb4-nested": "bitsandbytes", "bnb8": "bitsandbytes", "torchao": "torchao", "sdnq": "sdnq",
+               "quanto": "optimum"}
+    bases = []
+    for kind in QUANT_BASES:
+        if importlib.util.find_spec(modules[kind]) is None:
+            continue
+        folder = work / kind
+        if not folder.is_dir():
+            shutil.copytree(source, folder)
+            shutil.rmtree(folder / "transformer")
+            _quantized_transformer(kind, folder / "transformer")
+        bases.append(take_apart(Path(pack_folder(folder, work / f"{kind}.dduf", quiet=True).path), kind))
+    return bases
 
 
 # --- JSON values --------------------------------------------------------------------------------------------
@@ -547,11 +618,139 @@ def m_raw(rng, draft, ctx):
     return f"raw bytes #{seed:.6f}"
 
 
+# --- quantization states (bases with quantized components: make_bases(quant=True)) ---------------------------
+QUANT_PARTS = (".absmax", ".quant_map", ".nested_absmax", ".nested_quant_map", ".SCB", "_scale", "_zero_point",
+               "_qdata", ".scale", ".zero_point", "._data", "._scale", ".weight")
+_ST_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+             "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4}
+
+
+def _tensors(data: bytes) -> tuple[dict[str, tuple[str, list[int], bytes]], dict] | None:
+    """A safetensors file as {name: (dtype, shape, bytes)} and its __metadata__ (None: not parseable)."""
+    parsed = _header(data)
+    if parsed is None:
+        return None
+    header, body = parsed
+    out: dict[str, tuple[str, list[int], bytes]] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            a, b = info["data_offsets"]
+            out[name] = (info["dtype"], list(info["shape"]), body[a:b])
+        except (TypeError, KeyError, ValueError):
+            return None
+    return out, header.get("__metadata__") or {}
+
+
+def _rebuild(tensors: dict[str, tuple[str, list[int], bytes]], metadata: dict) -> bytes:
+    """A safetensors file written again from ``tensors`` (offsets laid out anew, no holes)."""
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    body, at = [], 0
+    for name, (dtype, shape, raw) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [at, at + len(raw)]}
+        body.append(raw)
+        at += len(raw)
+    return _with_header(header, b"".join(body))
+
+
+def _quant_state_edit(rng: random.Random, ctx: Context, tensors: dict, metadata: dict) -> str | None:
+    """bitsandbytes' packed quant_state JSON, or torchao's per-tensor description: one JSON edit."""
+    states = sorted(n for n in tensors if ".quant_state.bitsandbytes__" in n)
+    described = sorted(k for k in metadata if k != "tensor_names" and str(metadata[k]).startswith("{"))
+    if not states and not described:
+        return None
+    if states and (not described or rng.random() < 0.5):
+        name = rng.choice(states)
+        dtype, _shape, raw = tensors[name]
+        try:
+            obj = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            return None
+        obj, what = mutate_json(rng, obj, ctx)
+        new = dumps(obj, rng)
+        tensors[name] = (dtype, [len(new)], new)
+        return f"quant_state {name}: {what}"
+    key = rng.choice(described)
+    try:
+        obj = json.loads(metadata[key])
+    except (ValueError, RecursionError):
+        return None
+    obj, what = mutate_json(rng, obj, ctx)
+    metadata[key] = dumps(obj, rng).decode()
+    return f"torchao description {key}: {what}"
+
+
+def _quant_tensor_edit(rng: random.Random, tensors: dict) -> str | None:
+    """A quantization part's shape, length or dtype (its bytes cut, repeated or kept to fit)."""
+    names = sorted(n for n in tensors if n.endswith(QUANT_PARTS))
+    if not names:
+        return None
+    name = rng.choice(names)
+    dtype, shape, raw = tensors[name]
+    op = rng.choice(["truncate", "one", "double", "dtype", "reshape", "empty"])
+    width = _ST_BYTES.get(dtype, 1)
+    if op == "truncate" and len(raw) > width:
+        raw = raw[: rng.randrange(1, len(raw) // width) * width]
+        shape = [len(raw) // width]
+    elif op == "one":
+        raw, shape = raw[:width], [1] * max(1, len(shape))
+    elif op == "double":
+        raw, shape = raw * 2, [2 * shape[0], *shape[1:]] if shape else [2]
+    elif op == "dtype":
+        new = rng.choice(sorted(_ST_BYTES))
+        dtype, shape = new, [len(raw) // _ST_BYTES[new]]
+        raw = raw[: shape[0] * _ST_BYTES[new]]
+    elif op == "reshape":
+        shape = _reshape(rng, _prod(shape), shape) if shape else [1]
+    else:
+        raw, shape = b"", [0]
+    tensors[name] = (dtype, shape, raw)
+    return f"{name}: {op} -> {dtype} {shape[:4]}"
+
+
+def m_quant(rng, draft, ctx):
+    """A quantization state: the config's quantization_config (SDNQ / bitsandbytes / torchao fields),
+    quanto's qmap, bitsandbytes' quant_state JSON, torchao's descriptions, or a quantization tensor's header."""
+    configs = [n for n in draft.entries if n.endswith("/config.json") and b"quantization_config" in draft.entries[n]]
+    qmaps = [n for n in draft.entries if n.endswith("/quanto_qmap.json")]
+    weights = [n for n in draft.entries if n.endswith(".safetensors") and n.split("/")[0] + "/config.json" in configs
+               or n.endswith(".safetensors") and n.split("/")[0] + "/quanto_qmap.json" in qmaps]
+    if not configs and not qmaps:
+        return None
+    op = rng.random()
+    if op < 0.3 and configs:
+        name = rng.choice(sorted(configs))
+        try:
+            obj = json.loads(draft.entries[name])
+        except (ValueError, RecursionError):
+            return None
+        if not isinstance(obj, dict) or not isinstance(obj.get("quantization_config"), dict):
+            return None
+        obj, what = mutate_json(rng, obj, ctx, under=("quantization_config",))
+        draft.entries[name] = dumps(obj, rng)
+        return f"{name}: {what}"
+    if op < 0.4 and qmaps:
+        return _mutate_json_entry(rng, draft, ctx, qmaps)
+    if not weights:
+        return None
+    name = rng.choice(sorted(weights))
+    parsed = _tensors(draft.entries[name])
+    if parsed is None:
+        return None
+    tensors, metadata = parsed
+    what = _quant_state_edit(rng, ctx, tensors, metadata) if op < 0.65 else _quant_tensor_edit(rng, tensors)
+    if what is None:
+        return None
+    draft.entries[name] = _rebuild(tensors, metadata)
+    return f"{name}: {what}"
+
+
 MUTATIONS: dict[str, Mutation] = {"model_index": m_model_index, "component_class": m_component_class,
                                   "pipeline_class": m_pipeline_class, "config": m_config,
                                   "tokenizer_json": m_tokenizer_json, "tokenizer_bytes": m_tokenizer_bytes,
                                   "references": m_references, "index": m_index, "safetensors": m_safetensors,
-                                  "entries": m_entries, "raw": m_raw}
+                                  "entries": m_entries, "raw": m_raw, "quant": m_quant}
 
 
 # --- inputs ---------------------------------------------------------------------------------------------
@@ -575,7 +774,7 @@ def generate(bases: list[Base], ctx: Context, seed: int, number: int, work: Path
     draft = base.draft()
     done: list[tuple[str, str]] = []
     wanted = rng.choices([1, 2, 3], weights=[5, 3, 2])[0]
-    kinds, weights = zip(*WEIGHTS.items(), strict=True)
+    kinds, weights = zip(*(QUANT_WEIGHTS if ctx.quant else WEIGHTS).items(), strict=True)
     for _ in range(wanted * 4):  # some mutations do not apply to every draft
         if len(done) == wanted:
             break

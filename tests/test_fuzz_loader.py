@@ -293,3 +293,41 @@ def test_remote_fuzz_catches_an_unbounded_client(fuzz, monkeypatch: pytest.Monke
         label, sent, outcomes = bench.run_remote(m, server, served / "mutant.dduf", SEED, number, PER_TARGET_S)
     assert label.startswith("overrun-close") and sent > bench.REMOTE_SENT_BOUND(ctx.archive_paths[0].stat().st_size)
     assert "unbounded-bytes" in {o.label for o in outcomes}, outcomes
+
+
+QUANT_INPUTS = int(os.environ.get("DDUF_FUZZ_QUANT_INPUTS", "40"))
+
+
+def test_quantization_state_mutants_end_in_ddufe_errors_only(tmp_path: Path) -> None:
+    """Quantized bases (bitsandbytes 4-bit nested / 8-bit, torchao, SDNQ, quanto transformers) with their
+    quantization states mutated (quant_state JSON, torchao descriptions, quantization_config, qmap, the parts'
+    headers): every load ends loaded or in a DDUFError. A native crash would kill this process (the long run,
+    ``bench/fuzz_loader.py --quant``, runs each input in a worker and reports it)."""
+    if importlib.util.find_spec("bitsandbytes") is None or importlib.util.find_spec("torchao") is None:
+        pytest.skip("the quantization backends are not installed here (pip install -e '.[quant]')")
+    bases, ctx = m.make_bases(tmp_path / "bases", huge=False, quant=True)
+    quantized = [b for b in bases if b.name in m.QUANT_BASES]
+    assert len(quantized) >= 3, [b.name for b in bases]
+    findings: list[str] = []
+    reach: Counter = Counter()
+    path = tmp_path / "mutant.dduf"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        previous = logging.root.manager.disable
+        logging.disable(logging.WARNING)
+        try:
+            for number in range(QUANT_INPUTS):
+                inp = m.generate(quantized, ctx, SEED, number, tmp_path)
+                if inp.data is None:
+                    continue
+                path.write_bytes(inp.data)
+                for o in m.run_targets(path, targets=("archive", "load"), limit_s=PER_TARGET_S):
+                    reach[(o.target, o.status)] += 1
+                    if o.bad:
+                        findings.append(f"input {number} ({inp.base}: {inp.mutations}): {o.target} -> {o.label}\n"
+                                        f"{o.detail}")
+                reach.update(k for k in inp.kinds if k == "quant")
+        finally:
+            logging.disable(previous)
+    assert not findings, f"{len(findings)} non-DDUFError outcomes:\n\n" + "\n\n".join(findings[:5])
+    assert reach["quant"] >= QUANT_INPUTS // 3, reach

@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Iterable, Mapping
-from math import prod
+from math import isfinite, prod
 from typing import Any, NamedTuple
 
 from .findings import Finding, finding
@@ -52,6 +52,10 @@ MAX_DESCRIPTION_DEPTH = 6  # real ones nest 4 deep ({"_data": {"dtype": {"_data"
 MAX_QUANT_STATE_BYTES = 4096  # bitsandbytes' packed quant_state JSON (a real one is ~150 bytes)
 BNB_BLOCKSIZES = frozenset({32, 64, 128, 256, 512, 1024, 2048, 4096})  # what bitsandbytes quantizes with
 BNB_4BIT_PARTS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")
+# bitsandbytes' QuantState.valid_qs_keys (0.50): from_dict asserts a packed state holds no other field
+BNB_QS_KEYS = frozenset({"absmax", "quant_map", "nested_absmax", "nested_quant_map", "quant_state", "quant_type",
+                         "blocksize", "dtype", "shape", "nested_blocksize", "nested_dtype", "nested_offset"})
+BNB_CODE_VALUES = {"quant_map": 16, "nested_quant_map": 256}  # 4-bit codes; dequantize_blockwise indexes by a byte
 _SCALE_DTYPES = frozenset({"float32", "float16", "bfloat16"})
 _CAMEL = re.compile(r"(?<!^)(?=[A-Z][a-z])")
 
@@ -189,6 +193,25 @@ def _check_torchao_int8(name: str, parts: Mapping[str, TensorInfo]) -> None:
             raise QuantError("Q003", f"{name}: {part} is {t.dtype}")
 
 
+def _check_torchao_block_size(name: str, description: Mapping[str, Any], parts: Mapping[str, TensorInfo]) -> None:
+    """Q007: Int8Tensor's ``block_size`` (from the description) is what torchao computes with: per-row when it
+    spans K (``y = x @ qdata.T * scale.flatten()``), else per-group (dequantize_affine views qdata in blocks of
+    it against scale / zero_point). It must tile qdata exactly, into scale's grid; otherwise the forward
+    fails or, worse, broadcasts a scale over the wrong rows."""
+    qdata, block = parts["qdata"], (description.get("_data") or {}).get("block_size")
+    if not isinstance(block, list) or len(block) != len(qdata.shape) \
+            or not all(type(b) is int and b > 0 for b in block):
+        raise QuantError("Q007", f"{name}: block_size {str(block)[:40]} is not {len(qdata.shape)} positive integers")
+    if any(n % b for n, b in zip(qdata.shape, block, strict=True)):
+        raise QuantError("Q007", f"{name}: block_size {block} does not tile qdata {list(qdata.shape)}")
+    grid = tuple(n // b for n, b in zip(qdata.shape, block, strict=True))
+    for part in ("scale", "zero_point"):
+        t = parts.get(part)
+        if t is not None and t.shape != grid:
+            raise QuantError("Q007", f"{name}: {part} {list(t.shape)} is not the block grid {list(grid)} of qdata "
+                             f"{list(qdata.shape)} in blocks of {block}")
+
+
 # --- bitsandbytes ------------------------------------------------------------------------------------
 def bnb_groups(tensors: Mapping[str, TensorInfo], backend: str) -> dict[str, dict[str, str]]:
     """{quantized weight: {part: stored tensor name}} from the names bitsandbytes gives its state."""
@@ -237,6 +260,32 @@ def _check_bnb(name: str, parts: Mapping[str, TensorInfo], backend: str, scheme:
     values = 2 * prod(data.shape)
     if -(-values // absmax.shape[0]) > 4096:  # bitsandbytes' blocks are 32..4096 values
         raise QuantError("Q003", f"{name}: {absmax.shape[0]} absmax values for {values} weights")
+    _check_bnb_kernel_parts(name, parts)
+
+
+def _check_bnb_kernel_parts(name: str, parts: Mapping[str, TensorInfo]) -> None:
+    """Q007: the 4-bit parts bitsandbytes' C kernels read through raw pointers, as they read them (0.50,
+    backends/cpu/ops.py and csrc): ``quant_map`` / ``nested_quant_map`` are float32 code books of 16 / 256
+    values (``cdequantize_blockwise_cpu_*`` reads ``code[byte]`` for every byte of the absmax it dequantizes:
+    a shorter map is read past its end, into the next tensor or the heap); with double quantization absmax is
+    its uint8 codes and ``nested_absmax`` float32, without it absmax is float32."""
+    nested = [p for p in ("nested_absmax", "nested_quant_map") if p in parts]
+    if len(nested) == 1:
+        missing = "nested_quant_map" if nested == ["nested_absmax"] else "nested_absmax"
+        raise QuantError("Q002", f"{name}: double-quantized weight lacks its {missing}")
+    for part, count in BNB_CODE_VALUES.items():
+        t = parts.get(part)
+        if t is not None and (t.dtype != "float32" or t.shape != (count,)):
+            raise QuantError("Q007", f"{name}: {part} is {t.dtype} {list(t.shape)[:4]}; bitsandbytes' kernel reads "
+                             f"{count} float32 values")
+    absmax, wanted = parts["absmax"], "uint8" if nested else "float32"
+    if absmax.dtype != wanted:
+        raise QuantError("Q007", f"{name}: absmax is {absmax.dtype}; with{'' if nested else 'out'} double "
+                         f"quantization bitsandbytes reads {wanted}")
+    inner = parts.get("nested_absmax")
+    if inner is not None and (inner.dtype != "float32" or len(inner.shape) != 1 or not inner.shape[0]):
+        raise QuantError("Q007", f"{name}: nested_absmax is {inner.dtype} {list(inner.shape)[:4]}, not a float32 "
+                         "vector")
 
 
 def parse_quant_state(raw: bytes, name: str) -> dict[str, Any]:
@@ -255,19 +304,51 @@ def parse_quant_state(raw: bytes, name: str) -> dict[str, Any]:
             or value.get("dtype", "float32") not in _SCALE_DTYPES:
         raise QuantError("Q005", f"{name}: quant_type {str(value['quant_type'])[:20]!r}, blocksize "
                          f"{value['blocksize']}, dtype {str(value.get('dtype'))[:20]!r}: not what bitsandbytes writes")
+    unknown = sorted(set(value) - BNB_QS_KEYS)
+    if unknown:  # QuantState.from_dict asserts its keys (an AssertionError, or nothing under python -O)
+        raise QuantError("Q005", f"{name}: unknown quant state field {unknown[0][:40]!r}")
     nested = value.get("nested_blocksize")
     if nested is not None and nested not in BNB_BLOCKSIZES:
-        raise QuantError("Q005", f"{name}: nested_blocksize {nested!r}")
+        raise QuantError("Q005", f"{name}: nested_blocksize {str(nested)[:20]!r}")
+    if value.get("nested_dtype") is not None and value["nested_dtype"] not in _SCALE_DTYPES:
+        # bitsandbytes looks it up with getattr(torch, ...): any attribute of torch otherwise
+        raise QuantError("Q005", f"{name}: nested_dtype {str(value['nested_dtype'])[:20]!r} is not a float dtype")
+    offset = value.get("nested_offset")
+    if offset is not None and (type(offset) not in (int, float) or not isfinite(offset)):
+        raise QuantError("Q005", f"{name}: nested_offset {str(offset)[:20]!r} is not a finite number")
     return value
 
 
-def check_quant_state(state: Mapping[str, Any], name: str, packed_bytes: int, absmax_count: int) -> None:
-    """A parsed 4-bit quant state fits its tensors: its shape holds the packed values (two per byte) and
-    one absmax per block."""
+def check_quant_state(state: Mapping[str, Any], name: str, parts: Mapping[str, TensorInfo]) -> None:
+    """A parsed 4-bit quant state fits its stored tensors as bitsandbytes' kernels index them (the header checks
+    of the same parts ran in :func:`analyse`): its shape holds the packed values (two per byte) and one absmax
+    per block; with double quantization, one nested_absmax per nested block of absmax bytes.
+
+    Raises:
+        QuantError: ``Q003`` (shape / blocksize against the packed data and absmax) or ``Q007`` (a field a
+            kernel indexes with: nested fields, dtype).
+    """
     values = prod(state["shape"])
+    packed_bytes, absmax_count = parts["data"].nbytes, prod(parts["absmax"].shape)
     if -(-values // 2) != packed_bytes or -(-values // state["blocksize"]) != absmax_count:
         raise QuantError("Q003", f"{name}: quant state shape {state['shape'][:4]} / blocksize {state['blocksize']} "
                          f"do not fit {packed_bytes} packed bytes and {absmax_count} absmax values")
+    if len(state["shape"]) != 2 or not values or "dtype" not in state:
+        raise QuantError("Q007", f"{name}: quant state shape {state['shape'][:4]} is not a weight matrix, or it "
+                         "names no dtype")
+    nested = "nested_absmax" in parts
+    fields = [k for k in ("nested_blocksize", "nested_dtype", "nested_offset") if k in state]
+    if nested and len(fields) < 3:
+        raise QuantError("Q007", f"{name}: nested_absmax is stored but the quant state lacks "
+                         f"{', '.join(k for k in ('nested_blocksize', 'nested_dtype', 'nested_offset') if k not in fields)}")
+    if not nested and fields:
+        raise QuantError("Q007", f"{name}: the quant state names {fields[0]} but no nested_absmax is stored")
+    if nested:  # dequantize_blockwise reads nested_absmax[i // nested_blocksize] for every absmax byte i
+        count = prod(parts["nested_absmax"].shape)
+        if count != -(-absmax_count // state["nested_blocksize"]):
+            raise QuantError("Q007", f"{name}: {count} nested_absmax values for {absmax_count} absmax bytes in blocks "
+                             f"of {state['nested_blocksize']} (bitsandbytes' kernel reads "
+                             f"{-(-absmax_count // state['nested_blocksize'])})")
 
 
 BNB_CPU_ROW_GROUP = 32  # bitsandbytes' AVX512-BF16 CPU kernel repacks a 4-bit weight's rows in groups of 32
@@ -293,12 +374,36 @@ def bnb_cpu_repack_problem(shape: Iterable[int], blocksize: int) -> str | None:
     return None
 
 
+# --- optimum-quanto ----------------------------------------------------------------------------------
+QUANTO_ALIGNMENT = 64  # bytes; quanto's bf16 CPU int8 kernel (torch._weight_int8pack_mm) needs 16, AVX-512 paths 64
+
+
+def quanto_unaligned(tensors: Iterable[tuple[TensorInfo, int]]) -> list[TensorInfo]:
+    """The int8 quantized weights (``*._data``) of an optimum-quanto component that start off a
+    :data:`QUANTO_ALIGNMENT` boundary, from (tensor, absolute start: entry data offset + data section + begin).
+
+    quanto's bf16 CPU kernel crashes (SIGSEGV) on int8 data that is not 16-byte aligned, and which kernel runs
+    depends on the dtype the model runs in (a cast after loading too), not on the file: the loader copies every
+    tensor listed here, and validate says so (Q008) from the same list."""
+    return [t for t, start in tensors if t.dtype == "int8" and t.name.endswith("._data") and start % QUANTO_ALIGNMENT]
+
+
+def unaligned_finding(component: str, unaligned: list[TensorInfo]) -> Finding:
+    """Q008: the quanto int8 weights the loader will copy (one finding per component)."""
+    more = f" and {len(unaligned) - 1} more" if len(unaligned) > 1 else ""
+    return finding("Q008", component, f"optimum-quanto int8 weight {unaligned[0].name}{more} not "
+                   f"{QUANTO_ALIGNMENT}-byte aligned: the loader copies them ({sum(t.nbytes for t in unaligned)} bytes)")
+
+
 # --- SDNQ -------------------------------------------------------------------------------------------
 SDNQ_PARTS = ("scale", "zero_point", "scale_2", "scale_zero_point", "zero_point_scale", "zero_point_2", "svd_up",
               "svd_down")
 MAX_SDNQ_PATTERNS = 8192  # names over modules_to_not_convert & co. (a saved SDXL unet lists ~1,000; SDNQ tries
 #                           each against every parameter name, so this bounds the load's work too)
 MAX_SDNQ_PATTERN_CHARS = 512
+# patterns with '*': sdnq.utils.check_param_name_in calls re.match(pattern string) per parameter, so past the
+# re module's cache (512 entries) each call compiles again: 8,192 of them added 19 s to a tiny UNet's load
+MAX_SDNQ_WILDCARD_PATTERNS = 256
 MAX_SDNQ_WILDCARDS = 3  # '*' per pattern: SDNQ turns such a pattern into a regex (one '.*' per '*')
 MAX_SDNQ_MODULE_CONFIGS = 256  # modules_quant_config entries (per-module overrides)
 _SDNQ_PATTERN = re.compile(r"[\w.*\-]+")  # module paths: no regex syntax reaches SDNQ's re.match
@@ -376,6 +481,10 @@ def _check_sdnq_patterns(qc: Mapping[str, Any]) -> None:
         patterns.extend([value] if isinstance(value, str) else value if isinstance(value, list) else [None])
     if len(patterns) > MAX_SDNQ_PATTERNS:
         raise QuantError("Q005", f"{len(patterns)} module patterns (over {MAX_SDNQ_PATTERNS})")
+    wild = sum(1 for p in patterns if isinstance(p, str) and "*" in p)
+    if wild > MAX_SDNQ_WILDCARD_PATTERNS:
+        raise QuantError("Q005", f"{wild} module patterns with '*' (over {MAX_SDNQ_WILDCARD_PATTERNS}: SDNQ compiles "
+                         "each one again for every parameter past Python's regex cache)")
     for pattern in patterns:
         if not isinstance(pattern, str) or len(pattern) > MAX_SDNQ_PATTERN_CHARS or not _SDNQ_PATTERN.fullmatch(pattern) \
                 or pattern.count("*") > MAX_SDNQ_WILDCARDS:
@@ -459,7 +568,11 @@ def _check_sdnq(name: str, parts: Mapping[str, TensorInfo], qc: Mapping[str, Any
                          "reduced axis kept as 1")
     groups = prod(scale.shape)
     unpacked = prod(weight.shape) if len(weight.shape) > 1 else None
-    if unpacked is not None and (unpacked % groups or scale.shape[0] not in (weight.shape[0], 1)):
+    # a matmul-transposed layer ([K, N] weight) keeps one scale per column: [1, N], never a lone [1, 1] that
+    # SDNQ's dequantizer would broadcast over every output (a silently different model)
+    transposed = scale.shape[0] == 1 and weight.shape[0] != 1
+    if unpacked is not None and (unpacked % groups or scale.shape[0] not in (weight.shape[0], 1)
+                                 or (transposed and scale.shape != (1, weight.shape[-1]))):
         raise QuantError("Q003", f"{name}: scale {list(scale.shape)} does not fit weight {list(weight.shape)}")
     if unpacked is None and scheme is not None and scheme.packed and weight.nbytes * 8 // scheme.bits < groups:
         raise QuantError("Q003", f"{name}: {weight.nbytes} packed bytes cannot hold {groups} groups")
@@ -515,6 +628,7 @@ def _groups(backend: str, scheme: str | None, qc: Mapping[str, Any], headers: li
         def check_torchao(name: str, parts: Mapping[str, TensorInfo]) -> None:
             if descriptions[name]["_type"] == "Int8Tensor":
                 _check_torchao_int8(name, parts)
+                _check_torchao_block_size(name, descriptions[name], parts)
         return groups, kinds, check_torchao
     if backend == "sdnq":
         check_sdnq_config(qc)
@@ -575,17 +689,34 @@ def index_record(config: Any, headers: Iterable[SafetensorsHeader]) -> dict[str,
     return {"quantization": {"method": record["backend"], **record}}
 
 
-def check_quant_states(headers: Iterable[SafetensorsHeader], read_tensor: Callable[[str], bytes]) -> None:
+def check_quant_states(headers: Iterable[SafetensorsHeader],
+                       read_tensor: Callable[[str], bytes]) -> list[tuple[str, str]]:
     """bitsandbytes 4-bit: every packed quant_state (at most :data:`MAX_QUANT_STATE_BYTES`, which
-    :func:`analyse` checked first) parsed as the backend would and fitted to its packed data and absmax.
+    :func:`analyse` checked first) parsed as the backend would and fitted to its packed data, absmax and
+    nested parts (:func:`check_quant_state`). Returns the layers bitsandbytes' AVX512-BF16 CPU path cannot
+    repack, with why (:func:`bnb_cpu_repack_problem`: rule Q009, a warning).
 
     Raises:
-        QuantError: ``Q005`` (not a quant state bitsandbytes writes) or ``Q003`` (does not fit its tensors).
+        QuantError: ``Q005`` (not a quant state bitsandbytes writes), ``Q003`` / ``Q007`` (does not fit its tensors).
     """
     tensors = _all_tensors(headers)
+    unfit: list[tuple[str, str]] = []
     for name, parts in bnb_groups(tensors, "bitsandbytes_4bit").items():
         state = parse_quant_state(read_tensor(parts["quant_state"]), parts["quant_state"])
-        check_quant_state(state, name, prod(tensors[parts["data"]].shape), prod(tensors[parts["absmax"]].shape))
+        check_quant_state(state, name, {p: tensors[t] for p, t in parts.items() if t in tensors})
+        problem = bnb_cpu_repack_problem(state["shape"], state["blocksize"])
+        if problem is not None:
+            unfit.append((name, problem))
+    return unfit
+
+
+def repack_finding(component: str, unfit: list[tuple[str, str]]) -> Finding:
+    """Q009 for the 4-bit layers bitsandbytes' AVX512-BF16 CPU path cannot repack (one finding per component)."""
+    layer, problem = unfit[0]
+    more = f" (and {len(unfit) - 1} more layers)" if len(unfit) > 1 else ""
+    return finding("Q009", f"{component}/config.json",
+                   f"bitsandbytes_4bit: {layer}: {problem}{more}: diffusers' own load fails in the first forward on "
+                   "CPUs with avx512_bf16 (its weight repack); dduf_plus keeps such layers on the plain CPU path")
 
 
 def findings_for(component: str, config: Any, headers: Iterable[SafetensorsHeader],
@@ -604,8 +735,8 @@ def findings_for(component: str, config: Any, headers: Iterable[SafetensorsHeade
     headers = list(headers)
     try:
         analyse(config, headers)
-        if backend == "bitsandbytes_4bit" and read_tensor is not None:
-            check_quant_states(headers, read_tensor)
+        unfit = check_quant_states(headers, read_tensor) \
+            if backend == "bitsandbytes_4bit" and read_tensor is not None else []
     except QuantError as e:
         return [finding(e.code, f"{component}/config.json", f"{backend}: {e}")]
-    return []
+    return [repack_finding(component, unfit)] if unfit else []

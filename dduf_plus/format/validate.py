@@ -407,12 +407,28 @@ def quantization_findings(archive: DDUFArchive, read: Callable[[Entry], bytes],
         if over_size(e.length, e.name) is not None or e.name in archive.compressed:
             continue  # D013 / Z011 already say so
         config, problems = parse_json(read(e), e.name)
+        out.extend(_quanto_alignment(archive, name, config))
         if problems or not isinstance(config, dict) or "quantization_config" not in config:
             continue  # D007 / D013 already say so; not quantized
         weights = [w for w in archive.weight_files(name) if w in archive.headers]
         out.extend(findings_for(name, config, [archive.headers[w] for w in weights],
                                 None if read_range is None else _tensor_reader(archive, weights, read_range)))
     return out
+
+
+def _quanto_alignment(archive: DDUFArchive, name: str, config: Any) -> list[Finding]:
+    """Q008: an optimum-quanto component's int8 weights the loader will copy (quant_rules.quanto_unaligned)."""
+    from .quant_rules import quanto_unaligned, unaligned_finding
+    from .quantization import QMAP_NAME, quantization_method
+
+    method = quantization_method(config) if isinstance(config, dict) else None
+    if f"{name}/{QMAP_NAME}" not in archive.entries and method != "quanto":
+        return []
+    weights = [w for w in archive.weight_files(name) if w in archive.headers] if name in archive.components else []
+    starts = ((info, archive.entries[w].offset + archive.headers[w].data_start + info.begin)
+              for w in weights for info in archive.headers[w].tensors.values())
+    unaligned = quanto_unaligned(starts)
+    return [unaligned_finding(name, unaligned)] if unaligned else []
 
 
 def _tensor_reader(archive: DDUFArchive, weights: list[str],

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import DDUFLoadError, DDUFPackError
+from ..format.quant_rules import QUANTO_ALIGNMENT
 from ..format.quantization import QMAP_NAME, quantization_method, quanto_index_record  # noqa: F401 (re-exported)
 from ..packing.meta_model import construction_budget, is_diffusers_model, meta_model
 from ..storage.confined import Confined
@@ -48,7 +49,7 @@ if TYPE_CHECKING:  # pragma: no cover
 logger = logging.getLogger(__name__)
 
 INSTALL_HINT = "pip install 'dduf_plus[quanto]'"
-KERNEL_ALIGNMENT = 64  # bytes; quanto's CPU int8 kernel needs 16, AVX-512 paths like 64
+KERNEL_ALIGNMENT = QUANTO_ALIGNMENT  # bytes; quanto's CPU int8 kernel needs 16, AVX-512 paths like 64
 # diffusers' QuantoConfig.weights_dtype -> quanto qtype attribute (diffusers/quantizers/quanto/utils.py)
 _DIFFUSERS_QUANTO_WEIGHTS = {"float8": "qfloat8", "int8": "qint8", "int4": "qint4", "int2": "qint2"}
 # What works without a GPU, as checked for this release (docs/precision.md has the table).
@@ -332,7 +333,8 @@ def load_quanto_component(
     state = dict(files.tensors(files.weight_files(variant)))
     _check_state_keys(state, _expected_keys(model, quanto), model, f"{where}: stored tensors do not match the "
                       f"quantized {model_cls.__name__}")
-    _realign_int8(state, target_dtype, where)
+    check_quanto_shapes(model, state, quanto, where)
+    _realign_int8(state, where)
     if target_dtype is not None:
         _cast_floating(state, target_dtype, set(getattr(model, "_keep_in_fp32_modules", None) or []))
     # assign=True: quanto's QModuleMixin._load_from_state_dict wraps the stored `_data`/`_scale` views
@@ -358,23 +360,53 @@ def _check_state_keys(state: Mapping[str, Any], expected: set[str], model: torch
         raise DDUFLoadError(f"{problem} ({len(missing)} missing: {shown}; {len(unexpected)} unexpected: {extra})")
 
 
-def _realign_int8(state: dict[str, Any], target_dtype: torch.dtype | None, where: str) -> None:
-    """Copy the int8 weights quanto's bf16 CPU kernel would read misaligned.
+def check_quanto_shapes(model: torch.nn.Module, state: Mapping[str, Any], quanto: Any, where: str) -> None:
+    """Q006: each quanto layer's stored weight parts have the shapes the layer computes with, before quanto wraps
+    them (it takes any shape at load; the first forward then hands them to torch's int8 kernel, which indexes
+    one scale per output row, or to its own unpacking). 8-bit (qint8, qfloat8): ``_data`` is the layer's weight
+    shape and ``_scale`` one value per output (``[out, 1, ...]``); 4 / 2-bit: ``_shift`` shaped like ``_scale``."""
+    for name, module in model.named_modules():
+        qtype = getattr(module, "weight_qtype", None) if isinstance(module, quanto.QModuleMixin) else None
+        if qtype is None:
+            continue
+        dot, wanted = f"{name}." if name else "", tuple(module.weight.shape)
+        scale = state.get(f"{dot}weight._scale")
+        problem = None
+        if qtype.bits == 8:
+            data = state.get(f"{dot}weight._data")
+            per_row = (wanted[0], *([1] * (len(wanted) - 1)))
+            if data is not None and tuple(data.shape) != wanted:
+                problem = f"weight._data {list(data.shape)}, the layer's weight {list(wanted)}"
+            elif scale is not None and tuple(scale.shape) != per_row:
+                problem = f"weight._scale {list(scale.shape)}, one scale per output {list(per_row)}"
+        else:
+            shift = state.get(f"{dot}weight._shift")
+            if scale is not None and shift is not None and shift.shape != scale.shape:
+                problem = f"weight._shift {list(shift.shape)} unlike weight._scale {list(scale.shape)}"
+        if problem is not None:
+            raise DDUFLoadError(f"{where}: Q006: {name} ({qtype.name}) is stored with {problem}", code="Q006")
+
+
+def _realign_int8(state: dict[str, Any], where: str) -> None:
+    """Copy every int8 weight (``._data``) that does not start on a :data:`KERNEL_ALIGNMENT` boundary.
 
     quanto runs bf16 x int8 on CPU with torch._weight_int8pack_mm, which crashes (SIGSEGV) on int8 weights
-    that are not 16-byte aligned. Only that path needs them aligned; a file written in aligned_order()
+    that are not 16-byte aligned. Whether that kernel runs depends on the dtype the model computes in: the
+    scales' dtype after loading, after a ``dtype=`` cast, or after the caller's own ``model.to(torch.bfloat16)``
+    (deciding from the stored scales' dtype, as this did, let fp16 scales loaded as bf16 through: SIGSEGV on the
+    first forward). So every misaligned int8 payload is copied, whatever the dtypes: the same list
+    ``dduf validate`` reports as Q008 (format.quant_rules.quanto_unaligned). A file written in aligned_order()
     order (save_quanto_component does) needs no copy."""
     import torch
 
     realigned = 0
     for key, tensor in state.items():
-        scale = state.get(key[: -len("_data")] + "_scale") if key.endswith("._data") else None
-        if (tensor.dtype == torch.int8 and scale is not None and scale.dtype == torch.bfloat16
-                and (target_dtype in (None, torch.bfloat16)) and tensor.data_ptr() % KERNEL_ALIGNMENT):
-            state[key] = tensor.clone()
+        if tensor.dtype == torch.int8 and key.endswith("._data") and tensor.data_ptr() % KERNEL_ALIGNMENT:
+            state[key] = tensor.clone()  # torch's CPU allocator aligns to 64 bytes
             realigned += tensor.nbytes
     if realigned:
-        logger.info("%s: copied %d bytes of int8 weights not aligned for quanto's bf16 kernel", where, realigned)
+        logger.info("%s: Q008: copied %d bytes of int8 weights not %d-byte aligned for quanto's kernels", where,
+                    realigned, KERNEL_ALIGNMENT)
 
 
 def _cast_floating(state: dict[str, Any], target_dtype: torch.dtype, keep_fp32: set[str]) -> None:

@@ -35,7 +35,7 @@ from ..format.quant_rules import (
     torchao_descriptions,
     torchao_groups,
 )
-from ..format.safetensors_header import SafetensorsHeader
+from ..format.safetensors_header import SafetensorsHeader, TensorInfo
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -249,6 +249,7 @@ def load_bnb_component(model_cls: type[Any], config: Mapping[str, Any], files: A
     state = dict(files.tensors(weight_files))
     layer_cls = bnb.nn.Linear4bit if backend == "bitsandbytes_4bit" else bnb.nn.Linear8bitLt
     tensors = {name: info for header in component_headers(files, weight_files) for name, info in header.tensors.items()}
+    plain = 0  # Q009: layers kept off bitsandbytes' AVX512-BF16 repack
     for name, parts in bnb_groups(tensors, backend).items():
         try:
             module = model.get_submodule(name.rpartition(".")[0])
@@ -256,12 +257,18 @@ def load_bnb_component(model_cls: type[Any], config: Mapping[str, Any], files: A
             raise DDUFLoadError(f"{where}: {name}: the model has no such layer") from None
         if not isinstance(module, layer_cls):
             raise DDUFLoadError(f"{where}: {name} is stored quantized but the model keeps that layer unquantized")
-        _check_bnb_shape(module, name, parts, state, where)
+        parsed = _check_bnb_shape(module, name, parts, state, where)
         try:
-            _set_bnb_weight(module, parts, state, bnb, where)
-        except (ValueError, TypeError, KeyError, AttributeError, RuntimeError) as e:  # bitsandbytes on hostile stats
+            unfit = _set_bnb_weight(module, parts, state, bnb, parsed)
+        except (ValueError, TypeError, KeyError, AttributeError, RuntimeError, AssertionError) as e:  # hostile stats
             raise DDUFLoadError(f"{where}: Q005: bitsandbytes cannot build {name} ({type(e).__name__}: {e})"[:500],
                                 code="Q005") from None
+        if unfit:
+            module.support_avx512bf16_for_cpu = False
+            plain += 1
+    if plain:
+        logger.debug("%s: Q009: %d bitsandbytes 4-bit layers kept on the plain CPU path (their shapes do not fit "
+                     "the AVX512-BF16 repack)", where, plain)
     _check_state_keys(state, {k for k in model.state_dict() if not _is_bnb_weight(model, k, layer_cls)}, model,
                       f"{where}: stored tensors do not match the {backend} {model_cls.__name__}")
     model.load_state_dict(state, strict=False, assign=True)
@@ -269,44 +276,59 @@ def load_bnb_component(model_cls: type[Any], config: Mapping[str, Any], files: A
     return _finish(model, where, device)
 
 
-def _check_bnb_shape(module: Any, name: str, parts: Mapping[str, str], state: Mapping[str, Any], where: str) -> None:
-    """Q006: the layer's shape is what the stored weight holds (4-bit: the quant_state's shape; 8-bit: the int8
-    matrix), else bitsandbytes would dequantize into another shape than the layer computes with."""
-    from ..format.quant_rules import parse_quant_state
+def _check_bnb_shape(module: Any, name: str, parts: Mapping[str, str], state: Mapping[str, Any],
+                     where: str) -> dict[str, Any] | None:
+    """The stored weight checked before bitsandbytes sees it. 4-bit: the packed quant_state parsed and fitted to
+    the tensors bitsandbytes will be given, as ``dduf validate`` fits them (Q003 / Q005 / Q007, one function:
+    format.quant_rules.check_quant_state); returned parsed. Then Q006: the layer's shape is what the stored
+    weight holds (4-bit: the quant_state's shape; 8-bit: the int8 matrix), else bitsandbytes would dequantize
+    into another shape than the layer computes with."""
+    from ..format.quant_rules import check_quant_state, parse_quant_state
 
     layer = [int(module.out_features), int(module.in_features)]
+    parsed = None
     if "quant_state" in parts:
         try:
-            shape = parse_quant_state(state[parts["quant_state"]].numpy().tobytes(), parts["quant_state"])["shape"]
+            parsed = parse_quant_state(state[parts["quant_state"]].numpy().tobytes(), parts["quant_state"])
+            check_quant_state(parsed, parts["data"], {part: tensor_info(tensor, state[tensor])
+                                                     for part, tensor in parts.items()})
         except QuantError as e:
             raise DDUFLoadError(f"{where}: {e.code}: {e}", code=e.code) from None
+        shape = parsed["shape"]
     else:
         shape = list(state[parts["data"]].shape)
     if list(shape) != layer:
         raise DDUFLoadError(f"{where}: Q006: {name} is stored as a {list(shape)[:4]} weight; the layer "
                             f"{name.rpartition('.')[0]} is {layer}", code="Q006")
+    return parsed
 
 
-def _set_bnb_weight(module: Any, parts: Mapping[str, str], state: dict[str, Any], bnb: Any, where: str) -> None:
+def tensor_info(name: str, tensor: torch.Tensor) -> TensorInfo:
+    """A loaded tensor as the format layer's checks see a stored one (dtype in torch spelling, shape, bytes)."""
+    return TensorInfo(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), 0,
+                      tensor.numel() * tensor.element_size())
+
+
+def _set_bnb_weight(module: Any, parts: Mapping[str, str], state: dict[str, Any], bnb: Any,
+                    parsed: Mapping[str, Any] | None) -> bool:
     """One layer's weight, as diffusers' ``create_quantized_param`` makes it, over the stored views (the parts
-    are taken out of ``state``)."""
-    from ..format.quant_rules import check_quant_state, parse_quant_state
+    are taken out of ``state``; ``parsed``: its checked 4-bit quant state). True when it is a 4-bit weight
+    bitsandbytes' AVX512-BF16 CPU path cannot repack (then the layer is kept on the plain path)."""
+    from ..format.quant_rules import bnb_cpu_repack_problem
 
     data = state.pop(parts["data"])
-    if "quant_state" in parts:  # 4-bit
-        try:  # checked before bitsandbytes parses it
-            parsed = parse_quant_state(state[parts["quant_state"]].numpy().tobytes(), parts["quant_state"])
-            check_quant_state(parsed, parts["data"], data.numel(), state[parts["absmax"]].numel())
-        except QuantError as e:
-            raise DDUFLoadError(f"{where}: {e.code}: {e}", code=e.code) from None
+    if parsed is not None:  # 4-bit
         stats = {tensor: state.pop(tensor) for part, tensor in parts.items() if part != "data"}
         module._parameters["weight"] = bnb.nn.Params4bit.from_prequantized(
             data=data, quantized_stats=stats, requires_grad=False, device="cpu")
-        return
+        # Q009: bitsandbytes' AVX512-BF16 CPU path would repack this weight in the first forward and fail on its
+        # shape; Linear4bit.forward reads this attribute (set from has_avx512bf16() at construction) to choose
+        return bnb_cpu_repack_problem(parsed["shape"], parsed["blocksize"]) is not None
     scb = state.pop(parts["SCB"])
     state.pop(parts["weight_format"], None)  # diffusers drops it too (a layout tag bitsandbytes no longer reads)
     module._parameters["weight"] = bnb.nn.Int8Params(data, requires_grad=False, **module.weight.__dict__).to("cpu")
     module.weight.SCB = scb
+    return False
 
 
 def _is_bnb_weight(model: torch.nn.Module, key: str, layer_cls: type) -> bool:
