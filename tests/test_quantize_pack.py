@@ -145,10 +145,16 @@ def test_unknown_names_are_refused_with_the_nearest(tiny_sd: Path, tmp_path: Pat
     assert not (tmp_path / "x.dduf").exists()
 
 
-def test_cli_flag(tiny_sd: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_flag(tiny_sd: Path, bnb_sd: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "q.dduf"
-    assert main(["pack", str(tiny_sd), "-o", str(out), "--quiet", "--quantize", "unet=BNB-NF4"]) == 0
+    assert main(["pack", str(bnb_sd), "-o", str(out), "--quiet", "--quantize", "unet=BNB-NF4"]) == 0
     assert validate(out, verify=True, strict=True).valid
+    # tiny-sd's 4-bit layers are narrower than one block: packed, valid, and Q009 says the AVX512-BF16 path
+    # cannot take them (load_dduf keeps them on the plain path)
+    assert main(["pack", str(tiny_sd), "-o", str(tmp_path / "narrow.dduf"), "--quiet", "--quantize", "unet=bnb-nf4"]) == 0
+    report = validate(tmp_path / "narrow.dduf", verify=True)
+    assert report.valid and [f.code for f in report.warnings] == ["Q009"], str(report)
+    capsys.readouterr()
     assert main(["info", str(out), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert "nf4" in json.dumps(info)
