@@ -44,18 +44,24 @@ def build_bnb_ready_sd(tiny_sd: Path, dest: Path, seed: int = 0) -> Path:
     return dest
 
 
-def four_bit_layers(model: Any) -> list[Any]:
-    import bitsandbytes as bnb
+def _bnb() -> Any:
+    """bitsandbytes (imported when a test needs it: importing it has side effects), or the test skips."""
+    try:
+        import bitsandbytes
+        import bitsandbytes.functional
+    except ImportError:  # the quant extra is installed wherever these tests run
+        pytest.skip("bitsandbytes is not installed here (pip install -e '.[quant]')")
+    return bitsandbytes
 
-    return [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+
+def four_bit_layers(model: Any) -> list[Any]:
+    return [m for m in model.modules() if isinstance(m, _bnb().nn.Linear4bit)]
 
 
 def require_cpu_path(path: str) -> None:
     """Skip the calling test, naming the flag, where this CPU cannot run bitsandbytes' ``path``."""
-    from bitsandbytes.functional import has_avx512bf16
-
     assert path in CPU_PATHS, path
-    if path == "avx512_bf16" and not has_avx512bf16():
+    if path == "avx512_bf16" and not _bnb().functional.has_avx512bf16():
         pytest.skip("this CPU lacks avx512_bf16: bitsandbytes' packed 4-bit CPU kernel cannot run here "
                     "(the plain-path case runs; assert_every_4bit_layer_repacks checks the shapes)")
 
@@ -71,11 +77,9 @@ def use_cpu_path(model: Any, path: str) -> None:
 def assert_every_4bit_layer_repacks(model: Any) -> None:
     """bitsandbytes' own repack for the AVX512-BF16 path succeeds on (copies of) every 4-bit layer of ``model``:
     the shapes fit that path, whatever this CPU has."""
-    from bitsandbytes.functional import _convert_weight_packed_for_cpu
-
     layers = four_bit_layers(model)
     assert len(layers) > 10
     for module in layers:
         state = copy.deepcopy(module.weight.quant_state)
-        _convert_weight_packed_for_cpu(module.weight.data.clone(), state)
+        _bnb().functional._convert_weight_packed_for_cpu(module.weight.data.clone(), state)
         assert state.packing_format_for_cpu
