@@ -158,7 +158,10 @@ def _quantized_transformer(kind: str, folder: Path) -> None:
 
     src = PIPELINES / FIXTURE / "transformer"
     if kind == "quanto":
-        from optimum.quanto import freeze, qint8, quantize
+        try:
+            from optimum.quanto import freeze, qint8, quantize
+        except ImportError as e:  # the quanto extra: installed wherever the fuzzer's quantized bases are made
+            raise RuntimeError(f"quanto base: {e} (pip install -e '.[quanto]')") from e
 
         from dduf_plus.loading.quant import save_quanto_component
 
@@ -168,7 +171,10 @@ def _quantized_transformer(kind: str, folder: Path) -> None:
         save_quanto_component(model, folder)
         return
     if kind == "torchao":
-        from torchao.quantization import Int8WeightOnlyConfig
+        try:
+            from torchao.quantization import Int8WeightOnlyConfig
+        except ImportError as e:  # the quant extra, likewise
+            raise RuntimeError(f"torchao base: {e} (pip install -e '.[quant]')") from e
 
         config: Any = TorchAoConfig(Int8WeightOnlyConfig())
     elif kind == "sdnq":
