@@ -175,7 +175,7 @@ def _registered_fast(module: Any, name: Any, param: Any) -> bool:
         return True
     if not (fresh and type(param) is parameter and param.grad_fn is None and not param.__dict__):
         return False
-    for hook in hooks.values():  # the construction budget's, and _meta_hook
+    for hook in tuple(hooks.values()):  # the construction budget's, and _meta_hook
         output = hook(module, name, param)
         if output is not None:
             param = output
@@ -199,7 +199,22 @@ def _dispatching_register(original: Callable[..., Any]) -> Callable[..., Any]:
     return register_parameter
 
 
-_meta_state: dict[str, Any] = {"dispatcher": None, "hook": None, "users": 0}
+_meta_state: dict[str, Any] = {"dispatcher": None}
+
+# Global registration hooks that act only in a thread inside some block: hook -> "active in this thread?".
+# While such a hook is registered for another thread's block, setting a parameter directly in this thread is
+# the same as torch's setattr (which would call it): see registration_hooks_idle.
+THREAD_SCOPED_HOOKS: dict[Callable[..., Any], Callable[[], bool]] = {_meta_hook: lambda: _depth("meta") > 0}
+
+
+def registration_hooks_idle() -> bool:
+    """Whether no global parameter or buffer registration hook would do anything in this thread now:
+    none registered, or only thread-scoped ones (another thread's block) inactive here."""
+    from torch.nn.modules import module as module_impl
+
+    hooks = (*module_impl._global_parameter_registration_hooks.values(),
+             *module_impl._global_buffer_registration_hooks.values())
+    return all(hook in THREAD_SCOPED_HOOKS and not THREAD_SCOPED_HOOKS[hook]() for hook in hooks)
 
 
 def _meta_dispatcher() -> Dispatcher:
@@ -214,23 +229,23 @@ def _meta_dispatcher() -> Dispatcher:
     return _meta_state["dispatcher"]
 
 
-@contextlib.contextmanager
-def _meta_hook_registered() -> Iterator[None]:
-    """:func:`_meta_hook` is registered while any thread is in a block (a handle removes exactly it)."""
+def ensure_hooks(key: str, register: Callable[[], None]) -> None:
+    """Call ``register`` once per process (under the lock). Thread-scoped hooks stay registered: adding and
+    removing them per block would mutate torch's hook dictionaries while other threads iterate them
+    (``OrderedDict mutated during iteration`` in a concurrent construction)."""
+    with _lock:
+        if key not in _registered:
+            register()
+            _registered.add(key)
+
+
+_registered: set[str] = set()
+
+
+def _register_meta_hook() -> None:
     from torch.nn.modules import module as module_impl
 
-    with _lock:
-        if _meta_state["users"] == 0:
-            _meta_state["hook"] = module_impl.register_module_parameter_registration_hook(_meta_hook)
-        _meta_state["users"] += 1
-    try:
-        yield
-    finally:
-        with _lock:
-            _meta_state["users"] -= 1
-            if _meta_state["users"] == 0:
-                _meta_state["hook"].remove()
-                _meta_state["hook"] = None
+    module_impl.register_module_parameter_registration_hook(_meta_hook)
 
 
 @contextlib.contextmanager
@@ -238,10 +253,11 @@ def meta_parameters() -> Iterator[None]:
     """Within the block, parameters that modules built in this thread register are on the meta device (no
     memory) and not initialised; buffers stay real. Equivalent to diffusers' ``no_init_weights()`` with
     accelerate's ``init_empty_weights()``, for this thread only."""
-    with no_init(), _meta_hook_registered():
-        install([_meta_dispatcher()])
-        with thread_depth("meta"):
-            yield
+    ensure_hooks("meta", _register_meta_hook)
+    install([_meta_dispatcher()])
+    with no_init(), thread_depth("meta"):
+        yield
 
 
-__all__ = ["INIT_FUNCTIONS", "Dispatcher", "install", "meta_copy", "meta_parameters", "no_init", "thread_depth"]
+__all__ = ["INIT_FUNCTIONS", "THREAD_SCOPED_HOOKS", "Dispatcher", "ensure_hooks", "install", "meta_copy", "meta_parameters", "no_init",
+           "registration_hooks_idle", "thread_depth"]
