@@ -21,6 +21,7 @@ from ..errors import (
 from ..format.archive import DDUFArchive
 from ..format.validate import load_findings
 from ..format.weights import variants
+from ..packing.backend_import import offline_imports
 from ..storage.urls import is_url
 from .bridge import install_bridge
 from .components import build_component, resolve_class
@@ -310,6 +311,7 @@ def _refuse_what_validate_refuses(ctx: _Context) -> None:
         raise DDUFValidationError(ctx.path, problems)
 
 
+@offline_imports  # imports diffusers, transformers and what they import: no Hub request (backend_import)
 def _plan(ctx: _Context, kwargs: dict[str, Any]) -> _Plan:
     from diffusers import DiffusionPipeline
 
