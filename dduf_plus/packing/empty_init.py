@@ -190,13 +190,22 @@ def _dispatching_register(original: Callable[..., Any]) -> Callable[..., Any]:
         if not _depth("meta"):
             original(module, name, param)
             return
-        if not _registered_fast(module, name, param):
-            original(module, name, param)
-        current = module._parameters.get(name)
-        if current is not None and not current.is_meta:  # a hook handed back a real one
-            module._parameters[name] = meta_copy(current)
+        # plain Parameters only: no torch function mode needs to see these few attribute reads and one move
+        # (the per-thread default dtype's mode would otherwise handle ~6 calls a parameter)
+        with _torch["modes_off"]():
+            if _registered_fast(module, name, param):
+                _still_real(module, name)
+                return
+        original(module, name, param)
+        _still_real(module, name)
 
     return register_parameter
+
+
+def _still_real(module: Any, name: Any) -> None:
+    current = module._parameters.get(name)
+    if current is not None and not current.is_meta:  # a hook handed back a real one
+        module._parameters[name] = meta_copy(current)
 
 
 _meta_state: dict[str, Any] = {"dispatcher": None}
@@ -222,7 +231,8 @@ def _meta_dispatcher() -> Dispatcher:
         import torch
         from torch.nn.modules import module as module_impl
 
-        _torch.update(Parameter=torch.nn.Parameter, hooks=module_impl._global_parameter_registration_hooks)
+        _torch.update(Parameter=torch.nn.Parameter, hooks=module_impl._global_parameter_registration_hooks,
+                      modes_off=torch._C.DisableTorchFunction)
         _meta_state["dispatcher"] = Dispatcher(torch.nn.Module, "register_parameter",
                                                ("torch.nn.modules.module", "Module.register_parameter"),
                                                _dispatching_register)

@@ -140,19 +140,22 @@ def _has_integer_tensor(value: Any) -> bool:
     return False
 
 
-def _call(func: Any, args: tuple, kwargs: dict, target: Any) -> Any:
-    """``func`` called as torch would have called it with ``target`` as the default dtype."""
+def _call(func: Any, args: tuple, kwargs: dict, target: Any, result: Any = None) -> Any:
+    """``func`` called as torch would have called it with ``target`` as the default dtype (``result``: what
+    it returned called as it was, if it was already)."""
     sets = _functions
-    if func in sets["explicit"] or _names_dtype(args, kwargs):
-        return func(*args, **kwargs)
-    if func in sets["always"] or (func in sets["random"] and not _tensor_inside(args)
-                                  and not _tensor_inside(list(kwargs.values()))):
+    if func in sets["always"] and not _names_dtype(args, kwargs):
         return func(*args, **{**kwargs, "dtype": target})
-    result = func(*args, **kwargs)
+    if func in sets["random"] and not _names_dtype(args, kwargs) and not _tensor_inside(args) \
+            and not _tensor_inside(list(kwargs.values())):
+        return func(*args, **{**kwargs, "dtype": target})
+    if result is None:
+        result = func(*args, **kwargs)
+    # most calls end here: not a tensor (sizes, flags), or not in the process default
     if not (isinstance(result, sets["Tensor"]) and result.dtype == sets["process_default"]()):
         return result
-    if _floating_inside(args) or _floating_inside(kwargs):
-        return result  # the floating input decided the dtype, not the default
+    if func in sets["explicit"] or _names_dtype(args, kwargs) or _floating_inside(args) or _floating_inside(kwargs):
+        return result  # a named dtype, or a floating input, decided it: not the default
     if func in sets["inferred"]:
         return func(*args, **{**kwargs, "dtype": target})
     if _has_integer_tensor(args) or _has_integer_tensor(list(kwargs.values())):
@@ -167,11 +170,21 @@ def _mode_class() -> type:
         """Active in one thread (torch's mode stack is per thread) while it is in a block."""
 
         def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+            # every torch call of the building thread comes here (~1,800 for an SD-1.5 UNet): the common
+            # case (a call that is no factory and returns no tensor in the process default) stays short
             kwargs = kwargs or {}
             target = getattr(_local, "dtype", None)
-            if target is None or target == _functions["process_default"]():
+            if target is None or target == process_default():
                 return func(*args, **kwargs)
-            return _call(func, args, kwargs, target)
+            if func in always or func in random:
+                return _call(func, args, kwargs, target)
+            result = func(*args, **kwargs)
+            if not (isinstance(result, tensor) and result.dtype == process_default()):
+                return result
+            return _call(func, args, kwargs, target, result)
+
+    process_default, tensor = _functions["process_default"], _functions["Tensor"]
+    always, random = _functions["always"], _functions["random"]
 
     return ThreadDefaultDtype
 
