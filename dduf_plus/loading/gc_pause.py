@@ -34,13 +34,18 @@ _depth = 0
 _resume = False  # whether the collector was enabled when the outermost pause began
 
 
+def other_threads_alive() -> bool:
+    """Whether another Python thread runs in this process (one that could see the collector's switch)."""
+    return threading.active_count() > 1
+
+
 @contextlib.contextmanager
 def collector_paused() -> Iterator[None]:
     """Within the block, no automatic cyclic collection (where this is the process's only thread, see the
     module); on leaving the outermost block it is as before."""
     global _depth, _resume
     with _lock:
-        pausing = _depth > 0 or threading.active_count() == 1  # nested, or no other thread to observe it
+        pausing = _depth > 0 or not other_threads_alive()  # nested, or no other thread to observe it
         if pausing and _depth == 0:
             _resume = gc.isenabled()
             gc.disable()
