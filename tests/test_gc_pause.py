@@ -10,8 +10,8 @@ import threading
 import pytest
 
 from dduf_plus.errors import DDUFLoadError
-from dduf_plus.loading import pipeline as pipeline_module
 from dduf_plus.loading import gc_pause
+from dduf_plus.loading import pipeline as pipeline_module
 from dduf_plus.loading.gc_pause import collector_paused
 
 
