@@ -151,6 +151,8 @@ def test_other_threads_do_not_see_a_loads_default_dtype() -> None:
         release.set()
         thread.join(10)
     assert here == (torch.float32,) * 5
+    # outside every block torch's own functions are back (torch.compile knows them by identity)
+    assert torch.get_default_dtype is torch._C.get_default_dtype and torch.set_default_dtype.__module__ == "torch"
     assert seen == {"linear": torch.float16, "get": torch.float16,
                     "after_set": (torch.bfloat16, torch.bfloat16), "outside": torch.float32}
 

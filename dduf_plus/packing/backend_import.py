@@ -10,9 +10,9 @@ quantization backend: bitsandbytes, torchao, sdnq, optimum-quanto, and whatever 
 with huggingface_hub offline *in the loading thread*: ``huggingface_hub.constants.is_offline_mode()``, which
 every Hub request checks first (its request hook), answers True there, so the request is refused before it
 is sent; the library falls back as it does offline (bitsandbytes logs that it could not load the kernel and
-uses its own CPU code). Other threads are not affected: the function is a thread-aware dispatcher, installed
-once over huggingface_hub's own (see :mod:`dduf_plus.packing.empty_init` for the rule), that answers as
-huggingface_hub does outside these steps.
+uses its own CPU code). Other threads are not affected: the function is a thread-aware dispatcher, in place
+over huggingface_hub's own while some thread is in such a step (see :mod:`dduf_plus.packing.empty_init` for
+the rule), that answers as huggingface_hub does outside these steps.
 
 **The knob.** ``DDUF_PLUS_BACKEND_DOWNLOADS=1`` (read at each load) lets those imports use the Hub as
 huggingface_hub's own settings allow (``HF_HUB_OFFLINE`` still wins). Importing the library yourself before
@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
-from .empty_init import Dispatcher, install
+from .empty_init import Dispatcher, installed_while
 
 ENV_ALLOW = "DDUF_PLUS_BACKEND_DOWNLOADS"
 TRUE = ("1", "true", "yes", "on")
@@ -66,10 +66,10 @@ def hub_off_for_imports() -> Iterator[None]:
     if downloads_allowed():
         yield
         return
-    install(_offline_dispatchers())
     _local.depth = getattr(_local, "depth", 0) + 1
     try:
-        yield
+        with installed_while("hub_off", _offline_dispatchers()):
+            yield
     finally:
         _local.depth -= 1
 

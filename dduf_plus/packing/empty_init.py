@@ -88,6 +88,35 @@ class Dispatcher:
         return True
 
 
+    def remove(self) -> None:
+        """Put torch's own function back if the dispatcher is what the attribute holds (call under ``_lock``;
+        one another library wrapped stays: outside a block it behaves as torch's own)."""
+        if self.function is not None and getattr(self.owner, self.attribute) is self.function:
+            setattr(self.owner, self.attribute, self.torch_own)
+
+
+_users: dict[str, int] = {}  # installed_while: threads' open blocks per key
+
+
+@contextlib.contextmanager
+def installed_while(key: str, dispatchers: list[Dispatcher]) -> Iterator[None]:
+    """The dispatchers in place while any thread is inside a block of ``key``; the last one out removes them
+    (for functions that should stay torch's own object otherwise, such as ``torch.get_default_dtype``, which
+    torch.compile knows by identity). Same invariant as :func:`install`."""
+    with _lock:
+        for dispatcher in dispatchers:
+            dispatcher.ensure()
+        _users[key] = _users.get(key, 0) + 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _users[key] -= 1
+            if _users[key] == 0:
+                for dispatcher in dispatchers:
+                    dispatcher.remove()
+
+
 def install(dispatchers: list[Dispatcher]) -> None:
     """Put each dispatcher in place where torch's own function is (see the module's invariant)."""
     with _lock:
@@ -269,5 +298,5 @@ def meta_parameters() -> Iterator[None]:
         yield
 
 
-__all__ = ["INIT_FUNCTIONS", "THREAD_SCOPED_HOOKS", "Dispatcher", "ensure_hooks", "install", "meta_copy", "meta_parameters", "no_init",
+__all__ = ["INIT_FUNCTIONS", "THREAD_SCOPED_HOOKS", "Dispatcher", "ensure_hooks", "install", "installed_while", "meta_copy", "meta_parameters", "no_init",
            "registration_hooks_idle", "thread_depth"]

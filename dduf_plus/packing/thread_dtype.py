@@ -7,10 +7,11 @@ value for the whole process: another thread building a model meanwhile gets fp16
 overlap restore each other's values in the wrong order (the default stayed fp16 after two concurrent fp16
 loads). Within :func:`local_default_dtype`, in this thread only:
 
-- ``torch.set_default_dtype`` / ``torch.get_default_dtype`` (dispatchers, installed and kept as
-  :mod:`dduf_plus.packing.empty_init` describes) set and read this thread's value, so diffusers'
-  ``_set_default_torch_dtype`` and transformers' ``local_torch_dtype`` called from here change nothing
-  another thread sees. Outside a block, and in every other thread, they are torch's own.
+- ``torch.set_default_dtype`` / ``torch.get_default_dtype`` (dispatchers under the rule of
+  :mod:`dduf_plus.packing.empty_init`, in place only while some thread is in a block: torch.compile knows
+  torch's own by identity) set and read this thread's value, so diffusers' ``_set_default_torch_dtype``
+  and transformers' ``local_torch_dtype`` called from here change nothing another thread sees. Outside a
+  block, and in every other thread, they behave as torch's own.
 - a torch function mode (torch's mode stack is per thread) gives torch functions called from this thread
   that value where torch would have used the process default: factories that always make a floating
   tensor (``empty``, ``zeros``, ``rand``...) get ``dtype=`` when none is given; factories that infer
@@ -31,7 +32,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .empty_init import Dispatcher, install
+from .empty_init import Dispatcher, installed_while
 
 _local = threading.local()  # .dtype: this thread's default (None: the process's); .scopes: open blocks
 _dispatchers: list[Dispatcher] = []
@@ -197,7 +198,7 @@ def local_default_dtype(dtype: Any = None) -> Iterator[None]:
     """Within the block, torch's default dtype in this thread is ``dtype`` (None or a non-floating dtype:
     unchanged), and ``torch.set_default_dtype`` called from this thread changes this thread's value only.
     Blocks nest; each restores the value it found."""
-    install(_dtype_dispatchers())
+    dispatchers = _dtype_dispatchers()
     if not _mode:
         _mode["class"] = _mode_class()
     previous, scopes = getattr(_local, "dtype", None), getattr(_local, "scopes", 0)
@@ -206,7 +207,8 @@ def local_default_dtype(dtype: Any = None) -> Iterator[None]:
     _local.scopes = scopes + 1
     try:
         # one mode per thread: nested blocks only change the value it reads
-        with _mode["class"]() if scopes == 0 else contextlib.nullcontext():
+        with installed_while("default_dtype", dispatchers), \
+                _mode["class"]() if scopes == 0 else contextlib.nullcontext():
             yield
     finally:
         _local.dtype, _local.scopes = previous, scopes
