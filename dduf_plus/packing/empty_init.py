@@ -26,10 +26,11 @@ lock, only over torch's own function (never over another library's patch in forc
 - a library that saves the attribute while a dispatcher is there restores the dispatcher, which outside a
   block behaves as torch; one that restores torch's own function over it (diffusers restores what it saw at
   import) removes it, and the next block installs it again;
-- the meta device does not depend on the dispatcher: while any thread is in a :func:`meta_parameters`
-  block, a global parameter-registration hook (thread-aware, as the dispatchers) moves that thread's new
-  parameters to the meta device, whatever ``register_parameter`` is at the time (another library's patch,
-  torch's own). A block's ``torch.nn.init`` calls, when a dispatcher is not in place, go to whatever is
+- the meta device does not depend on the dispatcher: a global parameter-registration hook, registered once
+  and active only in a thread inside a :func:`meta_parameters` block, moves that thread's new parameters to
+  the meta device whatever ``register_parameter`` is at the time (another library's patch, torch's own).
+  Hooks stay registered (see :func:`ensure_hooks`); :func:`registration_hooks_idle` tells a direct
+  assignment that none of them would act in its thread. A block's ``torch.nn.init`` calls, when a dispatcher is not in place, go to whatever is
   (another library's skip, or torch's own, which on meta parameters computes nothing and draws no random
   numbers).
 The only race left is a library reading the attribute between our read and our write: its patch is then
