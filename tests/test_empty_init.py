@@ -74,6 +74,8 @@ def test_other_threads_build_and_initialise_as_usual():
 
 
 def test_torch_is_restored_and_blocks_nest():
+    with meta_parameters():  # the first block puts the (permanent, thread-aware) dispatchers in place
+        pass
     register, normal = nn.Module.register_parameter, nn.init.normal_
     with meta_parameters():
         with meta_parameters():

@@ -1,6 +1,6 @@
 """The cyclic collector is paused while a load imports (a first load's imports tripped about 1 s of full
 collections) and is as it was afterwards: enabled, or left disabled by the application; also after a failed
-load, and with concurrent loads."""
+load. With other threads alive nothing is paused (they would see it)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,15 @@ import threading
 import pytest
 
 from dduf_plus.errors import DDUFLoadError
+from dduf_plus.loading import gc_pause
 from dduf_plus.loading import pipeline as pipeline_module
 from dduf_plus.loading.gc_pause import collector_paused
 
 
 @pytest.fixture
-def collector_enabled():
+def collector_enabled(monkeypatch):
+    # as in a process with one thread: earlier tests may leave daemon threads (servers, read-ahead) running
+    monkeypatch.setattr(gc_pause, "other_threads_alive", lambda: False)
     was = gc.isenabled()
     gc.enable()
     yield
@@ -46,7 +49,8 @@ def test_no_collection_runs_inside_the_pause_and_the_collector_comes_back(collec
     assert gc.isenabled()
 
 
-def test_a_disabled_collector_stays_disabled() -> None:
+def test_a_disabled_collector_stays_disabled(monkeypatch) -> None:
+    monkeypatch.setattr(gc_pause, "other_threads_alive", lambda: False)
     was = gc.isenabled()
     gc.disable()
     try:
@@ -58,23 +62,33 @@ def test_a_disabled_collector_stays_disabled() -> None:
             gc.enable()
 
 
-def test_concurrent_pauses_end_with_the_last(collector_enabled) -> None:
+def test_no_pause_while_other_threads_run(collector_enabled, monkeypatch) -> None:
+    """With another thread alive a load leaves the collector alone: that thread would see it disabled, and
+    its own ``gc.disable()`` would be undone when the pause ended (0.6.1 did both)."""
+    monkeypatch.setattr(gc_pause, "other_threads_alive", lambda: threading.active_count() > 1)  # the real rule
     inside, release = threading.Event(), threading.Event()
+    seen: dict[str, bool] = {}
 
     def other() -> None:
-        with collector_paused():
-            inside.set()
-            release.wait(10)
+        inside.set()
+        release.wait(10)
+        seen["other"] = gc.isenabled()
 
     thread = threading.Thread(target=other)
     thread.start()
-    assert inside.wait(10)
-    with collector_paused():
-        pass
-    assert not gc.isenabled()  # the other thread's load is still building
-    release.set()
-    thread.join(10)
-    assert gc.isenabled()
+    try:
+        assert inside.wait(10)
+        with collector_paused():
+            assert gc.isenabled()
+            gc.disable()  # the application's own choice, made meanwhile
+            release.set()
+            thread.join(10)
+        assert not gc.isenabled()  # not undone by the end of the load
+    finally:
+        release.set()
+        thread.join(10)
+        gc.enable()
+    assert seen == {"other": False}  # what the application set, nothing else
 
 
 def _spy_on_pauses(monkeypatch) -> tuple[dict[str, bool], dict[str, bool]]:

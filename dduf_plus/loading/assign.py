@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, NamedTuple
 
+from ..packing.empty_init import registration_hooks_idle
+
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
@@ -31,9 +33,7 @@ def assign_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor], *,
     is still on the meta device), or None (nothing assigned) where that call could behave otherwise.
     ``mark``: an attribute set to True on every tensor assigned (transformers' ``_is_hf_initialized``)."""
     import torch
-    from torch.nn.modules import module as module_impl
-
-    if module_impl._global_parameter_registration_hooks or module_impl._global_buffer_registration_hooks:
+    if not registration_hooks_idle():
         return None  # setattr would call them; a direct assignment would not
     base, extra = torch.nn.Module._load_from_state_dict, torch.nn.Module.get_extra_state
     slots: dict[str, tuple[torch.nn.Module, str, bool]] = {}  # state name -> (module, attribute, is parameter)

@@ -13,9 +13,11 @@ model's (``DIRECT_TRANSFORMERS``) skip that loader's generic machinery and get t
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import re
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +25,7 @@ from ..errors import DDUFLoadError
 from ..format.quantization import QMAP_NAME as QUANTO_QMAP
 from ..format.weights import classify
 from ..packing.empty_init import meta_parameters, no_init
+from ..packing.thread_dtype import local_default_dtype
 from .assign import assign_state
 from .budget import construction_budget
 from .dtypes import plan_dtypes
@@ -63,19 +66,40 @@ def pick_weight_files(files: ComponentFiles, variant: str | None, preferred_stem
     return chosen
 
 
-@contextlib.contextmanager
-def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+def default_dtype(dtype: torch.dtype) -> contextlib.AbstractContextManager[None]:
     """Build under ``dtype`` as diffusers/transformers do: buffers computed at construction (not stored in
-    the checkpoint) then come out in the component's dtype, exactly as theirs."""
-    import torch
+    the checkpoint) then come out in the component's dtype, exactly as theirs. For this thread only: torch's
+    process default is never changed (:mod:`dduf_plus.packing.thread_dtype`)."""
+    return local_default_dtype(dtype)
 
-    previous = torch.get_default_dtype()
-    if dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
-        torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
+
+# diffusers' and transformers' own loaders (transformers' init context, a quantizer's from_pretrained) patch
+# torch and their own classes for the whole process and restore what they saw on leaving: two of them
+# overlapping in two threads restore out of order and leave a patch in place for good (transformers'
+# no_tie_weights left PreTrainedModel.tie_weights a no-op, and every later tied model lacked its weights).
+# Loads in several threads therefore enter those loaders one at a time.
+LIBRARY_LOADERS = threading.RLock()
+
+
+def one_library_loader_at_a_time(build: Callable[..., torch.nn.Module]) -> Callable[..., torch.nn.Module]:
+    """``build`` (which enters diffusers' or transformers' own loader) runs holding :data:`LIBRARY_LOADERS`."""
+    @functools.wraps(build)
+    def serialized(*args: Any, **kwargs: Any) -> torch.nn.Module:
+        with LIBRARY_LOADERS:
+            return build(*args, **kwargs)
+
+    return serialized
+
+
+def thread_local_dtype(build: Callable[..., torch.nn.Module]) -> Callable[..., torch.nn.Module]:
+    """``build`` runs with torch's default dtype private to this thread: what diffusers' and transformers'
+    loaders set through ``torch.set_default_dtype`` inside it stays in this thread."""
+    @functools.wraps(build)
+    def in_thread(*args: Any, **kwargs: Any) -> torch.nn.Module:
+        with local_default_dtype():
+            return build(*args, **kwargs)
+
+    return in_thread
 
 
 # --- diffusers -------------------------------------------------------------------------------------------
@@ -91,6 +115,7 @@ def diffusers_class_for(cls: type[Any], config: Mapping[str, Any]) -> type[Any]:
     return cls
 
 
+@thread_local_dtype
 def build_diffusers_model(cls: type[Any], files: ComponentFiles, request: ModelRequest) -> torch.nn.Module:
     config = files.read_json(getattr(cls, "config_name", None) or "config.json")
     if not isinstance(config, dict):
@@ -206,6 +231,8 @@ def _no_allocator_warmup() -> Iterator[None]:
         modeling_utils.caching_allocator_warmup = original
 
 
+@thread_local_dtype
+@one_library_loader_at_a_time
 def build_transformers_model(cls: type[Any], files: ComponentFiles, request: ModelRequest) -> torch.nn.Module:
     config_dict = files.read_json("config.json")
     if not isinstance(config_dict, dict):
@@ -385,6 +412,7 @@ def _direct_finish(model: Any, stripped: str | None) -> None:
 
 
 # --- quantized -----------------------------------------------------------------------------------------------
+@one_library_loader_at_a_time
 def build_with_quantizer(cls: type[Any], config: dict, files: ComponentFiles, request: ModelRequest) -> torch.nn.Module:
     """Components whose config.json holds a ``quantization_config`` (diffusers' / transformers' quantizers):
     ``quanto`` is rebuilt zero-copy; other backends go through the quantizer's own ``from_pretrained``."""

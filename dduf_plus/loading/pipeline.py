@@ -21,6 +21,7 @@ from ..errors import (
 from ..format.archive import DDUFArchive
 from ..format.validate import load_findings
 from ..format.weights import variants
+from ..packing.backend_import import offline_imports
 from ..storage.urls import is_url
 from .bridge import install_bridge
 from .components import build_component, did_you_mean, resolve_class
@@ -326,6 +327,7 @@ def _refuse_unbuildable(ctx: _Context, kwargs: Mapping[str, Any]) -> None:
                             + ", ".join(f"{n}=..." for n in named) + ")", code=problems[0].code)
 
 
+@offline_imports  # imports diffusers, transformers and what they import: no Hub request (backend_import)
 def _plan(ctx: _Context, kwargs: dict[str, Any]) -> _Plan:
     from diffusers import DiffusionPipeline
 

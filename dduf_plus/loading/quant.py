@@ -29,7 +29,6 @@ quanto; the torch-free parts (``QMAP_NAME``, the index record) live in :mod:`ddu
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import os
@@ -40,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import DDUFLoadError, DDUFPackError
 from ..format.quant_rules import QUANTO_ALIGNMENT
 from ..format.quantization import QMAP_NAME, quantization_method, quanto_index_record  # noqa: F401 (re-exported)
+from ..packing.backend_import import import_backend
 from ..packing.meta_model import construction_budget, is_diffusers_model, meta_model
 from ..storage.confined import Confined
 
@@ -80,7 +80,7 @@ def rebuilt_here() -> str:
 
 def _require_quanto() -> Any:
     try:
-        return importlib.import_module("optimum.quanto")
+        return import_backend("optimum.quanto")  # with the Hub off (see packing.backend_import)
     except ImportError as e:
         raise DDUFLoadError(f"this component was quantized with optimum-quanto, which is not installed ({e}); "
                             f"install it with: {INSTALL_HINT}") from None
@@ -120,7 +120,7 @@ def quanto_state(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor], byte
             ``optimum.quanto.freeze(module)`` first).
     """
     try:
-        quanto = importlib.import_module("optimum.quanto")
+        quanto = import_backend("optimum.quanto")
     except ImportError:
         return None
     import torch

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import importlib
 import logging
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -36,6 +35,7 @@ from ..format.quant_rules import (
     torchao_groups,
 )
 from ..format.safetensors_header import SafetensorsHeader, TensorInfo
+from ..packing.backend_import import import_backend
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -56,7 +56,7 @@ def require_backend(backend: str, where: str) -> Any:
     """The backend's module, or a DDUFLoadError naming the component, the backend and how to install it."""
     module, hint = BACKENDS[backend]
     try:
-        return importlib.import_module(module)
+        return import_backend(module)  # with the Hub off: importing may download (see backend_import)
     except ImportError as e:
         raise DDUFLoadError(f"{where}: quantized with {backend}, which is not installed here ({e}); install it "
                             f"with: {hint}") from None

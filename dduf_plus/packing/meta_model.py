@@ -12,8 +12,8 @@ at most a small multiple of what is stored; past that it is stopped at once with
 :class:`ConstructionBudgetError`. Every path that builds a model from an archive's (or a packed folder's)
 config runs under it: plain loading, quanto (``quanto_qmap.json`` and ``quantization_config``) and
 ``dduf pack --dtype``'s conversion skeleton (3,000 layers there ran 46 s; refused now in about a second).
-The limits are checked by torch's global module-registration hooks, active only in the thread that builds
-(a thread-local budget), and only while it builds.
+The limits are checked by torch's global module-registration hooks, registered once per process and active
+only in the thread that builds (a thread-local budget), and only while it builds.
 
 Why on the packing floor: both floors need it and layers point down only (packing < loading), so the
 shared helper lives on the lower of the two; ``loading`` imports it, ``packing`` never imports
@@ -29,6 +29,7 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..errors import DDUFLoadError
+from .empty_init import THREAD_SCOPED_HOOKS, ensure_hooks
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -73,6 +74,17 @@ def _on_tensor(module: Any, name: str, tensor: Any) -> None:
     budget.elements += tensor.numel()
     if budget.elements > budget.max_elements:
         raise budget.refuse(f"over {budget.max_elements} parameter and buffer elements")
+
+
+THREAD_SCOPED_HOOKS[_on_tensor] = lambda: getattr(_local, "budget", None) is not None  # this thread's budget only
+
+
+def _register_budget_hooks() -> None:
+    import torch.nn.modules.module as torch_module
+
+    torch_module.register_module_parameter_registration_hook(_on_tensor)
+    torch_module.register_module_buffer_registration_hook(_on_tensor)
+    torch_module.register_module_module_registration_hook(_on_module)
 
 
 def _on_module(module: Any, name: str, submodule: Any) -> None:
@@ -133,23 +145,17 @@ def construction_budget(where: str, what: str, stored: StoredTensors, *, enabled
     if not enabled:
         yield
         return
-    import torch.nn.modules.module as torch_module
-
     budget = _Budget(where, what, len(stored), stored_elements(stored))
     grid = position_grid_elements(config) if config is not None else 0
     if grid > budget.max_elements:
         raise budget.refuse(f"a position-embedding grid of {grid} elements, over {budget.max_elements}")
+    ensure_hooks("budget", _register_budget_hooks)  # once per process: they act in a budget's thread only
     previous = getattr(_local, "budget", None)
     _local.budget = budget
-    handles = [torch_module.register_module_parameter_registration_hook(_on_tensor),
-               torch_module.register_module_buffer_registration_hook(_on_tensor),
-               torch_module.register_module_module_registration_hook(_on_module)]
     try:
         yield
     finally:
         _local.budget = previous
-        for handle in handles:
-            handle.remove()
 
 
 def is_diffusers_model(cls: object) -> bool:

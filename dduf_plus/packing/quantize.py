@@ -33,6 +33,7 @@ from ..assignments import PackNameError, check_names, closest, parse_assignments
 from ..errors import DDUFPackError
 from ..format.pack import EntrySource, FolderPlan
 from ..format.structure import component_specs
+from .backend_import import offline_imports
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -121,6 +122,7 @@ def _require(scheme: str, component: str) -> None:
 
 
 # --- the torch side ---------------------------------------------------------------------------------------------
+@offline_imports  # diffusers and the backend are imported here: no Hub request (backend_import)
 def quantize_sources(plan: FolderPlan, quantize: Mapping[str, Any], *, dtype: Any = None
                      ) -> tuple[list[EntrySource], dict[str, dict[str, Any]]]:
     """``plan``'s sources with each component ``quantize`` names replaced by its quantized weights entry and
