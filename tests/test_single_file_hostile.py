@@ -92,19 +92,22 @@ import json, resource, sys
 import diffusers.loaders.single_file_utils, transformers  # imports first: what they cost is not the conversion
 from dduf_plus.errors import DDUFPackError
 from dduf_plus.packing.single_file import plan_single_file
+limit = 8 << 30  # address space: the old path's 22 GB identity fails here instead of taking the machine
+resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 try:
     plan_single_file({str(ckpt)!r}, {str(sd3)!r})
     error = None
-except DDUFPackError as e:
-    error = str(e)
+except (DDUFPackError, MemoryError) as e:
+    error = f"{{type(e).__name__}}: {{e}}"
 grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
 print(json.dumps({{"error": error, "grown_kb": grown}}))
 """
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["error"] and "[0, 75000]" in result["error"], done.stderr[-2000:]
+    assert result["error"].startswith("DDUFPackError") and "[0, 75000]" in result["error"], (result, done.stderr[-2000:])
+    print(result)
     assert result["grown_kb"] < 200 * 1024, result  # 22 GB before
 
 
