@@ -807,7 +807,8 @@ SF_PREFIXES = ["", "model.diffusion_model.", "first_stage_model.", "cond_stage_m
                "text_encoders.t5xxl.transformer.", "vae.", "model.diffusion_model.model.diffusion_model."]
 SF_DIMS = [0, 1, 2, 3, 7, 77, 20_000, 75_000, 1 << 20, 1 << 31, 1 << 40, (1 << 62), -1]
 SF_MAX_DATA = 8 << 20  # a mutant's data section is cut here (a shape asking for more is left inconsistent)
-SF_WEIGHTS = {"sf_shape": 5, "sf_declared_empty": 3, "sf_dtype": 4, "sf_key": 4, "sf_metadata": 2, "sf_raw": 1}
+SF_WEIGHTS = {"sf_shape": 5, "sf_declared_empty": 3, "sf_dtype": 4, "sf_key": 4, "sf_metadata": 2, "sf_raw": 1,
+              "sf_flood": 1}
 _SF_BITS = {d.safetensors: d.bits for d in spec.DTYPES}
 
 
@@ -975,7 +976,20 @@ def m_sf_raw(rng: random.Random, draft: SingleFileDraft) -> str | None:
     return f"raw {how}"
 
 
+def m_sf_flood(rng: random.Random, draft: SingleFileDraft) -> str | None:
+    """Counts: many (empty) keys under one component's prefix, numbered like blocks (converters loop over them)."""
+    prefix = rng.choice(SF_PREFIXES)
+    block = rng.choice(["input_blocks.{}.0.weight", "joint_blocks.{}.x_block.attn.qkv.weight",
+                        "double_blocks.{}.img_attn.qkv.weight", "encoder.down.{}.block.0.conv1.weight",
+                        "text_model.encoder.layers.{}.mlp.fc1.weight", "transformer.resblocks.{}.attn.in_proj_weight"])
+    n = rng.choice([50, 500, 3000])
+    for i in range(n):
+        draft.tensors[prefix + block.format(rng.randrange(1 << 20) if rng.random() < 0.3 else i + 40)] = ["F16", [0], b""]
+    return f"{n} keys {prefix}{block}"
+
+
 SF_MUTATIONS: dict[str, Callable[[random.Random, SingleFileDraft], str | None]] = {
+    "sf_flood": m_sf_flood,
     "sf_shape": m_sf_shape, "sf_declared_empty": m_sf_declared_empty, "sf_dtype": m_sf_dtype, "sf_key": m_sf_key,
     "sf_metadata": m_sf_metadata, "sf_raw": m_sf_raw}
 

@@ -616,14 +616,19 @@ def check_declared(job: _Job, base: _BaseTensors, where: str) -> int:
     (``[0, 20000]`` for a position embedding, 284 bytes) never size an allocation BASE does not.
 
     Raises:
-        DDUFPackError: a converted tensor whose shape is not BASE's (naming it, the checkpoint tensor it comes
-            from and its declared shape, and BASE's shape), one BASE's model needs and the file lacks, or a
-            conversion that would allocate past the bound (tensors BASE has no place for).
+        DDUFPackError: a component of more than twice BASE's tensors (+ 64: the converters' work grows with
+            keys x blocks), a converted tensor whose shape is not BASE's (naming it, the checkpoint tensor it
+            comes from and its declared shape, and BASE's shape), one BASE's model needs and the file lacks, or
+            a conversion that would allocate past the bound (tensors BASE has no place for).
     """
     import torch
 
-    declared = {k: torch.empty(t.shape, dtype=getattr(torch, t.dtype), device="meta")
-                for k, t in job.header.tensors.items() if job.component.owns(k)}
+    owned = [t for k, t in job.header.tensors.items() if job.component.owns(k)]
+    cap = 2 * len(base.tensors) + 64  # real files hold BASE's count, fewer (fused q/k/v) or a few more (position_ids)
+    if len(owned) > cap:  # diffusers' LDM converters scan every key once per block: keys x blocks of work
+        raise DDUFPackError(f"{where}: {job.name}: the checkpoint holds {len(owned)} tensors for it, more than "
+                            f"{cap} (twice BASE's {len(base.tensors)}, + 64): not converted (e.g. {owned[-1].name})")
+    declared = {t.name: torch.empty(t.shape, dtype=getattr(torch, t.dtype), device="meta") for t in owned}
     origin = {id(v): k for k, v in declared.items()}
     converted = _converted_or_refused(job, dict(declared), where)
 
