@@ -142,3 +142,18 @@ def test_cli_unpack_and_validate_say_the_code_on_one_line(tmp_path: Path, capsys
     assert "I002" in err and "Traceback" not in err
     assert main(["validate", str(archive)]) != 0
     assert "I002" in capsys.readouterr().out
+
+
+def test_a_template_no_file_can_hold_restores_nothing(tmp_path: Path) -> None:
+    """A lone surrogate (``"\\ud800"``, valid JSON) in the stored template: the record cannot check out (was a
+    UnicodeEncodeError traceback from unpack); the stored file is written, validate has no internal error."""
+    stored = json.dumps({**_stored_config(), "chat_template": "\ud800"}).encode()
+    record = {"into": TOKENIZER_CONFIG, "original": {"sha256": "0" * 64},
+              "files": {"chat_template.jinja": {"sha256": "0" * 64}}}
+    plan = plan_folder(PIPELINES / "tiny-sd")
+    sources = [EntrySource(ENTRY, data=stored) if s.name == ENTRY else s for s in plan.sources]
+    archive = write_archive(tmp_path / "a.dduf", plan.model_index, plan.model_index_bytes, sources,
+                            extra_components={"tokenizer": {INDEX_KEY: record}}, quiet=True, check=False).path
+    assert "X000" not in validate(archive).codes
+    unpack(archive, tmp_path / "out")
+    assert (tmp_path / "out" / ENTRY).read_bytes() == stored

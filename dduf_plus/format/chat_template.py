@@ -135,6 +135,14 @@ def unfold(folded: bytes, record: Any) -> dict[str, bytes] | None:
     config, _, _ = parse_json_entry(folded, TOKENIZER_CONFIG)
     if not isinstance(config, dict):
         return None
+    try:
+        return _unfold_checked(config, original, files)
+    except UnicodeEncodeError:  # a lone surrogate ("\ud800" in the JSON): no file can hold it as UTF-8
+        return None
+
+
+def _unfold_checked(config: dict[str, Any], original: dict[str, Any], files: dict[str, Any]) -> dict[str, bytes] | None:
+    """:func:`unfold` once the record's shape is checked (raises UnicodeEncodeError for unencodable text)."""
     templates = _templates_of(config.pop("chat_template", None))
     out: dict[str, bytes] = {}
     for rel, rec in files.items():
