@@ -217,3 +217,13 @@ def test_a_component_of_far_more_keys_than_base_is_refused_quickly(tmp_path: Pat
     with pytest.raises(DDUFPackError, match=r"holds 4\d\d\d tensors for it, more than 672 \(twice BASE's 304"):
         plan_single_file(ckpt, str(TINY_SD))
     assert time.perf_counter() - started < 10 and seen == []
+
+
+def test_a_shape_torch_cannot_represent_is_refused(sd3: Path, tmp_path: Path) -> None:
+    """Found by the fuzzer: ``[0, 2**40, 2**40]`` (no data) overflows torch's strides (a RuntimeError from
+    ``torch.empty``, on the meta device as on the CPU)."""
+    state = raw_tensors(sd3_checkpoint_from_pipeline(sd3, components=("transformer",)))
+    key = "model.diffusion_model.joint_blocks.11.x_block.attn.qkv.weight"
+    state[key] = ("F16", [0, 1 << 40, 1 << 40], b"")
+    with pytest.raises(DDUFPackError, match=r"joint_blocks.11.x_block.attn.qkv.weight is declared \[0, 1099511627776"):
+        plan_single_file(write_raw(tmp_path / "s.safetensors", state), str(sd3))

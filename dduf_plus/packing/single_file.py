@@ -628,7 +628,7 @@ def check_declared(job: _Job, base: _BaseTensors, where: str) -> int:
     if len(owned) > cap:  # diffusers' LDM converters scan every key once per block: keys x blocks of work
         raise DDUFPackError(f"{where}: {job.name}: the checkpoint holds {len(owned)} tensors for it, more than "
                             f"{cap} (twice BASE's {len(base.tensors)}, + 64): not converted (e.g. {owned[-1].name})")
-    declared = {t.name: torch.empty(t.shape, dtype=getattr(torch, t.dtype), device="meta") for t in owned}
+    declared = {t.name: _meta(t, where) for t in owned}
     origin = {id(v): k for k, v in declared.items()}
     converted = _converted_or_refused(job, dict(declared), where)
 
@@ -646,6 +646,17 @@ def check_declared(job: _Job, base: _BaseTensors, where: str) -> int:
                             f"than BASE's {job.name} holds at this width ({bound}); largest: {biggest} "
                             f"({fresh[biggest]} bytes{named[biggest]}), a tensor BASE has no place for")
     return sum(fresh.values())
+
+
+def _meta(info: TensorInfo, where: str) -> Any:
+    """A meta tensor of ``info``'s declared shape and dtype (nothing allocated)."""
+    import torch
+
+    try:
+        return torch.empty(info.shape, dtype=getattr(torch, info.dtype), device="meta")
+    except RuntimeError as e:  # a 0 beside dimensions whose strides overflow int64: [0, 2**40, 2**40]
+        raise DDUFPackError(f"{where}: {info.name} is declared {list(info.shape)}, a shape torch cannot represent "
+                            f"({e})") from None
 
 
 def _numel(shape: tuple[int, ...]) -> int:
