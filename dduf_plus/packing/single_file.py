@@ -621,8 +621,6 @@ def check_declared(job: _Job, base: _BaseTensors, where: str) -> int:
             comes from and its declared shape, and BASE's shape), one BASE's model needs and the file lacks, or
             a conversion that would allocate past the bound (tensors BASE has no place for).
     """
-    import torch
-
     owned = [t for k, t in job.header.tensors.items() if job.component.owns(k)]
     cap = 2 * len(base.tensors) + 64  # real files hold BASE's count, fewer (fused q/k/v) or a few more (position_ids)
     if len(owned) > cap:  # diffusers' LDM converters scan every key once per block: keys x blocks of work
