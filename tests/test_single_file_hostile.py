@@ -204,8 +204,9 @@ def test_whole_byte_fp8_still_packs(tmp_path: Path) -> None:
 
 def test_a_component_of_far_more_keys_than_base_is_refused_quickly(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """diffusers' LDM UNet converter scans every key once per block: 4,000 empty ``input_blocks.N`` keys took
-    57 s (8,000: 145 s, quadratic); a component of more than twice BASE's tensors (+ 64) is refused first."""
+    """diffusers' LDM UNet converter scans every key once per block: with 4,000 empty ``input_blocks.N`` keys
+    ``dduf info --base`` took 57 s (8,000: 145 s; imports ~40 s of each); a component of more than twice BASE's
+    tensors (+ 64) is refused first."""
     import time
 
     state = raw_tensors(checkpoint_from_pipeline(TINY_SD, "v1", unet_delta=0.01, components=("unet",)))
