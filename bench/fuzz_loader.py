@@ -9,6 +9,12 @@ reference source / canary folders.
     python bench/fuzz_loader.py --replay bench/results/fuzz/X.dduf   # run the targets on one saved input
     python bench/fuzz_loader.py --remote --seconds 600     # through the hostile server (tests/hostile_server.py)
     python bench/fuzz_loader.py --quant --seconds 300      # quantized bases: quantization states mutated too
+    python bench/fuzz_loader.py --single-file --seconds 300   # single-file checkpoint headers (see below)
+
+``--single-file`` fuzzes single-file checkpoints instead of archives (tests/mutations.py, second engine): shapes,
+dtypes, key names and ``__metadata__`` of clean tiny SD 1.x, SD3.5 and FLUX.1 checkpoints, run through
+``describe_checkpoint`` / ``dduf info CKPT``, ``plan_single_file`` / ``dduf info CKPT --base BASE`` and
+``dduf pack CKPT --base BASE``; the same outcomes, deadlines, address-space limit and RSS report apply.
 
 ``--remote`` serves each input from tests/hostile_server.py on 127.0.0.1 in a mode drawn from the seed and the
 input's number (honest a third of the time, so mutants get loaded through the remote path too; otherwise any
@@ -74,6 +80,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quant", action="store_true",
                    help="add bases with a quantized transformer (bitsandbytes 4-bit nested / 8-bit, torchao, SDNQ, "
                         "quanto) and mutate their quantization states")
+    p.add_argument("--single-file", action="store_true", help="fuzz single-file checkpoint headers (info/pack --base)")
+    p.add_argument("--families", default="v1,sd3,flux", help="--single-file: checkpoint families (v1, sd3, flux)")
     return p.parse_args(argv)
 
 
@@ -197,6 +205,52 @@ class Fuzzer:
     def run_remote(self, path: Path, number: int) -> tuple[str, int, list[Any]]:
         """The remote targets on ``path`` served in a mode drawn from (seed, number): see :func:`run_remote`."""
         return run_remote(self.m, self._server(), path, self.seed, number, self.limit)
+
+
+class SingleFileFuzzer:
+    """:class:`Fuzzer` for single-file checkpoints: input N is a mutated checkpoint, the targets are the
+    single-file commands against the checkpoint's BASE folder (tests/mutations.py, ``generate_single_file``)."""
+
+    def __init__(self, work: Path, seed: int, limit: float, families: tuple[str, ...]):
+        import mutations
+
+        self.m = mutations
+        self.work, self.seed, self.limit = work, seed, limit
+        self.bases = mutations.single_file_bases(work / "bases", families=families)
+        self.canary = work / "canary"
+        self.canary.mkdir(exist_ok=True)
+        (self.canary / "keep.txt").write_text("nothing may touch this\n")
+        self.watched = (self.canary, *(b.base for b in self.bases))
+        self.before = mutations.snapshot(*self.watched)
+
+    def input(self, number: int) -> Any:
+        return self.m.generate_single_file(self.bases, self.seed, number)
+
+    def warm(self) -> None:
+        """Run the targets once on a clean checkpoint: the first conversion imports diffusers' converters."""
+        path = self.work / "warm.safetensors"
+        draft = self.m.SingleFileDraft({k: list(v) for k, v in self.bases[0].tensors.items()}, None)
+        path.write_bytes(self.m.write_checkpoint(draft))
+        self.m.run_single_file_targets(path, self.bases[0].base, self.work / "warm.dduf")
+
+    def run_one(self, number: int) -> dict[str, Any]:
+        started = time.perf_counter()
+        inp = self.input(number)
+        result: dict[str, Any] = {"number": number, "base": inp.base, "mutations": inp.mutations, "single_file": True}
+        path = self.work / f"input-{os.getpid()}.safetensors"
+        path.write_bytes(inp.data)
+        reset_peak_rss()
+        outcomes = self.m.run_single_file_targets(path, inp.base_path, self.work / f"out-{os.getpid()}.dduf",
+                                                  limit_s=self.limit)
+        after = self.m.snapshot(*self.watched)
+        if after != self.before:
+            changed = sorted(set(after.items()) ^ set(self.before.items()))[:10]
+            outcomes.append(self.m.Outcome("filesystem", "finding", "watched-folder-changed", 0, repr(changed)))
+            self.before = after
+        result["outcomes"] = [list(o) for o in outcomes]
+        result["peak_rss_mb"] = peak_rss_mb()
+        result["seconds"] = time.perf_counter() - started
+        return result
 
 
 def run_remote(m: Any, server: Any, path: Path, seed: int, number: int, limit: float | None
@@ -365,6 +419,9 @@ class Report:
         reach = ("loaded" if status.get(load, [None, None])[1] == "ok" else
                  "load refused" if load in status else
                  "archive refused" if status.get("archive", [None, None])[1] == "error" else "other")
+        if result.get("single_file"):  # --single-file: planned (converted and compared), refused, or header refused
+            plan = status.get("sf-plan")
+            reach = "header refused" if plan is None else "planned" if plan[1] == "ok" else "plan refused"
         for kind in {k for k, _ in result["mutations"]}:
             self.by_kind.setdefault(kind, Counter())[reach] += 1
         for o in outcomes:
@@ -410,7 +467,8 @@ class Report:
             {"seed": self.seed, "number": result["number"], "signature": sig, "base": result["base"],
              "mutations": result["mutations"], "outcomes": result["outcomes"],
              "regenerate": f"python bench/fuzz_loader.py --seed {self.seed} --start {result['number']} --count 1"
-                           + (" --remote" if "server_mode" in result else ""), "server_mode": result.get("server_mode")},
+                           + (" --remote" if "server_mode" in result else "")
+                           + (" --single-file" if result.get("single_file") else ""), "server_mode": result.get("server_mode")},
             indent=1))
         record["saved"].append(f"{name}.dduf")
 
@@ -477,8 +535,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.replay:
         return replay(args.replay, args.limit)
     preload()
-    fuzzer = Fuzzer(work, args.seed, args.limit, args.remote, args.quant)
-    fuzzer.m.run_targets(fuzzer.ctx.archive_paths[0])  # warm: the first load imports what loading needs
+    fuzzer: Any
+    if args.single_file:
+        fuzzer = SingleFileFuzzer(work, args.seed, args.limit, tuple(args.families.split(",")))
+        fuzzer.warm()
+    else:
+        fuzzer = Fuzzer(work, args.seed, args.limit, args.remote, args.quant)
+        fuzzer.m.run_targets(fuzzer.ctx.archive_paths[0])  # warm: the first load imports what loading needs
     report = Report(args.out, args.seed)
     report.baseline_rss = peak_rss_mb()
     pool = None if args.in_process else Pool(fuzzer, args.memory_gb)

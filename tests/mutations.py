@@ -987,3 +987,298 @@ def tally(outcomes: list[list[Outcome]]) -> dict[str, Counter]:
         for o in per_input:
             out.setdefault(o.target, Counter())[o.label] += 1
     return out
+
+
+# =================================================================================================================
+# Single-file checkpoint headers (``dduf info CKPT --base BASE``, ``dduf pack CKPT --base BASE``): a separate engine
+# from the archive mutations above. A clean tiny checkpoint's header is edited (shapes, dtypes, key names,
+# ``__metadata__``), the data section laid out again to fit (usually: then the header checks pass and the
+# conversion really runs) or not (the header checks must refuse it), and the single-file commands run on it.
+# =================================================================================================================
+SF_DTYPES = [d.safetensors for d in spec.DTYPES] + ["F8_E4M3FNUZ", "I4", "bogus", "", 1, None, ["F16"]]
+SF_MARKERS = ["model.diffusion_model.input_blocks.0.0.weight",
+              "model.diffusion_model.input_blocks.2.1.transformer_blocks.0.attn2.to_k.weight",
+              "conditioner.embedders.1.model.transformer.resblocks.9.mlp.c_proj.bias",
+              "conditioner.embedders.0.model.transformer.resblocks.9.mlp.c_proj.bias",
+              "model.diffusion_model.joint_blocks.0.context_block.adaLN_modulation.1.bias",
+              "model.diffusion_model.joint_blocks.37.x_block.mlp.fc1.weight", "model.diffusion_model.pos_embed",
+              "double_blocks.0.img_attn.norm.key_norm.scale", "guidance_in.in_layer.bias", "img_in.weight",
+              "text_encoders.clip_l.transformer.text_model.embeddings.position_embedding.weight",
+              "cond_stage_model.transformer.text_model.embeddings.position_embedding.weight",
+              "cond_stage_model.model.text_projection", "cond_stage_model.model.transformer.resblocks.0.attn.in_proj_weight",
+              "edm_mean", "scaled_fp8", "x.scale_weight", "single_stream_modulation.lin.weight", "model_ema.decay"]
+SF_PREFIXES = ["", "model.diffusion_model.", "first_stage_model.", "cond_stage_model.transformer.",
+               "cond_stage_model.model.", "conditioner.embedders.0.transformer.", "text_encoders.clip_l.transformer.",
+               "text_encoders.t5xxl.transformer.", "vae.", "model.diffusion_model.model.diffusion_model."]
+SF_DIMS = [0, 1, 2, 3, 7, 77, 20_000, 75_000, 1 << 20, 1 << 31, 1 << 40, (1 << 62), -1]
+SF_MAX_DATA = 8 << 20  # a mutant's data section is cut here (a shape asking for more is left inconsistent)
+SF_WEIGHTS = {"sf_shape": 5, "sf_declared_empty": 3, "sf_dtype": 4, "sf_key": 4, "sf_metadata": 2, "sf_raw": 1,
+              "sf_flood": 1}
+_SF_BITS = {d.safetensors: d.bits for d in spec.DTYPES}
+
+
+class SingleFileBase(NamedTuple):
+    name: str
+    base: Path  # BASE: the diffusers pipeline folder of the same family
+    tensors: dict[str, list]  # name -> [dtype code, shape, data bytes] of a clean checkpoint
+    metadata: dict[str, str] | None
+
+
+@dataclass
+class SingleFileDraft:
+    tensors: dict[str, list]
+    metadata: Any
+    relayout: bool = True  # lay the data out again to fit each (edited) shape x dtype where it can
+    raw_edits: list[Callable[[bytes], bytes]] = field(default_factory=list)
+
+
+class SingleFileInput(NamedTuple):
+    number: int
+    base: str
+    base_path: Path
+    mutations: list[tuple[str, str]]
+    data: bytes
+
+
+def single_file_bases(work: Path, *, families: tuple[str, ...] = ("v1",)) -> list[SingleFileBase]:
+    """Clean tiny checkpoints and their BASE folders: ``v1`` (tiny-sd, UNet changed so a pack stores it),
+    ``sd3`` (tiny SD3.5, transformer and CLIP-L), ``flux`` (tiny FLUX.1 dev, ComfyUI's full layout)."""
+    import torch
+    from single_file_ckpt import (
+        build_tiny_flux,
+        build_tiny_sd3,
+        checkpoint_from_pipeline,
+        flux_checkpoint,
+        raw_tensors,
+        sd3_checkpoint_from_pipeline,
+    )
+
+    work.mkdir(parents=True, exist_ok=True)
+    out: list[SingleFileBase] = []
+    for family in families:
+        if family == "v1":
+            base = PIPELINES / "tiny-sd"
+            state = checkpoint_from_pipeline(base, "v1", unet_delta=0.01)
+        elif family == "sd3":
+            base = build_tiny_sd3(work / "tiny-sd3", PIPELINES / "tiny-sd" / "tokenizer",
+                                  PIPELINES / "tiny-dit" / "tokenizer")
+            state = sd3_checkpoint_from_pipeline(base, transformer_delta=0.01, dtype=torch.float16,
+                                                 components=("transformer", "text_encoder"))
+        else:
+            base = build_tiny_flux(work / "tiny-flux", PIPELINES / "tiny-sd" / "tokenizer",
+                                   PIPELINES / "tiny-dit" / "tokenizer")
+            state = flux_checkpoint(base, layout="comfy", transformer_delta=0.01, full=True, dtype=torch.bfloat16)
+        tensors = {k: list(v) for k, v in raw_tensors(state).items()}
+        out.append(SingleFileBase(family, base, tensors, {"format": "pt"}))
+    return out
+
+
+def _sf_numel(shape: Any) -> int | None:
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        return None
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _sf_pick(rng: random.Random, draft: SingleFileDraft) -> str | None:
+    return rng.choice(sorted(draft.tensors)) if draft.tensors else None
+
+
+def m_sf_shape(rng: random.Random, draft: SingleFileDraft) -> str | None:
+    """A dimension changed, added or dropped (the data relaid to fit when small enough)."""
+    key = _sf_pick(rng, draft)
+    if key is None:
+        return None
+    shape = list(draft.tensors[key][1])
+    how = rng.choice(["set", "add", "drop", "swap", "scale"])
+    if how == "set" and shape:
+        shape[rng.randrange(len(shape))] = rng.choice(SF_DIMS)
+    elif how == "add":
+        shape.insert(rng.randrange(len(shape) + 1), rng.choice(SF_DIMS[:6]))
+    elif how == "drop" and shape:
+        shape.pop(rng.randrange(len(shape)))
+    elif how == "swap" and len(shape) > 1:
+        shape.reverse()
+    elif shape:
+        i = rng.randrange(len(shape))
+        shape[i] = shape[i] * rng.choice([2, 3, 4, 1000])
+    draft.tensors[key][1] = shape
+    return f"{key}: shape {how} -> {shape}"[:200]
+
+
+def m_sf_declared_empty(rng: random.Random, draft: SingleFileDraft) -> str | None:
+    """The issue's kind: a 0 in the shape (no data) beside a number a converter sizes something by."""
+    key = rng.choice([k for k in draft.tensors if "position" in k or "pos_embed" in k or "qkv" in k
+                      or "in_proj" in k or "linear1" in k] or sorted(draft.tensors) or [""])
+    if not key:
+        return None
+    big = rng.choice(SF_DIMS[4:-1])
+    draft.tensors[key][1] = rng.choice([[0, big], [big, 0], [0], [0, big, big], [3 * big, 0]])
+    return f"{key}: declared {draft.tensors[key][1]}"
+
+
+def m_sf_dtype(rng: random.Random, draft: SingleFileDraft) -> str | None:
+    key = _sf_pick(rng, draft)
+    if key is None:
+        return None
+    keys = [key] if rng.random() < 0.7 else [k for k in draft.tensors if k.startswith(key.split(".")[0])]
+    code = rng.choice(SF_DTYPES)
+    for k in keys:
+        draft.tensors[k][0] = code
+    return f"{len(keys)} tensor(s) from {key}: dtype {code!r}"[:200]
+
+
+def m_sf_key(rng: random.Random, draft: SingleFileDraft) -> str | None:
+    """Key names: another family's marker added, a key dropped or renamed, a prefix swapped, odd characters."""
+    key = _sf_pick(rng, draft)
+    if key is None:
+        return None
+    how = rng.choice(["marker", "drop", "prefix", "index", "odd", "copy"])
+    entry = draft.tensors.pop(key) if how in ("drop", "prefix", "index", "odd") else draft.tensors[key]
+    if how == "marker":
+        new = rng.choice(SF_MARKERS)
+        draft.tensors[new] = [rng.choice(["F16", "F32", "BF16"]), rng.choice([[0], [9216], [1, 36864, 16], [16, 9, 3, 3],
+                                                                              [1024, 16], list(entry[1])]), b""]
+        return f"added marker {new} {draft.tensors[new][1]}"
+    if how == "drop":
+        return f"dropped {key}"
+    if how == "prefix":
+        first = next((p for p in sorted(SF_PREFIXES, key=len, reverse=True) if p and key.startswith(p)), "")
+        new = rng.choice(SF_PREFIXES) + key[len(first):]
+    elif how == "index":
+        new = re.sub(r"\.(\d+)\.", lambda m: f".{rng.choice([0, 37, 99, 10**9, 2**63])}.", key, count=1)
+    elif how == "odd":
+        new = key + rng.choice(["\x00", "\x1b[2J", ".", "/../x", "\u202e", " ", ".weight"])
+    else:
+        new = key.replace("weight", "bias") if "weight" in key else key + "_copy"
+    draft.tensors[new] = entry if how != "copy" else list(entry)
+    return f"{how}: {key} -> {new!r}"[:200]
+
+
+def m_sf_metadata(rng: random.Random, draft: SingleFileDraft) -> str | None:
+    draft.metadata = rng.choice([None, {}, {"format": "pt"}, {"format": 1}, [], "x", {"a": {"b": "c"}},
+                                 {"modelspec.architecture": "stable-diffusion-v1"}, {"k" * 1000: "v" * 100_000},
+                                 {str(i): str(i) for i in range(5000)}, {"scaled_fp8": "true"}])
+    return f"__metadata__ {str(draft.metadata)[:60]}"
+
+
+def m_sf_raw(rng: random.Random, draft: SingleFileDraft) -> str | None:
+    """A byte-level edit on the written file: the header checks must refuse it."""
+    how = rng.choice(["truncate", "length", "flip", "keep-layout"])
+    if how == "keep-layout":
+        draft.relayout = False  # the shapes edited above keep the old spans: S005
+        return "spans not relaid"
+    if how == "truncate":
+        draft.raw_edits.append(lambda b: b[: max(0, len(b) - rng.randrange(1, 64))])
+    elif how == "length":
+        value = rng.choice([0, 7, 1 << 30, 1 << 62])
+        draft.raw_edits.append(lambda b: struct.pack("<Q", value) + b[8:])
+    else:
+        at = rng.randrange(8, 400)
+        draft.raw_edits.append(lambda b: b[:at] + bytes([b[at] ^ 0x20]) + b[at + 1:] if len(b) > at else b)
+    return f"raw {how}"
+
+
+def m_sf_flood(rng: random.Random, draft: SingleFileDraft) -> str | None:
+    """Counts: many (empty) keys under one component's prefix, numbered like blocks (converters loop over them)."""
+    prefix = rng.choice(SF_PREFIXES)
+    block = rng.choice(["input_blocks.{}.0.weight", "joint_blocks.{}.x_block.attn.qkv.weight",
+                        "double_blocks.{}.img_attn.qkv.weight", "encoder.down.{}.block.0.conv1.weight",
+                        "text_model.encoder.layers.{}.mlp.fc1.weight", "transformer.resblocks.{}.attn.in_proj_weight"])
+    n = rng.choice([50, 500, 3000])
+    for i in range(n):
+        draft.tensors[prefix + block.format(rng.randrange(1 << 20) if rng.random() < 0.3 else i + 40)] = ["F16", [0], b""]
+    return f"{n} keys {prefix}{block}"
+
+
+SF_MUTATIONS: dict[str, Callable[[random.Random, SingleFileDraft], str | None]] = {
+    "sf_flood": m_sf_flood,
+    "sf_shape": m_sf_shape, "sf_declared_empty": m_sf_declared_empty, "sf_dtype": m_sf_dtype, "sf_key": m_sf_key,
+    "sf_metadata": m_sf_metadata, "sf_raw": m_sf_raw}
+
+
+def write_checkpoint(draft: SingleFileDraft) -> bytes:
+    """The draft as safetensors bytes: each tensor's data resized to its (edited) shape x dtype where that is a
+    plain size under :data:`SF_MAX_DATA` in all, else left as it was (the reader refuses the mismatch)."""
+    header: dict[str, Any] = {} if draft.metadata is None else {"__metadata__": draft.metadata}
+    blobs, at = [], 0
+    for name in sorted(draft.tensors):
+        code, shape, data = draft.tensors[name]
+        numel = _sf_numel(shape)
+        bits = _SF_BITS.get(code) if isinstance(code, str) else None
+        if draft.relayout and numel is not None and bits is not None and numel * bits % 8 == 0:
+            want = numel * bits // 8
+            if at + want <= SF_MAX_DATA:
+                data = (data * (want // max(len(data), 1) + 1))[:want] if data else bytes(want)
+        header[name] = {"dtype": code, "shape": shape, "data_offsets": [at, at + len(data)]}
+        blobs.append(data)
+        at += len(data)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    out = struct.pack("<Q", len(raw)) + raw + b"".join(blobs)
+    for edit in draft.raw_edits:
+        out = edit(out)
+    return out
+
+
+def generate_single_file(bases: list[SingleFileBase], seed: int, number: int) -> SingleFileInput:
+    """Single-file input ``number`` of run ``seed``: one to three header mutations of a clean checkpoint."""
+    rng = random.Random(f"dduf-fuzz-single-file/{seed}/{number}")
+    base = rng.choice(bases)
+    draft = SingleFileDraft({k: list(v) for k, v in base.tensors.items()}, base.metadata)
+    kinds, weights = zip(*SF_WEIGHTS.items(), strict=True)
+    done: list[tuple[str, str]] = []
+    wanted = rng.choices([1, 2, 3], weights=[5, 3, 2])[0]
+    for _ in range(wanted * 4):
+        if len(done) == wanted:
+            break
+        kind = rng.choices(kinds, weights=weights)[0]
+        what = SF_MUTATIONS[kind](rng, draft)
+        if what is not None:
+            done.append((kind, what))
+    return SingleFileInput(number, base.name, base.base, done, write_checkpoint(draft))
+
+
+def _sf_python(call: Callable[[], Any]) -> None:
+    json.dumps(call(), default=str)
+
+
+def single_file_targets(ckpt: Path, base: Path, out: Path) -> dict[str, Callable[[], Outcome | None]]:
+    """What runs on a checkpoint: ``describe_checkpoint`` and ``dduf info CKPT`` (header only), then
+    ``plan_single_file`` / ``dduf info CKPT --base`` and ``dduf pack CKPT --base`` (conversion, comparison)."""
+    from dduf_plus.packing.single_file import describe_checkpoint, plan_single_file
+
+    return {
+        "sf-describe": lambda: _sf_python(lambda: describe_checkpoint(ckpt)),
+        "sf-info": lambda: _cli(["info", str(ckpt)], human=True),
+        "sf-plan": lambda: _sf_python(lambda: plan_single_file(ckpt, str(base))),
+        "sf-info-base": lambda: _cli(["info", str(ckpt), "--base", str(base)], human=True),
+        "sf-pack": lambda: _cli(["pack", str(ckpt), "--base", str(base), "-o", str(out), "-q"], human=True),
+    }
+
+
+def run_single_file_targets(ckpt: Path, base: Path, out: Path, *, limit_s: float | None = 60.0) -> list[Outcome]:
+    """Run every single-file target on ``ckpt`` against ``base``; each outcome classified, none raises. The
+    conversion targets are skipped when the header-only one refused the file (they read the same header)."""
+    outcomes: list[Outcome] = []
+    for target, run in single_file_targets(ckpt, base, out).items():
+        if target != "sf-describe" and target != "sf-info" and outcomes and outcomes[0].status == "error":
+            continue
+        started = time.perf_counter()
+        error: BaseException | None = None
+        extra: Outcome | None = None
+        try:
+            with time_limit(limit_s):
+                extra = run()
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # noqa: BLE001 - classifying every exception is the point
+            error = e
+        seconds = time.perf_counter() - started
+        outcomes.append(extra._replace(target=target, seconds=seconds) if extra is not None
+                        else classify(target, error, seconds))
+        if out.exists():
+            out.unlink()
+    return outcomes

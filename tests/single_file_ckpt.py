@@ -556,3 +556,43 @@ def build_tiny_sd3(out: Path, clip_tokenizer_from: Path, t5_tokenizer_from: Path
     copy.deepcopy(pipe).to(torch.float16).save_pretrained(out, variant="fp16")
     pipe.save_pretrained(out)  # last: the configs say float32 (from_pretrained's "auto" reads them)
     return out
+
+
+# --- raw headers: dtypes and shapes torch cannot make (sub-byte dtypes, shapes declared over no data) -------------
+_CODES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+          torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.float8_e4m3fn: "F8_E4M3"}
+BITS = {"F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "F8_E8M0": 8}
+
+
+def write_raw(path: Path, tensors: Mapping[str, tuple[str, list[int], bytes]],
+              metadata: Mapping[str, str] | None = None) -> Path:
+    """A safetensors file from ``{name: (dtype code, shape, data)}`` as given (no check that shape and data agree:
+    the reader's budgets are what is under test), tensors in name order, the header padded to 8 bytes."""
+    import struct
+
+    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata is not None else {}
+    blobs, at = [], 0
+    for name in sorted(tensors):
+        code, shape, data = tensors[name]
+        header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [at, at + len(data)]}
+        blobs.append(data)
+        at += len(data)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + b"".join(blobs))
+    return path
+
+
+def raw_tensors(state: Mapping[str, torch.Tensor]) -> dict[str, tuple[str, list[int], bytes]]:
+    """``state`` as :func:`write_raw` takes it."""
+    return {k: (_CODES[t.dtype], list(t.shape), t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            for k, t in state.items()}
+
+
+def retyped(state: Mapping[str, torch.Tensor], key: str, code: str) -> dict[str, tuple[str, list[int], bytes]]:
+    """``state`` with tensor ``key`` declared as dtype ``code`` (one of :data:`BITS`), its data resized to fit."""
+    out = raw_tensors(state)
+    shape = list(state[key].shape)
+    n = state[key].numel()
+    out[key] = (code, shape, b"\x11" * (n * BITS[code] // 8))
+    return out

@@ -16,6 +16,7 @@ import os
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import mutations as m
 import pytest
@@ -331,3 +332,85 @@ def test_quantization_state_mutants_end_in_ddufe_errors_only(tmp_path: Path) -> 
             logging.disable(previous)
     assert not findings, f"{len(findings)} non-DDUFError outcomes:\n\n" + "\n\n".join(findings[:5])
     assert reach["quant"] >= QUANT_INPUTS // 3, reach
+
+
+# --- single-file checkpoint headers (the second engine in tests/mutations.py) ---------------------------------
+SINGLE_FILE_INPUTS = int(os.environ.get("DDUF_FUZZ_SINGLE_FILE_INPUTS", "40"))
+
+
+@pytest.fixture(scope="module")
+def single_file_fuzz(tmp_path_factory: pytest.TempPathFactory):
+    """The SD 1.x base (tiny-sd, no build: the SD3 and FLUX bases are the bench's), offline, libraries quiet."""
+    work = tmp_path_factory.mktemp("fuzz-single-file")
+    bases = m.single_file_bases(work / "bases", families=("v1",))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        mp.setenv("DDUF_PLUS_CACHE", str(work / "dduf-cache"))
+        previous = logging.root.manager.disable
+        logging.disable(logging.WARNING)
+        try:  # a clean checkpoint first: the first conversion imports diffusers' converters (not timed per input)
+            clean = work / "clean.safetensors"
+            clean.write_bytes(m.write_checkpoint(m.SingleFileDraft({k: list(v) for k, v in bases[0].tensors.items()},
+                                                                   None)))
+            assert not [o for o in m.run_single_file_targets(clean, bases[0].base, work / "clean.dduf") if o.bad]
+            yield work, bases
+        finally:
+            logging.disable(previous)
+
+
+def test_single_file_mutants_end_in_ddufe_errors_only(single_file_fuzz) -> None:
+    """Mutated checkpoint headers through describe / info / info --base / plan / pack --base: DDUFErrors only,
+    and the conversion targets are reached (the header checks do not refuse everything)."""
+    work, bases = single_file_fuzz
+    before = m.snapshot(bases[0].base)
+    findings: list[str] = []
+    reach: Counter = Counter()
+    ckpt = work / "mutant.safetensors"
+    for number in range(SINGLE_FILE_INPUTS):
+        inp = m.generate_single_file(bases, SEED, number)
+        ckpt.write_bytes(inp.data)
+        outcomes = {o.target: o for o in m.run_single_file_targets(ckpt, inp.base_path, work / "out.dduf",
+                                                                  limit_s=PER_TARGET_S)}
+        for o in outcomes.values():
+            if o.bad:
+                findings.append(f"input {number} ({inp.mutations}): {o.target} -> {o.label}\n{o.detail}")
+        plan = outcomes.get("sf-plan")
+        reach["header refused" if plan is None else "planned" if plan.status == "ok" else "plan refused"] += 1
+    assert m.snapshot(bases[0].base) == before, "BASE changed"
+    assert not findings, f"{len(findings)} non-DDUFError outcomes:\n\n" + "\n\n".join(findings[:5])
+    assert reach["planned"] + reach["plan refused"] >= 0.5 * SINGLE_FILE_INPUTS, reach
+    assert reach["planned"] >= 1, reach
+
+
+def test_single_file_inputs_are_a_function_of_seed_and_number(single_file_fuzz) -> None:
+    _work, bases = single_file_fuzz
+    first = [m.generate_single_file(bases, SEED, n) for n in range(10)]
+    again = [m.generate_single_file(bases, SEED, n) for n in range(10)]
+    assert [(i.mutations, i.data) for i in first] == [(i.mutations, i.data) for i in again]
+    assert len({i.data for i in first}) == len(first)
+
+
+def test_single_file_fuzz_catches_an_unbounded_conversion(single_file_fuzz, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine finds the issue's bug class: with the header check disabled, a declared-empty tensor that a
+    converter sizes by (an identity from a position grid, as diffusers' SD3 CLIP-L projection) is a finding."""
+    from dduf_plus.packing import single_file
+
+    work, bases = single_file_fuzz
+    real = single_file._convert
+
+    def unbounded(kind: str, prefix: str, views: dict, config: Any, base_keys: set) -> dict:
+        out = real(kind, prefix, views, config, base_keys)
+        grid = next((v for k, v in views.items() if k.endswith("position_embedding.weight")), None)
+        if grid is not None and grid.shape[-1] >= 1 << 16:  # what torch.eye(N) does at N = 2**20: 4 TiB
+            raise MemoryError(f"eye({grid.shape[-1]})")
+        return out
+
+    monkeypatch.setattr(single_file, "_convert", unbounded)
+    monkeypatch.setattr(single_file, "check_declared", lambda *a, **k: 0)
+    state = {k: list(v) for k, v in bases[0].tensors.items()}
+    key = "cond_stage_model.transformer.text_model.embeddings.position_embedding.weight"
+    state[key] = ["F32", [0, 1 << 20], b""]
+    ckpt = work / "unbounded.safetensors"
+    ckpt.write_bytes(m.write_checkpoint(m.SingleFileDraft(state, None)))
+    outcomes = {o.target: o for o in m.run_single_file_targets(ckpt, bases[0].base, work / "o.dduf")}
+    assert outcomes["sf-plan"].bad and "MemoryError" in outcomes["sf-plan"].label, outcomes["sf-plan"]

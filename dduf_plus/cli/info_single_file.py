@@ -46,7 +46,7 @@ def run_single_file(args: argparse.Namespace) -> int:
         echo(f"  {info['other_tensors']} tensors belong to no component (ignored by a pack)")
     if "pack_plan" in info:
         _echo_plan(info["pack_plan"])
-    elif info.get("pipeline"):
+    elif info.get("pipeline") and not info.get("problem"):
         echo(f"  pack it: dduf pack {args.source} --base BASE -o OUT.dduf  (BASE: a {info['pipeline']} folder, Hub repo or .dduf, local or URL)")
     return 0
 

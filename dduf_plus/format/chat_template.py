@@ -15,19 +15,27 @@ The index records what was folded (component key :data:`INDEX_KEY`)::
     }
 
 so ``dduf unpack`` and ``dduf complete`` give back the original files byte for byte (checked by sha256;
-a record that does not check out leaves the folded file as stored). Standard library only."""
+a record that does not check out leaves the folded file as stored). Standard library only.
+
+The record is untrusted and its ``text`` is written as a file: :func:`restore_plan` (what unpack, complete and
+validate all ask) lets a restored ``tokenizer_config.json`` through only when it parses equal to the stored one
+(``chat_template`` aside: ``I002`` otherwise) and passes the stored one's budgets (``D013`` JSON budget,
+``D014`` tokenizer caps), and the restored files count against the entry cap (``Z005``)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from ..errors import DDUFPackError
+from . import spec
+from .findings import Finding, finding
 from .json_budget import parse_json_entry
+from .tokenizer_budget import tokenizer_problem
 
 TEMPLATE_FILE = "chat_template.jinja"
 TEMPLATE_DIR = "additional_chat_templates"
@@ -127,6 +135,14 @@ def unfold(folded: bytes, record: Any) -> dict[str, bytes] | None:
     config, _, _ = parse_json_entry(folded, TOKENIZER_CONFIG)
     if not isinstance(config, dict):
         return None
+    try:
+        return _unfold_checked(config, original, files)
+    except UnicodeEncodeError:  # a lone surrogate ("\ud800" in the JSON): no file can hold it as UTF-8
+        return None
+
+
+def _unfold_checked(config: dict[str, Any], original: dict[str, Any], files: dict[str, Any]) -> dict[str, bytes] | None:
+    """:func:`unfold` once the record's shape is checked (raises UnicodeEncodeError for unencodable text)."""
     templates = _templates_of(config.pop("chat_template", None))
     out: dict[str, bytes] = {}
     for rel, rec in files.items():
@@ -153,3 +169,65 @@ def _templates_of(value: Any) -> dict[str, str]:
                 name = item["name"]
                 out[TEMPLATE_FILE if name == "default" else f"{TEMPLATE_DIR}/{name}.jinja"] = item["template"]
     return out
+
+
+def restore_problem(component: str, folded: bytes, restored: Mapping[str, bytes]) -> tuple[str, str] | None:
+    """``(code, why)`` when the files :func:`unfold` gives back for ``component`` may not be written: the
+    original ``tokenizer_config.json`` (the record's text, attacker-chosen with its sha256) over the budgets the
+    stored one passes (``D013``, ``D014``), or not parsing equal to the stored one once both lose their
+    ``chat_template`` (``I002``: the record would swap in another tokenizer than the one validated)."""
+    entry = f"{component}/{TOKENIZER_CONFIG}"
+    raw = restored.get(TOKENIZER_CONFIG, b"")
+    over = tokenizer_problem(entry, raw)
+    if over is not None:
+        return over[0], f"the original this archive's index records (restored by unpack/complete): {over[1]}"
+    mine, code, why = parse_json_entry(raw, entry)
+    stored, _, _ = parse_json_entry(folded, entry)
+    if code is not None or not isinstance(mine, dict) or not isinstance(stored, dict):
+        return code or "I002", f"the original this archive's index records is not a JSON object ({why or 'a ' + type(mine).__name__})"
+    mine.pop("chat_template", None)
+    stored.pop("chat_template", None)
+    if mine != stored:
+        differ = sorted(k for k in mine.keys() | stored.keys() if mine.get(k, ...) != stored.get(k, ...))
+        return "I002", (f"the original this archive's index records differs from the stored file beyond the chat "
+                        f"template ({len(differ)} key(s): {', '.join(map(repr, differ[:3]))})")
+    return None
+
+
+class RestorePlan(NamedTuple):
+    """What unpack writes in place of (or beside) the stored entries, and why it may not."""
+
+    files: dict[str, bytes]  # entry name -> restored bytes (records that check out)
+    findings: list[Finding]  # errors: unpack and complete refuse, validate reports them
+    unchecked: list[str]  # components whose record does not check out (their stored file is kept)
+
+
+def restore_plan(index: Any, entries: Mapping[str, int], read: Callable[[str], bytes]) -> RestorePlan:
+    """The chat-template restores of an archive whose index is ``index`` and entries ``{name: length}``
+    (``read(name)`` gives an entry's bytes): every restored file checked by :func:`restore_problem`, and the
+    entries plus the new files within the archive entry cap (Z005: a 15-entry archive whose records name
+    40,000 templates would otherwise unpack to 40,015 files). Restored bytes are bounded by construction:
+    templates are strings of the stored config (at most its size in all), the config within its JSON budget."""
+    components = index.get("components") if isinstance(index, dict) else None
+    plan = RestorePlan({}, [], [])
+    for component, record in (components or {}).items() if isinstance(components, dict) else ():
+        fold_record = record.get(INDEX_KEY) if isinstance(record, dict) else None
+        entry = f"{component}/{TOKENIZER_CONFIG}"
+        if fold_record is None or entries.get(entry, spec.CONFIG_JSON_BUDGET.bytes + 1) > spec.CONFIG_JSON_BUDGET.bytes:
+            continue  # (a config over its budget is D013 already; it is not read)
+        folded = read(entry)
+        files = unfold(folded, fold_record)
+        if files is None:
+            plan.unchecked.append(component)
+            continue
+        problem = restore_problem(component, folded, files)
+        if problem is not None:
+            plan.findings.append(finding(problem[0], entry, problem[1]))
+            continue
+        plan.files.update({f"{component}/{rel}": data for rel, data in files.items()})
+    added = sum(1 for name in plan.files if name not in entries)
+    if len(entries) + added > spec.MAX_ENTRIES:
+        plan.findings.append(finding("Z005", spec.INDEX_NAME, (
+            f"its chat-template records restore {added} more file(s): {len(entries) + added} files after unpacking "
+            f"is more than the {spec.MAX_ENTRIES} entries allowed")))
+    return plan

@@ -6,11 +6,11 @@ import logging
 import os
 from pathlib import Path
 
-from ..errors import DDUFFormatError, DDUFUsageError
+from ..errors import DDUFFormatError, DDUFUsageError, DDUFValidationError
 from ..storage.confined import Confined
 from . import spec
 from .archive import DDUFArchive
-from .chat_template import INDEX_KEY, TOKENIZER_CONFIG, unfold
+from .chat_template import restore_plan
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +32,8 @@ def unpack(archive_path: str | os.PathLike, output: str | os.PathLike, *, force:
 
     Raises:
         DDUFFormatError: an entry name would escape ``output`` (checked even with ``check=False``).
+        DDUFValidationError: a chat-template record would restore a file that may not be written (I002, D013,
+            D014, Z005: see :func:`restored_originals`), also with ``check=False``; nothing is written.
         DDUFUsageError: a file exists and ``force`` is False.
     """
     root = Path(output)
@@ -67,21 +69,21 @@ def unpack(archive_path: str | os.PathLike, output: str | os.PathLike, *, force:
 
 def restored_originals(archive: DDUFArchive) -> dict[str, bytes]:
     """``{entry name: bytes}`` of the files a pack folded (chat templates into tokenizer_config.json), each
-    checked against the index record; a component whose record does not check out keeps its stored entry."""
-    components = archive.index.get("components") if isinstance(archive.index, dict) else None
-    out: dict[str, bytes] = {}
-    for component, record in (components or {}).items():
-        fold = record.get(INDEX_KEY) if isinstance(record, dict) else None
-        entry = f"{component}/{TOKENIZER_CONFIG}"
-        if fold is None or entry not in archive.entries or archive.entry(entry).length > spec.CONFIG_JSON_BUDGET.bytes:
-            continue  # (a config over its budget is refused by validation; with check=False it is not read)
-        files = unfold(archive.read_bytes(entry), fold)
-        if files is None:
-            logger.warning("%s: the chat template record does not match the archive; %s is written as stored",
-                           component, entry)
-            continue
-        out.update({f"{component}/{rel}": data for rel, data in files.items()})
-    return out
+    checked against the index record; a component whose record does not check out keeps its stored entry.
+
+    Raises:
+        DDUFValidationError: a record restores a tokenizer_config.json that is not the stored one beyond its
+            chat template (I002) or over its budgets (D013, D014), or more files than the entry cap (Z005):
+            the codes ``dduf validate`` reports for the archive.
+    """
+    entries = archive.entries
+    plan = restore_plan(archive.index, {n: e.length for n, e in entries.items()}, archive.read_bytes)
+    if plan.findings:
+        raise DDUFValidationError(archive.path, plan.findings)
+    for component in plan.unchecked:
+        logger.warning("%s: the chat template record does not match the archive; %s/tokenizer_config.json is "
+                       "written as stored", component, component)
+    return plan.files
 
 
 def _copy_range(archive: DDUFArchive, offset: int, length: int, dst: int) -> None:

@@ -36,6 +36,7 @@ from ..storage.prefetch_source import PrefetchSource
 from ..storage.source import ByteSource, is_url, open_source
 from . import spec
 from .archive import DDUFArchive, Entry
+from .chat_template import restore_plan
 from .findings import SEVERITIES, VERDICT_LABELS, Finding, finding
 from .json_budget import SETTINGS_FILES, json_budget_problem, over_size
 from .references import SHA256
@@ -371,10 +372,16 @@ def json_entry_findings(archive: DDUFArchive, read: Callable[[Entry], bytes], *,
 def _check_budgets(archive: DDUFArchive, source: _GuardedSource, verify: bool) -> list[Finding]:
     """D014: tokenizer files within their caps (vocabulary, pieces, merges, added tokens); D015: scheduler and
     guider configs hold no number out of range (format/tokenizer_budget.py, the checks the loader runs too).
-    Tokenizer files are read whole: the few MB a real pipeline holds, what the loader reads anyway."""
+    Tokenizer files are read whole: the few MB a real pipeline holds, what the loader reads anyway. Also the
+    files ``dduf unpack`` would restore from chat-template records (I002, D013, D014, Z005: the same
+    :func:`~dduf_plus.format.chat_template.restore_plan` unpack and complete refuse by)."""
     entries = archive.entries
-    return budget_findings(((name, e.length) for name, e in entries.items() if name not in archive.compressed),
-                           lambda name: source.read_at(entries[name].offset, entries[name].length))
+
+    def read(name: str) -> bytes:
+        return source.read_at(entries[name].offset, entries[name].length)
+
+    found = budget_findings(((name, e.length) for name, e in entries.items() if name not in archive.compressed), read)
+    return found + restore_plan(archive.stored_index, {n: e.length for n, e in entries.items()}, read).findings
 
 
 def _check_components(archive: DDUFArchive, source: _GuardedSource, verify: bool) -> list[Finding]:

@@ -15,10 +15,10 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..errors import DDUFReferenceError
+from ..errors import DDUFReferenceError, DDUFValidationError
 from ..format import spec
 from ..format.archive import DDUFArchive
-from ..format.chat_template import INDEX_KEY, TOKENIZER_CONFIG, fold, is_template_name
+from ..format.chat_template import INDEX_KEY, TOKENIZER_CONFIG, fold, is_template_name, restore_plan
 from ..format.json_budget import parse_json_entry
 from ..format.pack import EntrySource, PackResult, _read_header, write_archive
 from ..refs.resolve import Located, SpecLike, check_ref_names, locate_component
@@ -75,10 +75,16 @@ def complete_archive(
 
     Raises:
         DDUFReferenceError: a reference cannot be resolved or its files do not match (nothing is written).
-        DDUFValidationError: ``partial`` is not a valid archive.
+        DDUFValidationError: ``partial`` is not a valid archive, or one of its chat-template records (carried
+            into the output, for unpack to restore) restores a file that may not be written (I002, D013, D014,
+            Z005, as ``dduf validate`` reports them).
     """
     started = time.perf_counter()
     with DDUFArchive(partial) as archive:
+        restores = restore_plan(archive.stored_index, {n: e.length for n, e in archive.entries.items()},
+                                archive.read_bytes)
+        if restores.findings:  # the record would be carried over as it is: refused here, not at unpack
+            raise DDUFValidationError(str(partial), restores.findings)
         references = archive.references
         check_ref_names(refs, archive.components, references, what="--ref", where=str(partial))  # typos: never ignored
         located = _locate_references(references, refs=refs, local_files_only=local_files_only, token=token,

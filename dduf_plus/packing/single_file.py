@@ -254,6 +254,35 @@ def _held(header: SafetensorsHeader, family: Family) -> dict[str, list[TensorInf
     return held
 
 
+# Dtypes safetensors knows that no diffusers model takes as weights element by element: the packed sub-byte
+# floats (torch's float4_e2m1fn_x2 holds two values per item, so the file's shape, counted in values, does not
+# view; torch has no float6 at all) and the exponent-only MX scale format (scales, never weights: diffusers would
+# load it into a float16 parameter as garbage). ``dduf pack --dtype`` leaves the same ones alone (CONVERTIBLE).
+_UNCONVERTED_DTYPES = {"float8_e8m0fnu": "an exponent-only scale format (MX block scales), not weights"}
+DTYPE_RULE = ("rule: single-file checkpoints are converted from whole-byte tensor dtypes (F16, BF16, F32, F64, "
+              "F8_E4M3, F8_E5M2, integers); sub-byte and scale-only dtypes are quantized formats diffusers' "
+              "single-file loader does not read")
+
+
+def unconverted_dtype(info: TensorInfo) -> str | None:
+    """Why a checkpoint tensor's dtype cannot be converted for a pack (see :data:`DTYPE_RULE`), or None."""
+    bits = spec.DTYPE_BY_TORCH[info.dtype].bits
+    if bits % 8:
+        return f"packed {bits}-bit values (torch has no dtype that views them one value per element)"
+    return _UNCONVERTED_DTYPES.get(info.dtype)
+
+
+def unconverted_tensor(header: SafetensorsHeader, family: Family) -> str | None:
+    """The first tensor a pack would convert whose dtype it cannot (tensor name, dtype, why and the rule)."""
+    for infos in _held(header, family).values():
+        for t in infos:
+            why = unconverted_dtype(t)
+            if why is not None:
+                code = spec.DTYPE_BY_TORCH[t.dtype].safetensors
+                return f"{t.name} is {code} ({t.dtype}: {why}); {DTYPE_RULE}"
+    return None
+
+
 def _shown_prefix(comp: Component, infos: list[TensorInfo]) -> str:
     """The component's key prefix, or for a Flux transformer (every key no other component owns) the one its
     keys share: ``model.diffusion_model.`` (ComfyUI) or none (BFL's and diffusers' transformer-only files)."""
@@ -295,6 +324,9 @@ def describe_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
             "bytes": sum(dtypes.values()), "dtypes": dtypes, "dtype": max(dtypes, key=lambda d: dtypes[d])}
     info["other_tensors"] = len(header.tensors) - claimed
     info["absent"] = sorted(set(family.components) - set(info["components"]))
+    unconverted = unconverted_tensor(header, family)
+    if unconverted is not None:  # described, but a pack would refuse it: said instead of "pack it"
+        info["problem"] = f"dduf pack would refuse it: {unconverted}"
     return info
 
 
@@ -560,8 +592,83 @@ def _convert_sd3(kind: str, prefix: str, views: dict[str, Any]) -> dict[str, Any
         import torch
 
         position = views[prefix + "text_model.embeddings.position_embedding.weight"]
-        out["text_projection.weight"] = torch.eye(position.shape[-1]).to(position.dtype)
+        # sized by a header's number: made where the views are (on the meta device for the shape check first)
+        out["text_projection.weight"] = torch.eye(position.shape[-1], device=position.device).to(position.dtype)
     return out
+
+
+def _converted_or_refused(job: _Job, views: dict[str, Any], where: str) -> dict[str, Any]:
+    """:func:`_convert` of ``views``; what diffusers' converter raises on keys it does not expect is refused."""
+    try:
+        return _convert(job.component.kind, job.component.prefix, views, job.config, job.base_keys)
+    except DDUFError:
+        raise
+    except Exception as e:  # diffusers' converter on keys or shapes it does not expect
+        raise DDUFPackError(f"{where}: {job.name} cannot be converted to diffusers' layout "
+                            f"({type(e).__name__}: {e})") from None
+
+
+def check_declared(job: _Job, base: _BaseTensors, where: str) -> int:
+    """Run the conversion on the header's shapes alone (meta tensors: no byte is read or allocated) and check
+    what it gives against BASE before the real conversion runs. Returns the bytes the real conversion will
+    allocate (its outputs that are not views of the file); the bound this enforces is BASE's element count
+    for the component times the checkpoint's widest element (at most 8 bytes): a header's numbers
+    (``[0, 20000]`` for a position embedding, 284 bytes) never size an allocation BASE does not.
+
+    Raises:
+        DDUFPackError: a component of more than twice BASE's tensors (+ 64: the converters' work grows with
+            keys x blocks), a converted tensor whose shape is not BASE's (naming it, the checkpoint tensor it
+            comes from and its declared shape, and BASE's shape), one BASE's model needs and the file lacks, or
+            a conversion that would allocate past the bound (tensors BASE has no place for).
+    """
+    owned = [t for k, t in job.header.tensors.items() if job.component.owns(k)]
+    cap = 2 * len(base.tensors) + 64  # real files hold BASE's count, fewer (fused q/k/v) or a few more (position_ids)
+    if len(owned) > cap:  # diffusers' LDM converters scan every key once per block: keys x blocks of work
+        raise DDUFPackError(f"{where}: {job.name}: the checkpoint holds {len(owned)} tensors for it, more than "
+                            f"{cap} (twice BASE's {len(base.tensors)}, + 64): not converted (e.g. {owned[-1].name})")
+    declared = {t.name: _meta(t, where) for t in owned}
+    origin = {id(v): k for k, v in declared.items()}
+    converted = _converted_or_refused(job, dict(declared), where)
+
+    def source(t: Any) -> str | None:  # the checkpoint tensor an output is (a view of), when it is one
+        return origin.get(id(t)) or origin.get(id(t._base))
+
+    fresh = {k: t.numel() * t.element_size() for k, t in converted.items() if source(t) is None}
+    named = {k: _from_checkpoint(source(t), job.header) for k, t in converted.items()}
+    _fit(job.name, converted, base, where, named)
+    width = max((t.element_size() for t in declared.values()), default=1)
+    bound = width * sum(_numel(info.shape) for _p, _s, info in base.tensors.values())
+    if sum(fresh.values()) > bound:
+        biggest = max(fresh, key=lambda k: fresh[k])
+        raise DDUFPackError(f"{where}: {job.name}: converting it would allocate {sum(fresh.values())} bytes, more "
+                            f"than BASE's {job.name} holds at this width ({bound}); largest: {biggest} "
+                            f"({fresh[biggest]} bytes{named[biggest]}), a tensor BASE has no place for")
+    return sum(fresh.values())
+
+
+def _meta(info: TensorInfo, where: str) -> Any:
+    """A meta tensor of ``info``'s declared shape and dtype (nothing allocated)."""
+    import torch
+
+    try:
+        return torch.empty(info.shape, dtype=getattr(torch, info.dtype), device="meta")
+    except RuntimeError as e:  # a 0 beside dimensions whose strides overflow int64: [0, 2**40, 2**40]
+        raise DDUFPackError(f"{where}: {info.name} is declared {list(info.shape)}, a shape torch cannot represent "
+                            f"({e})") from None
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _from_checkpoint(key: str | None, header: SafetensorsHeader) -> str:
+    """Where a converted tensor comes from, for messages: the checkpoint tensor and its declared shape."""
+    if key is None:
+        return " (made by the conversion from the header's shapes)"
+    return f" (the checkpoint's {key}, declared {list(header.tensors[key].shape)})"
 
 
 class _Converted(NamedTuple):
@@ -570,25 +677,29 @@ class _Converted(NamedTuple):
     report: str
 
 
-def _fit(name: str, converted: dict[str, Any], base: _BaseTensors, where: str) -> list[str]:
+def _fit(name: str, converted: dict[str, Any], base: _BaseTensors, where: str,
+         named: Mapping[str, str] | None = None) -> list[str]:
     """Check the converted tensors against BASE's (names and shapes); drop the ones BASE's model has no
     place for (``position_ids``, EMA leftovers), as ``from_single_file`` ignores them. Returns the dropped.
+    ``named``: for messages, where each converted tensor comes from (see :func:`check_declared`).
 
     Raises:
-        DDUFPackError: a tensor BASE's model needs is missing, or a shape does not fit BASE's config.
+        DDUFPackError: a shape does not fit BASE's config, or a tensor BASE's model needs is missing.
     """
     extra = sorted(k for k in converted if k not in base.tensors)
     for k in extra:
         del converted[k]
-    missing = sorted(k for k in base.tensors if k not in converted)
-    if missing:
-        raise DDUFPackError(f"{where}: {name} does not fit --base's {name} config: {len(missing)} tensor(s) its "
-                            f"model needs are not in the checkpoint (first: {missing[0]})")
-    for k, t in converted.items():
+    for k, t in converted.items():  # shapes first: the refusal names the tensor, its shape and BASE's
         want = base.tensors[k][2].shape
         if tuple(t.shape) != tuple(want):
             raise DDUFPackError(f"{where}: {name} does not fit --base's {name} config: {k} is "
-                                f"{list(t.shape)} in the checkpoint, {list(want)} in BASE (another model size?)")
+                                f"{list(t.shape)} in the checkpoint{(named or {}).get(k, '')}, {list(want)} in "
+                                "BASE (another model size?)")
+    missing = sorted(k for k in base.tensors if k not in converted)
+    if missing:
+        raise DDUFPackError(f"{where}: {name} does not fit --base's {name} config: {len(missing)} tensor(s) its "
+                            f"model needs are not in the checkpoint (first: {missing[0]}, {list(base.tensors[missing[0]][2].shape)} "
+                            "in BASE)")
     return extra
 
 
@@ -702,16 +813,11 @@ def _component(job: _Job, base: _Base, base_tensors: _BaseTensors,
                where: str) -> tuple[list[EntrySource], str, str | None]:
     """Convert one component; its entry sources when it differs from BASE (none when identical), a line
     for the report and the BASE variant it is identical to (an fp16 checkpoint, BASE's fp16 files)."""
+    check_declared(job, base_tensors, where)  # shapes against BASE's, conversion memory bounded: nothing allocated
     with _mapped(job.checkpoint) as mm:
         views = {k: _view(mm, job.header.data_start, t) for k, t in job.header.tensors.items()
                  if job.component.owns(k)}
-        try:
-            converted = _convert(job.component.kind, job.component.prefix, views, job.config, job.base_keys)
-        except DDUFError:
-            raise
-        except Exception as e:  # diffusers' converter on keys it does not expect
-            raise DDUFPackError(f"{where}: {job.name} cannot be converted to diffusers' layout "
-                                f"({type(e).__name__}: {e})") from None
+        converted = _converted_or_refused(job, views, where)
         dropped = _fit(job.name, converted, base_tensors, where)
         why = _HOSTED if base.hosted else _identical(converted, base_tensors, mm)
         library = component_specs(base.model_index)[job.name][0]
@@ -781,6 +887,9 @@ def _prepare(checkpoint: str | os.PathLike, base: str | os.PathLike | None, toke
     _refuse_scaled_fp8(header, where)
     model_type = detect_architecture(header, where)
     family = _family(model_type, where)
+    unconverted = unconverted_tensor(header, family)
+    if unconverted is not None:  # before BASE is opened or any tensor viewed
+        raise DDUFPackError(f"{where}: {unconverted}")
     the_base = _open_base(os.fspath(base), token, local_files_only)
     _check_base(family, model_type, the_base, where)
     held = _held(header, family)
