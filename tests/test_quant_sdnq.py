@@ -144,10 +144,10 @@ def test_pack_records_validates_and_loads_as_diffusers(sdnq_folder: Path, tmp_pa
     assert torch.equal(_run(_aligned(ours), torch.float32), _run(_aligned(ref), torch.float32))
 
 
-def test_sdnq_defaults_on_small_layers_validate_clean_and_load(tmp_path: Path) -> None:
+def test_sdnq_defaults_on_small_layers_validate_and_load(tmp_path: Path) -> None:
     """SDNQ's default minimum sizes (16,384 weights, 32 channels) skip every tiny-sd layer: diffusers writes a folder
     with a quantization_config and no quantized tensor. Q004 refused it ("no stored tensor is quantized"); it is
-    what diffusers writes, so it validates clean and loads as diffusers' from_pretrained(folder) does."""
+    what diffusers writes, so it validates (Q010, a warning) and loads as diffusers' from_pretrained(folder) does."""
     from diffusers import SDNQConfig, UNet2DConditionModel
 
     folder = tmp_path / "tiny-sd"
@@ -158,8 +158,8 @@ def test_sdnq_defaults_on_small_layers_validate_clean_and_load(tmp_path: Path) -
     result, _ = pack(folder, archive, quiet=True)
     record = result.index["components"]["unet"]["quantization"]
     assert (record["backend"], record["scheme"], record["quantized"]) == ("sdnq", "int8", 0)
-    report = validate(archive, verify=True, strict=True)
-    assert report.valid and not report.codes, str(report)
+    report = validate(archive, verify=True)  # valid; Q010 (a warning) says no layer is quantized
+    assert report.valid and report.codes == ["Q010"], str(report)
     ours = load_dduf(archive).unet
     ref = UNet2DConditionModel.from_pretrained(folder / "unet")
     a, b = ours.state_dict(), ref.state_dict()

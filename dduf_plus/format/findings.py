@@ -307,6 +307,11 @@ _RULES = (
          meaning="a reference with no source (`pretrained_model_name_or_path: null`, what `dduf pack --exclude` writes without `--ref`)",
          why="the loader cannot resolve it alone: the archive loads only when the caller passes the component (`refs=` or the component itself)",
          fix="pass it to `load_dduf`, or re-pack with `--ref NAME=SPEC`"),
+    Rule("R004", "warning", "external reference names a local path (it resolves only on a machine with that path)",
+         checked_by="validate",
+         meaning="a reference whose source is a local folder or `.dduf` (an absolute or relative path, what `dduf pack --base /models/sd15` records for a folder outside the Hugging Face cache)",
+         why="the archive loads where that path holds the same files (or where the caller passes the component, or its files are in the Hugging Face cache by content); anywhere else the reference cannot resolve",
+         fix="reference the Hub repo the copy came from (`--base org/repo`, or pack against its Hugging Face cache snapshot), or pass the component to `load_dduf`"),
     # data (only with verify)
     Rule("H001", "error", "CRC-32 mismatch",
          checked_by="verify",
@@ -390,6 +395,11 @@ _RULES = (
          meaning="a bitsandbytes 4-bit layer whose out_features is not a multiple of 32 or whose in_features is not a whole number (at least one) of quantization blocks; the finding names the first such layer, the limit it breaks and how many more there are",
          why="on CPUs with avx512_bf16, bitsandbytes' Linear4bit.forward first repacks the weight for its fused kernel and fails in the first forward on such shapes (diffusers' own load of this component does); the plain CPU path takes any shape, and dduf_plus keeps these layers on it",
          fix="nothing is needed to load with dduf_plus; to run it elsewhere on such CPUs, keep those layers unquantized (modules_to_not_convert)"),
+    Rule("Q010", "warning", "the quantization left every layer unquantized",
+         checked_by="validate",
+         meaning="a component whose `quantization_config` names SDNQ but none of whose stored weights is quantized (SDNQ skips every layer under its minimum sizes: 16,384 weights, 32 channels by default)",
+         why="it loads, as diffusers loads it, but in full precision: none of the memory the quantization was meant to save is saved",
+         fix="lower `minimum_allowed_numel` / `minimum_allowed_channel_size`, or drop the quantization_config"),
     # the validator itself
     Rule("X000", "error", "internal error while checking (a validator bug; the verdict is incomplete)",
          checked_by="validate",

@@ -734,9 +734,13 @@ def findings_for(component: str, config: Any, headers: Iterable[SafetensorsHeade
         return [finding("Q001", f"{component}/config.json", f"{backend} quantization_config names no scheme")]
     headers = list(headers)
     try:
-        analyse(config, headers)
+        record = analyse(config, headers)
         unfit = check_quant_states(headers, read_tensor) \
             if backend == "bitsandbytes_4bit" and read_tensor is not None else []
     except QuantError as e:
         return [finding(e.code, f"{component}/config.json", f"{backend}: {e}")]
-    return [repack_finding(component, unfit)] if unfit else []
+    out = [repack_finding(component, unfit)] if unfit else []
+    if record is not None and record["quantized"] == 0:  # SDNQ under its minimum sizes: loads, unquantized
+        out.append(finding("Q010", f"{component}/config.json", f"{backend}: no stored weight is quantized: it loads "
+                                                               "in full precision"))
+    return out

@@ -4,7 +4,7 @@ and ``load_dduf`` all refuse the same records) and by the resolver before it tou
 
 A reference is untrusted input: its component name, ``subfolder``, ``revision``, ``variant`` and file
 names end up in paths, so each must be a plain name (D012 for the names that choose a folder, R001 for
-the rest of a malformed record). R003 (a warning) marks a reference that records no source."""
+the rest of a malformed record). R003 (a warning) marks a reference that records no source, R004 (a warning) one whose source is a local path."""
 
 from __future__ import annotations
 
@@ -48,7 +48,25 @@ def reference_findings(model_index: Mapping[str, Any], components: Mapping[str, 
         elif ref.get("pretrained_model_name_or_path") is None:
             out.append(finding("R003", component, "no source recorded; pass it to load_dduf (refs= or the "
                                                    "component itself)"))
+        elif is_local_path(ref["pretrained_model_name_or_path"]):
+            out.append(finding("R004", component, f"source {_shown(ref['pretrained_model_name_or_path'])} is a "
+                                                   "local path: it resolves only where that path holds the same files"))
     return out
+
+
+_DRIVE = re.compile(r"[A-Za-z]:[\\/]")
+
+
+def is_local_path(source: str) -> bool:
+    """A reference source that names a place on one machine: an absolute or relative path, or a ``.dduf`` that is
+    no URL (a repo id ``org/name`` and a URL travel). The same spelling rules the SPEC parser applies."""
+    if "://" in source:
+        return False
+    return source.startswith(("/", "~", ".", "\\")) or bool(_DRIVE.match(source)) or source.endswith(".dduf")
+
+
+def _shown(source: str) -> str:
+    return repr(source if len(source) <= 80 else source[:77] + "...")
 
 
 def revision_problem(revision: str) -> str | None:
