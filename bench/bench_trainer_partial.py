@@ -110,8 +110,11 @@ def _git_commit() -> str:
 def provenance(command: list[str]) -> dict[str, object]:
     from importlib.metadata import version
 
+    import dduf_plus  # its own version (an editable install's metadata keeps the version it was installed at)
+
     return {"commit": _git_commit(), "command": " ".join(command), "python": platform.python_version(),
-            "versions": {d: version(d) for d in ("dduf_plus", "diffusers", "transformers", "safetensors")},
+            "versions": {"dduf_plus": dduf_plus.__version__,
+                         **{d: version(d) for d in ("diffusers", "transformers", "safetensors")}},
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "date": time.strftime("%Y-%m-%d")}
 
 

@@ -146,6 +146,7 @@ def test_a_plain_local_base_says_recipients_need_the_files(tmp_path, hf_env):
     done = dduf("pack", FINETUNE, "-o", tmp_path / "p.dduf", "--base", TINY_SD, "-q")
     assert done.returncode == EXIT_OK
     assert f"references record the local path {TINY_SD}" in done.stderr and "--base org/repo" in done.stderr
+    assert done.stderr.count("local path") == 1, done.stderr  # once, not again per component (R004)
 
 
 def test_ref_to_the_component_folder_itself_is_one_rule_at_pack_and_load(tmp_path, hf_env):

@@ -82,8 +82,9 @@ def pack_row(r: dict) -> list[str]:
 
 
 def partial_row(r: dict) -> list[str]:
-    return [f"({len(r['referenced'])} components referenced)", f"| {gb(r['partial_bytes'])} |",
-            f"full {gb(r['complete_bytes'])}", f"{r['saved_pct']:.1f} % smaller"]
+    return [f"| {gb(r['archive_partial_bytes'])}, {r['pack_base_s']:.2f} s |",
+            f"full {gb(r['archive_complete_bytes'])}, {r['pack_complete_s']:.2f} s",
+            f"{100 * r['saved_fraction']:.1f} % smaller, {r['pack_base_ratio']:.2f}x"]
 
 
 def remote_row(r: dict) -> list[str]:
@@ -128,7 +129,7 @@ ROWS: dict[str, tuple[str, Callable[[dict], list[str]], tuple[str, ...]]] = {
     "`dduf validate --verify`": ("validate", verify_row, ("sha256",)),
     "`dduf pack` (fsync)": ("pack", pack_row, ()),
     "quantized UNet load, peak RSS": ("quant", backends_row, ()),
-    "partial archive": ("partial", partial_row, ()),
+    "`pack --base` of a `save_pretrained` fine-tune": ("trainer_partial", partial_row, ()),
     "`load_dduf(URL)`": ("remote", remote_row, ()),
     "same, each connection capped": ("remote_per_connection", remote_per_connection_row, ()),
     "`validate_many`": ("catalogue", catalogue_row, ()),

@@ -45,6 +45,7 @@ from ..format.pack import (
     plan_folder,
     write_archive,
 )
+from ..format.references import is_local_path
 from ..format.structure import component_specs, model_index_object
 from ..format.weights import classify
 from ..refs.resolve import Spec, component_folder, parse_ref_args, parse_spec
@@ -404,6 +405,9 @@ class _Planner:
             if name in self.real and name not in self.references and name not in self.stored and isinstance(ref, dict):
                 self.references[name] = ref
                 self.report.append(f"kept the existing reference of {name}")
+                source = ref.get("pretrained_model_name_or_path")
+                if isinstance(source, str) and is_local_path(source):
+                    self.local_paths.add(source)
 
     def finish(self) -> PartialPlan:
         plan, references = self.plan, self.references
