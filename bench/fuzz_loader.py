@@ -140,6 +140,20 @@ def reset_peak_rss() -> None:
         pass
 
 
+
+def finish_result(fuzzer: Any, result: dict, outcomes: list, started: float) -> dict:
+    """An input's result: its outcomes plus a finding when the watched folders changed (nothing may write
+    there), its peak RSS and time. Both engines end each input here."""
+    after = fuzzer.m.snapshot(*fuzzer.watched)
+    if after != fuzzer.before:
+        changed = sorted(set(after.items()) ^ set(fuzzer.before.items()))[:10]
+        outcomes.append(fuzzer.m.Outcome("filesystem", "finding", "watched-folder-changed", 0, repr(changed)))
+        fuzzer.before = after
+    result["outcomes"] = [list(o) for o in outcomes]
+    result["peak_rss_mb"] = peak_rss_mb()
+    result["seconds"] = time.perf_counter() - started
+    return result
+
 class Fuzzer:
     """Generates input N and runs the targets on it, in whichever process calls :meth:`run_one`."""
 
@@ -183,15 +197,7 @@ class Fuzzer:
             result["server_mode"], result["server_sent"], outcomes = self.run_remote(path, number)
         else:
             outcomes = self.m.run_targets(path, limit_s=self.limit)
-        after = self.m.snapshot(*self.watched)
-        if after != self.before:
-            changed = sorted(set(after.items()) ^ set(self.before.items()))[:10]
-            outcomes.append(self.m.Outcome("filesystem", "finding", "watched-folder-changed", 0, repr(changed)))
-            self.before = after
-        result["outcomes"] = [list(o) for o in outcomes]
-        result["peak_rss_mb"] = peak_rss_mb()
-        result["seconds"] = time.perf_counter() - started
-        return result
+        return finish_result(self, result, outcomes, started)
 
 
     def _server(self) -> Any:
@@ -242,15 +248,7 @@ class SingleFileFuzzer:
         reset_peak_rss()
         outcomes = self.m.run_single_file_targets(path, inp.base_path, self.work / f"out-{os.getpid()}.dduf",
                                                   limit_s=self.limit)
-        after = self.m.snapshot(*self.watched)
-        if after != self.before:
-            changed = sorted(set(after.items()) ^ set(self.before.items()))[:10]
-            outcomes.append(self.m.Outcome("filesystem", "finding", "watched-folder-changed", 0, repr(changed)))
-            self.before = after
-        result["outcomes"] = [list(o) for o in outcomes]
-        result["peak_rss_mb"] = peak_rss_mb()
-        result["seconds"] = time.perf_counter() - started
-        return result
+        return finish_result(self, result, outcomes, started)
 
 
 def run_remote(m: Any, server: Any, path: Path, seed: int, number: int, limit: float | None
