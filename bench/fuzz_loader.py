@@ -310,21 +310,9 @@ def remote_targets(m: Any, url: str, limit: float | None, before_each: Any = Non
     outcomes = []
     for target, call in (("remote-validate", validating), ("remote-info", lambda: m._cli(["info", url], human=True)),
                          ("remote-load", loading)):
-        started = time.perf_counter()
-        error: BaseException | None = None
-        extra = None
         if before_each is not None:
             before_each()
-        try:
-            with m.time_limit(limit):
-                extra = call()
-        except KeyboardInterrupt:
-            raise
-        except BaseException as e:  # noqa: BLE001 - classifying every exception is the point
-            error = e
-        seconds = time.perf_counter() - started
-        outcomes.append(extra._replace(target=target, seconds=seconds) if extra is not None
-                        else m.classify(target, error, seconds))
+        outcomes.append(m.run_target(target, call, limit))
     return outcomes
 
 

@@ -945,20 +945,25 @@ def run_targets(path: Path, *, targets: tuple[str, ...] = tuple(TARGETS), limit_
     for target in targets:
         if target == "load" and outcomes and outcomes[0].target == "archive" and outcomes[0].status == "error":
             continue
-        started = time.perf_counter()
-        error: BaseException | None = None
-        extra: Outcome | None = None
-        try:
-            with time_limit(limit_s):
-                extra = TARGETS[target](path)
-        except KeyboardInterrupt:
-            raise
-        except BaseException as e:  # noqa: BLE001 - classifying every exception is the point
-            error = e
-        seconds = time.perf_counter() - started
-        outcomes.append(extra._replace(target=target, seconds=seconds) if extra is not None
-                        else classify(target, error, seconds))
+        outcomes.append(run_target(target, lambda target=target: TARGETS[target](path), limit_s))
     return outcomes
+
+
+def run_target(target: str, call: Callable[[], Outcome | None], limit_s: float | None) -> Outcome:
+    """``call()`` under the time limit, its outcome classified (an Outcome it returns is kept); never raises but
+    KeyboardInterrupt. Every engine runs each of its targets through here."""
+    started = time.perf_counter()
+    error: BaseException | None = None
+    extra: Outcome | None = None
+    try:
+        with time_limit(limit_s):
+            extra = call()
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # noqa: BLE001 - classifying every exception is the point
+        error = e
+    seconds = time.perf_counter() - started
+    return extra._replace(target=target, seconds=seconds) if extra is not None else classify(target, error, seconds)
 
 
 # --- what must not change ---------------------------------------------------------------------------------------
@@ -1266,19 +1271,7 @@ def run_single_file_targets(ckpt: Path, base: Path, out: Path, *, limit_s: float
     for target, run in single_file_targets(ckpt, base, out).items():
         if target != "sf-describe" and target != "sf-info" and outcomes and outcomes[0].status == "error":
             continue
-        started = time.perf_counter()
-        error: BaseException | None = None
-        extra: Outcome | None = None
-        try:
-            with time_limit(limit_s):
-                extra = run()
-        except KeyboardInterrupt:
-            raise
-        except BaseException as e:  # noqa: BLE001 - classifying every exception is the point
-            error = e
-        seconds = time.perf_counter() - started
-        outcomes.append(extra._replace(target=target, seconds=seconds) if extra is not None
-                        else classify(target, error, seconds))
+        outcomes.append(run_target(target, run, limit_s))
         if out.exists():
             out.unlink()
     return outcomes
