@@ -49,7 +49,8 @@ BOOKKEEPING_KEYS = frozenset({"_name_or_path", "_diffusers_version", "_commit_ha
 TOKENIZER_SAVE_KEYS = frozenset({"is_local", "local_files_only", "name_or_path", "tokenizer_file"})
 SLOW_TOKENIZER_FILES = frozenset({"vocab.json", "merges.txt", "vocab.txt", "special_tokens_map.json",
                                   "added_tokens.json"})
-MAX_DIFF_VALUES = 1 << 24  # values decoded to report the largest difference of a differing tensor
+MAX_DIFF_VALUES = 1 << 24  # values decoded to report the largest difference of a differing tensor (time bound)
+DIFF_CHUNK = 1 << 18  # values decoded at a time (memory bound: a few MB of Python floats per side)
 _DECODE = {"float16": "e", "float32": "f", "float64": "d", "int8": "b", "uint8": "B", "int16": "h", "int32": "i",
            "int64": "q"}
 
@@ -149,10 +150,11 @@ def _same_bytes(a: Located, b: Located) -> bool:
         right.release()
 
 
-def _values(t: Located, count: int) -> list[float] | None:
-    """The first ``count`` values of ``t`` as Python numbers (bfloat16 widened to float32), or None for a
-    dtype the standard library cannot decode (float8 and narrower)."""
-    raw = t.buffer[t.start : t.start + count * spec.DTYPE_BY_TORCH[t.info.dtype].bits // 8].tobytes()
+def _values(t: Located, first: int, count: int) -> list[float] | None:
+    """Values ``first`` .. ``first + count`` of ``t`` as Python numbers (bfloat16 widened to float32), or None
+    for a dtype the standard library cannot decode (float8 and narrower)."""
+    size = spec.DTYPE_BY_TORCH[t.info.dtype].bits // 8
+    raw = t.buffer[t.start + first * size : t.start + (first + count) * size].tobytes()
     if t.info.dtype == "bfloat16":  # the high half of a float32: put two zero bytes below each value
         wide = bytearray(2 * len(raw))
         wide[2::4], wide[3::4] = raw[0::2], raw[1::2]
@@ -163,13 +165,18 @@ def _values(t: Located, count: int) -> list[float] | None:
 
 def largest_difference(a: Located, b: Located) -> str:
     """'max abs difference X' between two same-dtype, same-shape tensors (over the first
-    :data:`MAX_DIFF_VALUES` values, said so), or what can be said without decoding."""
+    :data:`MAX_DIFF_VALUES` values, said so), or what can be said without decoding. Decoded
+    :data:`DIFF_CHUNK` values at a time: the memory it takes is bounded whatever the tensor's size."""
     bits = spec.DTYPE_BY_TORCH[a.info.dtype].bits
-    count = min(a.info.nbytes * 8 // bits if bits else 0, MAX_DIFF_VALUES)
-    xs, ys = (_values(a, count), _values(b, count)) if count else (None, None)
-    if xs is None or ys is None:
+    count = min(a.info.nbytes * 8 // bits if bits >= 8 else 0, MAX_DIFF_VALUES)
+    if count == 0 or a.info.dtype not in _DECODE and a.info.dtype != "bfloat16":
         return f"{a.info.dtype} bytes differ"
-    diff = max(map(abs, map(float.__sub__, map(float, xs), map(float, ys))), default=0.0)
+    diff = 0.0
+    for first in range(0, count, DIFF_CHUNK):
+        step = min(DIFF_CHUNK, count - first)
+        xs, ys = _values(a, first, step), _values(b, first, step)
+        assert xs is not None and ys is not None  # a decodable dtype (checked above)
+        diff = max(diff, max(map(abs, map(float.__sub__, map(float, xs), map(float, ys))), default=0.0))
     within = "" if count * bits // 8 == a.info.nbytes else f" in the first {count:,} values"
     return f"max abs difference {diff:.4g}{within}"
 
