@@ -354,7 +354,7 @@ FLUX_TRANSFORMER = {"in_channels": 16, "num_layers": 1, "num_single_layers": 1, 
 
 
 def build_tiny_flux(out: Path, clip_tokenizer: Path, t5_tokenizer: Path, seed: int = 0,
-                    dtype: torch.dtype = torch.bfloat16) -> Path:
+                    dtype: torch.dtype = torch.bfloat16, transformer_config: Mapping[str, Any] | None = None) -> Path:
     """A FLUX.1-dev-shaped pipeline folder in ``dtype`` (as the Hub's FLUX.1 repos, bf16): the transformer has
     the real width (one block of each kind, seeded), the VAE (no quant convs, as Flux's) and both text encoders
     are tiny; the T5 is 32 wide (joint_attention_dim), CLIP's pooled output 32 (pooled_projection_dim)."""
@@ -372,7 +372,7 @@ def build_tiny_flux(out: Path, clip_tokenizer: Path, t5_tokenizer: Path, seed: i
     tokenizer_2 = T5TokenizerFast.from_pretrained(t5_tokenizer)
     torch.manual_seed(seed)
     with torch.device("meta"):
-        transformer = FluxTransformer2DModel(**FLUX_TRANSFORMER)
+        transformer = FluxTransformer2DModel(**(transformer_config or FLUX_TRANSFORMER))
     shapes = {k: v.shape for k, v in transformer.state_dict().items()}
     transformer.load_state_dict(_seeded_like(shapes, dtype, seed), assign=True)
     vae = AutoencoderKL(block_out_channels=(8, 16), in_channels=3, out_channels=3, latent_channels=4,

@@ -36,6 +36,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--quantize", action="append", metavar="NAME=SCHEME",
                    help="quantize a component while packing, as diffusers would save it (repeatable): bnb-nf4, "
                         "bnb-fp4, bnb-int8, torchao-int8, sdnq-int8, sdnq-uint4, sdnq-float8_e4m3fn")
+    p.add_argument("--lora", action="append", default=[], metavar="[NAME=]FILE[@WEIGHT]",
+                   help="with a LoRA SOURCE (itself [NAME=]FILE[@WEIGHT] too): one more adapter for the same --base "
+                        "(docs/lora.md)")
     p.add_argument("--token", help="Hugging Face token for a SOURCE repo and --ref/--base on the Hub")
     p.add_argument("--no-fsync", dest="fsync", action="store_false",
                    help="skip flushing to disk before the atomic rename (faster; like cp, not power-cut safe)")
@@ -55,6 +58,8 @@ def run(args: argparse.Namespace) -> int:
     from ..packing.pack import hub_source
     from .info_single_file import is_checkpoint
 
+    if _is_lora_source(args.source) or args.lora:
+        return _run_lora(args)
     checkpoint = is_checkpoint(args.source)  # a single-file .safetensors checkpoint: packed against --base
     if checkpoint:
         _check_single_file_args(args)
@@ -90,6 +95,45 @@ def run(args: argparse.Namespace) -> int:
         for s in result.skipped:
             echo(f"skipped {s.path}: {s.reason}")
         for line in getattr(partial, "report", None) or []:
+            echo(line)
+        echo(f"wrote {result.path}: {plural(result.entries, 'entry', 'entries')}, {human_bytes(result.bytes_written)} "
+             f"in {result.seconds:.2f} s")
+    return 0
+
+
+def _is_lora_source(source: str) -> bool:
+    """SOURCE is a LoRA file (``[NAME=]FILE[@WEIGHT]``): its header holds LoRA pairs only (header read only)."""
+    from ..packing.lora import is_lora_file
+
+    return is_lora_file(source)
+
+
+def _run_lora(args: argparse.Namespace) -> int:
+    """``dduf pack LORA.safetensors --base BASE [--lora ...]``: an adapter archive referencing BASE."""
+    from functools import partial as partial_call
+
+    from ..errors import DDUFUsageError
+    from ..packing.lora import pack_lora, parse_lora_arg
+
+    if not _is_lora_source(args.source):
+        raise DDUFUsageError(f"--lora: SOURCE {args.source} is not a LoRA file; adapters are packed as "
+                             "`dduf pack LORA.safetensors [--lora MORE] --base BASE`")
+    used = [o for o, v in (("--variant", args.variant), ("--exclude", args.exclude), ("--ref", args.ref),
+                           ("--dtype", args.dtype), ("--quantize", args.quantize)) if v]
+    if used or not args.base:
+        raise DDUFUsageError(f"{args.source} is a LoRA: give --base BASE (the pipeline it was trained on)"
+                             + (f"; {', '.join(used)} do not apply to adapters" if used else ""))
+    items = [as_usage(partial_call(parse_lora_arg, v)) for v in [args.source, *args.lora]]
+    path_like_missing(args.base, "--base")
+    output = output_file(args.output, args.force, f"{items[0].name}.dduf")
+    result, partial = pack_lora(items, output, base=args.base, token=args.token, quiet=args.quiet, fsync=args.fsync)
+    if args.json:
+        print_json({"path": str(result.path), "bytes": result.bytes_written, "entries": result.entries,
+                    "seconds": round(result.seconds, 3), "adapters": [i.name for i in items],
+                    "references": partial.references or {}, "bytes_saved": partial.bytes_saved})
+        return 0
+    if not args.quiet:
+        for line in partial.report:
             echo(line)
         echo(f"wrote {result.path}: {plural(result.entries, 'entry', 'entries')}, {human_bytes(result.bytes_written)} "
              f"in {result.seconds:.2f} s")

@@ -66,7 +66,7 @@ def describe_archive(archive: DDUFArchive, variant: str | None = None) -> dict[s
                 if key in indexed:
                     record[key] = indexed[key]
         components[name] = record
-    return {
+    info = {
         "path": archive.path,
         "kind": "archive",
         "pipeline": archive.model_index.get("_class_name"),
@@ -75,6 +75,22 @@ def describe_archive(archive: DDUFArchive, variant: str | None = None) -> dict[s
         "components": components,
         "null_components": null,
     }
+    adapters = _adapters(archive)
+    if adapters:
+        info["adapters"] = adapters
+    return info
+
+
+def _adapters(archive: DDUFArchive) -> list[dict[str, Any]]:
+    """The archive's LoRA adapters (format/lora.py), [] when it has none or its config does not parse."""
+    from .json_budget import parse_json_entry
+    from .lora import LORA_CONFIG, describe_adapters
+
+    e = archive.entries.get(LORA_CONFIG)
+    if e is None or e.name in archive.compressed:
+        return []
+    config, code, _why = parse_json_entry(archive.read_bytes(LORA_CONFIG), LORA_CONFIG)
+    return [] if code is not None else describe_adapters(config, archive.entries, archive.headers)
 
 
 def describe_folder(folder: str | os.PathLike, variant: str | None = None) -> dict[str, Any]:

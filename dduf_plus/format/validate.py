@@ -225,7 +225,8 @@ def validate(source: str | os.PathLike | ByteSource, verify: bool = False, stric
         archive = _guard(findings, "archive", lambda: DDUFArchive(guarded, check=False))
         if archive is not None:
             findings.extend(archive.findings)
-            for rule in (_check_json_entries, _check_index, _check_budgets, _check_quantization, _check_components):
+            for rule in (_check_json_entries, _check_index, _check_budgets, _check_quantization, _check_components,
+                         _check_adapters):
                 findings.extend(_guard(findings, rule.__name__.strip("_"), rule, archive, guarded, verify) or ())
             if verify:
                 problems, hashed = _guard(findings, "verify", _verify_entries, archive, guarded) or ((), 0)
@@ -316,7 +317,8 @@ def load_findings(archive: DDUFArchive) -> list[Finding]:
             + _check_index(archive, None, False)
             + budget_findings(((name, e.length) for name, e in entries.items() if name not in archive.compressed),
                               archive.read_bytes)
-            + quantization_findings(archive, lambda e: archive.read_bytes(e.name), archive.read_bytes))
+            + quantization_findings(archive, lambda e: archive.read_bytes(e.name), archive.read_bytes)
+            + adapter_findings(archive, lambda e: archive.read_bytes(e.name), archive.read_bytes))
 
 
 def _read_json(read: Callable[[Entry], bytes], e: Entry) -> tuple[Any, list[Finding]]:
@@ -391,6 +393,34 @@ def _check_components(archive: DDUFArchive, source: _GuardedSource, verify: bool
     from .class_names import class_findings, missing_weight_findings
 
     return missing_weight_findings(archive.components.values()) + class_findings(archive.model_index)
+
+
+def _check_adapters(archive: DDUFArchive, source: _GuardedSource, verify: bool) -> list[Finding]:
+    """A001-A007: a LoRA archive's ``_lora/`` (format/lora.py), headers and alpha scalars only."""
+    return adapter_findings(archive, lambda e: source.read_at(e.offset, e.length),
+                            lambda name, offset, n: source.read_at(archive.entries[name].offset + offset, n))
+
+
+def adapter_findings(archive: DDUFArchive, read: Callable[[Entry], bytes],
+                     read_range: Callable[[str, int, int], bytes]) -> list[Finding]:
+    """A001-A007 for the archive's adapters, if it has any (``read``/``read_range`` as for
+    :func:`quantization_findings`)."""
+    from .lora import LORA_CONFIG, archive_findings
+
+    e = archive.entries.get(LORA_CONFIG)
+    if e is None:
+        return []
+    if over_size(e.length, e.name) is not None or e.name in archive.compressed:
+        return []  # D013 / Z011 already say so
+    config, problems = parse_json(read(e), e.name)
+    if problems:
+        return []  # D007 / D013 already say so
+    headers = archive.headers
+
+    def read_tensor(entry: str, info: Any) -> bytes:
+        return read_range(entry, headers[entry].data_start + info.begin, info.nbytes)
+
+    return archive_findings(archive.model_index, archive.entries, headers, config, read_tensor)
 
 
 def _check_quantization(archive: DDUFArchive, source: _GuardedSource, verify: bool) -> list[Finding]:

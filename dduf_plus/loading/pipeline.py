@@ -29,6 +29,7 @@ from .dtypes import AUTO, requested_for, resolve_request
 from .files import ArchiveComponentFiles, ComponentFiles
 from .folder_source import FolderPipeline
 from .gc_pause import collector_paused
+from .lora import apply_adapters
 from .models import ModelRequest
 from .prefetch import Prefetcher
 
@@ -63,6 +64,9 @@ def load_dduf(
     allow_missing_weights: bool = False,
     max_decompressed: Any = None,
     remote: Any = None,
+    adapters: Any = None,
+    adapter_weights: Mapping[str, float] | None = None,
+    fuse_lora: bool = False,
     **kwargs: Any,
 ) -> DiffusionPipeline:
     """Load the pipeline a ``.dduf`` archive holds, ready to call.
@@ -99,6 +103,10 @@ def load_dduf(
         remote: how a URL is fetched: a ``dduf_plus.remote.fetch.RemoteOptions`` or a dict of its fields,
             e.g. ``{"concurrency": 16, "chunk_size": 16 << 20, "timeout": 10, "storage_options": {...}}``
             (docs/loading.md, "Remote archives").
+        adapters, adapter_weights, fuse_lora: a LoRA archive's adapters (docs/lora.md): all are applied through
+            diffusers' ``load_lora_weights``, each with its stored weight, unless ``adapters`` names some
+            (``["pixel"]``) or none (``False``); ``adapter_weights={"pixel": 0.7}`` overrides weights;
+            ``fuse_lora=True`` merges them into the weights and removes the LoRA layers.
         allow_missing_weights: load a transformers model whose stored weights do not cover all of its
             parameters (the rest randomly initialised, with a warning); by default that is an error.
         **kwargs: components to use instead of the archive's (``vae=my_vae``, ``safety_checker=None``) and
@@ -130,6 +138,8 @@ def load_dduf(
                    build_order=fetch.prioritize if fetch is not None else None)
     try:
         pipe = _load(ctx, kwargs)
+        if isinstance(archive, DDUFArchive):
+            apply_adapters(pipe, archive, adapters=adapters, adapter_weights=adapter_weights, fuse_lora=fuse_lora)
         if fetch is not None:
             fetch.finish()  # the rest of the archive, then the cache file is marked complete
         if prefetcher is not None:

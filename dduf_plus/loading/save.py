@@ -43,9 +43,11 @@ from ..format.chat_template import TEMPLATE_DIR, is_template_name
 from ..format.pack import EntrySource, PackResult, Skipped, fold_sources, write_archive
 from ..format.structure import component_specs
 from ..packing.identity import SourcesCopy
+from ..packing.lora import saved_adapter_sources, with_lora_key
 from ..packing.partial import BaseComparer, model_index_with, warn_local_paths
 from ..packing.tensor_stream import DtypeRule, tensor_bytes, tensor_source  # noqa: F401 (tensor_bytes re-exported)
 from ..storage.confined import Confined
+from .lora import pipeline_adapters, without_adapters
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +113,11 @@ def save_dduf(
     sources: list[EntrySource] = []
     skipped: list[Skipped] = []
     records: dict[str, dict[str, Any]] = {}
+    adapters = pipeline_adapters(pipeline, component_specs(model_index))
+    if adapters and not base:
+        raise DDUFPackError(f"the pipeline has LoRA adapters ({', '.join(a.name for a in adapters)}): save_dduf "
+                            "writes them as a LoRA archive of their base, give base=BASE (docs/lora.md); or fuse "
+                            "them first (pipe.fuse_lora(); pipe.unload_lora_weights())")
     comparer = BaseComparer(base, variant=variant, token=token, local_files_only=local_files_only) if base else None
     references: dict[str, Any] = {}
     for name, component in _saveable_components(pipeline, model_index).items():
@@ -126,6 +133,9 @@ def save_dduf(
             records[name] = record
     for item in skipped:
         logger.warning("save_dduf: not stored: %s (%s)", item.path, item.reason)
+    if adapters:
+        sources.extend(saved_adapter_sources(adapters, comparer))
+        model_index = with_lora_key(model_index)
     if comparer is not None:
         warn_local_paths(comparer.local_paths)
         model_index, model_index_bytes = model_index_with(model_index, model_index_bytes, references)
@@ -207,7 +217,8 @@ def _component_sources(
             elif quanto is not None:
                 weights, record, _converted = _quanto_sources(name, entry, quanto, folder, dtype, keep, explicit)
             else:
-                weights = weight_source(entry, component.state_dict(), dtype_for=_dtype_rule(dtype, keep), what=name)
+                weights = weight_source(entry, without_adapters(component.state_dict()), dtype_for=_dtype_rule(dtype, keep),
+                                        what=name)
         elif transformers_model is not None and isinstance(component, transformers_model):
             _refuse_quantized(name, component)
             quanto = _quanto_state(component)
@@ -418,7 +429,7 @@ def transformers_checkpoint(model: Any) -> dict[str, torch.Tensor]:
     conversions that merge or split tensors (none in the usual diffusion text encoders)."""
     from transformers import modeling_utils
 
-    state = model.state_dict()
+    state = without_adapters(model.state_dict())  # peft's wrapped layers, as their base model saved them
     for key in getattr(model, "_keys_to_ignore_on_save", None) or ():
         state.pop(key, None)
     for tname, tensor in state.items():

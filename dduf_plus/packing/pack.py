@@ -49,6 +49,15 @@ def pack(
     from .single_file import is_single_file
 
     quantize = _quantize_arg(quantize)
+    from .lora import is_lora_file, pack_lora
+
+    if is_lora_file(folder):  # a LoRA: stored under _lora/, every component of BASE referenced
+        used = [n for n, v in (("variant", variant), ("exclude", exclude), ("refs", refs), ("dtype", dtype),
+                               ("quantize", quantize)) if v]
+        if used:
+            raise DDUFPackError(f"{folder}: a LoRA file packs with base= only ({', '.join(used)} do not apply)")
+        return pack_lora([folder], output, base=base, token=token, local_files_only=local_files_only, quiet=quiet,
+                         fsync=fsync)
     if is_single_file(folder):  # a single-file checkpoint (original key layout): converted, referenced to BASE
         if quantize:
             raise DDUFPackError(f"{folder}: quantize cannot be used with a single-file checkpoint (only base=)")

@@ -401,6 +401,9 @@ def _open_base_archive(base: str, token: str | bool | None = None) -> _Base:
                  hosted)
 
 
+open_base = _open_base  # BASE for other packers (LoRA archives): a folder, snapshot or archive
+
+
 def _hub_base_folder(base: str, token: str | bool | None, local_files_only: bool) -> Path:
     """BASE ``org/repo[@revision]``: its snapshot in the Hugging Face cache (the one the references are checked
     against, as ``dduf pack --base`` reads it), else what ``dduf pack org/repo`` would download."""
