@@ -15,7 +15,7 @@ from ..format.findings import Finding
 from ..format.json_budget import parse_json_entry
 from ..format.lora import LORA_CONFIG, AdapterEntry, config_findings, lora_file_findings, read_lora
 
-logger = logging.getLogger("dduf_plus")
+logger = logging.getLogger(__name__)
 LORA_METADATA_KEY = "lora_adapter_metadata"  # diffusers' key for the peft config in a LoRA file's metadata
 
 
@@ -110,7 +110,7 @@ def load_adapter(pipe: Any, tensors: Mapping[str, Any], metadata: dict[str, Any]
         object.__delattr__(pipe, "lora_state_dict")
 
 
-def apply_adapters(pipe: Any, archive: DDUFArchive, *, adapters: Any = None,
+def apply_adapters(pipe: Any, archive: Any, *, adapters: Any = None,
                    adapter_weights: Mapping[str, float] | None = None, fuse_lora: bool = False) -> list[str]:
     """Load the archive's adapters into ``pipe`` (see :func:`select_adapters`), each with its stored weight
     unless ``adapter_weights`` gives one; ``fuse_lora`` merges them into the weights and removes the LoRA
@@ -120,8 +120,8 @@ def apply_adapters(pipe: Any, archive: DDUFArchive, *, adapters: Any = None,
         DDUFLoadError: a malformed adapter, one that does not fit the pipeline, a pipeline with no LoRA loader,
             an unknown name in ``adapters`` / ``adapter_weights``.
     """
-    where = str(archive.path)
-    found = archive_adapters(archive)
+    where = str(getattr(archive, "path", archive))
+    found = archive_adapters(archive) if isinstance(archive, DDUFArchive) else []  # a folder has no _lora/
     chosen = select_adapters(found, adapters, where)
     weights = dict(adapter_weights or {})
     unknown = sorted(set(weights) - {a.name for a in chosen})

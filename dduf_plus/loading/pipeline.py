@@ -138,8 +138,7 @@ def load_dduf(
                    build_order=fetch.prioritize if fetch is not None else None)
     try:
         pipe = _load(ctx, kwargs)
-        if isinstance(archive, DDUFArchive):
-            apply_adapters(pipe, archive, adapters=adapters, adapter_weights=adapter_weights, fuse_lora=fuse_lora)
+        apply_adapters(pipe, archive, adapters=adapters, adapter_weights=adapter_weights, fuse_lora=fuse_lora)
         if fetch is not None:
             fetch.finish()  # the rest of the archive, then the cache file is marked complete
         if prefetcher is not None:

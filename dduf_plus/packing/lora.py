@@ -40,7 +40,7 @@ from ..format.safetensors_header import SafetensorsHeader, TensorInfo, read_file
 from ..format.structure import component_specs
 from ..format.weights import select_weights, tensor_files
 
-logger = logging.getLogger("dduf_plus")
+logger = logging.getLogger(__name__)
 
 
 class LoraInput(NamedTuple):
@@ -146,12 +146,15 @@ def check_adapter(item: LoraInput, base: BaseView) -> CheckedAdapter:
     header, lora = read_adapter(item)
     components = {n: c for n, c in component_specs(base.model_index).items() if c[0] is not None}
     targets: dict[str, Any] = {}
-    for target, modules in sorted(lora.targets().items()):
-        component = resolve_target(target, components)
-        if component is None:
+    resolved = {target: resolve_target(target, components) for target in lora.targets()}
+    for target, modules in sorted(lora.targets().items()):  # every target first: A005 says more than A006
+        if resolved[target] is None:
             raise DDUFPackError(f"LoRA {item.path}: A005 {len(modules)} module(s) target {target} "
                                 f"(e.g. {modules[0].key!r}), which BASE {base.spec} does not have "
                                 f"(it has {', '.join(sorted(components))})")
+    for target, modules in sorted(lora.targets().items()):
+        component = resolved[target]
+        assert component is not None
         check = check_against_base(modules, component, base.tensors(component))
         if check.problems:
             raise DDUFPackError(f"LoRA {item.path}: A006 {check.problems[0]} in BASE {base.spec}/{component}")
