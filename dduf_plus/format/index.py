@@ -47,6 +47,9 @@ def summarize(headers: Iterable[SafetensorsHeader]) -> dict[str, Any]:
 _SHAPE, _DTYPE, _BEGIN, _END = (attrgetter(field) for field in ("shape", "dtype", "begin", "end"))
 
 
+ADAPTER_PREFIX = "_lora/"  # LoRA adapters' folder (format/lora.py)
+
+
 def _tensor_record(t: TensorInfo, data_start: int) -> dict[str, Any]:
     return {"dtype": t.dtype, "shape": list(t.shape), "offset": data_start + t.begin, "nbytes": t.nbytes}
 
@@ -73,7 +76,10 @@ def build_index(
         if header is not None:
             data_start = rec.data_offset + header.data_start
             entry["tensor_data_offset"] = data_start
-            entry["tensors"] = {n: _tensor_record(t, data_start) for n, t in sorted(header.tensors.items())}
+            # An adapter's tensor table stays in its own header only: LoRA files hold thousands of small tensors
+            # (an SDXL LoRA ~2,200), and their records would outweigh the rest of the archive (docs/lora.md).
+            if not rec.name.startswith(ADAPTER_PREFIX):
+                entry["tensors"] = {n: _tensor_record(t, data_start) for n, t in sorted(header.tensors.items())}
             if header.metadata:
                 entry["metadata"] = header.metadata
         file_map[rec.name] = entry

@@ -16,9 +16,10 @@ from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 from .findings import Finding, finding
+from .index import ADAPTER_PREFIX
 from .safetensors_header import SafetensorsHeader, TensorInfo
 
-LORA_FOLDER = "_lora"
+LORA_FOLDER = ADAPTER_PREFIX.rstrip("/")  # defined with the index, which keeps no tensor table for it
 LORA_KEY = LORA_FOLDER  # model_index.json key: huggingface_hub requires every folder be named there
 LORA_CONFIG = f"{LORA_FOLDER}/config.json"
 LORA_MARKER = ["dduf_plus", "LoraAdapters"]  # its value: [library, class], as components are named

@@ -14,6 +14,7 @@ from ..format.archive import DDUFArchive, tensor_view
 from ..format.findings import Finding
 from ..format.json_budget import parse_json_entry
 from ..format.lora import LORA_CONFIG, AdapterEntry, config_findings, lora_file_findings, read_lora
+from .gc_pause import collector_paused
 
 logger = logging.getLogger(__name__)
 LORA_METADATA_KEY = "lora_adapter_metadata"  # diffusers' key for the peft config in a LoRA file's metadata
@@ -133,9 +134,10 @@ def apply_adapters(pipe: Any, archive: Any, *, adapters: Any = None,
     if not hasattr(pipe, "load_lora_weights"):
         raise DDUFLoadError(f"{where}: {type(pipe).__name__} has no LoRA loader in diffusers: its adapters "
                             f"({', '.join(a.name for a in chosen)}) cannot be applied; pass adapters=False")
-    for adapter in chosen:
-        tensors, metadata = adapter_tensors(archive, adapter)
-        load_adapter(pipe, tensors, metadata, adapter.name, where)
+    with collector_paused():  # peft creates a few objects per adapted layer: walked once, as the models were
+        for adapter in chosen:
+            tensors, metadata = adapter_tensors(archive, adapter)
+            load_adapter(pipe, tensors, metadata, adapter.name, where)
     names = [a.name for a in chosen]
     scales = [float(weights.get(a.name, a.weight)) for a in chosen]
     if len(names) > 1 or any(s != 1.0 for s in scales):
