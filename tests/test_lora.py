@@ -312,3 +312,24 @@ def test_loader_refuses_a_forged_adapter_with_the_rule(two: Path, tmp_path: Path
     assert "A004" in validate(forged).codes
     with pytest.raises(DDUFValidationError, match="A004"):  # refused before anything is built
         load_dduf(forged, verify=False)
+
+
+def test_info_describes_a_lora_file_and_checks_it_against_a_base(sd: dict[str, Path], sdxl: dict[str, Path]) -> None:
+    out = subprocess.run([*DDUF, "info", str(sd["ink"])], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "LoRA adapter (168 tensors" in out.stdout and "ss_base_model_version: sd_v1" in out.stdout
+    fits = subprocess.run([*DDUF, "info", str(sd["ink"]), "--base", str(sd["base"])], capture_output=True, text=True)
+    assert fits.returncode == 0 and "fits --base" in fits.stdout, fits.stderr
+    wrong = subprocess.run([*DDUF, "info", str(sd["ink"]), "--base", str(sdxl["base"])], capture_output=True, text=True)
+    assert wrong.returncode == 1 and "A006" in wrong.stderr
+
+
+def test_serve_page_shows_adapters(two: Path) -> None:
+    from dduf_plus.format.describe import describe
+    from dduf_plus.serve.page import render_result
+
+    html = render_result({"files": [validate(two).as_dict()], "info": describe(two)})
+    assert "<caption>LoRA adapters</caption>" in html
+    assert "ink" in html and "unet: 48 modules, rank 4" in html and "trigger words: inkdrawing, lineart" in html
+    script = (Path(__file__).resolve().parent.parent / "dduf_plus" / "serve" / "static" / "app.js").read_text()
+    assert "LoRA adapters" in script and "adapterTargets" in script  # the page's own rendering says the same

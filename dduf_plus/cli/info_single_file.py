@@ -17,8 +17,12 @@ def is_checkpoint(source: str) -> bool:
 
 
 def run_single_file(args: argparse.Namespace) -> int:
+    from ..packing.lora import is_lora_file
     from ..packing.single_file import describe_checkpoint
     from .info import table
+
+    if is_lora_file(args.source):
+        return _run_lora_file(args)
 
     info = describe_checkpoint(args.source)
     if getattr(args, "base", None):
@@ -48,6 +52,30 @@ def run_single_file(args: argparse.Namespace) -> int:
         _echo_plan(info["pack_plan"])
     elif info.get("pipeline") and not info.get("problem"):
         echo(f"  pack it: dduf pack {args.source} --base BASE -o OUT.dduf  (BASE: a {info['pipeline']} folder, Hub repo or .dduf, local or URL)")
+    return 0
+
+
+def _run_lora_file(args: argparse.Namespace) -> int:
+    """``dduf info LORA.safetensors [--base BASE]``: the adapter's layout, targets, ranks and trainer metadata,
+    from its header; with --base, checked against BASE as ``dduf pack`` checks it (A002-A007)."""
+    from pathlib import Path
+
+    from ..format.lora import METADATA_SHOWN, trigger_words
+    from ..packing.lora import describe_lora_file
+    from .info import adapter_lines
+
+    adapter = describe_lora_file(Path(args.source), getattr(args, "base", None))
+    if args.json:
+        print_json(adapter)
+        return 0
+    echo(f"{args.source}: LoRA adapter ({adapter['tensors']} tensors, {human_bytes(adapter['bytes'])})")
+    for line in adapter_lines([adapter]):
+        echo(f"  {line}")
+    meta = {k: v for k, v in adapter["metadata"].items() if k in METADATA_SHOWN}
+    if not meta and not trigger_words(meta):
+        echo("  no trainer metadata (ModelSpec / kohya) in its header")
+    if adapter.get("base"):
+        echo(f"  fits --base {adapter['base']}: pack it with dduf pack {args.source} --base {adapter['base']}")
     return 0
 
 

@@ -181,6 +181,29 @@ def _say_family(item: LoraInput, lora: LoraFile, base: BaseView) -> None:
                        base.model_index.get("_class_name"))
 
 
+def describe_lora_file(path: Path, base: str | None = None, *, token: str | bool | None = None,
+                       local_files_only: bool = False) -> dict[str, Any]:
+    """``dduf info``'s record of a LoRA file (as :func:`~dduf_plus.format.lora.describe_adapters` gives for an
+    archive's): checked against ``base`` when given (:func:`check_adapter`), else on its own (A002-A004)."""
+    item = parse_lora_arg(path)
+    header, lora = read_adapter(item)
+    targets = {t: {"modules": len(ms), "ranks": sorted({m.rank for m in ms if m.rank})}
+               for t, ms in sorted(lora.targets().items())}
+    if base:
+        from .single_file import open_base
+
+        the_base = open_base(os.fspath(base), token, local_files_only)
+        try:
+            targets = check_adapter(item, base_view(the_base)).record["targets"]
+        finally:
+            if the_base.archive is not None:
+                the_base.archive.close()
+    metadata = {k: v[:200] for k, v in lora.metadata.items() if k in METADATA_SHOWN}
+    return {"name": item.name, "file": str(item.path), "weight": item.weight, "layout": lora.layout,
+            "bytes": item.path.stat().st_size, "tensors": len(header.tensors), "base": os.fspath(base) if base else None,
+            "targets": targets, "metadata": metadata, "trigger_words": trigger_words(lora.metadata)}
+
+
 def adapter_sources(adapters: Sequence[CheckedAdapter]) -> list[EntrySource]:
     """``_lora/config.json`` and each adapter's file, copied byte for byte."""
     names = [a.source.name for a in adapters]

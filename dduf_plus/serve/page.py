@@ -105,6 +105,34 @@ def _components(info: dict[str, Any] | None) -> str:
             f"<th scope='col'>Bytes</th><th scope='col'>References</th></tr></thead><tbody>{''.join(rows)}</tbody></table>")
 
 
+def adapter_targets(a: dict[str, Any]) -> str:
+    """``unet: 48 modules, rank 4; text_encoder: ...`` (app.js's adapterTargets says the same)."""
+    return "; ".join(f"{c}: {t.get('modules')} modules, rank {'/'.join(map(str, t.get('ranks') or []))}"
+                     for c, t in (a.get("targets") or {}).items())
+
+
+def adapter_metadata(a: dict[str, Any]) -> str:
+    """The trainer's title, architecture, base version and trigger words (app.js's adapterMetadata)."""
+    meta = a.get("metadata") or {}
+    parts = [f"{k}: {meta[k]}" for k in ("modelspec.title", "modelspec.architecture", "ss_base_model_version")
+             if k in meta]
+    if a.get("trigger_words"):
+        parts.append("trigger words: " + ", ".join(a["trigger_words"]))
+    return "; ".join(parts) or "-"
+
+
+def _adapters(info: dict[str, Any] | None) -> str:
+    adapters = (info or {}).get("adapters") or []
+    if not adapters:
+        return ""
+    rows = [f"<tr><th scope='row'>{escape(str(a.get('name')))}</th><td>{escape(str(a.get('layout')))}</td>"
+            f"<td>{escape(str(a.get('weight')))}</td><td>{escape(adapter_targets(a))}</td>"
+            f"<td>{escape(adapter_metadata(a))}</td></tr>" for a in adapters]
+    return ("<table id='adapters'><caption>LoRA adapters</caption><thead><tr><th scope='col'>Adapter</th>"
+            "<th scope='col'>Layout</th><th scope='col'>Weight</th><th scope='col'>Targets</th>"
+            f"<th scope='col'>Trainer metadata</th></tr></thead><tbody>{''.join(rows)}</tbody></table>")
+
+
 def render_result(result: dict[str, Any] | None, error: str | None = None) -> str:
     """The result section's HTML for one response of ``POST /v1/validate`` (or an error message)."""
     if error is not None or result is None:
@@ -113,7 +141,7 @@ def render_result(result: dict[str, Any] | None, error: str | None = None) -> st
     verdict = "valid" if report["valid"] else "invalid"
     return (f"<p id='verdict' class='{verdict}'><strong>{VERDICT_LABELS[bool(report['valid'])]}</strong> "
             f"<span class='path'>{escape(report['path'])}</span>: {counts(report)}</p>"
-            + _findings(report) + _components(result.get("info")))
+            + _findings(report) + _components(result.get("info")) + _adapters(result.get("info")))
 
 
 def render_page(result_html: str = "") -> str:

@@ -95,8 +95,23 @@
       nodes.push(table("components", "Components", ["Component", "Class", "Dtype", "Parameters", "Bytes", "References"],
         comps.map(([name, c]) => el("tr", {}, el("th", { scope: "row" }, name), el("td", {}, String(c.class)),
           el("td", {}, c.dtype || "-"), ...sizes(c).map((v) => el("td", {}, v)), el("td", {}, reference(c))))));
+      const adapters = data.info.adapters || [];
+      if (adapters.length) nodes.push(table("adapters", "LoRA adapters", ["Adapter", "Layout", "Weight", "Targets", "Trainer metadata"],
+        adapters.map((a) => el("tr", {}, el("th", { scope: "row" }, a.name), el("td", {}, String(a.layout)),
+          el("td", {}, String(a.weight)), el("td", {}, adapterTargets(a)), el("td", {}, adapterMetadata(a))))));
     }
     result.replaceChildren(...nodes);
+  }
+
+  function adapterTargets(a) {
+    return Object.entries(a.targets || {}).map(([c, t]) => `${c}: ${t.modules} modules, rank ${(t.ranks || []).join("/")}`).join("; ");
+  }
+
+  function adapterMetadata(a) {
+    const m = a.metadata || {};
+    const words = (a.trigger_words || []).length ? ["trigger words: " + a.trigger_words.join(", ")] : [];
+    return ["modelspec.title", "modelspec.architecture", "ss_base_model_version"].filter((k) => k in m)
+      .map((k) => `${k}: ${m[k]}`).concat(words).join("; ") || "-";
   }
 
   function failure(message) {
