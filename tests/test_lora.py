@@ -142,6 +142,29 @@ def test_flux_lora_loads_as_diffusers_loads_it(tmp_path: Path) -> None:
     _assert_same(load_dduf(archive), _theirs(base, (lora, "flux_style")), base, guidance_scale=3.5)
 
 
+@pytest.mark.parametrize("base_kind", ["hub", "dduf"])
+def test_base_from_the_hf_cache_or_an_archive(sd: dict[str, Path], hf_env: Path, tmp_path: Path,
+                                              base_kind: str) -> None:
+    """BASE as a Hub repo id (its snapshot in the Hugging Face cache; offline) or as a .dduf: the references name
+    it, the load resolves it from there, and equals diffusers with the same adapter on the same base."""
+    from hfcache import cached
+
+    from dduf_plus.packing.pack import pack
+
+    if base_kind == "hub":
+        cached(hf_env, sd["base"], "org/tiny-sd-fp32")
+        spec = "org/tiny-sd-fp32"
+    else:
+        spec = str(pack(sd["base"], tmp_path / "base.dduf", quiet=True)[0].path)
+    archive = tmp_path / "l.dduf"
+    pack_lora([f"ink={sd['ink']}"], archive, base=spec, quiet=True)
+    with DDUFArchive(archive) as a:
+        sources = {r["pretrained_model_name_or_path"] for r in a.references.values()}
+    assert sources == {spec}
+    x = _image(load_dduf(archive))
+    assert (x == _image(_theirs(sd["base"], (sd["ink"], "ink")))).all()
+
+
 # --- names, weights, several adapters, fusing ------------------------------------------------------------
 @pytest.fixture(scope="module")
 def two(sd: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
