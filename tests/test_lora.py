@@ -356,3 +356,24 @@ def test_serve_page_shows_adapters(two: Path) -> None:
     assert "ink" in html and "unet: 48 modules, rank 4" in html and "trigger words: inkdrawing, lineart" in html
     script = (Path(__file__).resolve().parent.parent / "dduf_plus" / "serve" / "static" / "app.js").read_text()
     assert "LoRA adapters" in script and "adapterTargets" in script  # the page's own rendering says the same
+
+
+@pytest.mark.parametrize("family", ["sd", "sdxl"])
+def test_an_adapter_exports_in_kohya_layout_that_diffusers_reads_alike(sd: dict[str, Path], sdxl: dict[str, Path],
+                                                                      tmp_path: Path, family: str) -> None:
+    """The off-ramp: a diffusers-layout adapter written as lora_unet_/lora_te*_ with .alpha (A1111, ComfyUI,
+    Forge read it); diffusers' load of it gives the same images as of the original file."""
+    from dduf_plus.format.lora_export import export_adapter
+
+    fixture = sd if family == "sd" else sdxl
+    lora = fixture["style"] if family == "sd" else fixture["diffusers"]
+    archive = _pack([f"a={lora}"], tmp_path / "l.dduf", fixture["base"])
+    out = tmp_path / "exported.safetensors"
+    with DDUFArchive(archive) as a:
+        export_adapter(a, None, out)
+    keys = set(_tensors(out))
+    assert all(k.startswith(("lora_unet_", "lora_te")) for k in keys)
+    assert any(k.startswith("lora_te1_text_model_" if family == "sdxl" else "lora_te_text_model_") for k in keys)
+    assert sum(k.endswith(".alpha") for k in keys) * 3 == len(keys)
+    x = _image(_theirs(fixture["base"], (out, "a")))
+    assert (x == _image(_theirs(fixture["base"], (lora, "a")))).all()
