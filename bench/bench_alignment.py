@@ -110,6 +110,12 @@ def measure(tmp: Path) -> dict[str, Any]:
     ref_mods = {(type(m).__name__, n, tuple(t.shape)): t.data_ptr() % 64 for m, n, t, _p in _tensors(reference)}
     _rehome(moved, lambda t: (64, 0))
     diffs["load_dduf, every tensor copied to address % 64 == 0"] = _diff(kinds._run(moved, args), out_ref)
+    moved = load_dduf(archive)
+    misaligned = [t for _m, _n, t, _p in _tensors(moved) if t.data_ptr() % 16]
+    result["load_dduf_tensors_not_16_aligned"] = {"count": len(misaligned),
+                                                  "bytes": sum(t.numel() * t.element_size() for t in misaligned)}
+    _rehome(moved, lambda t: (64, 0) if t.data_ptr() % 16 else (4096, t.data_ptr() % 4096))
+    diffs["load_dduf, only tensors at address % 16 != 0 copied (to % 64 == 0)"] = _diff(kinds._run(moved, args), out_ref)
     for align in (64, 4096, 65536):  # a larger data-section alignment keeps each tensor's address % 4096
         moved = load_dduf(archive)
         _rehome(moved, lambda t, a=align: (a, t.data_ptr() % 4096 % a))

@@ -135,6 +135,8 @@ def plan_folder(folder: str | os.PathLike, *, variant: str | None = None, exclud
     named = with_parts(model_index, {k: [p for p in v if p in stored] for k, v in parts.items() if k in stored})
     if named is not None:  # the further list parts named, so that every DDUF reader accepts their folders
         model_index, raw = named
+        for owner, names in parts.items():
+            logger.info("%s: a list of %d (%s); model_index.json names each part", owner, len(names), ", ".join(names))
     return FolderPlan(model_index, raw, sources, skipped, root)
 
 

@@ -96,8 +96,9 @@ def list_findings(model_index: Mapping[str, Any], folders: Collection[str]) -> l
             continue
         library, cls = value
         if name not in parts[owner]:
-            out.append(finding("D018", name, f"is a part of list component {owner!r} after a missing part "
-                               f"(parts stored: {', '.join(parts[owner])}); diffusers stops at the gap"))
+            out.append(finding("D018", name, f"is named as a part of list component {owner!r} but is not "
+                               f"stored, or comes after a part that is not (parts stored: "
+                               f"{', '.join(parts[owner])}); diffusers stops at the first missing folder"))
         elif [library, cls] != [LIST_LIBRARY, owners[owner]]:
             out.append(finding("D018", name, f"is part {name.rsplit('_', 1)[1]} of list component {owner!r} "
                                f"({model_index[owner][1]}), so must be [{LIST_LIBRARY!r}, {owners[owner]!r}], "

@@ -342,8 +342,8 @@ def _plan(ctx: _Context, kwargs: dict[str, Any]) -> _Plan:
     model_index = dict(ctx.archive.model_index)
     model_index.pop("_ignore_files", None)
     parts = list_parts(model_index, [n for n, c in ctx.archive.components.items() if c.files])
-    for part in (p for names in parts.values() for p in names[1:]):
-        model_index.pop(part, None)  # a list's further parts: built into the list, never pipeline arguments
+    for key in [k for k in model_index if part_owner(model_index, k) is not None]:
+        model_index.pop(key)  # a list's further parts: built into the list, never pipeline arguments
     pipeline_class = _pipeline_class(model_index, ctx.path)
     expected_modules, optional_kwargs = DiffusionPipeline._get_signature_keys(pipeline_class)
     passed_components = {k: kwargs.pop(k) for k in expected_modules if k in kwargs}
