@@ -149,6 +149,10 @@ def _row(name: str, c: Mapping[str, Any]) -> tuple[str, ...]:
         notes.append("not page-aligned (loads by copy)")
     if not c["dtypes"]:
         notes.append("no weights")
+    if c.get("parts"):
+        notes.append(f"list of {len(c['parts'])}: {', '.join(c['parts'])}")
+    if c.get("part_of"):
+        notes.append(f"part of {c['part_of']}")
     params = human_count(c["parameters"]) if c["parameters"] else "-"
     size = human_bytes(c["bytes"]) if c["bytes"] else "-"
     return (name, str(c["class"]), c["dtype"] or "-", params, size, "; ".join(notes))

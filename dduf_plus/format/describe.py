@@ -12,6 +12,7 @@ from . import spec
 from .archive import DDUFArchive
 from .index import summarize
 from .pack import plan_folder
+from .pipeline_kinds import mark_parts, unsaved_for_info
 from .weights import classify, select_weights, tensor_files
 
 logger = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ def describe_archive(archive: DDUFArchive, variant: str | None = None) -> dict[s
                 if key in indexed:
                     record[key] = indexed[key]
         components[name] = record
+    mark_parts(archive.model_index, components)
     info = {
         "path": archive.path,
         "kind": "archive",
@@ -94,7 +96,7 @@ def _adapters(archive: DDUFArchive) -> list[dict[str, Any]]:
 
 
 def describe_folder(folder: str | os.PathLike, variant: str | None = None) -> dict[str, Any]:
-    plan = plan_folder(folder, variant=variant)
+    plan = plan_folder(folder, variant=variant, unsaved=unsaved_for_info)
     by_component: dict[str, list] = {}
     for source in plan.sources:
         by_component.setdefault(source.name.split("/")[0], []).append(source)
@@ -115,6 +117,7 @@ def describe_folder(folder: str | os.PathLike, variant: str | None = None) -> di
         components[name] = _component_record(library, cls, summary, {s.name: s.nbytes for s in sources}, False,
                                              weight_files=sorted(weights),
                                              variant=next(iter(used)) if len(used) == 1 else None)
+    mark_parts(plan.model_index, components)
     return {
         "path": str(Path(folder)),
         "kind": "folder",

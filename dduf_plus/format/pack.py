@@ -17,6 +17,7 @@ from ..storage.progress import progress_bar
 from . import spec
 from .chat_template import TEMPLATE_DIR, TOKENIZER_CONFIG, Fold, fold, is_template_name, template_files
 from .index import build_index
+from .pipeline_kinds import COPY_NAME, alias_config, list_parts, part_owner, with_parts
 from .safetensors_header import SafetensorsHeader, read_file_header
 from .structure import component_specs, model_index_object
 from .weights import classify, select_weights
@@ -70,8 +71,14 @@ def _is_hidden(name: str) -> bool:
     return name.startswith(".")
 
 
-def plan_folder(folder: str | os.PathLike, *, variant: str | None = None, exclude: Sequence[str] = ()) -> FolderPlan:
+def plan_folder(folder: str | os.PathLike, *, variant: str | None = None, exclude: Sequence[str] = (),
+                unsaved: Callable[[Mapping[str, Any], str], str | None] | None = None) -> FolderPlan:
     """Decide which files of a diffusers folder go into the archive, and why the others don't.
+
+    A list component's further folders (``controlnet_1``... of a Multi-ControlNet) are stored and named in
+    the archive's model_index.json (:mod:`~dduf_plus.format.pipeline_kinds`). ``unsaved(model_index, name)``
+    says why a component named in model_index.json may have no folder (diffusers' from_pretrained does not
+    load it from one: the packing layer asks diffusers), or None: then its missing folder is refused.
 
     Raises:
         DDUFNotFoundError: ``folder`` does not exist (also a FileNotFoundError).
@@ -93,6 +100,8 @@ def plan_folder(folder: str | os.PathLike, *, variant: str | None = None, exclud
 
     sources: list[EntrySource] = []
     skipped: list[Skipped] = []
+    parts = list_parts(model_index, [n for n in os.listdir(root) if (root / n).is_dir()])
+    further = {part for names in parts.values() for part in names[1:]}
     for name in sorted(os.listdir(root)):
         path = root / name
         if name == spec.MODEL_INDEX:
@@ -101,11 +110,11 @@ def plan_folder(folder: str | os.PathLike, *, variant: str | None = None, exclud
         if path.is_dir():
             if _is_hidden(name):
                 skipped.append(Skipped(name + "/", "hidden folder"))
-            elif name not in specs:
+            elif name not in specs and name not in further:
                 skipped.append(Skipped(name + "/", "folder is not a component of model_index.json"))
-            elif specs[name][0] is None:
+            elif name in specs and specs[name][0] is None:
                 skipped.append(Skipped(name + "/", "component is null in model_index.json"))
-            elif name in exclude:
+            elif name in exclude or (name in further and part_owner(model_index, name) in exclude):
                 skipped.append(Skipped(name + "/", "excluded"))
             else:
                 comp_sources, comp_skipped = _plan_component(root, name, variant)
@@ -117,8 +126,17 @@ def plan_folder(folder: str | os.PathLike, *, variant: str | None = None, exclud
     stored = {s.name.split("/")[0] for s in sources}
     for name, (library, _cls) in specs.items():
         if library is not None and name not in stored and name not in exclude:
-            raise DDUFPackError(f"component {name!r} is named in model_index.json but {root / name} is missing "
-                                f"(exclude it with --exclude {name} and give a --ref)")
+            why = unsaved(model_index, name) if unsaved is not None else None
+            if why is None:
+                raise DDUFPackError(f"component {name!r} is named in model_index.json but {root / name} is missing "
+                                    f"(exclude it with --exclude {name} and give a --ref)")
+            logger.info("%s: not stored: %s", name, why)
+            skipped.append(Skipped(name + "/", f"named in model_index.json, not saved: {why}"))
+    named = with_parts(model_index, {k: [p for p in v if p in stored] for k, v in parts.items() if k in stored})
+    if named is not None:  # the further list parts named, so that every DDUF reader accepts their folders
+        model_index, raw = named
+        for owner, names in parts.items():
+            logger.info("%s: a list of %d (%s); model_index.json names each part", owner, len(names), ", ".join(names))
     return FolderPlan(model_index, raw, sources, skipped, root)
 
 
@@ -176,7 +194,9 @@ def _plan_component(root: Path, component: str, variant: str | None) -> tuple[li
             skipped.append(Skipped(f"{component}/{name}", "weights of another variant"))
         else:
             chosen.append(name)
-    if not any(n in spec.CONFIG_FILES for n in chosen):
+    alias = alias_config(chosen)
+    copy = alias is not None and COPY_NAME not in chosen  # guider_config.json: DDUF readers need a config.json
+    if not copy and not any(n in spec.CONFIG_FILES for n in chosen):
         raise DDUFPackError(f"{folder}: component folder has no config file (one of {', '.join(spec.CONFIG_FILES)})")
     chosen, left_out = _fast_tokenizer_covers(chosen)
     skipped.extend(Skipped(f"{component}/{n}", why) for n, why in left_out)
@@ -186,6 +206,8 @@ def _plan_component(root: Path, component: str, variant: str | None) -> tuple[li
         check_entry_name(entry)
         header = _read_header(folder / name, entry) if name.endswith(".safetensors") else None
         sources.append(EntrySource(entry, path=folder / name, header=header))
+    if copy and alias is not None:
+        sources.append(EntrySource(f"{component}/{COPY_NAME}", data=(folder / alias).read_bytes()))
     sources, fold_skipped = fold_sources(component, folder, sources)
     return sources, skipped + fold_skipped
 

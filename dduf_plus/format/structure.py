@@ -9,6 +9,7 @@ from ..storage.confined import component_name_problem
 from . import spec
 from .findings import Finding, finding
 from .json_budget import parse_json_entry
+from .pipeline_kinds import list_findings
 from .references import reference_findings
 
 
@@ -84,6 +85,7 @@ def check_structure(names: Sequence[str], model_index: object, *, first_entry: s
             findings.append(finding("D005", folder + "/", "folder is not named in model_index.json"))
         if not any(f in spec.CONFIG_FILES for f in files):
             findings.append(finding("D006", folder + "/", f"needs one of {', '.join(spec.CONFIG_FILES)}"))
+    findings.extend(list_findings(model_index, folders))
     references = model_index.get(spec.REFERENCES_KEY) or {}
     if not isinstance(references, dict):
         findings.append(finding("R001", spec.MODEL_INDEX, f"{spec.REFERENCES_KEY} must be an object"))

@@ -39,6 +39,7 @@ from .archive import DDUFArchive, Entry
 from .chat_template import restore_plan
 from .findings import SEVERITIES, VERDICT_LABELS, Finding, finding
 from .json_budget import SETTINGS_FILES, json_budget_problem, over_size
+from .pipeline_kinds import config_copy_findings
 from .references import SHA256
 from .structure import component_specs, parse_json
 from .tokenizer_budget import applies as tokenizer_applies
@@ -368,7 +369,8 @@ def json_entry_findings(archive: DDUFArchive, read: Callable[[Entry], bytes], *,
             out.append(finding("D007", name, f"config is a JSON {type(value).__name__}, not an object"))
         if shard_index:
             out.extend(_check_shard_index(name, value, entries))
-    return out
+    copies = [name for name in entries if name not in compressed]
+    return out + config_copy_findings(copies, lambda name: read(entries[name]))  # D019
 
 
 def _check_budgets(archive: DDUFArchive, source: _GuardedSource, verify: bool) -> list[Finding]:

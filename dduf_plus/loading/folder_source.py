@@ -28,6 +28,7 @@ from ..format import spec
 from ..format.archive import Component
 from ..format.findings import Finding, finding
 from ..format.json_budget import over_size, read_json
+from ..format.pipeline_kinds import LIST_LIBRARY, alias_config, list_owners, part_name
 from ..format.tokenizer_budget import budget_findings
 from ..format.validate import json_entry_findings
 from ..storage.confined import component_name_problem, name_problem
@@ -88,8 +89,19 @@ class FolderPipeline:
             library, class_name = value
             files = self._scan_component(name) if library is not None else ()
             self.components[name] = Component(name, library, class_name, files, None)
+        self._scan_list_parts()
         if any(p.code == "Z008" for p in self.problems):
             raise DDUFValidationError(self.path, self.problems)  # before a byte of such a file is read
+
+    def _scan_list_parts(self) -> None:
+        """A list component's further folders (``controlnet_1``...: diffusers' Multi-ControlNet layout, which
+        model_index.json does not name), as the archive packed from the folder names them."""
+        for owner, part_class in list_owners(self.model_index).items():
+            index = 1
+            while part_name(owner, index) not in self.components and (self.root / part_name(owner, index)).is_dir():
+                part = part_name(owner, index)
+                self.components[part] = Component(part, LIST_LIBRARY, part_class, self._scan_component(part), None)
+                index += 1
 
     def _model_index(self, entry: FolderEntry) -> dict[str, Any]:
         why = over_size(entry.length, spec.MODEL_INDEX)
@@ -139,7 +151,7 @@ class FolderPipeline:
             if regular:
                 files.append(entry.name)
                 self.entries[f"{name}/{entry.name}"] = self._entry(f"{name}/{entry.name}", Path(entry.path))
-        if files and not any(f in spec.CONFIG_FILES for f in files):
+        if files and not any(f in spec.CONFIG_FILES for f in files) and alias_config(files) is None:
             self.problems.append(finding("D006", name, f"component folder has no config file (one of "
                                          f"{', '.join(spec.CONFIG_FILES)})"))
         return tuple(files)

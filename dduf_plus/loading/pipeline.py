@@ -7,7 +7,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..errors import (
@@ -19,6 +19,7 @@ from ..errors import (
     DDUFValidationError,
 )
 from ..format.archive import DDUFArchive
+from ..format.pipeline_kinds import LIST_CLASSES, LIST_LIBRARY, list_parts, part_owner
 from ..format.validate import load_findings
 from ..format.weights import variants
 from ..packing.backend_import import offline_imports
@@ -265,6 +266,13 @@ class _Plan:
     passed_components: dict[str, Any]
     init_kwargs: dict[str, Any]
     to_build: dict[str, tuple[str, str]]
+    # list components (Multi-ControlNet, Multi-Adapter): {name: its parts' folders, itself first}
+    parts: dict[str, list[str]] = field(default_factory=dict)
+
+    def folders(self) -> list[str]:
+        """The stored components to read, in build order: each list component's parts in its place."""
+        return [part for name in self.to_build if name not in self.passed_components
+                for part in self.parts.get(name, [name])]
 
 
 def _load(ctx: _Context, kwargs: dict[str, Any]) -> DiffusionPipeline:
@@ -276,12 +284,12 @@ def _load(ctx: _Context, kwargs: dict[str, Any]) -> DiffusionPipeline:
         plan = _plan(ctx, kwargs)
     _check_variant(ctx, plan)
     if ctx.build_order is not None:
-        ctx.build_order([name for name in plan.to_build if name not in plan.passed_components])
+        ctx.build_order(plan.folders())
         _refuse_what_validate_refuses(ctx)  # reads tokenizer files: once the fetch brings them in build order
     sources = {name: _component_files(ctx.archive, name, ctx.archive.components, ctx.archive.references,
                                       ctx.resolve_options, use_mmap=ctx.use_mmap, verify=ctx.verify,
                                       prefetcher=ctx.prefetcher)
-               for name in plan.to_build if name not in plan.passed_components}
+               for name in plan.folders()}
     if ctx.prefetcher is not None:  # queue every model's weights now, in build order: I/O overlaps construction
         for files in sources.values():
             _queue_prefetch(files, ctx.variant)
@@ -342,6 +350,9 @@ def _plan(ctx: _Context, kwargs: dict[str, Any]) -> _Plan:
 
     model_index = dict(ctx.archive.model_index)
     model_index.pop("_ignore_files", None)
+    parts = list_parts(model_index, [n for n, c in ctx.archive.components.items() if c.files])
+    for key in [k for k in model_index if part_owner(model_index, k) is not None]:
+        model_index.pop(key)  # a list's further parts: built into the list, never pipeline arguments
     pipeline_class = _pipeline_class(model_index, ctx.path)
     expected_modules, optional_kwargs = DiffusionPipeline._get_signature_keys(pipeline_class)
     passed_components = {k: kwargs.pop(k) for k in expected_modules if k in kwargs}
@@ -366,9 +377,11 @@ def _plan(ctx: _Context, kwargs: dict[str, Any]) -> _Plan:
     stored: dict[str, int] = {}
     for entry in ctx.archive.entries.values():
         component = entry.name.partition("/")[0]
+        component = part_owner(model_index, component) or component  # a list's parts: in the list's place
         stored[component] = stored.get(component, 0) + entry.length
     to_build = dict(sorted(to_build.items(), key=lambda kv: (stored.get(kv[0], 0), kv[0])))
-    return _Plan(pipeline_class, set(expected_modules), passed_components, init_kwargs, to_build)
+    return _Plan(pipeline_class, set(expected_modules), passed_components, init_kwargs, to_build,
+                 {name: names for name, names in parts.items() if name in to_build})
 
 
 def _refuse_component_typos(unused: Mapping[str, Any], components: Any, pipeline: str) -> None:
@@ -413,9 +426,37 @@ def _build_components(ctx: _Context, plan: _Plan, sources: Mapping[str, Componen
             materialize=_materializer(),
             allow_missing_weights=ctx.allow_missing_weights,
         )
-        files = sources[name] if ctx.before_build is None else ctx.before_build(name, sources[name])
-        plan.init_kwargs[name] = build_component(cls, files, model_request)
+        if name in plan.parts:
+            plan.init_kwargs[name] = _build_list(ctx, cls, plan.parts[name], sources, model_request)
+        else:
+            files = sources[name] if ctx.before_build is None else ctx.before_build(name, sources[name])
+            plan.init_kwargs[name] = build_component(cls, files, model_request)
         logger.debug("built %s (%s) in %.3f s", name, class_name, time.perf_counter() - t0)
+
+
+def _build_list(ctx: _Context, list_cls: type[Any], parts: list[str], sources: Mapping[str, ComponentFiles],
+                request: ModelRequest) -> Any:
+    """A list component (``MultiControlNetModel``, ``MultiAdapter``) as diffusers' ``from_pretrained`` of the
+    list builds it: each part from its own folder with the list's part class (never a class the archive
+    names: D018 holds the archive to it), then the list of them. Every part gets the list's dtype and device."""
+    owner = parts[0]
+    part_cls = resolve_class(owner, LIST_LIBRARY, LIST_CLASSES[list_cls.__name__])
+    index = ctx.archive.index
+    declared_all = index.get("components", {}) if isinstance(index, dict) else {}
+    models = []
+    for part in parts:
+        declared = declared_all.get(part) if isinstance(declared_all, dict) else None
+        part_request = ModelRequest(variant=request.variant, dtype=request.dtype, device=request.device,
+                                    declared=declared if isinstance(declared, dict) else None,
+                                    name_or_path=os.path.join(ctx.path, part), materialize=request.materialize,
+                                    allow_missing_weights=request.allow_missing_weights)
+        files = sources[part] if ctx.before_build is None else ctx.before_build(part, sources[part])
+        models.append(build_component(part_cls, files, part_request))
+    try:
+        return list_cls(models)
+    except Exception as e:  # MultiAdapter refuses fewer than two adapters, or adapters that do not match
+        raise DDUFLoadError(f"{ctx.path}: cannot build {owner!r} ({list_cls.__name__}) from its {len(parts)} "
+                            f"part(s) {', '.join(parts)}: {type(e).__name__}: {e}") from e
 
 
 def _assemble(ctx: _Context, plan: _Plan) -> DiffusionPipeline:

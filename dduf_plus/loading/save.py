@@ -41,6 +41,7 @@ from ..errors import DDUFPackError
 from ..format import spec
 from ..format.chat_template import TEMPLATE_DIR, is_template_name
 from ..format.pack import EntrySource, PackResult, Skipped, fold_sources, write_archive
+from ..format.pipeline_kinds import COPY_NAME, LIST_CLASSES, alias_config, part_name, part_owner, with_parts
 from ..format.structure import component_specs
 from ..packing.identity import SourcesCopy
 from ..packing.lora import saved_adapter_sources, with_lora_key
@@ -120,9 +121,14 @@ def save_dduf(
                             "them first (pipe.fuse_lora(); pipe.unload_lora_weights())")
     comparer = BaseComparer(base, variant=variant, token=token, local_files_only=local_files_only) if base else None
     references: dict[str, Any] = {}
-    for name, component in _saveable_components(pipeline, model_index).items():
-        target = _component_dtype(dtype, name)
-        explicit = isinstance(dtype, Mapping) and dtype.get(name) is not None
+    components, parts = _with_list_parts(_saveable_components(pipeline, model_index))
+    named = with_parts(model_index, parts)
+    if named is not None:  # a list's further parts named in model_index.json, as `dduf pack` names them
+        model_index, model_index_bytes = named
+    for name, component in components.items():
+        owner = part_owner(model_index, name) or name  # a list's part: the list's dtype
+        target = _component_dtype(dtype, owner)
+        explicit = isinstance(dtype, Mapping) and dtype.get(owner) is not None
         comp_sources, comp_skipped, record = _component_sources(name, component, variant, target,
                                                                 explicit=explicit)
         if comparer is not None and _referenced(comparer, name, model_index, comp_sources, references):
@@ -172,6 +178,23 @@ def _saveable_components(pipeline: Any, model_index: Mapping[str, Any]) -> dict[
             continue
         out[name] = _unwrap(component)
     return out
+
+
+def _with_list_parts(components: dict[str, Any]) -> tuple[dict[str, Any], dict[str, list[str]]]:
+    """Each list component (Multi-ControlNet, Multi-Adapter) as the folders its ``save_pretrained`` writes
+    (``controlnet``, ``controlnet_1``...: diffusers' layout), and {list: its parts}."""
+    out: dict[str, Any] = {}
+    parts: dict[str, list[str]] = {}
+    for name, component in components.items():
+        models = getattr(component, "nets", None) if type(component).__name__ in LIST_CLASSES else None
+        if models is None and type(component).__name__ in LIST_CLASSES:
+            models = getattr(component, "adapters", None)
+        if models is None:
+            out[name] = component
+            continue
+        parts[name] = [part_name(name, i) for i in range(len(models))]
+        out.update((part_name(name, i), _unwrap(model)) for i, model in enumerate(models))
+    return out, parts
 
 
 def _unwrap(component: Any) -> Any:
@@ -240,6 +263,11 @@ def _component_sources(
     if weights is not None:
         sources.append(weights)
     names = {s.name.split("/", 1)[1] for s in sources}
+    alias = alias_config(names)
+    if alias is not None and COPY_NAME not in names:  # guider_config.json: DDUF readers need a config.json
+        sources.append(EntrySource(f"{name}/{COPY_NAME}", data=next(s.data for s in sources
+                                                                      if s.name == f"{name}/{alias}")))
+        names.add(COPY_NAME)
     if not names & set(spec.CONFIG_FILES):
         raise DDUFPackError(f"component {name!r} ({type(component).__name__}) saved no config file "
                             f"(one of {', '.join(spec.CONFIG_FILES)}); DDUF needs one per component folder")

@@ -13,6 +13,7 @@ from ..errors import DDUFPackError
 from ..format.pack import PackResult, plan_folder, write_archive
 from ..format.quantization import QMAP_NAME, quanto_index_record
 from .class_names import warn_unknown_classes
+from .unsaved import why_not_saved
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ def pack(
                                 token=token, local_files_only=local_files_only, quiet=quiet, fsync=fsync)
     refs = dict(refs or {})
     folder = pack_source(folder, variant=variant, token=token, local_files_only=local_files_only, quiet=quiet)
-    plan = plan_folder(folder, variant=variant, exclude=[n for n in exclude])
+    plan = plan_folder(folder, variant=variant, exclude=[n for n in exclude], unsaved=why_not_saved)
     warn_unknown_classes(plan.model_index)  # a typo'd class name, said before the work (the written archive is D017)
     return _pack_plan(plan, output, variant=variant, exclude=exclude, refs=refs, base=base, dtype=dtype,
                       token=token, local_files_only=local_files_only, quiet=quiet, fsync=fsync, quantize=quantize)
