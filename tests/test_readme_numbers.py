@@ -118,6 +118,12 @@ def serve_row(r: dict) -> list[str]:
             f"| {sum(run['errors'] for run in upload)} errors |"]
 
 
+def lora_row(r: dict) -> list[str]:
+    median = r["load_median"]
+    return [f"rank {r['rank']}", f"({r['lora_bytes'] / 1e6:.1f} MB)", f"+{r['overhead_bytes'] / 1e3:.0f} kB",
+            f"{median['ours']:.2f} s |", f"`load_lora_weights` {median['anchor']:.2f} s", f"| {r['load_ratio']:.2f}x |"]
+
+
 # row (start of its first cell) -> (results file, expected figures, constants: text with digits not from results)
 ROWS: dict[str, tuple[str, Callable[[dict], list[str]], tuple[str, ...]]] = {
     "load SD-1.5-shaped fp16": ("load", lambda r: load_rows(r)[:4], ("SD-1.5", "fp16", "diffusers 0.42")),
@@ -130,6 +136,7 @@ ROWS: dict[str, tuple[str, Callable[[dict], list[str]], tuple[str, ...]]] = {
     "`dduf pack` (fsync)": ("pack", pack_row, ()),
     "quantized UNet load, peak RSS": ("quant", backends_row, ()),
     "`pack --base` of a `save_pretrained` fine-tune": ("trainer_partial", partial_row, ()),
+    "LoRA archive": ("lora", lora_row, ("SD-1.5",)),
     "`load_dduf(URL)`": ("remote", remote_row, ()),
     "same, each connection capped": ("remote_per_connection", remote_per_connection_row, ()),
     "`validate_many`": ("catalogue", catalogue_row, ()),
