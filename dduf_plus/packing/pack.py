@@ -37,6 +37,10 @@ def pack(
     packed against ``base`` (:func:`dduf_plus.packing.single_file.pack_single_file`).
     ``folder`` may be a Hub repo id ``org/name[@revision]`` (an existing local path wins): only the files the
     archive stores are downloaded, into the Hugging Face cache (offline: taken from it).
+    ``folder`` may be a ``.dduf`` archive (:mod:`dduf_plus.packing.archive_source`): re-based (``base``), converted,
+    quantized, with components excluded or referenced, by the same rules as a folder, its entries copied from the
+    archive unchanged (nothing extracted); a partial archive keeps its references unless ``base``/``refs`` change
+    them. ``output`` may not be that archive.
     ``fsync=False`` skips the flush to disk before the atomic rename.
     ``quantize={"unet": "bnb-nf4"}`` (or ``["unet=bnb-nf4"]``; a diffusers quantization config object as the value
     also works) quantizes that component while packing, from the full-precision source a batch of tensors at a
@@ -46,9 +50,14 @@ def pack(
     Raises:
         DDUFPackError: the folder holds something DDUF cannot, or a reference cannot be made.
     """
+    from .archive_source import is_archive_source
     from .single_file import is_single_file
 
     quantize = _quantize_arg(quantize)
+    if is_archive_source(folder):
+        return _pack_archive(folder, output, variant=variant, exclude=exclude, refs=dict(refs or {}), base=base,
+                             dtype=dtype, token=token, local_files_only=local_files_only, quiet=quiet, fsync=fsync,
+                             quantize=quantize)
     if is_single_file(folder):  # a single-file checkpoint (original key layout): converted, referenced to BASE
         if quantize:
             raise DDUFPackError(f"{folder}: quantize cannot be used with a single-file checkpoint (only base=)")
@@ -71,6 +80,21 @@ def _quantize_arg(quantize: Sequence[str] | Mapping[str, Any] | None) -> dict[st
     return parse_quantize(quantize)
 
 
+def _pack_archive(archive: str | os.PathLike, output: str | os.PathLike, *, variant: str | None,
+                  exclude: Sequence[str], refs: dict[str, str], base: str | None, dtype: str | Mapping[str, str] | None,
+                  token: str | bool | None, local_files_only: bool, quiet: bool, fsync: bool,
+                  quantize: Mapping[str, Any]) -> tuple[PackResult, Any]:
+    """:func:`pack` of a ``.dduf`` (:mod:`.archive_source`): planned from its entries, then as a folder."""
+    from .archive_source import check_not_same, plan_archive
+
+    check_not_same(archive, output)
+    planned = plan_archive(archive, variant=variant, exclude=exclude)
+    warn_unknown_classes(planned.plan.model_index)
+    return _pack_plan(planned.plan, output, variant=variant, exclude=exclude, refs=refs, base=base, dtype=dtype,
+                      token=token, local_files_only=local_files_only, quiet=quiet, fsync=fsync, quantize=quantize,
+                      kept=planned.references, carried=planned.carried)
+
+
 def _pack_checkpoint(checkpoint: str | os.PathLike, output: str | os.PathLike, *, variant: str | None,
                      exclude: Sequence[str], refs: Mapping[str, str] | None, base: str | None,
                      dtype: str | Mapping[str, str] | None, token: str | bool | None, local_files_only: bool,
@@ -89,10 +113,12 @@ def _pack_checkpoint(checkpoint: str | os.PathLike, output: str | os.PathLike, *
 def _pack_plan(plan: Any, output: str | os.PathLike, *, variant: str | None, exclude: Sequence[str],
                refs: dict[str, str], base: str | None, dtype: str | Mapping[str, str] | None,
                token: str | bool | None, local_files_only: bool, quiet: bool, fsync: bool,
-               quantize: Mapping[str, Any] | None = None) -> tuple[PackResult, Any]:
-    """:func:`pack` once the folder is planned."""
+               quantize: Mapping[str, Any] | None = None, kept: Mapping[str, Any] | None = None,
+               carried: Mapping[str, Mapping[str, Any]] | None = None) -> tuple[PackResult, Any]:
+    """:func:`pack` once the folder (or archive) is planned. An archive's plan brings the references it ``kept``
+    (written as they are when no reference changes) and the index keys ``carried`` from its index."""
     model_index, model_index_bytes, sources = plan.model_index, plan.model_index_bytes, plan.sources
-    references = None
+    references = dict(kept) if kept else None
     partial = None
     if exclude or refs or base:
         from .partial import make_references
@@ -103,6 +129,7 @@ def _pack_plan(plan: Any, output: str | os.PathLike, *, variant: str | None, exc
         sources, references = partial.sources, partial.references
         _check_partial(partial, base=base, dtype=dtype)
     extra: dict[str, Any] | None = _quanto_records(sources)
+    touched: set[str] = set(quantize or ())
     if quantize:
         sources, dtype, records = _quantized(plan._replace(sources=sources, model_index=model_index), quantize,
                                              dtype, partial)
@@ -114,10 +141,30 @@ def _pack_plan(plan: Any, output: str | os.PathLike, *, variant: str | None, exc
         extra = dict(extra or {})
         for name, record in converted.items():
             extra[name] = {**extra.get(name, {}), **record}
+        touched |= set(converted)
+    if carried:
+        extra = _with_carried(extra, carried, sources, touched)
     skipped = partial.skipped if partial is not None else plan.skipped
     result = write_archive(output, model_index, model_index_bytes, sources, skipped=skipped,
                            references=references, extra_components=extra, quiet=quiet, fsync=fsync)
     return result, partial
+
+
+def _with_carried(extra: Mapping[str, Any] | None, carried: Mapping[str, Mapping[str, Any]],
+                  sources: Sequence[Any], touched: set[str]) -> dict[str, Any] | None:
+    """The index records of the input archive's components that are still stored, under the ones this pack made:
+    a component it converted or quantized keeps only its folded chat template's record (the others described
+    the bytes it had)."""
+    from ..format.chat_template import INDEX_KEY
+
+    stored = {s.name.split("/")[0] for s in sources if "/" in s.name}
+    out = {name: dict(record) for name, record in (extra or {}).items()}
+    for name, record in carried.items():
+        if name not in stored:
+            continue
+        kept = record if name not in touched else {k: v for k, v in record.items() if k == INDEX_KEY}
+        out[name] = {**kept, **out.get(name, {})}
+    return out or None
 
 
 def _quantized(plan: Any, quantize: Mapping[str, Any], dtype: str | Mapping[str, str] | None, partial: Any
@@ -199,12 +246,11 @@ def _quanto_records(sources: Sequence[Any]) -> dict[str, Any] | None:
     records = {}
     for source in sources:
         component, _, filename = source.name.partition("/")
-        if filename == QMAP_NAME and source.path is not None:
-
+        if filename == QMAP_NAME and source.file is not None:  # a file, or an input archive's entry
             try:
-                records[component] = quanto_index_record(json.loads(source.path.read_text()))
+                records[component] = quanto_index_record(json.loads(source.read_bytes()))
             except ValueError as e:
-                raise DDUFPackError(f"{source.path}: not valid JSON ({e})") from None
+                raise DDUFPackError(f"{source.file}: not valid JSON ({e})") from None
     records.update(_backend_records(sources))
     return records or None
 
@@ -221,20 +267,21 @@ def _backend_records(sources: Sequence[Any]) -> dict[str, Any]:
     by_component: dict[str, dict[str, Any]] = {}
     for source in sources:
         component, _, filename = source.name.partition("/")
-        if source.path is not None and "/" not in filename:
-            by_component.setdefault(component, {})[filename] = source.path
+        if source.file is not None and "/" not in filename:
+            by_component.setdefault(component, {})[filename] = source
     records: dict[str, Any] = {}
     for component, files in by_component.items():
-        config_path = files.get("config.json")
-        if config_path is None or b"quantization_config" not in config_path.read_bytes():
+        config_source = files.get("config.json")
+        raw = config_source.read_bytes() if config_source is not None else b""
+        if b"quantization_config" not in raw:
             continue
         try:
-            config = json.loads(config_path.read_text())
-            headers = [read_file_header(path, f"{component}/{name}", DDUFPackError)
-                       for name, path in sorted(files.items()) if name.endswith(".safetensors")]
+            config = json.loads(raw)
+            headers = [s.header if s.header is not None else read_file_header(s.path, s.name, DDUFPackError)
+                       for name, s in sorted(files.items()) if name.endswith(".safetensors")]
             record = quant_rules.index_record(config, headers)
         except ValueError as e:  # QuantError, or a config that is not JSON
-            raise DDUFPackError(f"{config_path}: {getattr(e, 'code', 'D007')}: {e}") from None
+            raise DDUFPackError(f"{config_source.file}: {getattr(e, 'code', 'D007')}: {e}") from None
         if record is not None:
             records[component] = record
     return records
