@@ -222,3 +222,17 @@ def test_not_an_archive_is_said_so(tmp_path: Path) -> None:
         pack(junk, tmp_path / "out.dduf", quiet=True)
     assert main(["pack", str(junk), "-o", str(tmp_path / "out.dduf"), "-q"]) != 0
     assert not (tmp_path / "out.dduf").exists()
+
+
+def test_an_archive_huggingface_hub_wrote_becomes_the_folders_pack(tmp_path: Path) -> None:
+    """A foreign archive (unaligned, no dduf_plus index: only its ZIP CRC-32s to check the copies against) re-packed
+    is the aligned, indexed archive the folder it came from packs into."""
+    from huggingface_hub import export_folder_as_dduf
+
+    export_folder_as_dduf(tmp_path / "hub.dduf", TINY_SD)
+    a, b = tmp_path / "a.dduf", tmp_path / "b.dduf"
+    pack(tmp_path / "hub.dduf", a, quiet=True)
+    pack(TINY_SD, b, quiet=True)
+    assert a.read_bytes() == b.read_bytes()
+    with DDUFArchive(tmp_path / "hub.dduf") as foreign:
+        assert foreign.stored_index is None
