@@ -6,6 +6,7 @@ copied checked against its own CRC-32 and sha256; the output may not be the inpu
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -129,6 +130,9 @@ def test_a_partial_input_keeps_its_references(sd_ft: Path, tmp_path: Path) -> No
         assert kept == before
         assert validate(path).valid
     assert any(line == "kept the existing reference of vae" for line in plan.report), plan.report
+    _, moved = pack(partial, tmp_path / "moved.dduf", quiet=True, refs={"vae": str(sd_ft)})  # --ref replaces one
+    assert moved.references["vae"]["pretrained_model_name_or_path"] == str(sd_ft)
+    assert {n: r for n, r in moved.references.items() if n != "vae"} == {n: r for n, r in before.items() if n != "vae"}
     _loads_as_folder_cast(fp16, sd_ft)
 
 
@@ -144,6 +148,21 @@ def _loads_as_folder_cast(archive: Path, folder: Path) -> None:
         a, b = getattr(ours, name).state_dict(), getattr(theirs, name).state_dict()
         cast = torch.float16 if name == "unet" else None
         assert set(a) == set(b) and all(torch.equal(a[k], b[k].to(cast or b[k].dtype)) for k in a), name
+
+
+def test_the_original_model_index_text_survives_a_repack(sd_ft: Path, tmp_path: Path) -> None:
+    """A partial packed from a non-canonical model_index.json records its text (for dduf complete); re-packed with
+    another reference, the record stays."""
+    folder = tmp_path / "ft"
+    shutil.copytree(sd_ft, folder)
+    index = folder / "model_index.json"
+    index.write_text(json.dumps(json.loads(index.read_text()), indent=4))
+    partial = pack(folder, tmp_path / "partial.dduf", quiet=True, base=str(TINY_SD))[0].path
+    again = pack(partial, tmp_path / "again.dduf", quiet=True, exclude=["unet"])[0].path
+    with DDUFArchive(partial) as a, DDUFArchive(again) as b:
+        recorded = a.model_index["_dduf_plus_original_model_index"]
+        assert recorded["text"] == index.read_text()
+        assert b.model_index["_dduf_plus_original_model_index"] == recorded
 
 
 def test_same_path_is_refused(full: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -215,7 +234,12 @@ def test_damaged_bytes_are_never_copied_silently(full: Path, tmp_path: Path) -> 
     assert not [p for p in tmp_path.iterdir() if p.name != "bad.dduf"]
 
 
-def test_not_an_archive_is_said_so(tmp_path: Path) -> None:
+def test_not_an_archive_is_said_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "x.dduf.zst").write_bytes(b"\x28\xb5\x2f\xfd" + b"\0" * 16)
+    with pytest.raises(DDUFPackError, match="dduf decompress first"):
+        pack(tmp_path / "x.dduf.zst", tmp_path / "out.dduf", quiet=True)
+    assert main(["pack", str(tmp_path / "x.dduf.zst"), "-o", str(tmp_path / "out.dduf"), "-q"]) != 0
+    assert "dduf decompress first" in capsys.readouterr().err
     junk = tmp_path / "junk.dduf"
     junk.write_bytes(b"PK\x03\x04" + b"\0" * 100)
     with pytest.raises(DDUFError):

@@ -61,6 +61,10 @@ def run(args: argparse.Namespace) -> int:
     archive = not checkpoint and is_archive_source(args.source)  # a .dduf: re-packed from its entries
     if checkpoint:
         _check_single_file_args(args)
+    elif args.source.endswith(".zst") and os.path.isfile(args.source):
+        from ..errors import DDUFUsageError
+
+        raise DDUFUsageError(f"{args.source}: a compressed archive; run dduf decompress first, then pack the .dduf")
     elif not archive and hub_source(args.source) is None:  # a local folder; else a Hub repo id[@revision]
         input_folder(args.source)
     for spec in refs.values():

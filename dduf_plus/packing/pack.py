@@ -54,6 +54,8 @@ def pack(
     from .single_file import is_single_file
 
     quantize = _quantize_arg(quantize)
+    if os.fspath(folder).endswith(".zst") and os.path.isfile(folder):
+        raise DDUFPackError(f"{folder}: a compressed archive; run dduf decompress first, then pack the .dduf")
     if is_archive_source(folder):
         return _pack_archive(folder, output, variant=variant, exclude=exclude, refs=dict(refs or {}), base=base,
                              dtype=dtype, token=token, local_files_only=local_files_only, quiet=quiet, fsync=fsync,

@@ -462,7 +462,9 @@ def model_index_with(source: Mapping[str, Any], source_bytes: bytes,
         return dict(source), source_bytes
     model_index = dict(original)
     model_index[spec.REFERENCES_KEY] = {n: references[n] for n in sorted(references)}
-    if source_bytes != canonical_model_index_bytes(original) and spec.REFERENCES_KEY not in source:
+    if isinstance(source.get(ORIGINAL_MODEL_INDEX_KEY), dict):  # a partial re-packed: the text it recorded stays
+        model_index[ORIGINAL_MODEL_INDEX_KEY] = source[ORIGINAL_MODEL_INDEX_KEY]
+    elif source_bytes != canonical_model_index_bytes(original) and spec.REFERENCES_KEY not in source:
         try:
             text = source_bytes.decode("utf-8")
         except UnicodeDecodeError:
