@@ -275,7 +275,7 @@ def _backend_records(sources: Sequence[Any]) -> dict[str, Any]:
     for component, files in by_component.items():
         config_source = files.get("config.json")
         raw = config_source.read_bytes() if config_source is not None else b""
-        if b"quantization_config" not in raw:
+        if config_source is None or b"quantization_config" not in raw:
             continue
         try:
             config = json.loads(raw)
