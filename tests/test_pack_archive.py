@@ -130,6 +130,10 @@ def test_a_partial_input_keeps_its_references(sd_ft: Path, tmp_path: Path) -> No
         assert kept == before
         assert validate(path).valid
     assert any(line == "kept the existing reference of vae" for line in plan.report), plan.report
+    _, same = pack(partial, tmp_path / "same.dduf", quiet=True, exclude=["vae", "unet"])  # vae: excluded already
+    assert same.references["vae"] == before["vae"]
+    with pytest.raises(DDUFPackError, match="stored as a reference"):
+        pack(partial, tmp_path / "no.dduf", quiet=True, dtype={"vae": "float16"})
     _, moved = pack(partial, tmp_path / "moved.dduf", quiet=True, refs={"vae": str(sd_ft)})  # --ref replaces one
     assert moved.references["vae"]["pretrained_model_name_or_path"] == str(sd_ft)
     assert {n: r for n, r in moved.references.items() if n != "vae"} == {n: r for n, r in before.items() if n != "vae"}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 from ..errors import DDUFPackError
@@ -91,6 +92,8 @@ def _pack_archive(archive: str | os.PathLike, output: str | os.PathLike, *, vari
 
     check_not_same(archive, output)
     planned = plan_archive(archive, variant=variant, exclude=exclude)
+    # a component the input already references is excluded already: its reference stays (not one with no source)
+    exclude = [n for n in exclude if n not in planned.references or n in (planned.plan.held or {})]
     warn_unknown_classes(planned.plan.model_index)
     return _pack_plan(planned.plan, output, variant=variant, exclude=exclude, refs=refs, base=base, dtype=dtype,
                       token=token, local_files_only=local_files_only, quiet=quiet, fsync=fsync, quantize=quantize,
@@ -130,6 +133,8 @@ def _pack_plan(plan: Any, output: str | os.PathLike, *, variant: str | None, exc
         model_index, model_index_bytes = partial.model_index, partial.model_index_bytes
         sources, references = partial.sources, partial.references
         _check_partial(partial, base=base, dtype=dtype)
+    elif references:  # a partial archive re-packed as it is: a --dtype for a referenced component is refused too
+        _check_partial(SimpleNamespace(references=references, sources=sources), base=None, dtype=dtype)
     extra: dict[str, Any] | None = _quanto_records(sources)
     touched: set[str] = set(quantize or ())
     if quantize:
