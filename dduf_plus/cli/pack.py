@@ -20,6 +20,7 @@ from ._common import (
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("pack", help="pack a diffusers pipeline folder into a .dduf archive")
     p.add_argument("source", help="diffusers pipeline folder (with model_index.json), a Hub repo org/name[@revision], "
+                   "a .dduf archive (re-packed without unpacking: --base, --dtype, --quantize, --exclude, --ref), "
                    "or a single-file .safetensors checkpoint (SD 1.x/2.x, SDXL, SD3/3.5, ...; with --base)")
     p.add_argument("-o", "--output", required=True,
                    help="archive to write (atomically); DIR/ writes DIR/NAME.dduf; the folder must exist")
@@ -55,15 +56,21 @@ def run(args: argparse.Namespace) -> int:
     refs = as_usage(lambda: parse_ref_args(args.ref))
     dtypes = as_usage(lambda: parse_dtype_args(args.dtype or []))
     quantize = as_usage(lambda: _parse_quantize(args.quantize))
+    from ..packing.archive_source import check_not_same, is_archive_source
     from ..packing.pack import hub_source
     from .info_single_file import is_checkpoint
 
     if _is_lora_source(args.source) or args.lora:
         return _run_lora(args)
     checkpoint = is_checkpoint(args.source)  # a single-file .safetensors checkpoint: packed against --base
+    archive = not checkpoint and is_archive_source(args.source)  # a .dduf: re-packed from its entries
     if checkpoint:
         _check_single_file_args(args)
-    elif hub_source(args.source) is None:  # a local folder; else a Hub repo id[@revision], fetched by pack()
+    elif args.source.endswith(".zst") and os.path.isfile(args.source):
+        from ..errors import DDUFUsageError
+
+        raise DDUFUsageError(f"{args.source}: a compressed archive; run dduf decompress first, then pack the .dduf")
+    elif not archive and hub_source(args.source) is None:  # a local folder; else a Hub repo id[@revision]
         input_folder(args.source)
     for spec in refs.values():
         path_like_missing(spec, "--ref")
@@ -73,6 +80,9 @@ def run(args: argparse.Namespace) -> int:
     name = (hub[0].rsplit("/", 1)[-1] if hub else os.path.basename(os.path.abspath(args.source))) + ".dduf"
     if checkpoint:
         name = os.path.basename(args.source).removesuffix(".safetensors") + ".dduf"
+    if archive:
+        name = os.path.basename(args.source)
+        check_not_same(args.source, _output_path(args.output, name))  # before -f could even be considered
     output = output_file(args.output, args.force, name)
     dtype = dtypes.pop(DEFAULT_KEY, None)
     dtype_arg = ({**({DEFAULT_KEY: dtype} if dtype else {}), **dtypes} if dtypes else dtype)
@@ -138,6 +148,10 @@ def _run_lora(args: argparse.Namespace) -> int:
         echo(f"wrote {result.path}: {plural(result.entries, 'entry', 'entries')}, {human_bytes(result.bytes_written)} "
              f"in {result.seconds:.2f} s")
     return 0
+
+def _output_path(output: str, name: str) -> str:
+    """Where ``-o`` writes (``DIR/``: DIR/NAME), without the checks of ``output_file``."""
+    return os.path.join(output, name) if output.endswith(("/", os.sep)) else output
 
 
 def _parse_quantize(values: list[str] | None) -> dict[str, str]:

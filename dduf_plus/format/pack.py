@@ -26,8 +26,32 @@ from .writer import DDUFWriter, check_entry_name
 logger = logging.getLogger(__name__)
 
 
+class FileRegion(NamedTuple):
+    """Bytes ``offset .. offset + length`` of the file at ``path``: an entry of an archive being re-packed
+    (``dduf pack IN.dduf``), copied from where it is, never extracted. ``crc32`` and ``sha256`` are what
+    that archive records for the entry: the writer checks the bytes it copies against them (H001, H002)."""
+
+    path: Path
+    offset: int
+    length: int
+    member: str  # the entry's name in that archive (messages, the verified-hash memory)
+    crc32: int | None = None
+    sha256: str | None = None
+
+    def read_bytes(self) -> bytes:
+        with open(self.path, "rb") as f:
+            data = os.pread(f.fileno(), self.length, self.offset)
+        if len(data) != self.length:
+            raise DDUFPackError(f"{self.path}: entry {self.member!r} ends past the end of the file (it changed)")
+        return data
+
+    def __str__(self) -> str:
+        return f"{self.path}#{self.member}"
+
+
 class EntrySource(NamedTuple):
-    """One entry to write: a file copied unchanged, bytes, or a stream of ``size`` bytes."""
+    """One entry to write: a file copied unchanged, a region of a file (an archive's entry) copied unchanged,
+    bytes, or a stream of ``size`` bytes."""
 
     name: str
     path: Path | None = None
@@ -37,12 +61,39 @@ class EntrySource(NamedTuple):
     header: SafetensorsHeader | None = None  # parsed safetensors header, for the index
     source_sha256: str | None = None  # sha256 of the original when the bytes were transformed
     folded: Fold | None = None  # tokenizer_config.json with chat templates folded in (format/chat_template.py)
+    region: FileRegion | None = None  # an entry of another archive, copied from there unchanged
 
     @property
     def nbytes(self) -> int:
         if self.path is not None:
             return self.path.stat().st_size
+        if self.region is not None:
+            return self.region.length
         return len(self.data) if self.data is not None else self.size
+
+    @property
+    def file(self) -> Path | FileRegion | None:
+        """Where the unchanged bytes are: a whole file, or a region of one (None for bytes and streams)."""
+        return self.path if self.path is not None else self.region
+
+    def read_bytes(self) -> bytes:
+        """The entry's bytes (for small entries: configs, indexes)."""
+        if self.path is not None:
+            return self.path.read_bytes()
+        if self.region is not None:
+            return self.region.read_bytes()
+        if self.data is not None:
+            return self.data
+        assert self.chunks is not None
+        return b"".join(bytes(c) for c in self.chunks())
+
+
+LocalFile = Path | FileRegion  # a component's file on this machine: a whole file, or an entry of an archive
+
+
+def file_size(file: Path | FileRegion) -> int:
+    """Bytes of a whole file or of a region of one."""
+    return file.length if isinstance(file, FileRegion) else file.stat().st_size
 
 
 class Skipped(NamedTuple):
@@ -65,6 +116,9 @@ class FolderPlan(NamedTuple):
     sources: list[EntrySource]  # without model_index.json
     skipped: list[Skipped]
     folder: Path
+    # An archive's plan (``dduf pack IN.dduf``): every component's entries, excluded ones included, as regions
+    # of the archive (its local copies, which a folder plan finds in its folders). None for a folder.
+    held: dict[str, list[EntrySource]] | None = None
 
 
 def _is_hidden(name: str) -> bool:
@@ -282,6 +336,9 @@ def write_archive(
             for source in ordered:
                 if source.path is not None:
                     writer.add_file(source.name, source.path)
+                elif source.region is not None:
+                    r = source.region
+                    writer.add_region(source.name, r.path, r.offset, r.length, crc32=r.crc32, sha256=r.sha256)
                 elif source.data is not None:
                     writer.add_bytes(source.name, source.data, source_sha256=source.source_sha256)
                     bar.update(len(source.data))

@@ -80,6 +80,7 @@ class DDUFWriter:
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="dduf-hash")
         self._ahead: dict[str, tuple[int, int, Future]] = {}  # name -> (fd, size, digests future)
         self._chunks: ThreadPoolExecutor | None = None
+        self._expected: dict[str, tuple[int | None, str | None, str]] = {}  # add_region: what its source records
         self._closed = False
 
     # --- entries -------------------------------------------------------------------------------------
@@ -112,10 +113,24 @@ class DDUFWriter:
         while self._pending:
             name, size, data_offset, header_offset, digests, source_sha256 = self._pending.pop(0)
             crc, sha256 = digests.result()
+            self._check_expected(name, crc, sha256)
             os.pwrite(self._fd, crc.to_bytes(4, "little"), header_offset + 14)  # CRC slot of the local header
             self._central.append(central_header(name.encode("utf-8"), size, crc, header_offset))
             self._records.append(FileRecord(name, size, data_offset, sha256, crc, source_sha256))
         return list(self._records)
+
+    def _check_expected(self, name: str, crc: int, sha256: str) -> None:
+        """A region copied from another archive: its bytes must be what that archive records for them."""
+        expected = self._expected.pop(name, None)
+        if expected is None:
+            return
+        want_crc, want_sha, where = expected
+        if want_crc is not None and crc != want_crc:
+            raise DDUFPackError(f"{where}: H001: CRC-32 {crc:08x} of its bytes differs from the {want_crc:08x} its "
+                                "ZIP records give (damaged or changed); nothing is written")
+        if want_sha is not None and sha256 != want_sha:
+            raise DDUFPackError(f"{where}: H002: sha256 of its bytes differs from its dduf_plus index's; nothing "
+                                "is written")
 
     @staticmethod
     def _alignment_for(name: str, head: bytes | None) -> tuple[int, int]:
@@ -147,10 +162,10 @@ class DDUFWriter:
         for size, name, fd in sorted(opened, key=lambda item: -item[0]):
             self._ahead[name] = (fd, size, self._submit_hash(fd, size))
 
-    def _submit_hash(self, fd: int, size: int) -> Future:
+    def _submit_hash(self, fd: int, size: int, offset: int = 0) -> Future:
         """CRC-32 + sha256 in a worker, on a duplicate descriptor the job closes (or we do, if cancelled)."""
         dup = os.dup(fd)
-        future = self._pool.submit(_hash_fd, dup, size)
+        future = self._pool.submit(_hash_fd, dup, size, offset)
         future.add_done_callback(lambda f: os.close(dup) if f.cancelled() else None)
         return future
 
@@ -176,6 +191,32 @@ class DDUFWriter:
         finally:
             os.close(src)
         self._end(name, size, start, sha, None)
+
+    def add_region(self, name: str, source: str | os.PathLike, offset: int, length: int, *,
+                   crc32: int | None = None, sha256: str | None = None) -> None:
+        """Copy bytes ``offset .. offset + length`` of ``source`` (an entry of another archive) unchanged, as
+        :meth:`add_file` copies a whole file. ``crc32`` / ``sha256``, when given, are checked against the bytes
+        copied once they are hashed (:attr:`records` raises ``DDUFPackError``: H001 / H002)."""
+        src = _open_source(name, source)
+        sha: Future | None = None
+        try:
+            if offset < 0 or length < 0 or offset + length > os.fstat(src).st_size:
+                raise DDUFPackError(f"{name!r}: bytes {offset}..{offset + length} are past the end of {source}")
+            inner, alignment = self._alignment_for(name, os.pread(src, min(8, length), offset))
+            if name.endswith(".safetensors") and inner > length:
+                raise DDUFPackError(f"{name!r}: {source} at {offset} is not a safetensors file (header length past its end)")
+            start = self._begin(name, length, inner, alignment)
+            sha = self._submit_hash(src, length, offset)
+            self._copy(src, length, start, offset)
+        except BaseException:
+            if sha is not None:
+                sha.cancel()
+            raise
+        finally:
+            os.close(src)
+        if crc32 is not None or sha256 is not None:
+            self._expected[name] = (crc32, sha256, f"{source}#{name}")
+        self._end(name, length, start, sha, None)
 
     def add_chunks(self, name: str, size: int, chunks: Iterable[Any], *, source_sha256: str | None = None) -> None:
         """Stream ``size`` bytes given as buffers (e.g. a safetensors header then each tensor's bytes).
@@ -211,7 +252,7 @@ class DDUFWriter:
             n = os.pwrite(self._fd, view, offset)
             view, offset = view[n:], offset + n
 
-    def _copy(self, src: int, size: int, dst_offset: int) -> None:
+    def _copy(self, src: int, size: int, dst_offset: int, src_offset: int = 0) -> None:
         done = 0
         copy_range = getattr(os, "copy_file_range", None)
         buffer: memoryview | None = None
@@ -220,13 +261,13 @@ class DDUFWriter:
             copied = 0
             if copy_range is not None:
                 try:
-                    copied = copy_range(src, self._fd, n, done, dst_offset + done)
+                    copied = copy_range(src, self._fd, n, src_offset + done, dst_offset + done)
                 except OSError:
                     copy_range = None  # cross-device or unsupported: fall back to read + write
             if copied <= 0:
                 if buffer is None:
                     buffer = memoryview(bytearray(min(CHUNK, size)))
-                copied = _pread_into(src, buffer[: min(n, len(buffer))], done)
+                copied = _pread_into(src, buffer[: min(n, len(buffer))], src_offset + done)
                 self._pwrite(buffer[:copied], dst_offset + done)
             if self._fsync:
                 _start_writeback(self._fd, dst_offset + done, copied)
@@ -340,14 +381,14 @@ def _pread_into(fd: int, buffer: memoryview, offset: int) -> int:
     return n
 
 
-def _hash_fd(fd: int, size: int) -> tuple[int, str]:
-    """CRC-32 and sha256 of a file's first ``size`` bytes, one read pass through a reused buffer;
+def _hash_fd(fd: int, size: int, offset: int = 0) -> tuple[int, str]:
+    """CRC-32 and sha256 of a file's ``size`` bytes from ``offset``, one read pass through a reused buffer;
     closes ``fd``."""
     try:
         sha, crc, done = hashlib.sha256(), 0, 0
         buffer = memoryview(bytearray(min(CHUNK, max(size, 1))))
         while done < size:
-            n = _pread_into(fd, buffer[: min(len(buffer), size - done)], done)
+            n = _pread_into(fd, buffer[: min(len(buffer), size - done)], offset + done)
             sha.update(buffer[:n])
             crc = crc32(buffer[:n], crc)
             done += n

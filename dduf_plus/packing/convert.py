@@ -71,7 +71,7 @@ from ..errors import DDUFLoadError, DDUFPackError
 from ..format import spec
 from ..format.index import summarize
 from ..format.json_budget import parse_json_entry
-from ..format.pack import EntrySource, FolderPlan, PackResult, plan_folder, write_archive
+from ..format.pack import EntrySource, FileRegion, FolderPlan, PackResult, plan_folder, write_archive
 from ..format.quantization import QMAP_NAME as QUANTO_QMAP
 from ..format.safetensors_header import SafetensorsHeader, TensorInfo, parse_header
 from ..format.structure import component_specs
@@ -266,9 +266,9 @@ def plan_file(header: SafetensorsHeader, dtype_for: Mapping[str, str]) -> tuple[
 
 
 def _tensor_chunks(path: Path, header: SafetensorsHeader, planned: list[_Planned], head: bytes,
-                   entry: str) -> Iterator[Any]:
+                   entry: str, base: int = 0) -> Iterator[Any]:
     """The new file's bytes: header, then each tensor converted slice by slice from a private mmap of the
-    source. Source pages are dropped from this process once converted (MADV_DONTNEED) so that RSS stays
+    source (whose safetensors file starts at ``base``: an entry of an archive being re-packed). Source pages are dropped from this process once converted (MADV_DONTNEED) so that RSS stays
     about one slice, not the whole file."""
     yield head
     clipped = [0]
@@ -279,7 +279,9 @@ def _tensor_chunks(path: Path, header: SafetensorsHeader, planned: list[_Planned
         mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)  # writable for torch.frombuffer, never written
         try:
             for p in planned:
-                start = header.data_start + p.info.begin
+                start = base + header.data_start + p.info.begin
+                if start + p.info.nbytes > size:
+                    raise DDUFPackError(f"{entry}: {path} ends inside tensor {p.info.name} (it changed)")
                 yield from _convert_tensor(mm, start, p, clipped)
                 if hasattr(mm, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
                     page = start // mmap.PAGESIZE * mmap.PAGESIZE
@@ -339,13 +341,31 @@ def _file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _region_sha256(region: FileRegion) -> str:
+    """sha256 of an archive's entry (what a converted entry records as its source), checked against the sha256
+    that archive's index records for it."""
+    digest = hashlib.sha256()
+    with open(region.path, "rb") as f:
+        done = 0
+        while done < region.length:
+            chunk = os.pread(f.fileno(), min(16 << 20, region.length - done), region.offset + done)
+            if not chunk:
+                raise DDUFPackError(f"{region}: the file ends inside the entry (it changed)")
+            digest.update(chunk)
+            done += len(chunk)
+    if region.sha256 is not None and digest.hexdigest() != region.sha256:
+        raise DDUFPackError(f"{region}: H002: sha256 of its bytes differs from its dduf_plus index's (damaged or "
+                            "changed); nothing is written")
+    return digest.hexdigest()
+
+
 # --- components --------------------------------------------------------------------------------------
 
 
 def _read_config(sources: list[EntrySource], component: str) -> dict[str, Any] | None:
     for source in sources:
         if source.name == f"{component}/config.json":
-            raw = source.path.read_bytes() if source.path is not None else source.data
+            raw = source.read_bytes() if source.file is not None else source.data
             value, _, _ = parse_json_entry(raw or b"", source.name)  # budgeted: None when over it or not JSON
             return value if isinstance(value, dict) else None
     return None
@@ -526,20 +546,22 @@ def _converted_source(source: EntrySource, header: SafetensorsHeader,
                       dtype_for: dict[str, str]) -> tuple[EntrySource, list[_Planned]]:
     """The entry source writing ``source``'s file with ``dtype_for`` applied (converted lazily, slice by
     slice, when the archive is written), and the tensors' placements."""
-    if source.path is None:
-        raise DDUFPackError(f"{source.name}: only safetensors files on disk can be converted")
+    file = source.file
+    if file is None:
+        raise DDUFPackError(f"{source.name}: only safetensors files on disk (or an archive's entries) can be converted")
     head_raw, planned, size = plan_file(header, dtype_for)
     head = len(head_raw).to_bytes(8, "little") + head_raw
     new_header, problems = parse_header(head_raw, len(head_raw), size, source.name)
     if new_header is None or any(p.severity == "error" for p in problems):  # pragma: no cover - our own bug
         raise DDUFPackError(f"{source.name}: converted header does not check: {problems}")
-    path, entry = source.path, source.name
+    entry = source.name
+    path, base = (file.path, file.offset) if isinstance(file, FileRegion) else (file, 0)
 
     def chunks() -> Iterator[Any]:
-        return _tensor_chunks(path, header, planned, head, entry)
+        return _tensor_chunks(path, header, planned, head, entry, base)
 
-    return EntrySource(entry, size=size, chunks=chunks, header=new_header,
-                       source_sha256=_file_sha256(path)), planned
+    sha = _region_sha256(file) if isinstance(file, FileRegion) else _file_sha256(file)
+    return EntrySource(entry, size=size, chunks=chunks, header=new_header, source_sha256=sha), planned
 
 
 def _rewrite_shard_index(source: EntrySource, component: str, sources: list[EntrySource],
@@ -549,7 +571,7 @@ def _rewrite_shard_index(source: EntrySource, component: str, sources: list[Entr
     kind = classify(source.name.split("/", 1)[1])
     if kind is None or not kind.is_index:
         return None
-    raw = source.path.read_bytes() if source.path is not None else source.data
+    raw = source.read_bytes() if source.file is not None else source.data
     index, _, _ = parse_json_entry(raw or b"", source.name)  # a shard index's budget; None when over it
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict):

@@ -33,7 +33,7 @@ from typing import Any, NamedTuple, Protocol
 from ..errors import DDUFError
 from ..format import spec
 from ..format.json_budget import parse_json_entry
-from ..format.pack import EntrySource
+from ..format.pack import EntrySource, FileRegion
 from ..format.safetensors_header import (
     SafetensorsHeader,
     TensorInfo,
@@ -68,16 +68,26 @@ class ComponentBytes:
         self._views: dict[str, memoryview] = {}
 
     @classmethod
-    def from_paths(cls, where: str, paths: Mapping[str, Path]) -> ComponentBytes:
+    def from_paths(cls, where: str, paths: Mapping[str, Path | FileRegion]) -> ComponentBytes:
+        """Files mapped; a :class:`FileRegion` (an entry of an archive being re-packed) as its slice of the map."""
         maps: list[mmap.mmap] = []
 
         def opener(name: str) -> memoryview:
-            with open(paths[name], "rb") as f:
-                if os.fstat(f.fileno()).st_size == 0:
+            file = paths[name]
+            path, start, length = (file.path, file.offset, file.length) if isinstance(file, FileRegion) else \
+                (file, 0, None)
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size == 0 or length == 0:
                     return memoryview(b"")
+                if length is not None and start + length > size:
+                    raise DDUFError(f"{file}: the file ends inside the entry (it changed)")
                 mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
             maps.append(mapped)
-            return memoryview(mapped)
+            if length is None:
+                return memoryview(mapped)
+            with memoryview(mapped) as whole:  # the slice keeps the map's buffer; the whole view goes now
+                return whole[start : start + length]
 
         def close() -> None:
             for mapped in maps:
@@ -408,6 +418,8 @@ class SourcesCopy:
             with open(src.path, "rb") as f:
                 while block := f.read(16 << 20):
                     yield block
+        elif src.region is not None:
+            yield src.region.read_bytes()
         elif src.chunks is not None:
             yield from src.chunks()
 

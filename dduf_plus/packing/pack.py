@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 from ..errors import DDUFPackError
@@ -38,6 +39,10 @@ def pack(
     packed against ``base`` (:func:`dduf_plus.packing.single_file.pack_single_file`).
     ``folder`` may be a Hub repo id ``org/name[@revision]`` (an existing local path wins): only the files the
     archive stores are downloaded, into the Hugging Face cache (offline: taken from it).
+    ``folder`` may be a ``.dduf`` archive (:mod:`dduf_plus.packing.archive_source`): re-based (``base``), converted,
+    quantized, with components excluded or referenced, by the same rules as a folder, its entries copied from the
+    archive unchanged (nothing extracted); a partial archive keeps its references unless ``base``/``refs`` change
+    them. ``output`` may not be that archive.
     ``fsync=False`` skips the flush to disk before the atomic rename.
     ``quantize={"unet": "bnb-nf4"}`` (or ``["unet=bnb-nf4"]``; a diffusers quantization config object as the value
     also works) quantizes that component while packing, from the full-precision source a batch of tensors at a
@@ -47,18 +52,22 @@ def pack(
     Raises:
         DDUFPackError: the folder holds something DDUF cannot, or a reference cannot be made.
     """
+    from .archive_source import is_archive_source
     from .single_file import is_single_file
 
-    quantize = _quantize_arg(quantize)
     from .lora import is_lora_file, pack_lora
 
+    quantize = _quantize_arg(quantize)
     if is_lora_file(folder):  # a LoRA: stored under _lora/, every component of BASE referenced
-        used = [n for n, v in (("variant", variant), ("exclude", exclude), ("refs", refs), ("dtype", dtype),
-                               ("quantize", quantize)) if v]
-        if used:
-            raise DDUFPackError(f"{folder}: a LoRA file packs with base= only ({', '.join(used)} do not apply)")
+        _lora_options_unused(folder, variant=variant, exclude=exclude, refs=refs, dtype=dtype, quantize=quantize)
         return pack_lora([folder], output, base=base, token=token, local_files_only=local_files_only, quiet=quiet,
                          fsync=fsync)
+    if os.fspath(folder).endswith(".zst") and os.path.isfile(folder):
+        raise DDUFPackError(f"{folder}: a compressed archive; run dduf decompress first, then pack the .dduf")
+    if is_archive_source(folder):
+        return _pack_archive(folder, output, variant=variant, exclude=exclude, refs=dict(refs or {}), base=base,
+                             dtype=dtype, token=token, local_files_only=local_files_only, quiet=quiet, fsync=fsync,
+                             quantize=quantize)
     if is_single_file(folder):  # a single-file checkpoint (original key layout): converted, referenced to BASE
         if quantize:
             raise DDUFPackError(f"{folder}: quantize cannot be used with a single-file checkpoint (only base=)")
@@ -72,6 +81,13 @@ def pack(
                       token=token, local_files_only=local_files_only, quiet=quiet, fsync=fsync, quantize=quantize)
 
 
+def _lora_options_unused(source: str | os.PathLike, **options: Any) -> None:
+    """A LoRA file packs with ``base=`` only: the folder options would silently do nothing."""
+    used = [n for n, v in options.items() if v]
+    if used:
+        raise DDUFPackError(f"{source}: a LoRA file packs with base= only ({', '.join(used)} do not apply)")
+
+
 def _quantize_arg(quantize: Sequence[str] | Mapping[str, Any] | None) -> dict[str, Any]:
     """``quantize=`` checked before any work (scheme names, torch-free)."""
     if not quantize:
@@ -79,6 +95,23 @@ def _quantize_arg(quantize: Sequence[str] | Mapping[str, Any] | None) -> dict[st
     from .quantize import parse_quantize
 
     return parse_quantize(quantize)
+
+
+def _pack_archive(archive: str | os.PathLike, output: str | os.PathLike, *, variant: str | None,
+                  exclude: Sequence[str], refs: dict[str, str], base: str | None, dtype: str | Mapping[str, str] | None,
+                  token: str | bool | None, local_files_only: bool, quiet: bool, fsync: bool,
+                  quantize: Mapping[str, Any]) -> tuple[PackResult, Any]:
+    """:func:`pack` of a ``.dduf`` (:mod:`.archive_source`): planned from its entries, then as a folder."""
+    from .archive_source import check_not_same, plan_archive
+
+    check_not_same(archive, output)
+    planned = plan_archive(archive, variant=variant, exclude=exclude)
+    # a component the input already references is excluded already: its reference stays (not one with no source)
+    exclude = [n for n in exclude if n not in planned.references or n in (planned.plan.held or {})]
+    warn_unknown_classes(planned.plan.model_index)
+    return _pack_plan(planned.plan, output, variant=variant, exclude=exclude, refs=refs, base=base, dtype=dtype,
+                      token=token, local_files_only=local_files_only, quiet=quiet, fsync=fsync, quantize=quantize,
+                      kept=planned.references, carried=planned.carried)
 
 
 def _pack_checkpoint(checkpoint: str | os.PathLike, output: str | os.PathLike, *, variant: str | None,
@@ -99,10 +132,12 @@ def _pack_checkpoint(checkpoint: str | os.PathLike, output: str | os.PathLike, *
 def _pack_plan(plan: Any, output: str | os.PathLike, *, variant: str | None, exclude: Sequence[str],
                refs: dict[str, str], base: str | None, dtype: str | Mapping[str, str] | None,
                token: str | bool | None, local_files_only: bool, quiet: bool, fsync: bool,
-               quantize: Mapping[str, Any] | None = None) -> tuple[PackResult, Any]:
-    """:func:`pack` once the folder is planned."""
+               quantize: Mapping[str, Any] | None = None, kept: Mapping[str, Any] | None = None,
+               carried: Mapping[str, Mapping[str, Any]] | None = None) -> tuple[PackResult, Any]:
+    """:func:`pack` once the folder (or archive) is planned. An archive's plan brings the references it ``kept``
+    (written as they are when no reference changes) and the index keys ``carried`` from its index."""
     model_index, model_index_bytes, sources = plan.model_index, plan.model_index_bytes, plan.sources
-    references = None
+    references = dict(kept) if kept else None
     partial = None
     if exclude or refs or base:
         from .partial import make_references
@@ -112,7 +147,10 @@ def _pack_plan(plan: Any, output: str | os.PathLike, *, variant: str | None, exc
         model_index, model_index_bytes = partial.model_index, partial.model_index_bytes
         sources, references = partial.sources, partial.references
         _check_partial(partial, base=base, dtype=dtype)
+    elif references:  # a partial archive re-packed as it is: a --dtype for a referenced component is refused too
+        _check_partial(SimpleNamespace(references=references, sources=sources), base=None, dtype=dtype)
     extra: dict[str, Any] | None = _quanto_records(sources)
+    touched: set[str] = set(quantize or ())
     if quantize:
         sources, dtype, records = _quantized(plan._replace(sources=sources, model_index=model_index), quantize,
                                              dtype, partial)
@@ -124,10 +162,30 @@ def _pack_plan(plan: Any, output: str | os.PathLike, *, variant: str | None, exc
         extra = dict(extra or {})
         for name, record in converted.items():
             extra[name] = {**extra.get(name, {}), **record}
+        touched |= set(converted)
+    if carried:
+        extra = _with_carried(extra, carried, sources, touched)
     skipped = partial.skipped if partial is not None else plan.skipped
     result = write_archive(output, model_index, model_index_bytes, sources, skipped=skipped,
                            references=references, extra_components=extra, quiet=quiet, fsync=fsync)
     return result, partial
+
+
+def _with_carried(extra: Mapping[str, Any] | None, carried: Mapping[str, Mapping[str, Any]],
+                  sources: Sequence[Any], touched: set[str]) -> dict[str, Any] | None:
+    """The index records of the input archive's components that are still stored, under the ones this pack made:
+    a component it converted or quantized keeps only its folded chat template's record (the others described
+    the bytes it had)."""
+    from ..format.chat_template import INDEX_KEY
+
+    stored = {s.name.split("/")[0] for s in sources if "/" in s.name}
+    out = {name: dict(record) for name, record in (extra or {}).items()}
+    for name, record in carried.items():
+        if name not in stored:
+            continue
+        kept = record if name not in touched else {k: v for k, v in record.items() if k == INDEX_KEY}
+        out[name] = {**kept, **out.get(name, {})}
+    return out or None
 
 
 def _quantized(plan: Any, quantize: Mapping[str, Any], dtype: str | Mapping[str, str] | None, partial: Any
@@ -209,12 +267,11 @@ def _quanto_records(sources: Sequence[Any]) -> dict[str, Any] | None:
     records = {}
     for source in sources:
         component, _, filename = source.name.partition("/")
-        if filename == QMAP_NAME and source.path is not None:
-
+        if filename == QMAP_NAME and source.file is not None:  # a file, or an input archive's entry
             try:
-                records[component] = quanto_index_record(json.loads(source.path.read_text()))
+                records[component] = quanto_index_record(json.loads(source.read_bytes()))
             except ValueError as e:
-                raise DDUFPackError(f"{source.path}: not valid JSON ({e})") from None
+                raise DDUFPackError(f"{source.file}: not valid JSON ({e})") from None
     records.update(_backend_records(sources))
     return records or None
 
@@ -231,20 +288,21 @@ def _backend_records(sources: Sequence[Any]) -> dict[str, Any]:
     by_component: dict[str, dict[str, Any]] = {}
     for source in sources:
         component, _, filename = source.name.partition("/")
-        if source.path is not None and "/" not in filename:
-            by_component.setdefault(component, {})[filename] = source.path
+        if source.file is not None and "/" not in filename:
+            by_component.setdefault(component, {})[filename] = source
     records: dict[str, Any] = {}
     for component, files in by_component.items():
-        config_path = files.get("config.json")
-        if config_path is None or b"quantization_config" not in config_path.read_bytes():
+        config_source = files.get("config.json")
+        raw = config_source.read_bytes() if config_source is not None else b""
+        if config_source is None or b"quantization_config" not in raw:
             continue
         try:
-            config = json.loads(config_path.read_text())
-            headers = [read_file_header(path, f"{component}/{name}", DDUFPackError)
-                       for name, path in sorted(files.items()) if name.endswith(".safetensors")]
+            config = json.loads(raw)
+            headers = [s.header if s.header is not None else read_file_header(s.path, s.name, DDUFPackError)
+                       for name, s in sorted(files.items()) if name.endswith(".safetensors")]
             record = quant_rules.index_record(config, headers)
         except ValueError as e:  # QuantError, or a config that is not JSON
-            raise DDUFPackError(f"{config_path}: {getattr(e, 'code', 'D007')}: {e}") from None
+            raise DDUFPackError(f"{config_source.file}: {getattr(e, 'code', 'D007')}: {e}") from None
         if record is not None:
             records[component] = record
     return records

@@ -39,9 +39,11 @@ from ..format import spec
 from ..format.pack import (
     EntrySource,
     FolderPlan,
+    LocalFile,
     PackResult,
     Skipped,
     _plan_component,
+    file_size,
     plan_folder,
     write_archive,
 )
@@ -268,15 +270,20 @@ class _Planner:
                                          local_files_only=self.local_files_only)
         return self._sources[key]
 
-    def local_copy(self, name: str) -> dict[str, Path] | None:
-        """{filename: path} of the component's files here (the ones the pack would store), None if absent."""
+    def local_copy(self, name: str) -> dict[str, LocalFile] | None:
+        """{filename: path} of the component's files here (the ones the pack would store), None if absent; for an
+        archive's plan, regions of the archive (its entries)."""
         if name in self.stored:
             chosen = self.stored[name]
+        elif self.plan.held is not None:
+            if not self.plan.held.get(name):
+                return None
+            chosen = self.plan.held[name]
         elif (self.root / name).is_dir():
             chosen, _skipped = _plan_component(self.root, name, self.variant)
         else:
             return None
-        files = {s.name.split("/", 1)[1]: s.path for s in chosen if s.path is not None}
+        files: dict[str, LocalFile] = {s.name.split("/", 1)[1]: s.file for s in chosen if s.file is not None}
         for s in chosen:  # a folded tokenizer_config.json: the files on disk are what a reference names
             if s.folded is not None:
                 files.update(s.folded.originals)
@@ -296,7 +303,7 @@ class _Planner:
                                 "reference cannot name; store it (drop --exclude/--ref for it)")
         variant: str | None | Literal[False] = False
         if paths is not None:
-            self.local_bytes[name] = sum(p.stat().st_size for p in paths.values())
+            self.local_bytes[name] = sum(map(file_size, paths.values()))
             files, origin = hash_local_files(paths), "hashes of the local copy"
             if src is not None:
                 checked = self._check_against_source(name, src, paths)
@@ -340,13 +347,13 @@ class _Planner:
             if match is None:
                 self.report.append(f"stored {name}: {why}")
                 continue
-            self.local_bytes[name] = sum(p.stat().st_size for p in paths.values())
+            self.local_bytes[name] = sum(map(file_size, paths.values()))
             self.references[name] = self.reference(name, base_spec, match.files, source.revision, match.variant)
             variant = f", BASE's {match.variant} variant" if match.variant and match.variant != self.variant else ""
             self.report.append(f"referenced {name} -> {base_spec} ({match.how}{variant}: {_files(len(match.files))} "
                                f"there, {_human(self.local_bytes[name])} here)")
 
-    def _match_base(self, name: str, paths: Mapping[str, Path], source: ReferenceSource,
+    def _match_base(self, name: str, paths: Mapping[str, LocalFile], source: ReferenceSource,
                     base_spec: Spec) -> tuple[str, BaseMatch | None]:
         """(why not, None) or ("", what the reference records): the local ``name`` against BASE's ``name``."""
         found = source.component_files(name)
@@ -358,7 +365,7 @@ class _Planner:
         why, match = self.compare(name, paths, source, name, found)
         return (f"differs from BASE {base_spec} ({why})" if match is None else ""), match
 
-    def compare(self, name: str, paths: Mapping[str, Path], source: ReferenceSource, sub: str,
+    def compare(self, name: str, paths: Mapping[str, LocalFile], source: ReferenceSource, sub: str,
                 found: tuple[FileRecords, dict[str, Path]]) -> tuple[str, BaseMatch | None]:
         """The local copy of ``name`` against the source's ``sub`` (:func:`compare_with_source`; by the file
         hashes where the source's bytes are not on this machine)."""
@@ -366,7 +373,7 @@ class _Planner:
             return compare_with_source(source, self.variant, sub, found, mine, self.specs[name],
                                        lambda: self._compare_hashes(name, paths, found))
 
-    def _compare_hashes(self, name: str, paths: Mapping[str, Path],
+    def _compare_hashes(self, name: str, paths: Mapping[str, LocalFile],
                         found: tuple[FileRecords, dict[str, Path]]) -> tuple[str, BaseMatch | None]:
         files = hash_local_files(paths)
         why = same_file_hashes(name, files, paths, found[0], found[1])
@@ -375,7 +382,7 @@ class _Planner:
                     "on this machine to compare by content"), None
         return "", BaseMatch(files, self.variant, "identical bytes")
 
-    def _check_against_source(self, name: str, src: Spec, paths: Mapping[str, Path]) -> tuple[BaseMatch, str | None] | None:
+    def _check_against_source(self, name: str, src: Spec, paths: Mapping[str, LocalFile]) -> tuple[BaseMatch, str | None] | None:
         """Refuse a reference that could never resolve: SPEC's copy is not the local one by content. Returns what
         the reference records and the revision it was compared at, or None (a Hub source that cannot be read
         now: noted, the local copy's hashes recorded)."""
@@ -435,7 +442,7 @@ def warn_local_paths(paths: set[str]) -> None:
                        "reference the Hub repo this copy came from (--base org/repo)", path)
 
 
-def _nested(paths: Mapping[str, Path]) -> list[str]:
+def _nested(paths: Mapping[str, LocalFile]) -> list[str]:
     """Files of a component in a sub-folder (``additional_chat_templates/NAME.jinja``, folded when stored)."""
     return sorted(f for f in paths if "/" in f)
 
@@ -455,7 +462,9 @@ def model_index_with(source: Mapping[str, Any], source_bytes: bytes,
         return dict(source), source_bytes
     model_index = dict(original)
     model_index[spec.REFERENCES_KEY] = {n: references[n] for n in sorted(references)}
-    if source_bytes != canonical_model_index_bytes(original) and spec.REFERENCES_KEY not in source:
+    if isinstance(source.get(ORIGINAL_MODEL_INDEX_KEY), dict):  # a partial re-packed: the text it recorded stays
+        model_index[ORIGINAL_MODEL_INDEX_KEY] = source[ORIGINAL_MODEL_INDEX_KEY]
+    elif source_bytes != canonical_model_index_bytes(original) and spec.REFERENCES_KEY not in source:
         try:
             text = source_bytes.decode("utf-8")
         except UnicodeDecodeError:

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..assignments import PackNameError, check_names, closest, parse_assignments
 from ..errors import DDUFPackError
-from ..format.pack import EntrySource, FolderPlan
+from ..format.pack import EntrySource, FileRegion, FolderPlan
 from ..format.structure import component_specs
 from .backend_import import offline_imports
 
@@ -164,10 +164,10 @@ def quantize_component(component: str, class_spec: Any, sources: list[EntrySourc
     from .tensor_stream import tensor_source
 
     config_source = next((s for s in sources if s.name == f"{component}/config.json"), None)
-    weights = [s for s in sources if s.name.endswith(".safetensors") and s.path is not None and s.header is not None]
-    if config_source is None or config_source.path is None or not weights:
+    weights = [s for s in sources if s.name.endswith(".safetensors") and s.file is not None and s.header is not None]
+    if config_source is None or config_source.file is None or not weights:
         raise DDUFPackError(f"--quantize {component}: it has no config.json and safetensors weights to quantize")
-    config = json.loads(config_source.path.read_bytes())
+    config = json.loads(config_source.read_bytes())
     if quant_rules.quantization_config(config) is not None:
         raise DDUFPackError(f"--quantize {component}: it is already quantized "
                             f"({quant_rules.backend_of(config)}); pack it as it is")
@@ -256,8 +256,8 @@ def _batches(weights: list[EntrySource]) -> Iterator[dict[str, torch.Tensor]]:
     batch: dict[str, torch.Tensor] = {}
     size = 0
     for source in weights:
-        assert source.path is not None and source.header is not None
-        for name, tensor in _read_tensors(source.path, source.header):
+        assert source.file is not None and source.header is not None
+        for name, tensor in _read_tensors(source.file, source.header):
             batch[name] = tensor
             size += tensor.nbytes
             if size >= BATCH_BYTES:
@@ -267,19 +267,21 @@ def _batches(weights: list[EntrySource]) -> Iterator[dict[str, torch.Tensor]]:
         yield batch
 
 
-def _read_tensors(path: Path, header: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each tensor of a safetensors file, read (``pread``: nothing of the file stays mapped) into its own anonymous
-    mapping: freed, it goes back to the system at once, whatever malloc's thresholds."""
+def _read_tensors(file: Path | FileRegion, header: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each tensor of a safetensors file (or of an archive's entry: a region of its file), read (``pread``: nothing
+    of the file stays mapped) into its own anonymous mapping: freed, it goes back to the system at once, whatever
+    malloc's thresholds."""
     import mmap
 
     import torch
 
+    path, base = (file.path, file.offset) if isinstance(file, FileRegion) else (file, 0)
     fd = os.open(path, os.O_RDONLY)
     try:
         for info in sorted(header.tensors.values(), key=lambda i: i.begin):
             buffer = mmap.mmap(-1, max(info.nbytes, 1))
             with memoryview(buffer) as whole:
-                _pread_into(fd, whole, info.nbytes, header.data_start + info.begin, f"{path}: tensor {info.name}")
+                _pread_into(fd, whole, info.nbytes, base + header.data_start + info.begin, f"{file}: tensor {info.name}")
             dtype = getattr(torch, info.dtype)
             tensor = torch.frombuffer(buffer, dtype=dtype) if info.nbytes else torch.empty(0, dtype=dtype)
             yield info.name, tensor.reshape(info.shape)

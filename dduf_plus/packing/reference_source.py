@@ -11,10 +11,11 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
-from ..errors import DDUFError
+from ..errors import DDUFError, DDUFPackError
 from ..format import spec
 from ..format.chat_template import TEMPLATE_FILE
 from ..format.json_budget import parse_json_entry
+from ..format.pack import FileRegion, LocalFile, file_size
 from ..format.structure import component_specs
 from ..format.weights import classify, select_weights, variants
 from ..refs import cache as _cache
@@ -34,18 +35,48 @@ class BaseMatch(NamedTuple):
 
 
 # --- file identities -------------------------------------------------------------------------------------
-def hash_local_files(files: Mapping[str, Path]) -> FileRecords:
-    """{filename: {size, sha256[, git_sha1]}} of local files; sha256 through the verified-hash memory, so
-    packing a fine-tune and loading it later on the same machine hash each referenced file once."""
+def hash_local_files(files: Mapping[str, LocalFile]) -> FileRecords:
+    """{filename: {size, sha256[, git_sha1]}} of local files (or an archive's entries); sha256 through the
+    verified-hash memory, so packing a fine-tune and loading it later on the same machine hash each referenced
+    file once."""
     hv = _cache.verified_hashes()
     out: FileRecords = {}
     for fname, path in sorted(files.items()):
-        size = path.stat().st_size
-        rec: dict[str, Any] = {"size": size, "sha256": hv.sha256(path)}
+        size = file_size(path)
+        rec: dict[str, Any] = {"size": size, "sha256": region_sha256(path) if isinstance(path, FileRegion)
+                               else hv.sha256(path)}
         if not _cache.is_lfs_by_default(fname, size):
-            rec["git_sha1"] = _cache.git_blob_sha1_file(path)
+            rec["git_sha1"] = _git_sha1(path)
         out[fname] = rec
     return out
+
+
+def _git_sha1(file: LocalFile) -> str:
+    return _cache.git_blob_sha1(file.read_bytes()) if isinstance(file, FileRegion) else _cache.git_blob_sha1_file(file)
+
+
+def region_sha256(region: FileRegion) -> str:
+    """sha256 of an archive's entry, through the verified-hash memory (``<archive>#<entry>``), checked against
+    the sha256 that archive's index records (H002: a copy that is not what its archive says is never recorded)."""
+    hv = _cache.verified_hashes()
+    known = hv.lookup(region.path, region.member)
+    if known is None:
+        before = _cache.stat_key(region.path)
+        digest, done = hashlib.sha256(), 0
+        with open(region.path, "rb") as f:
+            while done < region.length:
+                chunk = os.pread(f.fileno(), min(16 << 20, region.length - done), region.offset + done)
+                if not chunk:
+                    raise DDUFPackError(f"{region}: the file ends inside the entry (it changed)")
+                digest.update(chunk)
+                done += len(chunk)
+        known = digest.hexdigest()
+        if _cache.stat_key(region.path) == before:
+            hv.remember(region.path, known, member=region.member, key=before)
+    if region.sha256 is not None and known != region.sha256:
+        raise DDUFPackError(f"{region}: H002: sha256 of its bytes differs from its dduf_plus index's (damaged or "
+                            "changed)")
+    return known
 
 
 def pack_selection(filenames: Sequence[str], variant: str | None) -> list[str]:
@@ -257,7 +288,7 @@ class ReferenceSource:
         return specs.get(component)
 
 
-def same_file_hashes(name: str, local: FileRecords, local_paths: Mapping[str, Path], other: FileRecords,
+def same_file_hashes(name: str, local: FileRecords, local_paths: Mapping[str, LocalFile], other: FileRecords,
                      other_paths: Mapping[str, Path]) -> list[str]:
     """Why the local component differs from ``other`` (empty: every local file is there, same bytes)."""
     hv = _cache.verified_hashes()
@@ -272,13 +303,13 @@ def same_file_hashes(name: str, local: FileRecords, local_paths: Mapping[str, Pa
             continue
         if fname in other_paths and "sha256" not in o:
             src, dst = other_paths[fname], local_paths.get(fname)
-            same_inode = dst is not None and os.path.samefile(src, dst)
+            same_inode = isinstance(dst, Path) and os.path.samefile(src, dst)
             o = {**o, "sha256": rec["sha256"] if same_inode else hv.sha256(src)}
         if o.get("sha256"):
             if o["sha256"] != rec["sha256"]:
                 why.append(f"{name}/{fname}: sha256 differs")
         elif o.get("git_sha1"):
-            mine = rec.get("git_sha1") or _cache.git_blob_sha1_file(local_paths[fname])
+            mine = rec.get("git_sha1") or _git_sha1(local_paths[fname])
             if o["git_sha1"] != mine:
                 why.append(f"{name}/{fname}: git blob id differs")
         else:
