@@ -76,12 +76,8 @@ def run(args: argparse.Namespace) -> int:
         path_like_missing(spec, "--ref")
     if args.base:
         path_like_missing(args.base, "--base")
-    hub = hub_source(args.source)
-    name = (hub[0].rsplit("/", 1)[-1] if hub else os.path.basename(os.path.abspath(args.source))) + ".dduf"
-    if checkpoint:
-        name = os.path.basename(args.source).removesuffix(".safetensors") + ".dduf"
+    name = _default_name(args.source, checkpoint=checkpoint, archive=archive)
     if archive:
-        name = os.path.basename(args.source)
         check_not_same(args.source, _output_path(args.output, name))  # before -f could even be considered
     output = output_file(args.output, args.force, name)
     dtype = dtypes.pop(DEFAULT_KEY, None)
@@ -109,6 +105,18 @@ def run(args: argparse.Namespace) -> int:
         echo(f"wrote {result.path}: {plural(result.entries, 'entry', 'entries')}, {human_bytes(result.bytes_written)} "
              f"in {result.seconds:.2f} s")
     return 0
+
+
+def _default_name(source: str, *, checkpoint: bool, archive: bool) -> str:
+    """OUT's name when ``-o`` is a folder: the archive's own, the checkpoint's stem, or the folder's / repo's."""
+    from ..packing.pack import hub_source
+
+    if archive:
+        return os.path.basename(source)
+    if checkpoint:
+        return os.path.basename(source).removesuffix(".safetensors") + ".dduf"
+    hub = hub_source(source)
+    return (hub[0].rsplit("/", 1)[-1] if hub else os.path.basename(os.path.abspath(source))) + ".dduf"
 
 
 def _is_lora_source(source: str) -> bool:

@@ -53,9 +53,8 @@ def pack(
         DDUFPackError: the folder holds something DDUF cannot, or a reference cannot be made.
     """
     from .archive_source import is_archive_source
-    from .single_file import is_single_file
-
     from .lora import is_lora_file, pack_lora
+    from .single_file import is_single_file
 
     quantize = _quantize_arg(quantize)
     if is_lora_file(folder):  # a LoRA: stored under _lora/, every component of BASE referenced
