@@ -135,7 +135,9 @@ ROWS: dict[str, tuple[str, Callable[[dict], list[str]], tuple[str, ...]]] = {
     "`dduf validate --verify`": ("validate", verify_row, ("sha256",)),
     "`dduf pack` (fsync)": ("pack", pack_row, ()),
     "quantized UNet load, peak RSS": ("quant", backends_row, ()),
-    "`pack --base` of a `save_pretrained` fine-tune": ("trainer_partial", partial_row, ()),
+    "`pack --base` of a `save_pretrained` fine-tune": ("trainer_partial", partial_row, ("SD-1.5",)),
+    "same, SDXL-shaped; re-basing": ("trainer_partial_sdxl", lambda r: [
+        *partial_row(r), f"the complete archive {r['rebase_archive_vs_folder_ratio']:.2f}x"], ()),
     "LoRA archive": ("lora", lora_row, ("SD-1.5",)),
     "`load_dduf(URL)`": ("remote", remote_row, ()),
     "same, each connection capped": ("remote_per_connection", remote_per_connection_row, ()),
