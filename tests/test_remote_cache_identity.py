@@ -423,7 +423,7 @@ def test_an_archive_refused_once_opened_leaves_no_partial(tmp_path, private_cach
 
 
 def test_no_preallocation_past_the_free_disk(hub_bytes, tmp_path, private_cache, monkeypatch):
-    monkeypatch.setattr(partials._zst, "_free_bytes", lambda folder: len(hub_bytes) // 2)
+    monkeypatch.setattr(partials._zst, "free_bytes", lambda folder: len(hub_bytes) // 2)
     with FileServer(serve(tmp_path, "o", hub_bytes)) as srv:
         with pytest.raises(DDUFIOError, match=r"free \(keeping 256\.0 MiB spare\)"):
             fetch_archive(srv.url("m.dduf"), SMALL)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from ._common import echo, human_bytes, human_count, print_json
+from ._common import echo, human_bytes, human_count, print_json, table
 
 HEADERS = ("COMPONENT", "KEY PREFIX", "DTYPE", "PARAMS", "SIZE", "NOTES")
 
@@ -18,7 +18,6 @@ def is_checkpoint(source: str) -> bool:
 
 def run_single_file(args: argparse.Namespace) -> int:
     from ..packing.single_file import describe_checkpoint
-    from .info import table
 
     info = describe_checkpoint(args.source)
     if getattr(args, "base", None):

@@ -175,7 +175,7 @@ def _open_source(path_str: str, dduf_file: str | None, *, revision: str | None, 
         archive, fetch = _open_url(path_str, remote, local_files_only)
         return path_str, archive, fetch
     if _is_zst(path_str):
-        from ..storage.zst import cached_decompress
+        from ..storage.zst_cache import cached_decompress
 
         return path_str, DDUFArchive(str(cached_decompress(path_str, max_decompressed=max_decompressed))), None
     return path_str, DDUFArchive(path_str), None
@@ -189,13 +189,11 @@ def _is_zst(path: str) -> bool:
 
 def _is_hub_repo(path: str) -> bool:
     """``org/name[@revision]`` that is no local path (an existing path wins, as in ``from_pretrained``)."""
-    if os.path.exists(path) or is_url(path):
+    if os.path.exists(path) or is_url(path):  # a local load does not import the Hub module
         return False
-    from ..remote.hub import is_repo_id, split_revision
+    from ..remote.hub import hub_repo_of
 
-    repo = split_revision(path)[0]
-    first = repo.split("/", 1)[0]
-    return is_repo_id(repo) and not os.path.isdir(first)  # "models/x" with ./models here: a missing path
+    return hub_repo_of(path) is not None
 
 
 def _open_folder(path: str) -> FolderPipeline:
@@ -476,7 +474,7 @@ def _component_files(archive: DDUFArchive | FolderPipeline, name: str, stored: M
             if not (e.name or "").startswith("dduf_plus.refs"):
                 raise
             raise DDUFReferenceError(f"component {name!r} is stored outside {archive.path} "
-                                     f"({_describe_reference(references[name])}) and this dduf_plus cannot resolve "
+                                     "(a reference) and this dduf_plus cannot resolve "
                                      f"references; pass it as an argument: load_dduf(..., {name}=...)") from None
         return resolve_component(name, references[name], **resolve_options)
     if name in stored and stored[name].files:
@@ -485,14 +483,6 @@ def _component_files(archive: DDUFArchive | FolderPipeline, name: str, stored: M
         return ArchiveComponentFiles(archive, name, use_mmap=use_mmap, verify=verify, prefetcher=prefetcher)
     raise DDUFLoadError(f"component {name!r} is named in model_index.json but {archive.path} neither stores nor "
                         f"references it; pass it as an argument: load_dduf(..., {name}=...)")
-
-
-def _describe_reference(reference: Any) -> str:
-    if isinstance(reference, Mapping):
-        repo = reference.get("pretrained_model_name_or_path")
-        sub = reference.get("subfolder")
-        return f"{repo}/{sub}" if repo and sub else str(repo or reference)
-    return str(reference)
 
 
 def _queue_prefetch(files: ComponentFiles, variant: str | None) -> None:

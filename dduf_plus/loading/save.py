@@ -42,6 +42,7 @@ from ..format import spec
 from ..format.chat_template import TEMPLATE_DIR, is_template_name
 from ..format.pack import EntrySource, PackResult, Skipped, fold_sources, write_archive
 from ..format.structure import component_specs
+from ..format.weights import weights_name
 from ..packing.identity import SourcesCopy
 from ..packing.partial import BaseComparer, model_index_with, warn_local_paths
 from ..packing.tensor_stream import DtypeRule, tensor_bytes, tensor_source  # noqa: F401 (tensor_bytes re-exported)
@@ -199,7 +200,7 @@ def _component_sources(
         weights: EntrySource | None = None
         if isinstance(component, ModelMixin):
             quanto = _quanto_state(component)
-            entry = f"{name}/{_weights_name('diffusion_pytorch_model.safetensors', variant)}"
+            entry = f"{name}/{weights_name('diffusers', variant)}"
             component.save_config(folder)  # exactly ModelMixin.save_pretrained's config step
             keep = _keep_in_fp32(component)
             if getattr(component, "hf_quantizer", None) is not None:  # bitsandbytes, torchao, SDNQ...
@@ -211,7 +212,7 @@ def _component_sources(
         elif transformers_model is not None and isinstance(component, transformers_model):
             _refuse_quantized(name, component)
             quanto = _quanto_state(component)
-            entry = f"{name}/{_weights_name('model.safetensors', variant)}"
+            entry = f"{name}/{weights_name('transformers', variant)}"
             keep = _keep_in_fp32(component)
             if quanto is not None:  # the state dict quanto_state gives is the one load_quanto_component takes
                 weights, record, converted = _quanto_sources(name, entry, quanto, folder, dtype, keep, explicit)
@@ -241,13 +242,6 @@ def _transformers_model_class() -> type[Any] | None:
     from transformers import PreTrainedModel
 
     return PreTrainedModel
-
-
-def _weights_name(name: str, variant: str | None) -> str:
-    if not variant:
-        return name
-    stem, ext = name.rsplit(".", 1)
-    return f"{stem}.{variant}.{ext}"
 
 
 def _refuse_quantized(name: str, model: Any) -> None:

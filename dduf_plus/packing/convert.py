@@ -129,7 +129,7 @@ class ComponentRules:
         construction budget (a config asking for far more is refused: the archive would not load)."""
         self.component = component
         self.library, self.class_name = library, class_name
-        self.cls = _import_class(library, class_name)
+        self.cls = import_class(library, class_name)
         self.model: torch.nn.Module | None = None
         if self.cls is not None and config is not None:
             try:
@@ -206,7 +206,7 @@ def _as_list(value: Any) -> list[str]:
     return [v for v in value if isinstance(v, str)]
 
 
-def _import_class(library: str | None, class_name: str | None) -> type[Any] | None:
+def import_class(library: str | None, class_name: str | None) -> type[Any] | None:
     if not library or not class_name:
         return None
     try:

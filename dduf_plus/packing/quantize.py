@@ -33,6 +33,7 @@ from ..assignments import PackNameError, check_names, closest, parse_assignments
 from ..errors import DDUFPackError
 from ..format.pack import EntrySource, FolderPlan
 from ..format.structure import component_specs
+from ..format.weights import classify, weights_name
 from .backend_import import offline_imports
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -52,7 +53,6 @@ SCHEMES: dict[str, str] = {  # --quantize name -> what it is, in the backend's w
 ALIASES = {"bitsandbytes-nf4": "bnb-nf4", "bitsandbytes-fp4": "bnb-fp4", "bitsandbytes-int8": "bnb-int8",
            "torchao-int8_weight_only": "torchao-int8", "torchao-int8wo": "torchao-int8", "sdnq-fp8": "sdnq-float8_e4m3fn"}
 BATCH_BYTES = 32 << 20  # source tensors handed to diffusers' loader at once
-WEIGHTS = "diffusion_pytorch_model.safetensors"
 
 
 def scheme_name(text: str, what: str = "--quantize ") -> str:
@@ -173,8 +173,9 @@ def quantize_component(component: str, class_spec: Any, sources: list[EntrySourc
                             f"({quant_rules.backend_of(config)}); pack it as it is")
     model = quantized_model(component, class_spec, config, weights, scheme, dtype)
     state, metadata = backend_state(component, model)
-    variant = _variant_of(weights[0].name, component)
-    entry = tensor_source(f"{component}/{_weights_name(variant)}", state, metadata=metadata, what=component)
+    stored = classify(weights[0].name.rsplit("/", 1)[-1])  # fp16 of unet/diffusion_pytorch_model.fp16.safetensors
+    variant = stored.variant if stored is not None else None
+    entry = tensor_source(f"{component}/{weights_name('diffusers', variant)}", state, metadata=metadata, what=component)
     with tempfile.TemporaryDirectory(prefix="dduf-quantize-") as tmp:
         model.save_config(tmp)  # ModelMixin.save_pretrained's config step: quantization_config included
         config_bytes = (Path(tmp) / "config.json").read_bytes()
@@ -187,17 +188,6 @@ def quantize_component(component: str, class_spec: Any, sources: list[EntrySourc
     return [*others, EntrySource(config_source.name, data=config_bytes), entry], record
 
 
-def _variant_of(entry: str, component: str) -> str | None:
-    """``fp16`` of ``unet/diffusion_pytorch_model.fp16.safetensors`` (or of a shard of it)."""
-    stem = entry.removeprefix(f"{component}/").removesuffix(".safetensors").split("-")[0]
-    parts = stem.split(".")
-    return parts[1] if len(parts) > 1 else None
-
-
-def _weights_name(variant: str | None) -> str:
-    return WEIGHTS if not variant else WEIGHTS.replace(".safetensors", f".{variant}.safetensors")
-
-
 def quantized_model(component: str, class_spec: Any, config: Mapping[str, Any], weights: list[EntrySource],
                     scheme: Any, dtype: Any) -> Any:
     """The model diffusers' ``from_pretrained(folder, quantization_config=..., torch_dtype=dtype)`` builds, fed one
@@ -205,11 +195,11 @@ def quantized_model(component: str, class_spec: Any, config: Mapping[str, Any], 
     from diffusers.models.model_loading_utils import load_model_dict_into_meta
     from diffusers.quantizers import DiffusersAutoQuantizer
 
-    from .convert import _import_class
+    from .convert import import_class
     from .meta_model import is_diffusers_model, meta_model
 
     library, class_name = class_spec
-    cls = _import_class(library, class_name)
+    cls = import_class(library, class_name)
     if cls is None or not is_diffusers_model(cls):
         raise DDUFPackError(f"--quantize {component}: {library}.{class_name} is not a diffusers model (transformers "
                             "components: quantize them with transformers and pack the saved folder)")

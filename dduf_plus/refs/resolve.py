@@ -28,7 +28,9 @@ from ..assignments import ReferenceNameError, check_names, parse_assignments
 from ..errors import DDUFError, DDUFIntegrityError, DDUFReferenceError
 from ..format.references import reference_problem
 from ..format.spec import CONFIG_FILES
+from ..remote.hub import is_repo_id
 from ..storage.confined import Confined, component_name_problem, plain_name
+from ..storage.hub_env import env_true, is_offline
 from . import cache as _cache
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -39,7 +41,6 @@ logger = logging.getLogger(__name__)
 SpecLike = str | os.PathLike
 
 # --- SPEC syntax ---------------------------------------------------------------------------------------
-_REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*(/[A-Za-z0-9_.\-]+)?$")
 _SUBFOLDER = re.compile(r"^[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*$")
 
 
@@ -90,7 +91,7 @@ def parse_spec(spec: SpecLike) -> Spec:
     if os.path.isdir(os.path.expanduser(source)) or source.startswith(("/", ".", "~", "\\")) or os.path.isabs(source):
         return Spec("folder", _abspath(source), None, subfolder)
     repo, _, revision = source.partition("@")
-    if not _REPO_ID.match(repo) or ".." in repo or (_ and not revision):
+    if not is_repo_id(repo, namespaced=False) or (_ and not revision):
         raise DDUFReferenceError(f"reference {text!r} is not an existing folder, a .dduf file or a Hub repo id "
                                  "(SPEC syntax: SOURCE[@REVISION][:SUBFOLDER])")
     return Spec("hub", repo, revision or None, subfolder)
@@ -156,18 +157,27 @@ def reference_spec(reference: Mapping[str, Any]) -> Spec | None:
         return Spec("url", location, None, sub)  # a hosted archive; any other URL is never fetched
     if location.endswith(".dduf"):
         return Spec("dduf", location, None, sub)
-    if os.path.isabs(location) or location.startswith((".", "~")) or not _REPO_ID.match(location):
+    if os.path.isabs(location) or location.startswith((".", "~")) or not is_repo_id(location, namespaced=False):
         return Spec("folder", location, None, sub)
     return Spec("hub", location, rev, sub)
 
 
-def describe_reference(name: str, reference: Mapping[str, Any]) -> str:
-    spec = reference_spec(reference)
+REFERENCE_KINDS = {"hub": "Hub repo", "url": "hosted archive", "dduf": "archive", "folder": "folder"}
+
+
+def describe_reference(name: str, reference: Any) -> str:
+    """Where the referenced component ``name`` comes from, in words: the one text ``dduf info``, the serve page
+    and every reference error show. ``org/repo@rev:vae (Hub repo)``, ``https://host/base.dduf:vae (hosted
+    archive)``, ``/data/base.dduf:vae (archive)``; ``no source recorded`` when the record names none. The record
+    is untrusted: one of any shape is described, never a crash."""
+    try:
+        spec = reference_spec(reference) if isinstance(reference, Mapping) else None
+    except Exception:  # noqa: BLE001 - an untrusted record of any shape
+        spec = None
     if spec is None:
         return "no source recorded"
-    sub = spec.subfolder or name
     rev = f"@{spec.revision}" if spec.revision else ""
-    return f"{spec.location}{rev}:{sub}" if sub != name else f"{spec.location}{rev}"
+    return f"{spec.location}{rev}:{spec.subfolder or name} ({REFERENCE_KINDS[spec.kind]})"
 
 
 # --- the result ----------------------------------------------------------------------------------------
@@ -188,6 +198,18 @@ class _Attempt(NamedTuple):
     what: str
     problem: str
     mismatch: bool  # the source had the files, with the wrong content
+
+
+class Problem(NamedTuple):
+    """What a candidate source gets wrong about one recorded file: the sentence for messages, and whether the
+    file is absent there (a copy without the file is no mismatch: the next candidate is tried, even with
+    ``verify=False``)."""
+
+    text: str
+    missing: bool = False
+
+    def __str__(self) -> str:
+        return self.text
 
 
 class _Candidate(NamedTuple):
@@ -216,20 +238,20 @@ def _recorded_files(reference: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
 
 # --- checking ------------------------------------------------------------------------------------------
 def _check_folder_files(component: str, files: Mapping[str, Path], recorded: Mapping[str, Mapping[str, Any]],
-                        source: str, opts: _Options) -> tuple[bool, list[str]]:
+                        source: str, opts: _Options) -> tuple[bool, list[Problem]]:
     """Compare files on disk with the reference. Returns (all hashes known and equal, problems)."""
     hv = _cache.verified_hashes()
-    problems: list[str] = []
+    problems: list[Problem] = []
     all_known = True
     for fname, rec in sorted(recorded.items()):
         path = files.get(fname)
         where = f"{component}/{fname} from {source}"
         if path is None or not path.is_file():
-            problems.append(f"{component}/{fname} is missing in {source}")
+            problems.append(Problem(f"{component}/{fname} is missing in {source}", missing=True))
             continue
         size = path.stat().st_size
         if rec.get("size") is not None and size != rec["size"]:
-            problems.append(f"{where}: {size} bytes, the reference records {rec['size']}")
+            problems.append(Problem(f"{where}: {size} bytes, the reference records {rec['size']}"))
             continue
         want, want_git = rec.get("sha256"), rec.get("git_sha1")
         if want:
@@ -239,12 +261,12 @@ def _check_folder_files(component: str, files: Mapping[str, Path], recorded: Map
             if got is None:
                 all_known = False
             elif got != want:
-                problems.append(f"{where}: sha256 {got} differs from the recorded {want} ({path})")
+                problems.append(Problem(f"{where}: sha256 {got} differs from the recorded {want} ({path})"))
         elif want_git:
             if opts.hash_files and opts.verify:
                 got = _cache.git_blob_sha1_file(path)
                 if got != want_git:
-                    problems.append(f"{where}: git blob sha1 {got} differs from the recorded {want_git} ({path})")
+                    problems.append(Problem(f"{where}: git blob sha1 {got} differs from the recorded {want_git} ({path})"))
             else:
                 all_known = False
         else:
@@ -253,26 +275,26 @@ def _check_folder_files(component: str, files: Mapping[str, Path], recorded: Map
 
 
 def _check_archive(component: str, archive: DDUFArchive, member: str,
-                   recorded: Mapping[str, Mapping[str, Any]], source: str, opts: _Options) -> tuple[bool, list[str]]:
+                   recorded: Mapping[str, Mapping[str, Any]], source: str, opts: _Options) -> tuple[bool, list[Problem]]:
     """Entries of another archive against the reference. That archive's own index hashes are claims of
     its writer, so each entry is hashed here once and remembered by the archive's stat."""
     hv = _cache.verified_hashes()
-    problems: list[str] = []
+    problems: list[Problem] = []
     all_known = True
     if member not in archive.components:
-        return False, [f"{source} has no component {member!r}"]
+        return False, [Problem(f"{source} has no component {member!r}")]
     comp = archive.components[member]
     if comp.external is not None and not comp.files:
-        return False, [f"{source} does not store {member!r} either (it references it)"]
+        return False, [Problem(f"{source} does not store {member!r} either (it references it)")]
     for fname, rec in sorted(recorded.items()):
         entry_name = f"{member}/{fname}"
         where = f"{component}/{fname} from {source} (entry {entry_name})"
         if entry_name not in archive:
-            problems.append(f"{component}/{fname} is missing in {source} (no entry {entry_name})")
+            problems.append(Problem(f"{component}/{fname} is missing in {source} (no entry {entry_name})", missing=True))
             continue
         entry = archive.entry(entry_name)
         if rec.get("size") is not None and entry.length != rec["size"]:
-            problems.append(f"{where}: {entry.length} bytes, the reference records {rec['size']}")
+            problems.append(Problem(f"{where}: {entry.length} bytes, the reference records {rec['size']}"))
             continue
         want = rec.get("sha256")
         want_git = rec.get("git_sha1")
@@ -286,13 +308,13 @@ def _check_archive(component: str, archive: DDUFArchive, member: str,
                 view.release()
             hv.remember(archive.path, got, member=entry_name)
             if git is not None and git != want_git:
-                problems.append(f"{where}: git blob sha1 {git} differs from the recorded {want_git}")
+                problems.append(Problem(f"{where}: git blob sha1 {git} differs from the recorded {want_git}"))
                 continue
         if want:
             if got is None:
                 all_known = False
             elif got != want:
-                problems.append(f"{where}: sha256 {got} differs from the recorded {want}")
+                problems.append(Problem(f"{where}: sha256 {got} differs from the recorded {want}"))
         elif not (want_git and got is not None):
             all_known = False
     return all_known and not problems, problems
@@ -388,7 +410,7 @@ def _check_recorded_host(url: str) -> None:
     override lifts it. ``hf://`` goes to the configured Hub endpoint, like a Hub reference."""
     from ..storage.urls import host_problem
 
-    if url.lower().startswith("hf://") or _cache._is_true(os.environ.get(ALLOW_PRIVATE_ENV)):
+    if url.lower().startswith("hf://") or env_true(os.environ.get(ALLOW_PRIVATE_ENV)):
         return
     why = host_problem(url)
     if why:
@@ -444,7 +466,7 @@ def _download_candidate(spec: Spec, name: str, recorded: Mapping[str, Mapping[st
     def get() -> tuple[str, Any]:
         if local_files_only:
             raise _Skip("not downloaded: local_files_only=True")
-        if _cache.is_offline():
+        if is_offline():
             raise _Skip("not downloaded: HF_HUB_OFFLINE is set")
         from ..remote.hub import hub_unreachable
 
@@ -474,7 +496,7 @@ def _candidates(name: str, reference: Mapping[str, Any], recorded: Mapping[str, 
         if spec.kind == "dduf":
             return [_dduf_candidate(how, spec, name)]
         if spec.kind == "url":
-            offline = local_files_only or _cache.is_offline()
+            offline = local_files_only or is_offline()
             return [_hosted_candidate(how, spec, name, recorded, fetch=download and not offline,
                                       offline=offline, token=token)]
         out = [_hf_cache_candidate(spec, name, revision, cache_dir)]
@@ -643,9 +665,9 @@ def _try(name: str, cand: _Candidate, kind: str, value: Any, recorded: Mapping[s
             folder = None
         result = Located(name, cand.how, source, folder, None, None, files, known)
     if problems:
-        missing = [p for p in problems if " is missing in " in p]
+        missing = [p for p in problems if p.missing]
         if missing or opts.verify:
-            attempts.append(_Attempt(source, "; ".join(problems[:3]) + ("; ..." if len(problems) > 3 else ""),
+            attempts.append(_Attempt(source, "; ".join(map(str, problems[:3])) + ("; ..." if len(problems) > 3 else ""),
                                      not missing))
             return None
         for p in problems:
@@ -692,7 +714,7 @@ def check_references(
                                    download=False)
         except DDUFReferenceError as e:
             spec = reference_spec(reference) if isinstance(reference, Mapping) else None
-            online = spec is not None and spec.kind in ("hub", "url") and not (local_files_only or _cache.is_offline())
+            online = spec is not None and spec.kind in ("hub", "url") and not (local_files_only or is_offline())
             reason = str(e)
             if online and spec is not None and spec.kind == "hub":
                 from ..remote.hub import hub_unreachable

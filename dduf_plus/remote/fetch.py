@@ -59,7 +59,9 @@ from ..errors import (
     DDUFUsageError,
 )
 from ..format import spec
+from ..format.open_plan import open_ranges
 from ..storage.confined import Confined
+from ..storage.hub_env import is_offline
 from . import partials
 from .intervals import Intervals
 from .readers import RangeReader, RemoteOptions, open_reader
@@ -70,11 +72,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 logger = logging.getLogger("dduf_plus.remote.fetch")
 
-METADATA_MAX_ENTRY = 4 << 20  # other entries up to this size come with the metadata (configs, tokenizers)
 MERGE_GAP = 256 << 10  # metadata ranges closer than this are read as one request
 PROGRESS_EVERY_S = 0.5
-HEADER_GUESS = 1 << 20  # safetensors header bytes fetched with the metadata when no index says how many
-EXTRA_GUESS = 4096 + 64  # a local header's extra field when no index says where the data starts (alignment)
 _HASH_BLOCK = 8 << 20
 WRITE_BEHIND_MIN = 64 << 20  # smaller archives go straight to the cache file (the disk keeps up with them)
 
@@ -170,27 +169,12 @@ class RemoteFetch:
         return sorted(out, key=lambda e: e.header_offset)
 
     def _metadata_ranges(self) -> list[tuple[int, int]]:
-        """What opening the archive reads: every local header, the small entries, each safetensors header
-        (where the index does not say where data and tensors start: a guess, the rest comes in order)."""
-        files = self.tail.file_records()
-        ranges = []
-        for e in self._entries:
-            found = files.get(e.name)
-            info: dict[str, Any] = found if isinstance(found, dict) else {}
-            indexed = e.index_offset is not None and e.index_offset >= e.head_end
-            data_at = e.index_offset if indexed and e.index_offset is not None else e.head_end + EXTRA_GUESS
-            end = data_at  # a large entry: its local header only
-            if not e.name.endswith(".safetensors") and e.size <= METADATA_MAX_ENTRY:
-                end = data_at + e.size
-            elif e.name.endswith(".safetensors"):
-                tensors_at = info.get("tensor_data_offset")
-                if indexed and isinstance(tensors_at, int) and data_at <= tensors_at <= data_at + e.size:
-                    end = tensors_at
-                elif not indexed:
-                    end = data_at + min(e.size, HEADER_GUESS)
-            ranges.append((e.header_offset, min(end, self.tail.cd_offset)))
+        """What opening the archive reads (:func:`dduf_plus.format.open_plan.open_ranges`, the one planner), as
+        ``(start, end)`` spans, neighbours closer than :data:`MERGE_GAP` merged into one request."""
+        planned = open_ranges(self.tail.records, self.tail.cd_offset, self.tail.file_records(), small_entries=True)
         merged: list[tuple[int, int]] = []
-        for start, end in sorted(ranges):
+        for start, length in sorted(planned):
+            end = start + length
             if merged and start - merged[-1][1] <= MERGE_GAP:
                 merged[-1] = (merged[-1][0], max(merged[-1][1], end))
             else:
@@ -855,14 +839,14 @@ def open_remote(url: str, options: RemoteOptions | dict[str, Any] | None = None,
     """
     options = RemoteOptions.of(options)
     if not options.cache:  # keep nothing: no cache folder is read or written
-        if local_files_only or _offline():
+        if local_files_only or is_offline():
             raise DDUFNotFoundError(f"{url}: remote cache=False fetches the archive, which local_files_only/"
                                     "HF_HUB_OFFLINE forbids", url)
         reader, tail = _read_with_hint(url, options, {})
         return _started(RemoteFetch(url, options, None, tail, reader, "memory"), reader)
     cache = Confined(options.folder())
     record = _read_record(cache, url)
-    if local_files_only or _offline():
+    if local_files_only or is_offline():
         known = _offline_hit(cache, url, record)
         if known is not None:
             return known
@@ -891,10 +875,6 @@ def _started(fetch: RemoteFetch, reader: RangeReader) -> RemoteFetch:
         reader.close()
         raise
     return fetch
-
-
-def _offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _sink(options: RemoteOptions, folder: Path, size: int, in_memory: bool) -> str:

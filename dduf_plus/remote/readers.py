@@ -13,13 +13,13 @@ from typing import Any, Protocol
 
 from ..errors import DDUFError, DDUFIOError, DDUFNotFoundError, DDUFUsageError
 from ..storage.http_range import (
-    _HTTP_BODY_CHUNK,
     DEFAULT_DEADLINE_S,
+    HTTP_BODY_CHUNK,
     WHOLE_FILE_BELOW,
+    HTTPFailure,
     HTTPSource,
-    _Budget,
-    _HTTPFailure,
-    _short,
+    RemoteBudget,
+    short_text,
 )
 from ..storage.source import check_length
 from ..storage.urls import check_url
@@ -109,7 +109,7 @@ class RangeReader(Protocol):
     def close(self) -> None: ...
 
 
-def _extend_deadline(budget: _Budget, size: int, explicit: float | None) -> None:
+def _extend_deadline(budget: RemoteBudget, size: int, explicit: float | None) -> None:
     """Without an explicit deadline, allow a large archive time in proportion to its size."""
     if explicit is None and not os.environ.get("DDUF_REMOTE_DEADLINE", "").strip():
         budget.deadline_s = DEFAULT_DEADLINE_S + size / DEADLINE_RATE
@@ -144,12 +144,12 @@ class _IntoSource(HTTPSource):
         got = 0
         while got < length:
             self._budget.remaining()  # the deadline, between socket reads (a trickle is cut off)
-            n = response.readinto(out[got:min(length, got + _HTTP_BODY_CHUNK)])
+            n = response.readinto(out[got:min(length, got + HTTP_BODY_CHUNK)])
             if not n:
                 self.close()
                 if self._expired:
                     raise self._budget.expired()
-                raise _HTTPFailure(f"the connection closed after {got} of {length} bytes")
+                raise HTTPFailure(f"the connection closed after {got} of {length} bytes")
             got += n
         self._filled = True
         return out
@@ -213,7 +213,7 @@ class FsspecRanges:
         import fsspec
 
         self.url = url
-        self._budget = _Budget(url, options.deadline, options.max_bytes)
+        self._budget = RemoteBudget(url, options.deadline, options.max_bytes)
         try:
             self._fs, self._path = fsspec.core.url_to_fs(url, **(options.storage_options or {}))
             info = self._fs.info(self._path)
@@ -222,7 +222,7 @@ class FsspecRanges:
         except DDUFError:
             raise
         except Exception as e:  # every backend's own network and protocol errors
-            raise DDUFIOError(f"cannot open {url}: {type(e).__name__}: {_short(e, 300)}") from None
+            raise DDUFIOError(f"cannot open {url}: {type(e).__name__}: {short_text(e, 300)}") from None
         reported = info.get("size") if isinstance(info, dict) else None
         if not isinstance(reported, int) or reported < 0:
             raise DDUFIOError(f"cannot open {url}: the file system does not report its size")
@@ -239,7 +239,7 @@ class FsspecRanges:
             data = self._fs.cat_file(self._path, start=offset, end=offset + length)
         except Exception as e:
             raise DDUFIOError(f"{self.url}: read of {length} bytes at {offset} failed: "
-                              f"{type(e).__name__}: {_short(e, 300)}") from None
+                              f"{type(e).__name__}: {short_text(e, 300)}") from None
         self._budget.settle(length, len(data))  # what the backend handed over counts, not what was asked
         check_length(self.url, offset, length, data)
         return data

@@ -28,7 +28,7 @@ from ..format.findings import Finding, finding
 from ..format.structure import parse_json
 
 # The validator's ZIP record checks, applied to the tail's bytes alone (no entry data is read).
-from ..format.zipfmt import ZipEntry, _parse_central_directory, _read_central_directory, _read_end_records
+from ..format.zipfmt import ZipEntry, parse_central_directory, read_central_directory, read_end_records
 from ..storage.http_range import SUFFIX_BYTES
 from .readers import RangeReader
 
@@ -110,7 +110,7 @@ def _directory(url: str, reader: RangeReader, start: int, data: bytes) -> tuple[
     size = reader.size
     findings: list[Finding] = []
     try:
-        directory = _read_end_records(_TailBytes(url, size, start, data), findings)
+        directory = read_end_records(_TailBytes(url, size, start, data), findings)
     except _Short:  # it looked before the guess: no end record in the last 22 bytes (DDUF has no comment)
         directory = None
         findings.append(finding("Z001", None, "no end-of-central-directory record at the end of the file"))
@@ -122,8 +122,8 @@ def _directory(url: str, reader: RangeReader, start: int, data: bytes) -> tuple[
                                         f"{directory.cd_offset} is out of bounds")])
         data = reader.read(directory.cd_offset, start - directory.cd_offset) + data
         start = directory.cd_offset
-    cd = _read_central_directory(_TailBytes(url, size, start, data), directory, findings)
-    records = _parse_central_directory(cd, directory.entry_count, findings) if cd is not None else None
+    cd = read_central_directory(_TailBytes(url, size, start, data), directory, findings)
+    records = parse_central_directory(cd, directory.entry_count, findings) if cd is not None else None
     findings.extend(_check_tiling(records or [], directory.cd_offset))
     if records is None or any(f.severity == "error" for f in findings):
         raise _refuse(url, findings)

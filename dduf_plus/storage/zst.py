@@ -19,7 +19,7 @@ A ``.zst`` is untrusted like the archive inside: decompression has a budget (:cl
 an absolute cap, a ratio cap above a floor, and the free disk space), checked before writing when the
 stream announces its size and enforced while decoding when it does not.
 
-:func:`cached_decompress` (in :mod:`dduf_plus.storage.zst_cache`, importable from here) decompresses once
+:func:`~dduf_plus.storage.zst_cache.cached_decompress` decompresses once
 into a cache keyed by the sha256 of the ``.zst`` file and returns the plain archive, which loaders then
 mmap as usual; every hit is verified against content.
 
@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from ..errors import DDUFError, DDUFFormatError, DDUFIntegrityError, DDUFUsageError, io_error
+from ..sizes import format_size, parse_size
 from .cache_dirs import CACHE_ENV  # noqa: F401 (re-exported: tests and zst_cache name it here)
 from .confined import Confined
 from .progress import progress_bar  # huggingface_hub's tqdm, silent off a TTY
@@ -97,7 +98,7 @@ def is_zst(path: str | os.PathLike) -> bool:
     return os.fspath(path).endswith(".zst")
 
 
-def _zstd() -> Any:
+def zstd_module() -> Any:
     try:
         import zstandard
     except ImportError:  # a declared dependency; only a broken install gets here
@@ -145,7 +146,7 @@ def _same_file(a: Path, b: Path) -> bool:
         return False
 
 
-def _open_input(src: Path) -> tuple[int, int]:
+def open_input(src: Path) -> tuple[int, int]:
     try:
         fd = os.open(src, os.O_RDONLY | getattr(os, "O_BINARY", 0))
     except OSError as e:
@@ -195,12 +196,12 @@ def compress(
     Raises:
         DDUFError: ``src`` cannot be read, or ``dst`` is ``src``.
     """
-    zstd = _zstd()
+    zstd = zstd_module()
     src, dst = Path(src), Path(dst)
     _check_compress_args(zstd, src, dst, level, frame_size)
     started = time.perf_counter()
     cctx = _compressor(zstd, level, threads, long)
-    fd_in, total = _open_input(src)
+    fd_in, total = open_input(src)
     bar = _progress(total, dst.name, quiet)
     try:
         with _atomic_output(dst) as fd_out:
@@ -254,7 +255,7 @@ def _write_frame(cctx: Any, fd_in: int, fd_out: int, frame_start: int, frame_len
                  buffer: bytearray, bar: Any, src: Path) -> int:
     """Compress input ``[frame_start, frame_start + frame_len)`` as one fresh frame (independent of the
     others) written at ``position``, in ``IO_CHUNK`` reads; returns its compressed size."""
-    zstd = _zstd()
+    zstd = zstd_module()
     cobj = cctx.compressobj(size=frame_len)
     written = 0
     done = 0
@@ -281,7 +282,7 @@ def read_layout(fd: int, size: int, name: str = "<stream>") -> StreamLayout:
     Raises:
         DDUFFormatError: a dduf_plus stream whose seek table is missing (truncated) or inconsistent.
     """
-    zstd = _zstd()
+    zstd = zstd_module()
     total = frame_size = None
     if size >= HEADER_FRAME_SIZE:
         head = os.pread(fd, HEADER_FRAME_SIZE, 0)
@@ -341,9 +342,7 @@ DEFAULT_MAX_RATIO = 16.0  # an order of magnitude over real pipelines' 1.1x
 RATIO_FLOOR = 256 * MiB  # any ratio is fine below this
 DISK_RESERVE = 256 * MiB  # decompression never fills a disk to its last bytes
 RAISE_HINT = f"max_decompressed= in Python, --max-decompressed on the command line, or ${MAX_DECOMPRESSED_ENV}"
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
 _RATIO = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*x\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
 class DecompressionBudgetError(DDUFError):
@@ -374,9 +373,9 @@ class DecompressionBudget:
         return min(limits) if limits else None
 
     def __str__(self) -> str:
-        parts = [] if self.max_bytes is None else [f"at most {human_size(self.max_bytes)}"]
+        parts = [] if self.max_bytes is None else [f"at most {format_size(self.max_bytes, binary=True)}"]
         if self.max_ratio is not None:
-            parts.append(f"at most {self.max_ratio:g}x the compressed size above {human_size(RATIO_FLOOR)}")
+            parts.append(f"at most {self.max_ratio:g}x the compressed size above {format_size(RATIO_FLOOR, binary=True)}")
         return f"{self.origin} ({', '.join(parts) or 'unlimited'})"
 
     @classmethod
@@ -391,8 +390,8 @@ class DecompressionBudget:
         max_bytes: int | None = None
         max_ratio: float | None = None
         for part in text.split(","):
-            if (m := _SIZE.match(part)) and max_bytes is None:
-                max_bytes = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+            if (size := parse_size(part)) is not None and max_bytes is None:
+                max_bytes = size
             elif (m := _RATIO.match(part)) and max_ratio is None and float(m.group(1)) > 0:
                 max_ratio = float(m.group(1))
             else:
@@ -421,15 +420,7 @@ def decompression_budget(value: BudgetLike = None) -> DecompressionBudget:
     return DecompressionBudget()
 
 
-def human_size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
-
-
-def _free_bytes(folder: Path) -> int:
+def free_bytes(folder: Path) -> int:
     try:
         return shutil.disk_usage(folder).free - DISK_RESERVE
     except OSError:  # a file system that does not say: let the writes themselves fail
@@ -450,7 +441,7 @@ def _allowance(name: str, compressed: int, announced: int | None, budget: Decomp
     limit = budget.limit(compressed)
     if announced is not None and limit is not None and announced > limit:
         raise _over_budget(name, compressed, announced, limit, budget, announced=True)
-    free = _free_bytes(out_dir)
+    free = free_bytes(out_dir)
     if announced is not None:
         if announced > free:
             raise _no_space(name, announced, free, out_dir)
@@ -465,11 +456,11 @@ def _allowance(name: str, compressed: int, announced: int | None, budget: Decomp
 def _over_budget(name: str, compressed: int, size: int, limit: int, budget: DecompressionBudget, *,
                  announced: bool) -> DecompressionBudgetError:
     ratio = size / compressed if compressed else float("inf")
-    what = (f"announces {human_size(size)} of output" if announced
-            else f"decompressed past {human_size(size)} without announcing its size (stopped there)")
+    what = (f"announces {format_size(size, binary=True)} of output" if announced
+            else f"decompressed past {format_size(size, binary=True)} without announcing its size (stopped there)")
     return DecompressionBudgetError(
-        f"{name}: the stream {what} from {human_size(compressed)} ({ratio:,.0f}x), over the decompression "
-        f"budget: {human_size(limit)} for this file under {budget}. If you trust the archive, raise the "
+        f"{name}: the stream {what} from {format_size(compressed, binary=True)} ({ratio:,.0f}x), over the decompression "
+        f"budget: {format_size(limit, binary=True)} for this file under {budget}. If you trust the archive, raise the "
         f"budget ({RAISE_HINT}: e.g. {_suggest(size if announced else 2 * size)} or 'unlimited')")
 
 
@@ -480,11 +471,11 @@ def _suggest(size: int) -> str:
 
 def _no_space(name: str, size: int | None, free: int, out_dir: Path) -> DecompressionBudgetError:
     """``size``: what the stream announces; None: it announces nothing and was cut off at ``free``."""
-    what = (f"decompressing needs {human_size(size)}, but {out_dir} has {human_size(max(free, 0))} free" if size
-            is not None else f"the stream announces no size and decoded past the {human_size(max(free, 0))} "
+    what = (f"decompressing needs {format_size(size, binary=True)}, but {out_dir} has {format_size(max(free, 0), binary=True)} free" if size
+            is not None else f"the stream announces no size and decoded past the {format_size(max(free, 0), binary=True)} "
             f"free in {out_dir}")
     return DecompressionBudgetError(
-        f"{name}: {what} (keeping {human_size(DISK_RESERVE)} spare): free disk space or decompress elsewhere "
+        f"{name}: {what} (keeping {format_size(DISK_RESERVE, binary=True)} spare): free disk space or decompress elsewhere "
         "(-o, $DDUF_PLUS_CACHE, $TMPDIR)")
 
 
@@ -564,7 +555,7 @@ def decompress(
         DDUFIntegrityError: a frame's content checksum does not match (corrupted data).
         DecompressionBudgetError: over the budget or the free disk space.
     """
-    _zstd()
+    zstd_module()
     src, dst = Path(src), Path(dst)
     if _same_file(src, dst):
         raise DDUFError(f"{dst}: output would overwrite the input")
@@ -581,9 +572,9 @@ def decompress_into(src: Path, fd_out: int, out_dir: Path, *, budget: Decompress
     """Decompress ``src`` into the open, empty file ``fd_out`` (on the file system of ``out_dir``, whose
     free space is checked). Returns (compressed bytes, decompressed bytes, frames). The caller owns the
     output file and removes it when this raises (see :func:`decompress`)."""
-    zstd = _zstd()
+    zstd = zstd_module()
     name = name or str(src)
-    fd_in, size = _open_input(src)
+    fd_in, size = open_input(src)
     try:
         layout = read_layout(fd_in, size, name)
         announced: int | None
@@ -734,15 +725,3 @@ def _walk_frames(zstd: Any, fd: int, size: int, name: str) -> list[tuple[int, in
         frames.append((offset, length, content))
         offset += length
     return frames
-
-
-# --- the cache (dduf_plus.storage.zst_cache; names kept here, imported on first use) ------------------
-_CACHE_NAMES = ("cache_root", "content_key", "cached_decompress", "validation_archive")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _CACHE_NAMES:
-        from . import zst_cache
-
-        return getattr(zst_cache, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
