@@ -121,7 +121,7 @@ def test_a_changed_size_is_refused(served, tmp_path):
         url = srv.url("tiny-sd.dduf")
         reader = fetch_module.open_reader(url, fetch_module.RemoteOptions(), size=10)
         with pytest.raises(DDUFIOError, match="now reports a size"):
-            reader.read(0, 5)
+            reader.read_at(0, 5)
         reader.close()
 
 

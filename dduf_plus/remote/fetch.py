@@ -786,18 +786,20 @@ class _LocalRanges:
     archive bound to its URL covers the URL)."""
 
     def __init__(self, url: str, path: Path):
-        self.url, self.path, self.size = url, path, path.stat().st_size
+        self.name, self.path, self.size = url, path, path.stat().st_size
+        self.bytes_read = 0
 
-    def read(self, offset: int, length: int) -> bytes:
+    def read_at(self, offset: int, length: int) -> bytes:
         with open(self.path, "rb") as f:
             f.seek(offset)
             data = f.read(length)
         if len(data) != length:
             raise DDUFIOError(f"{self.path}: short read at {offset}")
+        self.bytes_read += length
         return data
 
     def read_into(self, offset: int, out: memoryview) -> None:
-        out[:] = self.read(offset, len(out))
+        out[:] = self.read_at(offset, len(out))
 
     def remaining(self) -> float:
         return float("inf")

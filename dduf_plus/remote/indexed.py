@@ -48,12 +48,16 @@ _TOGETHER = 1 << 20  # a first read starting this far into an entry brings its h
 
 
 class _SourceReader:
-    """The RangeReader face of a ByteSource that :func:`~dduf_plus.remote.tail.read_tail` needs."""
+    """A ByteSource as the RangeReader :func:`~dduf_plus.remote.tail.read_tail` takes (the two methods it adds)."""
 
     def __init__(self, source: ByteSource):
-        self.source, self.url, self.size = source, source.name, source.size
+        self.source, self.name, self.size = source, source.name, source.size
 
-    def read(self, offset: int, length: int) -> bytes:
+    @property
+    def bytes_read(self) -> int:
+        return self.source.bytes_read
+
+    def read_at(self, offset: int, length: int) -> bytes:
         return self.source.read_at(offset, length)
 
     def read_into(self, offset: int, out: memoryview) -> None:
