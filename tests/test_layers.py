@@ -1,7 +1,7 @@
 """The import-layers contract: every import inside ``dduf_plus`` points down (or sideways within a floor).
 
-    base (errors, _version, dtype_names, assignments, sizes) < storage < format < refs, remote < packing <
-    loading < top (cli, serve, fs, compat, inspection, the package root)
+    base (errors, _version, dtype_names, assignments, sizes) < storage < format < refs, remote < torchkit <
+    packing < loading < top (cli, serve, fs, compat, inspection, the package root)
 
 Imports under ``if TYPE_CHECKING:`` are not counted (they never run). Lazy imports inside functions are: a
 lazy import that points up is still a layer pointing up, and two modules that import each other only inside
@@ -22,9 +22,10 @@ FLOORS: list[tuple[int, tuple[str, ...]]] = [
     (1, ("dduf_plus.storage",)),  # reading and storing bytes: sources, HTTP client, caches, confinement, zstd
     (2, ("dduf_plus.format",)),  # describing and checking bytes: ZIP, safetensors, index, rules, writer
     (3, ("dduf_plus.refs", "dduf_plus.remote")),
-    (4, ("dduf_plus.packing",)),
-    (5, ("dduf_plus.loading",)),
-    (6, ("dduf_plus.cli", "dduf_plus.serve", "dduf_plus.fs", "dduf_plus.compat", "dduf_plus.inspection",
+    (4, ("dduf_plus.torchkit",)),  # torch helpers packing and loading share: meta models, tensor streams
+    (5, ("dduf_plus.packing",)),
+    (6, ("dduf_plus.loading",)),
+    (7, ("dduf_plus.cli", "dduf_plus.serve", "dduf_plus.fs", "dduf_plus.compat", "dduf_plus.inspection",
          "dduf_plus.catalogue", "dduf_plus.hub")),
 ]
 ROOT = "dduf_plus"  # the package root re-exports everything lazily

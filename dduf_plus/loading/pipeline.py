@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -21,13 +22,14 @@ from ..errors import (
 from ..format.archive import DDUFArchive
 from ..format.validate import load_findings
 from ..format.weights import variants
-from ..packing.backend_import import offline_imports
 from ..storage.urls import is_url
+from ..torchkit.backend_import import offline_imports
 from .bridge import install_bridge
 from .components import build_component, did_you_mean, resolve_class
 from .dtypes import AUTO, requested_for, resolve_request
 from .files import ArchiveComponentFiles, ComponentFiles
 from .folder_source import FolderPipeline
+from .gated_files import gate
 from .gc_pause import collector_paused
 from .models import ModelRequest
 from .prefetch import Prefetcher
@@ -126,7 +128,7 @@ def load_dduf(
                    resolve_options={"refs": refs, "local_files_only": local_files_only, "token": token,
                                     "revision": revision, "cache_dir": cache_dir, "verify": verify},
                    use_mmap=use_mmap, verify=verify, allow_missing_weights=allow_missing_weights,
-                   before_build=fetch.gate if fetch is not None else None,
+                   before_build=functools.partial(gate, fetch) if fetch is not None else None,
                    build_order=fetch.prioritize if fetch is not None else None)
     try:
         pipe = _load(ctx, kwargs)

@@ -35,7 +35,7 @@ from ..format.quant_rules import (
     torchao_groups,
 )
 from ..format.safetensors_header import SafetensorsHeader, TensorInfo
-from ..packing.backend_import import import_backend
+from ..torchkit.backend_import import import_backend
 from .files import ComponentFiles
 from .quant_model import check_state_keys, empty_model, finish_model, torch_dtype
 

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..errors import DDUFLoadError
-from ..packing.meta_model import meta_model
+from ..torchkit.meta_model import meta_model
 from .files import ComponentFiles, tensor_metadata
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -33,7 +33,7 @@ def torch_dtype(dtype: Any) -> torch.dtype | None:
 
 def empty_model(model_cls: type[Any], config: Mapping[str, Any], where: str, files: ComponentFiles,
                 variant: str | None) -> torch.nn.Module:
-    """The model on the meta device (:func:`~dduf_plus.packing.meta_model.meta_model`), within the
+    """The model on the meta device (:func:`~dduf_plus.torchkit.meta_model.meta_model`), within the
     construction budget of the tensors ``files`` stores for ``variant`` (a config asking for 3,000 layers
     over a few stored ones ran 46 s here before it was refused); a class that is neither a diffusers nor a
     transformers model is refused."""

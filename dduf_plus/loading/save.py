@@ -17,7 +17,7 @@ state dict (``L.weight._data``, ``L.weight._scale``...) streamed in
 ``quantization`` record in the index, so both routes give the same archive.
 
 Models quantized by a diffusers quantizer (torchao, bitsandbytes, SDNQ) are stored as their
-``save_pretrained`` writes them (:mod:`~dduf_plus.packing.quant_state`); the archive equals ``dduf pack``
+``save_pretrained`` writes them (:mod:`~dduf_plus.torchkit.quant_state`); the archive equals ``dduf pack``
 of that folder (docs/precision.md, "Saving quantized pipelines")."""
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ from ..format.structure import component_specs
 from ..format.weights import weights_name
 from ..packing.identity import SourcesCopy
 from ..packing.partial import BaseComparer, model_index_with, warn_local_paths
-from ..packing.tensor_stream import DtypeRule, tensor_bytes, tensor_source  # noqa: F401 (tensor_bytes re-exported)
 from ..storage.confined import Confined
+from ..torchkit.tensor_stream import DtypeRule, tensor_bytes, tensor_source  # noqa: F401 (tensor_bytes re-exported)
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def save_dduf(
 
     Diffusers models quantized by their ``quantization_config`` (torchao, bitsandbytes nf4 / fp4 / int8, or any
     backend diffusers saves as safetensors, such as SDNQ) are stored as their ``save_pretrained`` writes them
-    (:mod:`~dduf_plus.packing.quant_state`), streamed from the live quantized tensors, with the index record
+    (:mod:`~dduf_plus.torchkit.quant_state`), streamed from the live quantized tensors, with the index record
     ``dduf pack`` gives such a folder; ``dtype`` does not apply to them (an error when the dict names them).
 
     Example:
@@ -256,9 +256,9 @@ def _refuse_quantized(name: str, model: Any) -> None:
 def _backend_sources(name: str, entry: str, model: Any, folder: Path, dtype: torch.dtype | None,
                      explicit: bool) -> tuple[EntrySource, dict[str, Any] | None]:
     """The weights entry of a model a diffusers quantizer quantized (what its ``save_pretrained`` writes:
-    :func:`~dduf_plus.packing.quant_state.backend_state`) and its index record (as ``dduf pack`` makes it)."""
+    :func:`~dduf_plus.torchkit.quant_state.backend_state`) and its index record (as ``dduf pack`` makes it)."""
     from ..format import quant_rules
-    from ..packing.quant_state import backend_state, quant_method
+    from ..torchkit.quant_state import backend_state, quant_method
 
     if dtype is not None:
         if explicit:
@@ -284,7 +284,7 @@ def _quanto_state(model: Any) -> tuple[dict[str, torch.Tensor], bytes] | None:
     cannot hold quanto layers unless optimum.quanto was imported."""
     if "optimum.quanto" not in sys.modules:
         return None
-    from .quant import quanto_state
+    from ..torchkit.quanto_state import quanto_state
 
     return quanto_state(model)
 
@@ -297,7 +297,7 @@ def _quanto_sources(
     ``save_quanto_component`` writes them), its ``quanto_qmap.json`` (written into ``folder``), its
     index record and whether any tensor gets converted. ``dtype`` converts floating tensors other than
     the quantized values (``._data``)."""
-    from .quant import QMAP_NAME, quanto_index_record
+    from ..format.quantization import QMAP_NAME, quanto_index_record
 
     tensors, qmap = quanto
     if dtype is not None and dtype not in QUANTO_CONVERTIBLE:
@@ -461,12 +461,12 @@ def weight_source(
     what: str = "",
     aligned: bool = False,
 ) -> EntrySource:
-    """:func:`~dduf_plus.packing.tensor_stream.tensor_source`; ``aligned=True`` lays the tensors out in
+    """:func:`~dduf_plus.torchkit.tensor_stream.tensor_source`; ``aligned=True`` lays the tensors out in
     :func:`~dduf_plus.loading.quant.aligned_order` (of their stored sizes) instead of safetensors' order, as
     ``save_quanto_component`` does, so that quantized int8 weights start 64-byte aligned and need no copy at load."""
     order = None
     if aligned:
-        from .quant import aligned_order
+        from ..torchkit.quanto_state import aligned_order
 
         rule = dtype_for or (lambda name, tensor: None)
         sizes = {}

@@ -33,7 +33,7 @@ other quantized components (diffusers ``quantization_config``) and fp8 targets f
 component are packed unchanged, or refused when ``--dtype`` names them.
 
 The model class's module tree comes from a skeleton built from the component's config on the meta device,
-within the construction budget of the weights the folder stores (:mod:`dduf_plus.packing.meta_model`): a
+within the construction budget of the weights the folder stores (:mod:`dduf_plus.torchkit.meta_model`): a
 config asking for far more (``num_layers: 3000`` over two stored layers) is a :class:`DDUFPackError`
 within a second or so, not a minute of construction; such an archive would not load anyway.
 
@@ -76,7 +76,7 @@ from ..format.quantization import QMAP_NAME as QUANTO_QMAP
 from ..format.safetensors_header import SafetensorsHeader, TensorInfo, parse_header
 from ..format.structure import component_specs
 from ..format.weights import classify
-from .meta_model import ConstructionBudgetError, StoredTensors, is_diffusers_model, meta_model
+from ..torchkit.meta_model import ConstructionBudgetError, StoredTensors, is_diffusers_model, meta_model
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 The component is quantized by diffusers' own quantizer, fed from the full-precision source a batch of tensors at a
 time (at most :data:`BATCH_BYTES`, 32 MiB, of source tensors in memory, each read with ``pread``: no mmap keeps pages
 resident), and written as its ``save_pretrained`` would write it
-(:func:`~dduf_plus.packing.quant_state.backend_state`): the same tensors, safetensors ``__metadata__`` and
+(:func:`~dduf_plus.torchkit.quant_state.backend_state`): the same tensors, safetensors ``__metadata__`` and
 ``config.json`` (with its ``quantization_config``) as quantizing with diffusers
 (``from_pretrained(quantization_config=...)``) then packing the saved folder. Peak memory is the quantized
 component plus one batch, never the whole component in full precision.
@@ -34,7 +34,7 @@ from ..errors import DDUFPackError
 from ..format.pack import EntrySource, FolderPlan
 from ..format.structure import component_specs
 from ..format.weights import classify, weights_name
-from .backend_import import offline_imports
+from ..torchkit.backend_import import offline_imports
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -160,8 +160,8 @@ def quantize_component(component: str, class_spec: Any, sources: list[EntrySourc
                        dtype: Any) -> tuple[list[EntrySource], dict[str, Any] | None]:
     """One component quantized: (its new sources: config.json, the weights entry, its other files; index record)."""
     from ..format import quant_rules
-    from .quant_state import backend_state
-    from .tensor_stream import tensor_source
+    from ..torchkit.quant_state import backend_state
+    from ..torchkit.tensor_stream import tensor_source
 
     config_source = next((s for s in sources if s.name == f"{component}/config.json"), None)
     weights = [s for s in sources if s.name.endswith(".safetensors") and s.path is not None and s.header is not None]
@@ -195,8 +195,8 @@ def quantized_model(component: str, class_spec: Any, config: Mapping[str, Any], 
     from diffusers.models.model_loading_utils import load_model_dict_into_meta
     from diffusers.quantizers import DiffusersAutoQuantizer
 
+    from ..torchkit.meta_model import is_diffusers_model, meta_model
     from .convert import import_class
-    from .meta_model import is_diffusers_model, meta_model
 
     library, class_name = class_spec
     cls = import_class(library, class_name)
