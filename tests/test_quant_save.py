@@ -25,8 +25,8 @@ from dduf_plus import load_dduf  # noqa: E402
 from dduf_plus.errors import DDUFPackError  # noqa: E402
 from dduf_plus.format.archive import DDUFArchive  # noqa: E402
 from dduf_plus.format.validate import validate  # noqa: E402
-from dduf_plus.loading.save import save_dduf  # noqa: E402
 from dduf_plus.packing.pack import pack  # noqa: E402
+from dduf_plus.packing.save import save_dduf  # noqa: E402
 
 INDEX = "dduf_plus.index.json"
 WEIGHTS = "unet/diffusion_pytorch_model.safetensors"

@@ -178,7 +178,7 @@ def test_foreign_frames_that_announce_sizes_are_checked_before_writing(work: Pat
 
 def test_free_disk_space_is_checked_first(bomb: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(zst.shutil, "disk_usage", lambda _p: usage(10 * GiB, 9 * GiB, 300 * MiB))
+    monkeypatch.setattr(shutil, "disk_usage", lambda _p: usage(10 * GiB, 9 * GiB, 300 * MiB))
     no_decoding(monkeypatch)
     with pytest.raises(DecompressionBudgetError, match=r"needs 2.0 GiB.* 44.0 MiB free \(keeping 256.0 MiB spare\)"):
         zst.decompress(bomb, tmp_path / "x.dduf", quiet=True, max_decompressed="unlimited")
@@ -190,7 +190,7 @@ def test_a_stream_without_sizes_stops_at_the_free_space(work: Path, monkeypatch:
     stream = work / "piped.dduf.zst"
     stream.write_bytes(zero_frame(24 * MiB, content_size=False))
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(zst.shutil, "disk_usage", lambda _p: usage(10 * GiB, 9 * GiB, zst.DISK_RESERVE + 4 * MiB))
+    monkeypatch.setattr(shutil, "disk_usage", lambda _p: usage(10 * GiB, 9 * GiB, zst.DISK_RESERVE + 4 * MiB))
     with pytest.raises(DecompressionBudgetError, match=r"announces no size and decoded past the 4.0 MiB free"):
         zst.decompress(stream, work / "out.dduf", quiet=True)
     assert leftovers(work) == ["piped.dduf.zst"]

@@ -146,7 +146,7 @@ def quantization_tag(c: Mapping[str, Any]) -> str | None:
 def reference_text(name: str, ref: Mapping[str, Any]) -> str:
     """Where a referenced component comes from (:func:`dduf_plus.refs.resolve.describe_reference`), and what to
     do when the archive records no source."""
-    from ..refs.resolve import describe_reference
+    from ..refs.spec import describe_reference
 
     text = describe_reference(name, ref)
     if text == "no source recorded":

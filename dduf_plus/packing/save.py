@@ -11,9 +11,9 @@ checkpoint conversion, same header layout as ``safetensors.torch.save_file``), e
 is one unsharded file: DDUF entries are ZIP64, so no size limit calls for shards.
 
 Models quantized with optimum-quanto (``quantize`` + ``freeze``) are stored as
-:func:`~dduf_plus.loading.quant.save_quanto_component` + ``dduf pack`` store them: quanto's flattened
+:func:`~dduf_plus.torchkit.quanto_state.save_quanto_component` + ``dduf pack`` store them: quanto's flattened
 state dict (``L.weight._data``, ``L.weight._scale``...) streamed in
-:func:`~dduf_plus.loading.quant.aligned_order`, ``quanto_qmap.json`` beside it, and the same
+:func:`~dduf_plus.torchkit.quanto_state.aligned_order`, ``quanto_qmap.json`` beside it, and the same
 ``quantization`` record in the index, so both routes give the same archive.
 
 Models quantized by a diffusers quantizer (torchao, bitsandbytes, SDNQ) are stored as their
@@ -43,10 +43,10 @@ from ..format.chat_template import TEMPLATE_DIR, is_template_name
 from ..format.pack import EntrySource, PackResult, Skipped, fold_sources, write_archive
 from ..format.structure import component_specs
 from ..format.weights import weights_name
-from ..packing.identity import SourcesCopy
-from ..packing.partial import BaseComparer, model_index_with, warn_local_paths
 from ..storage.confined import Confined
 from ..torchkit.tensor_stream import DtypeRule, tensor_bytes, tensor_source  # noqa: F401 (tensor_bytes re-exported)
+from .identity import SourcesCopy
+from .partial import BaseComparer, model_index_with, warn_local_paths
 
 logger = logging.getLogger(__name__)
 
@@ -451,7 +451,7 @@ def _storage_tokens(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor
     return {name: tokens.setdefault(_area(t), torch.empty(1)) for name, t in state.items()}
 
 
-# --- safetensors bytes, streamed (packing.tensor_stream; the quanto layout order from loading.quant) -----------
+# --- safetensors bytes, streamed (torchkit.tensor_stream; the quanto layout order from torchkit.quanto_state) -----------
 def weight_source(
     entry: str,
     state: Mapping[str, torch.Tensor],
@@ -462,7 +462,7 @@ def weight_source(
     aligned: bool = False,
 ) -> EntrySource:
     """:func:`~dduf_plus.torchkit.tensor_stream.tensor_source`; ``aligned=True`` lays the tensors out in
-    :func:`~dduf_plus.loading.quant.aligned_order` (of their stored sizes) instead of safetensors' order, as
+    :func:`~dduf_plus.torchkit.quanto_state.aligned_order` (of their stored sizes) instead of safetensors' order, as
     ``save_quanto_component`` does, so that quantized int8 weights start 64-byte aligned and need no copy at load."""
     order = None
     if aligned:

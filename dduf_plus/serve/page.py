@@ -32,7 +32,7 @@ def _reference(name: str, component: dict[str, Any]) -> str:
     ref = component.get("external")
     if not ref:
         return "in archive"
-    from ..refs.resolve import describe_reference
+    from ..refs.spec import describe_reference
 
     return describe_reference(name, ref)
 
