@@ -28,7 +28,7 @@ from conftest import ROOT
 from dduf_plus.cli import main as cli_main
 from dduf_plus.errors import DDUFError
 from dduf_plus.format.validate import validate
-from dduf_plus.storage import signed, zst, zst_cache
+from dduf_plus.storage import signed, zst, zst_budget, zst_cache
 from dduf_plus.storage.zst import DecompressionBudget, DecompressionBudgetError, decompression_budget
 
 MiB = 1 << 20
@@ -138,7 +138,7 @@ def test_announced_bomb_is_refused_before_writing(bomb: Path, tmp_path: Path, mo
 
 
 def test_ratio_cap_above_the_floor_and_raising_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(zst, "RATIO_FLOOR", MiB)  # a 16 MiB stream stands for a big one
+    monkeypatch.setattr(zst_budget, "RATIO_FLOOR", MiB)  # a 16 MiB stream stands for a big one
     src = tmp_path / "zeros.bin"
     src.write_bytes(bytes(16 * MiB))
     packed = zst.compress(src, tmp_path / "zeros.bin.zst", frame_size=4 * MiB, quiet=True).path
@@ -228,7 +228,7 @@ def test_validate_bomb_is_z022_and_writes_nothing(bomb: Path, private_dirs, monk
 
 
 def test_validate_cli_option_raises_the_budget(tmp_path: Path, private_dirs, monkeypatch, capsys) -> None:
-    monkeypatch.setattr(zst, "RATIO_FLOOR", MiB)
+    monkeypatch.setattr(zst_budget, "RATIO_FLOOR", MiB)
     zeros = tmp_path / "zeros.dduf"
     zeros.write_bytes(bytes(8 * MiB))
     packed = zst.compress(zeros, tmp_path / "zeros.dduf.zst", quiet=True).path
