@@ -79,7 +79,7 @@ def rebuilt_here() -> str:
 
 def _require_quanto() -> Any:
     try:
-        return import_backend("optimum.quanto")  # with the Hub off (see packing.backend_import)
+        return import_backend("optimum.quanto")  # with the Hub off (see torchkit.backend_import)
     except ImportError as e:
         raise DDUFLoadError(f"this component was quantized with optimum-quanto, which is not installed ({e}); "
                             f"install it with: {INSTALL_HINT}") from None
