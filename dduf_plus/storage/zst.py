@@ -343,7 +343,7 @@ def _read_seek_table(fd: int, size: int, name: str) -> list[Frame] | None:
 # --- decompress --------------------------------------------------------------------------------------
 
 
-class _RangeReader:
+class _FdSlice:
     """File-like view of ``length`` bytes at ``offset`` of a descriptor (for zstd's stream_reader)."""
 
     def __init__(self, fd: int, offset: int, length: int, on_read: Callable[[bytes], None] | None = None):
@@ -497,7 +497,7 @@ def _decompress_frames(zstd: Any, fd_in: int, fd_out: int, frames: list[Frame], 
             raise DDUFFormatError(f"{name}: frame {index} holds {params.content_size} bytes, seek table says {frame.size}")
         # A fresh context per frame: zstd contexts are not thread-safe.
         reader = zstd.ZstdDecompressor().stream_reader(
-            _RangeReader(fd_in, frame.offset, frame.compressed_size), read_size=IO_CHUNK, read_across_frames=False)
+            _FdSlice(fd_in, frame.offset, frame.compressed_size), read_size=IO_CHUNK, read_across_frames=False)
         try:
             written = _decode_into(reader, fd_out, frame.output_offset, frame.size, bytearray(IO_CHUNK), progress,
                                    stop)
@@ -528,7 +528,7 @@ def _decompress_sequential(zstd: Any, fd_in: int, size: int, fd_out: int, progre
                            name: str, cutoff: int | None) -> int:
     """Streams without a seek table (e.g. from the zstd CLI): one pass over every frame (whose tiling of
     the file :func:`decompress_into` checked first). Decodes at most ``cutoff + 1`` bytes."""
-    reader = zstd.ZstdDecompressor().stream_reader(_RangeReader(fd_in, 0, size), read_size=IO_CHUNK,
+    reader = zstd.ZstdDecompressor().stream_reader(_FdSlice(fd_in, 0, size), read_size=IO_CHUNK,
                                                    read_across_frames=True)
     try:
         return _decode_into(reader, fd_out, 0, cutoff, bytearray(IO_CHUNK), progress)
