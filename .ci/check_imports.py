@@ -50,10 +50,10 @@ ALLOWED_OPTIONAL: dict[tuple[str, str], str] = {
         "quant extra: only reached after quant_backends.require_backend('torchao'), which turns a missing torchao "
         "into a DDUFLoadError naming the install command"
     ),
-    ("dduf_plus/packing/quant_state.py", "torchao"): (
+    ("dduf_plus/torchkit/quant_state.py", "torchao"): (
         "quant extra: only reached for a model whose hf_quantizer is torchao's, which cannot exist without torchao"
     ),
-    ("dduf_plus/packing/quant_state.py", "bitsandbytes"): (
+    ("dduf_plus/torchkit/quant_state.py", "bitsandbytes"): (
         "quant extra: only reached for a model whose hf_quantizer is bitsandbytes', which cannot exist without it"
     ),
     ("dduf_plus/packing/quantize.py", "torchao"): (

@@ -44,14 +44,14 @@ print(json.dumps({"seconds": time.perf_counter() - t, "codes": report.codes, **_
 _CACHED = _STATS + """
 import json, os, sys, time
 t = time.perf_counter()
-from dduf_plus.storage import zst
+from dduf_plus.storage import zst_cache
 mode = sys.argv[2]
 if mode == "touch":  # the entry's stat changes, its bytes do not (a restored backup, a copied cache)
-    entry = zst.cached_decompress(sys.argv[1])
+    entry = zst_cache.cached_decompress(sys.argv[1])
     stamp = time.time_ns() - 10**9  # a new mtime every run (the hit then re-records it)
     os.utime(entry, ns=(stamp, stamp))
     t = time.perf_counter()
-zst.cached_decompress(sys.argv[1])
+zst_cache.cached_decompress(sys.argv[1])
 print(json.dumps({"seconds": time.perf_counter() - t, **_stats()}))
 """
 

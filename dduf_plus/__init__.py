@@ -19,7 +19,7 @@ _LAZY: dict[str, str] = {
     "pack_folder": "dduf_plus.format.pack",
     "read_dduf_file": "dduf_plus.compat",
     "load_dduf": "dduf_plus.loading.pipeline",
-    "save_dduf": "dduf_plus.loading.save",
+    "save_dduf": "dduf_plus.packing.save",
     "inspect_dtypes": "dduf_plus.inspection",
     "validate": "dduf_plus.catalogue",  # the format floor's validate, plus the opt-in load check
     "ValidationReport": "dduf_plus.format.validate",
@@ -61,8 +61,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from .format.writer import DDUFWriter as DDUFWriter
     from .inspection import inspect_dtypes as inspect_dtypes
     from .loading.pipeline import load_dduf as load_dduf
-    from .loading.save import save_dduf as save_dduf
     from .packing import pack as pack
+    from .packing.save import save_dduf as save_dduf
 
 
 def __getattr__(name: str) -> Any:

@@ -2,7 +2,7 @@
 quanto paths (``quanto_qmap.json``, a ``quantization_config``) and ``dduf pack --dtype``'s conversion skeleton
 built models with no budget: a 3,000-layer config over a 2-layer checkpoint ran 25-60 s of CPU (and 600+ MB)
 before failing on missing weights. Now each is refused as soon as construction passes a small multiple of the
-stored weights (dduf_plus/packing/meta_model.py), in well under a second of construction."""
+stored weights (dduf_plus/torchkit/meta_model.py), in well under a second of construction."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 from conftest import PIPELINES
 from dduf_plus.errors import DDUFError, DDUFPackError
 from dduf_plus.loading.files import FolderComponentFiles
-from dduf_plus.packing.meta_model import ConstructionBudgetError, construction_budget, meta_model
+from dduf_plus.torchkit.meta_model import ConstructionBudgetError, construction_budget, meta_model
 
 pytest.importorskip("optimum.quanto")
 from diffusers import PixArtTransformer2DModel, QuantoConfig  # noqa: E402
@@ -166,7 +166,7 @@ def test_a_huge_position_grid_is_refused_before_it_is_computed(tmp_path, edit) -
 
 
 def test_real_position_grids_fit_the_budget() -> None:
-    from dduf_plus.packing.meta_model import ELEMENT_SLACK, position_grid_elements
+    from dduf_plus.torchkit.meta_model import ELEMENT_SLACK, position_grid_elements
 
     pixart_1024 = {"patch_size": 2, "sample_size": 128, "num_attention_heads": 16, "attention_head_dim": 72}
     sd3 = {"patch_size": 2, "sample_size": 128, "pos_embed_max_size": 192, "num_attention_heads": 24,

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from dduf_plus.loading.budget import ConstructionBudgetError, construction_budget
-from dduf_plus.packing.empty_init import meta_parameters, no_init
+from dduf_plus.torchkit.empty_init import meta_parameters, no_init
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "pipelines" / "tiny-sd"
 

@@ -372,7 +372,7 @@ def test_fsspec_backends_answering_past_the_range_are_refused_and_counted() -> N
     source.close()
     ranges = FsspecRanges("overruntest://x.dduf", RemoteOptions(deadline=5))
     with pytest.raises(DDUFError, match=r"overruntest://x.dduf: read of 10 bytes at 0 returned 1048586 bytes"):
-        ranges.read(0, 10)
+        ranges.read_at(0, 10)
     assert ranges._budget.fetched == 10 + (1 << 20)
 
 

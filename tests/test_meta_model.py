@@ -1,4 +1,4 @@
-"""dduf_plus.packing.meta_model: the one meta-device model builder behind dtype conversion and quanto loading."""
+"""dduf_plus.torchkit.meta_model: the one meta-device model builder behind dtype conversion and quanto loading."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from diffusers import AutoencoderKL
 from transformers import CLIPTextModel
 
 from dduf_plus.errors import DDUFLoadError
-from dduf_plus.packing.meta_model import is_diffusers_model, meta_model
+from dduf_plus.torchkit.meta_model import is_diffusers_model, meta_model
 
 TINY_SD = Path(__file__).resolve().parent.parent / "fixtures" / "pipelines" / "tiny-sd"
 

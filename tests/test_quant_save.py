@@ -25,8 +25,8 @@ from dduf_plus import load_dduf  # noqa: E402
 from dduf_plus.errors import DDUFPackError  # noqa: E402
 from dduf_plus.format.archive import DDUFArchive  # noqa: E402
 from dduf_plus.format.validate import validate  # noqa: E402
-from dduf_plus.loading.save import save_dduf  # noqa: E402
 from dduf_plus.packing.pack import pack  # noqa: E402
+from dduf_plus.packing.save import save_dduf  # noqa: E402
 
 INDEX = "dduf_plus.index.json"
 WEIGHTS = "unet/diffusion_pytorch_model.safetensors"
@@ -146,7 +146,7 @@ def test_torchao_parts_are_streamed_from_the_live_tensors(pipelines_dir: Path, m
     """torchao's own flattening clones every quantized part; ours hands the writer views of them."""
     from torchao.prototype.safetensors.safetensors_support import flatten_tensor_state_dict
 
-    from dduf_plus.packing.quant_state import torchao_flat_state
+    from dduf_plus.torchkit.quant_state import torchao_flat_state
 
     unet = quantized_pipe(pipelines_dir / "tiny-sd", "torchao-int8", monkeypatch).unet
     state = unet.state_dict()
@@ -184,7 +184,7 @@ def test_bitsandbytes_repacked_by_a_cpu_forward_is_saved_canonical(bnb_sd: Path,
     save_dduf(pipe, tmp_path / "before.dduf", quiet=True)
     repacked = _repack_for_cpu(pipe.unet)
     assert len(repacked) >= 4
-    with caplog.at_level(logging.WARNING, logger="dduf_plus.packing.quant_state"):
+    with caplog.at_level(logging.WARNING, logger="dduf_plus.torchkit.quant_state"):
         save_dduf(pipe, tmp_path / "after.dduf", quiet=True)
     assert f"{len(repacked)} bitsandbytes 4-bit layers were repacked" in caplog.text
     assert all(m.weight.quant_state.packing_format_for_cpu for m in repacked)  # the live model is untouched

@@ -39,8 +39,11 @@ from dduf_plus.errors import (  # noqa: E402
 )
 from dduf_plus.format import spec, zipfmt  # noqa: E402
 from dduf_plus.format.archive import DDUFArchive  # noqa: E402
+from dduf_plus.remote import (
+    cache_records,  # noqa: E402
+    partials,  # noqa: E402
+)
 from dduf_plus.remote import fetch as fetch_module  # noqa: E402
-from dduf_plus.remote import partials  # noqa: E402
 from dduf_plus.remote.fetch import cached_sha256, fetch_archive, open_remote  # noqa: E402
 from dduf_plus.remote.tail import content_key  # noqa: E402
 from dduf_plus.storage.http_range import SUFFIX_BYTES  # noqa: E402
@@ -261,7 +264,7 @@ def test_offline_record_of_an_older_version_finds_nothing(hub_bytes, tmp_path, p
     with FileServer(serve(tmp_path, "o", hub_bytes)) as srv:
         url = srv.url("m.dduf")
         fetch_archive(url, SMALL)
-    record_path = fetch_module._url_record(fetch_module.Confined(private_cache), url)
+    record_path = cache_records.url_record(fetch_module.Confined(private_cache), url)
     record = json.loads(record_path.read_text())
     tail = hub_bytes[record["tail_start"]:]
     old_key = content_key(len(hub_bytes), tail)
@@ -423,7 +426,7 @@ def test_an_archive_refused_once_opened_leaves_no_partial(tmp_path, private_cach
 
 
 def test_no_preallocation_past_the_free_disk(hub_bytes, tmp_path, private_cache, monkeypatch):
-    monkeypatch.setattr(partials._zst, "_free_bytes", lambda folder: len(hub_bytes) // 2)
+    monkeypatch.setattr(partials._zst, "free_bytes", lambda folder: len(hub_bytes) // 2)
     with FileServer(serve(tmp_path, "o", hub_bytes)) as srv:
         with pytest.raises(DDUFIOError, match=r"free \(keeping 256\.0 MiB spare\)"):
             fetch_archive(srv.url("m.dduf"), SMALL)

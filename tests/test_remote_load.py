@@ -24,6 +24,7 @@ from dduf_plus import load_dduf  # noqa: E402
 from dduf_plus.errors import DDUFError, DDUFIntegrityError, DDUFIOError, DDUFNotFoundError  # noqa: E402
 from dduf_plus.format.archive import DDUFArchive  # noqa: E402
 from dduf_plus.remote import fetch as fetch_module  # noqa: E402
+from dduf_plus.remote import sink  # noqa: E402
 from dduf_plus.remote.fetch import fetch_archive  # noqa: E402
 
 SMALL = {"chunk_size": 64 << 10, "timeout": 1.0}  # many pieces from a 1.3 MB archive; stalls cut off fast
@@ -121,7 +122,7 @@ def test_a_changed_size_is_refused(served, tmp_path):
         url = srv.url("tiny-sd.dduf")
         reader = fetch_module.open_reader(url, fetch_module.RemoteOptions(), size=10)
         with pytest.raises(DDUFIOError, match="now reports a size"):
-            reader.read(0, 5)
+            reader.read_at(0, 5)
         reader.close()
 
 
@@ -259,8 +260,9 @@ def test_cache_false_keeps_nothing_and_verifies_every_byte(served, packed, tmp_p
 def test_write_behind_load_does_not_wait_for_the_disk(served, packed, tmp_path, monkeypatch):
     """A disk slower than the link: the load returns from memory while the cache file is still being written;
     the file completes behind it, and the next load uses it (one request)."""
-    monkeypatch.setattr(fetch_module, "WRITE_BEHIND_MIN", 0)  # tiny-sd is served from memory too
-    monkeypatch.setattr(fetch_module, "_in_ram", lambda folder: False)  # wherever pytest's tmp_path lives
+    monkeypatch.setattr(sink, "WRITE_BEHIND_MIN", 0)  # tiny-sd is served from memory too
+    for module in (sink, fetch_module):  # wherever pytest's tmp_path lives
+        monkeypatch.setattr(module, "in_ram", lambda folder: False)
     slow_disk, copy = __import__("threading").Event(), fetch_module._copy_range
 
     def slow_copy(src, dst, start, end):

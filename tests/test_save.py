@@ -14,8 +14,8 @@ import torch
 
 from dduf_plus.errors import DDUFPackError
 from dduf_plus.format.archive import DDUFArchive
-from dduf_plus.loading.save import save_dduf, tensor_bytes, transformers_checkpoint, weight_source
 from dduf_plus.loading.transfer import _stream, _SyncCopier
+from dduf_plus.packing.save import save_dduf, tensor_bytes, transformers_checkpoint, weight_source
 
 INDEX = "dduf_plus.index.json"
 

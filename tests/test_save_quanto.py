@@ -20,7 +20,7 @@ from dduf_plus.format.archive import DDUFArchive  # noqa: E402
 from dduf_plus.format.validate import validate  # noqa: E402
 from dduf_plus.loading import quant  # noqa: E402
 from dduf_plus.loading.pipeline import load_dduf  # noqa: E402
-from dduf_plus.loading.save import save_dduf  # noqa: E402
+from dduf_plus.packing.save import save_dduf  # noqa: E402
 
 QTYPES = {"qint8": qint8, "qfloat8": qfloat8, "qint4": qint4}
 UNET_WEIGHTS = "unet/diffusion_pytorch_model.safetensors"
@@ -162,7 +162,7 @@ def test_quantized_values_are_streamed_from_the_module_not_copied(saved):
     """The weights entry's chunks are views of the module's own quantized tensors (no copy, no temp file)."""
     import ctypes
 
-    from dduf_plus.loading.save import _component_sources
+    from dduf_plus.packing.save import _component_sources
 
     _name, pipe, _result = saved
     sources, _skipped, record = _component_sources("unet", pipe.unet, None, None)

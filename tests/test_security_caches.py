@@ -28,7 +28,7 @@ from conftest import ROOT
 from dduf_plus.cli import main as cli_main
 from dduf_plus.errors import DDUFError
 from dduf_plus.format.validate import validate
-from dduf_plus.storage import zst, zst_cache
+from dduf_plus.storage import signed, zst, zst_budget, zst_cache
 from dduf_plus.storage.zst import DecompressionBudget, DecompressionBudgetError, decompression_budget
 
 MiB = 1 << 20
@@ -133,12 +133,12 @@ def test_announced_bomb_is_refused_before_writing(bomb: Path, tmp_path: Path, mo
     assert "--max-decompressed" in message and "DDUF_PLUS_MAX_DECOMPRESSED" in message and "max_decompressed=" in message
     assert leftovers(out.parent) == []
     with pytest.raises(DecompressionBudgetError):
-        zst.cached_decompress(bomb)
+        zst_cache.cached_decompress(bomb)
     assert [p for p in leftovers(private_dirs["cache"]) if p.endswith((".dduf", ".partial"))] == []
 
 
 def test_ratio_cap_above_the_floor_and_raising_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(zst, "RATIO_FLOOR", MiB)  # a 16 MiB stream stands for a big one
+    monkeypatch.setattr(zst_budget, "RATIO_FLOOR", MiB)  # a 16 MiB stream stands for a big one
     src = tmp_path / "zeros.bin"
     src.write_bytes(bytes(16 * MiB))
     packed = zst.compress(src, tmp_path / "zeros.bin.zst", frame_size=4 * MiB, quiet=True).path
@@ -150,7 +150,7 @@ def test_ratio_cap_above_the_floor_and_raising_it(tmp_path: Path, monkeypatch: p
     with pytest.raises(DecompressionBudgetError, match="over the decompression budget"):
         zst.decompress(packed, tmp_path / "c.bin", quiet=True, max_decompressed="8M")
     monkeypatch.setenv(zst.MAX_DECOMPRESSED_ENV, "unlimited")
-    assert zst.cached_decompress(packed).stat().st_size == 16 * MiB
+    assert zst_cache.cached_decompress(packed).stat().st_size == 16 * MiB
     assert not (tmp_path / "a.bin").exists() and not (tmp_path / "c.bin").exists()
 
 
@@ -178,7 +178,7 @@ def test_foreign_frames_that_announce_sizes_are_checked_before_writing(work: Pat
 
 def test_free_disk_space_is_checked_first(bomb: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(zst.shutil, "disk_usage", lambda _p: usage(10 * GiB, 9 * GiB, 300 * MiB))
+    monkeypatch.setattr(shutil, "disk_usage", lambda _p: usage(10 * GiB, 9 * GiB, 300 * MiB))
     no_decoding(monkeypatch)
     with pytest.raises(DecompressionBudgetError, match=r"needs 2.0 GiB.* 44.0 MiB free \(keeping 256.0 MiB spare\)"):
         zst.decompress(bomb, tmp_path / "x.dduf", quiet=True, max_decompressed="unlimited")
@@ -190,7 +190,7 @@ def test_a_stream_without_sizes_stops_at_the_free_space(work: Path, monkeypatch:
     stream = work / "piped.dduf.zst"
     stream.write_bytes(zero_frame(24 * MiB, content_size=False))
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(zst.shutil, "disk_usage", lambda _p: usage(10 * GiB, 9 * GiB, zst.DISK_RESERVE + 4 * MiB))
+    monkeypatch.setattr(shutil, "disk_usage", lambda _p: usage(10 * GiB, 9 * GiB, zst.DISK_RESERVE + 4 * MiB))
     with pytest.raises(DecompressionBudgetError, match=r"announces no size and decoded past the 4.0 MiB free"):
         zst.decompress(stream, work / "out.dduf", quiet=True)
     assert leftovers(work) == ["piped.dduf.zst"]
@@ -228,7 +228,7 @@ def test_validate_bomb_is_z022_and_writes_nothing(bomb: Path, private_dirs, monk
 
 
 def test_validate_cli_option_raises_the_budget(tmp_path: Path, private_dirs, monkeypatch, capsys) -> None:
-    monkeypatch.setattr(zst, "RATIO_FLOOR", MiB)
+    monkeypatch.setattr(zst_budget, "RATIO_FLOOR", MiB)
     zeros = tmp_path / "zeros.dduf"
     zeros.write_bytes(bytes(8 * MiB))
     packed = zst.compress(zeros, tmp_path / "zeros.dduf.zst", quiet=True).path
@@ -278,7 +278,7 @@ def test_validate_interrupted_leaves_nothing(packed, tmp_path: Path, private_dir
 
 def test_validate_uses_a_verified_cache_entry_in_place(packed, tmp_path: Path, monkeypatch) -> None:
     stream = zst.compress(packed["tiny-sd"], tmp_path / "tiny-sd.dduf.zst", quiet=True).path
-    entry = zst.cached_decompress(stream)  # what load_dduf does
+    entry = zst_cache.cached_decompress(stream)  # what load_dduf does
     monkeypatch.setattr(zst_cache, "decompress_into", lambda *a, **k: pytest.fail("decompressed again"))
     with zst_cache.validation_archive(stream) as archive:
         assert archive == entry
@@ -330,10 +330,10 @@ def test_a_file_named_like_a_blob_does_not_poison_the_cache(streams, packed, tmp
     fake_blobs = tmp_path / "models--x--y" / "blobs"
     fake_blobs.mkdir(parents=True)
     (fake_blobs / genuine_key).symlink_to(streams["evil"])  # named like the genuine file's LFS oid
-    assert zst.content_key(fake_blobs / genuine_key) == sha256(streams["evil"])
-    poisoned = zst.cached_decompress(fake_blobs / genuine_key)
+    assert zst_cache.content_key(fake_blobs / genuine_key) == sha256(streams["evil"])
+    poisoned = zst_cache.cached_decompress(fake_blobs / genuine_key)
     assert poisoned.name == sha256(streams["evil"]) + ".dduf"
-    assert zst.cached_decompress(streams["genuine"]).read_bytes() == packed["tiny-sd"].read_bytes()
+    assert zst_cache.cached_decompress(streams["genuine"]).read_bytes() == packed["tiny-sd"].read_bytes()
 
 
 def test_a_planted_entry_or_record_is_not_served(streams, packed, private_dirs, monkeypatch) -> None:
@@ -347,77 +347,77 @@ def test_a_planted_entry_or_record_is_not_served(streams, packed, private_dirs, 
     (folder / f"{key}.json").write_text(json.dumps(forged))
     unsigned = {k: v for k, v in forged.items() if k != "mac"}
     calls = count_decompressions(monkeypatch)
-    assert zst.cached_decompress(streams["genuine"]).read_bytes() == packed["tiny-sd"].read_bytes()
+    assert zst_cache.cached_decompress(streams["genuine"]).read_bytes() == packed["tiny-sd"].read_bytes()
     assert len(calls) == 1
     (folder / f"{key}.json").write_text(json.dumps(unsigned))  # no signature at all
     shutil.copy(packed["tiny-dit"], folder / f"{key}.dduf")
-    assert zst.cached_decompress(streams["genuine"]).read_bytes() == packed["tiny-sd"].read_bytes()
+    assert zst_cache.cached_decompress(streams["genuine"]).read_bytes() == packed["tiny-sd"].read_bytes()
     assert len(calls) == 2
 
 
 def test_an_edited_entry_is_decompressed_again(streams, packed, monkeypatch) -> None:
-    entry = zst.cached_decompress(streams["genuine"])
+    entry = zst_cache.cached_decompress(streams["genuine"])
     calls = count_decompressions(monkeypatch)
     data = bytearray(entry.read_bytes())
     data[len(data) // 2] ^= 0xFF  # same size, different bytes, new mtime
     entry.write_bytes(bytes(data))
-    assert zst.cached_decompress(streams["genuine"]).read_bytes() == packed["tiny-sd"].read_bytes()
+    assert zst_cache.cached_decompress(streams["genuine"]).read_bytes() == packed["tiny-sd"].read_bytes()
     assert len(calls) == 1
 
 
 def test_an_entry_with_a_changed_stat_but_the_same_bytes_is_rehashed_not_decompressed(streams, monkeypatch) -> None:
-    entry = zst.cached_decompress(streams["genuine"])
+    entry = zst_cache.cached_decompress(streams["genuine"])
     shutil.copy(entry, entry.with_suffix(".tmp"))
     os.replace(entry.with_suffix(".tmp"), entry)  # a restored backup: new inode, same bytes
     calls = count_decompressions(monkeypatch)
     hashed = []
     real = zst_cache._sha256_fd
     monkeypatch.setattr(zst_cache, "_sha256_fd", lambda fd, size: hashed.append(size) or real(fd, size))
-    assert zst.cached_decompress(streams["genuine"]) == entry and calls == [] and hashed == [entry.stat().st_size]
+    assert zst_cache.cached_decompress(streams["genuine"]) == entry and calls == [] and hashed == [entry.stat().st_size]
     hashed.clear()
-    assert zst.cached_decompress(streams["genuine"]) == entry and hashed == []  # re-recorded: a stat again
+    assert zst_cache.cached_decompress(streams["genuine"]) == entry and hashed == []  # re-recorded: a stat again
 
 
 def test_an_entry_replaced_by_a_link_is_not_followed(streams, packed, tmp_path: Path) -> None:
-    entry = zst.cached_decompress(streams["genuine"])
+    entry = zst_cache.cached_decompress(streams["genuine"])
     evil_plain = tmp_path / "evil.dduf"
     shutil.copy(packed["tiny-dit"], evil_plain)
     entry.unlink()
     entry.symlink_to(evil_plain)
-    again = zst.cached_decompress(streams["genuine"])
+    again = zst_cache.cached_decompress(streams["genuine"])
     assert not again.is_symlink() and again.read_bytes() == packed["tiny-sd"].read_bytes()
     assert evil_plain.read_bytes() == packed["tiny-dit"].read_bytes()  # the link's target is untouched
 
 
 def test_a_secret_anyone_can_read_is_not_trusted(streams, private_dirs, monkeypatch) -> None:
-    zst.cached_decompress(streams["genuine"])
-    secret = private_dirs["cache"] / "zst" / zst_cache.SECRET_NAME
+    zst_cache.cached_decompress(streams["genuine"])
+    secret = private_dirs["cache"] / "zst" / signed.SECRET_NAME
     assert secret.stat().st_mode & 0o777 == 0o600
     os.chmod(secret, 0o644)
     calls = count_decompressions(monkeypatch)
-    zst.cached_decompress(streams["genuine"])
+    zst_cache.cached_decompress(streams["genuine"])
     assert len(calls) == 1  # records signed with a secret others could read are void
     assert secret.stat().st_mode & 0o777 == 0o600  # and a new one replaced it
     if os.getuid() == 0:
         os.chown(secret, 65534, 65534)  # planted by another user
-        zst.cached_decompress(streams["genuine"])
+        zst_cache.cached_decompress(streams["genuine"])
         assert len(calls) == 2 and secret.stat().st_uid == 0
 
 
 def test_the_memo_is_signed_and_stat_keyed(streams, private_dirs, monkeypatch) -> None:
-    zst.cached_decompress(streams["genuine"])
+    zst_cache.cached_decompress(streams["genuine"])
     (memo,) = (private_dirs["cache"] / "zst" / "seen").iterdir()
     record = json.loads(memo.read_text())
     assert record["key"] == sha256(streams["genuine"]) and {"size", "mtime_ns", "ino", "dev", "mac"} <= set(record)
     hashed = []
     real = zst_cache.content_key
     monkeypatch.setattr(zst_cache, "content_key", lambda p: hashed.append(p) or real(p))
-    zst.cached_decompress(streams["genuine"])
+    zst_cache.cached_decompress(streams["genuine"])
     assert hashed == []  # the memo answered
     record["key"] = sha256(streams["evil"])  # redirected without the secret: ignored
     memo.write_text(json.dumps(record))
-    zst.cached_decompress(streams["evil"])  # the redirect target exists in the cache
-    assert zst.cached_decompress(streams["genuine"]).name == sha256(streams["genuine"]) + ".dduf"
+    zst_cache.cached_decompress(streams["evil"])  # the redirect target exists in the cache
+    assert zst_cache.cached_decompress(streams["genuine"]).name == sha256(streams["genuine"]) + ".dduf"
     assert len(hashed) == 2
 
 
@@ -427,8 +427,8 @@ def test_old_unsigned_cache_entries_are_rewritten_once(streams, packed, private_
     (folder / "seen").mkdir(parents=True)
     shutil.copy(packed["tiny-dit"], folder / f"{key}.dduf")  # version 1 accepted this on its size alone
     calls = count_decompressions(monkeypatch)
-    assert zst.cached_decompress(streams["genuine"]).read_bytes() == packed["tiny-sd"].read_bytes()
-    assert zst.cached_decompress(streams["genuine"]).read_bytes() == packed["tiny-sd"].read_bytes()
+    assert zst_cache.cached_decompress(streams["genuine"]).read_bytes() == packed["tiny-sd"].read_bytes()
+    assert zst_cache.cached_decompress(streams["genuine"]).read_bytes() == packed["tiny-sd"].read_bytes()
     assert len(calls) == 1
 
 
@@ -438,7 +438,7 @@ def test_cache_writes_stay_inside_the_cache(streams, private_dirs, tmp_path: Pat
     (private_dirs["cache"]).mkdir()
     (private_dirs["cache"] / "zst").symlink_to(outside)  # a planted link for the cache's folder
     with pytest.raises(DDUFError, match="outside"):
-        zst.cached_decompress(streams["genuine"])
+        zst_cache.cached_decompress(streams["genuine"])
     assert leftovers(outside) == []
 
 
@@ -528,3 +528,29 @@ def test_verified_hashes_save_replaces_a_planted_link(tmp_path: Path) -> None:
     assert VerifiedHashes(refs / "verified.json").lookup(data) == digest
     os.utime(data, ns=(1, 1))  # a changed stat key forgets the hash
     assert VerifiedHashes(refs / "verified.json").lookup(data) is None
+
+
+def test_a_planted_verified_hash_is_not_believed(tmp_path: Path) -> None:
+    """The verified-hash memory has the zst cache's trust model (storage/signed.py): a verified.json written by
+    anyone without the cache's secret (a shared or restored cache, a planted file vouching for a swapped blob)
+    is ignored and the file is hashed again; what this process signed is believed while the stat key holds."""
+    import hashlib
+
+    from dduf_plus.refs.cache import VERIFIED_VERSION, VerifiedHashes
+    from dduf_plus.storage.signed import stat_key
+
+    refs = tmp_path / "refs"
+    data = tmp_path / "data.bin"
+    data.write_bytes(b"x" * 100)
+    key = stat_key(data)
+    lie = "0" * 64
+    refs.mkdir()
+    record = [key.size, key.mtime_ns, key.inode, key.device, lie]
+    for planted in ({"version": 2, "entries": {str(data.resolve()): record}},  # the old unsigned format
+                    {"v": VERIFIED_VERSION, "entries": {str(data.resolve()): record}, "mac": "0" * 64}):
+        (refs / "verified.json").write_text(json.dumps(planted))
+        hv = VerifiedHashes(refs / "verified.json")
+        assert hv.lookup(data) is None
+        assert hv.sha256(data) == hashlib.sha256(b"x" * 100).hexdigest()
+    assert VerifiedHashes(refs / "verified.json").lookup(data) == hashlib.sha256(b"x" * 100).hexdigest()
+    assert (refs / signed.SECRET_NAME).stat().st_mode & 0o077 == 0

@@ -404,7 +404,7 @@ def test_page_referenced_component_shows_the_reference():
     html = page_module.render_result({"files": [{"path": "p.dduf", "valid": True, "errors": [], "warnings": []}],
                                       "info": info})
     vae = html.split("<th scope='row'>vae</th>", 1)[1].split("</tr>", 1)[0]
-    assert "167,000,700 (referenced)" in vae and f"org/base/vae@{'a' * 40}" in vae and "<td>0</td>" not in vae
+    assert "167,000,700 (referenced)" in vae and f"org/base@{'a' * 40}:vae (Hub repo)" in vae and "<td>0</td>" not in vae
     unet = html.split("<th scope='row'>unet</th>", 1)[1].split("</tr>", 1)[0]
     assert "<td>20</td><td>48</td><td>in archive</td>" in unet
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from dduf_plus import load_dduf
-from dduf_plus.packing.empty_init import meta_parameters, no_init
+from dduf_plus.torchkit.empty_init import meta_parameters, no_init
 
 TINY_SD = Path(__file__).resolve().parent.parent / "fixtures" / "pipelines" / "tiny-sd"
 
@@ -51,7 +51,7 @@ def _assert_unpatched(saved: dict[str, object]) -> None:
     for name, value in now.items():
         if value is not saved[name] and value != saved[name]:
             assert getattr(value, "__module__", None) in (homes.get(name, "torch.nn.init"),
-                                                          "dduf_plus.packing.empty_init"), (name, value)
+                                                          "dduf_plus.torchkit.empty_init"), (name, value)
     assert PreTrainedModel.tie_weights.__module__ == "transformers.modeling_utils"  # transformers' own patch
 
 
@@ -126,7 +126,7 @@ def test_interleaved_with_libraries_that_patch_torch(order: str,
 
 
 def test_other_threads_do_not_see_a_loads_default_dtype() -> None:
-    from dduf_plus.packing.thread_dtype import local_default_dtype
+    from dduf_plus.torchkit.thread_dtype import local_default_dtype
 
     inside, release = threading.Event(), threading.Event()
     seen: dict[str, object] = {}
@@ -175,7 +175,7 @@ def _construction_probe() -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
 def test_thread_default_equals_torchs_own(dtype: torch.dtype) -> None:
     """What the thread's default gives equals what ``torch.set_default_dtype`` gives, value and dtype."""
-    from dduf_plus.packing.thread_dtype import local_default_dtype
+    from dduf_plus.torchkit.thread_dtype import local_default_dtype
 
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)

@@ -167,7 +167,7 @@ def test_refuses_to_overwrite_its_input(blob, tmp_path):
 
 def test_cached_decompress_reuses_by_content(packed, tmp_path, cache, monkeypatch):
     src = zst.compress(packed["tiny-dit"], tmp_path / "a.dduf.zst", quiet=True).path
-    first = zst.cached_decompress(src)
+    first = zst_cache.cached_decompress(src)
     assert first.parent == cache / "zst"
     assert first.name == hashlib.sha256(src.read_bytes()).hexdigest() + ".dduf"  # the .zst's sha256 (LFS oid)
     assert first.read_bytes() == packed["tiny-dit"].read_bytes()
@@ -176,26 +176,26 @@ def test_cached_decompress_reuses_by_content(packed, tmp_path, cache, monkeypatc
         raise AssertionError("decompressed again")
 
     monkeypatch.setattr(zst_cache, "decompress_into", no_decompress)
-    assert zst.cached_decompress(src) == first  # same path, unchanged: a stat and the memo
+    assert zst_cache.cached_decompress(src) == first  # same path, unchanged: a stat and the memo
     twin = tmp_path / "copy" / "b.dduf.zst"
     twin.parent.mkdir()
     shutil.copy(src, twin)
-    assert zst.cached_decompress(twin) == first  # same content elsewhere: hashed, then shared
+    assert zst_cache.cached_decompress(twin) == first  # same content elsewhere: hashed, then shared
     monkeypatch.undo()
     monkeypatch.setenv(zst.CACHE_ENV, str(cache))
     other = zst.compress(packed["tiny-sd"], tmp_path / "a.dduf.zst", quiet=True).path  # replaced in place
-    second = zst.cached_decompress(other)
+    second = zst_cache.cached_decompress(other)
     assert second != first and second.read_bytes() == packed["tiny-sd"].read_bytes()
-    with zst.validation_archive(other) as archive:  # a verified entry is validated in place
+    with zst_cache.validation_archive(other) as archive:  # a verified entry is validated in place
         assert archive == second
-    with zst.validation_archive(packed["tiny-sd"]) as archive:  # a plain archive is itself
+    with zst_cache.validation_archive(packed["tiny-sd"]) as archive:  # a plain archive is itself
         assert archive == packed["tiny-sd"]
 
 
 def test_cache_root_follows_hf_home(monkeypatch, tmp_path):
     monkeypatch.delenv(zst.CACHE_ENV, raising=False)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    assert zst.cache_root() == tmp_path / "hf" / "dduf_plus"
+    assert zst_cache.cache_root() == tmp_path / "hf" / "dduf_plus"
 
 
 def test_cli_compress_decompress(packed, tmp_path, capsys):

@@ -7,6 +7,7 @@ able to retitle, clear or rewrite the user's terminal. JSON output goes through 
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import logging
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ..errors import DDUFError, DDUFIOError, DDUFNotFoundError, DDUFUsageError
+from ..sizes import format_size, parse_size
 
 T = TypeVar("T")
 
@@ -114,13 +116,16 @@ def print_json(value: Any) -> None:
 
 
 def human_bytes(n: float) -> str:
-    """Decimal units, the one convention of every command's output (1 kB = 1000 bytes, as the Hub and
-    huggingface_hub show sizes): ``155.82 kB``, ``1.26 MB``."""
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return f"{n} B"
+    """Decimal units, the one convention of every command's output (:func:`dduf_plus.sizes.format_size`)."""
+    return format_size(n)
+
+
+def size_arg(text: str) -> int:
+    """An argparse ``type`` for a size flag (``256M``, ``1G``, ``1048576``): :func:`dduf_plus.sizes.parse_size`."""
+    size = parse_size(text)
+    if size is None:
+        raise argparse.ArgumentTypeError(f"not a size: {text.strip()!r} (e.g. 256M)")
+    return size
 
 
 def human_rate(n: float, seconds: float) -> str:
@@ -264,3 +269,28 @@ def budget_arg(text: str) -> str:
     except DDUFError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return text
+
+
+def table(rows: list[tuple[str, ...]]) -> list[str]:
+    """Rows as left-aligned columns sized to their widest cell (a long fp8 dtype name widens its column
+    instead of pushing the rest of its row out of line); the last column is not padded."""
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]) - 1)]
+    return ["  ".join([*(str(cell).ljust(w) for cell, w in zip(r, widths, strict=False)), str(r[-1])]).rstrip() for r in rows]
+
+
+def adapter_lines(adapters: list[dict[str, Any]]) -> list[str]:
+    """A LoRA archive's adapters: ``adapter pixel (kohya, 1.2 MB, weight 0.8): unet 64 modules rank 4``, then
+    the trainer's title, architecture and trigger words when it recorded them."""
+    lines = []
+    for a in adapters:
+        targets = ", ".join(f"{c} {t.get('modules')} modules rank {'/'.join(map(str, t.get('ranks') or []))}"
+                            for c, t in a["targets"].items())
+        size = human_bytes(a["bytes"]) if isinstance(a.get("bytes"), int) else "?"
+        lines.append(f"adapter {a['name']} ({a.get('layout')}, {size}, weight {a['weight']:g}): {targets}")
+        meta = a.get("metadata") or {}
+        for key in ("modelspec.title", "modelspec.architecture", "ss_base_model_version"):
+            if key in meta:
+                lines.append(f"  {key}: {meta[key]}")
+        if a.get("trigger_words"):
+            lines.append(f"  trigger words: {', '.join(a['trigger_words'])}")
+    return lines

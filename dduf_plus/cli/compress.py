@@ -5,16 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-
-def _size(text: str) -> int:
-    """``256M``, ``1G``, ``1048576`` -> bytes."""
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-    text = text.strip().lower().removesuffix("ib").removesuffix("b")
-    scale = units.get(text[-1:], 1)
-    try:
-        return int(float(text[:-1] if scale != 1 else text) * scale)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 256M)") from None
+from ._common import size_arg
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -27,7 +18,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--level", type=int, default=3, help="zstd level, 1 (fast) to 19 (small); default 3")
     p.add_argument("--threads", type=int, default=-1, help="compression threads (default: one per CPU)")
     p.add_argument("--long", action="store_true", help="long-distance matching, 128 MiB window")
-    p.add_argument("--frame-size", type=_size, default="256M", metavar="SIZE",
+    p.add_argument("--frame-size", type=size_arg, default="256M", metavar="SIZE",
                    help="input bytes per independent frame (default 256M)")
     p.add_argument("-f", "--force", action="store_true", help="overwrite OUTPUT if it exists")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no summary")

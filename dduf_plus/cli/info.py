@@ -7,7 +7,16 @@ import argparse
 from collections.abc import Mapping
 from typing import Any
 
-from ._common import budget_arg, echo, human_bytes, human_count, plain_archive, print_json
+from ._common import (
+    adapter_lines,
+    budget_arg,
+    echo,
+    human_bytes,
+    human_count,
+    plain_archive,
+    print_json,
+    table,
+)
 
 FROM_INDEX = "from the archive's index; `dduf validate` reads every header"
 HEADERS = ("COMPONENT", "CLASS", "DTYPE", "PARAMS", "SIZE", "NOTES")
@@ -109,31 +118,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def adapter_lines(adapters: list[dict[str, Any]]) -> list[str]:
-    """A LoRA archive's adapters: ``adapter pixel (kohya, 1.2 MB, weight 0.8): unet 64 modules rank 4``, then
-    the trainer's title, architecture and trigger words when it recorded them."""
-    lines = []
-    for a in adapters:
-        targets = ", ".join(f"{c} {t.get('modules')} modules rank {'/'.join(map(str, t.get('ranks') or []))}"
-                            for c, t in a["targets"].items())
-        size = human_bytes(a["bytes"]) if isinstance(a.get("bytes"), int) else "?"
-        lines.append(f"adapter {a['name']} ({a.get('layout')}, {size}, weight {a['weight']:g}): {targets}")
-        meta = a.get("metadata") or {}
-        for key in ("modelspec.title", "modelspec.architecture", "ss_base_model_version"):
-            if key in meta:
-                lines.append(f"  {key}: {meta[key]}")
-        if a.get("trigger_words"):
-            lines.append(f"  trigger words: {', '.join(a['trigger_words'])}")
-    return lines
-
-
-def table(rows: list[tuple[str, ...]]) -> list[str]:
-    """Rows as left-aligned columns sized to their widest cell (a long fp8 dtype name widens its column
-    instead of pushing the rest of its row out of line); the last column is not padded."""
-    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]) - 1)]
-    return ["  ".join([*(str(cell).ljust(w) for cell, w in zip(r, widths, strict=False)), str(r[-1])]).rstrip() for r in rows]
-
-
 def _row(name: str, c: Mapping[str, Any]) -> tuple[str, ...]:
     if c["external"]:
         return (name, str(c["class"]), "-", "-", "-", f"referenced: {reference_text(name, c['external'])}")
@@ -175,16 +159,12 @@ def quantization_tag(c: Mapping[str, Any]) -> str | None:
 
 
 def reference_text(name: str, ref: Mapping[str, Any]) -> str:
-    """Where a referenced component comes from, in words: ``org/repo@rev:vae (Hub)``, ``URL:vae (hosted
-    archive)``, or that no source is recorded (pass it when loading)."""
-    from ..refs.resolve import reference_spec
+    """Where a referenced component comes from (:func:`dduf_plus.refs.resolve.describe_reference`), and what to
+    do when the archive records no source."""
+    from ..refs.spec import describe_reference
 
-    try:
-        spec = reference_spec(ref)
-    except Exception:  # noqa: BLE001 - an untrusted record of any shape: shown, never a crash
-        spec = None
-    if spec is None:
-        return f"no source recorded: pass it when loading (load_dduf(..., {name}=...) or --ref {name}=SPEC)"
-    rev = f"@{spec.revision}" if spec.revision else ""
-    kind = {"hub": "Hub repo", "url": "hosted archive", "dduf": "archive", "folder": "folder"}[spec.kind]
-    return f"{spec.location}{rev}:{spec.subfolder or name} ({kind})"
+    text = describe_reference(name, ref)
+    if text == "no source recorded":
+        return f"{text}: pass it when loading (load_dduf(..., {name}=...) or --ref {name}=SPEC)"
+    return text
+

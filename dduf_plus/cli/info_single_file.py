@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from ._common import echo, human_bytes, human_count, print_json
+from ._common import echo, human_bytes, human_count, print_json, table
 
 HEADERS = ("COMPONENT", "KEY PREFIX", "DTYPE", "PARAMS", "SIZE", "NOTES")
 
@@ -19,7 +19,6 @@ def is_checkpoint(source: str) -> bool:
 def run_single_file(args: argparse.Namespace) -> int:
     from ..packing.lora import is_lora_file
     from ..packing.single_file import describe_checkpoint
-    from .info import table
 
     if is_lora_file(args.source):
         return _run_lora_file(args)
@@ -62,7 +61,7 @@ def _run_lora_file(args: argparse.Namespace) -> int:
 
     from ..format.lora import METADATA_SHOWN, trigger_words
     from ..packing.lora import describe_lora_file
-    from .info import adapter_lines
+    from ._common import adapter_lines
 
     adapter = describe_lora_file(Path(args.source), getattr(args, "base", None))
     if args.json:

@@ -17,7 +17,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from .compress import _size
+from ._common import size_arg
 
 logger = logging.getLogger(__name__)
 DESCRIPTION = """\
@@ -64,7 +64,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
                    help="also answer requests for Host NAME (repeatable; the proxy's public name; '*': any). "
                         "Always answered: localhost, IP literals, --host")
-    p.add_argument("--max-upload", type=_size, default=4 << 30, metavar="SIZE", help="largest upload (default 4G)")
+    p.add_argument("--max-upload", type=size_arg, default=4 << 30, metavar="SIZE", help="largest upload (default 4G)")
     p.add_argument("--workers", type=_positive, default=4, help="validations at once (threads, default 4)")
     p.add_argument("--queue", type=int, default=64, help="requests that may wait for a worker (default 64); more: 503")
     p.add_argument("--uploads", type=_positive, default=64, metavar="N",
@@ -102,7 +102,7 @@ def _listen(host: str, port: int) -> socket.socket:
 def _settings(args: argparse.Namespace) -> Any:
     from ..errors import DDUFUsageError
     from ..serve import Settings
-    from ..serve.safety import BadURL, _origin
+    from ..serve.safety import BadURL, url_origin
 
     secret = None
     if args.webhook_secret_env:
@@ -112,7 +112,7 @@ def _settings(args: argparse.Namespace) -> Any:
     extra = {"endpoint": args.endpoint if args.endpoint.endswith("/") else args.endpoint + "/"} if args.endpoint else {}
     for prefix in args.allow_url_prefix + ([args.endpoint] if args.endpoint else []):
         try:
-            _origin(prefix)
+            url_origin(prefix)
         except BadURL as e:
             raise DDUFUsageError(f"--allow-url-prefix/--endpoint {e}") from None
     from huggingface_hub import get_token

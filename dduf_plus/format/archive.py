@@ -19,6 +19,7 @@ from ..storage.source import ByteSource, is_url, open_source
 from . import spec
 from .findings import Finding, finding
 from .index import FileRecord, build_index, check_index
+from .open_plan import prefetch_hook
 from .safetensors_header import SafetensorsHeader, read_safetensors_header
 from .sniff import torch_zip_kind
 from .structure import check_structure, component_specs, parse_json
@@ -90,7 +91,7 @@ class DDUFArchive:
 
     # --- parsing -------------------------------------------------------------------------------------
     def _open(self) -> None:
-        layout, findings = parse_layout(self._source)
+        layout, findings = parse_layout(self._source, prefetch_hook(self._source))
         self.findings.extend(findings)
         if layout is None:
             return

@@ -24,6 +24,7 @@ LORA_KEY = LORA_FOLDER  # model_index.json key: huggingface_hub requires every f
 LORA_CONFIG = f"{LORA_FOLDER}/config.json"
 LORA_MARKER = ["dduf_plus", "LoraAdapters"]  # its value: [library, class], as components are named
 LORA_FORMAT = "dduf_plus.lora"
+LORA_METADATA_KEY = "lora_adapter_metadata"  # diffusers' key for the peft config in a LoRA file's metadata
 MAX_ADAPTERS = 64  # an archive of a base and its styles: a few; past this, a config is hostile
 MAX_RANK = 8192  # real LoRAs: 4..256, full-rank extractions of SDXL layers up to 2,560
 MAX_ALPHA_RATIO = 4096.0  # alpha / rank: 1 is common, 2..16 seen; beyond this the adapter swamps the weight

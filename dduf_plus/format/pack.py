@@ -171,7 +171,7 @@ def plan_folder(folder: str | os.PathLike, *, variant: str | None = None, exclud
             elif name in exclude or (name in further and part_owner(model_index, name) in exclude):
                 skipped.append(Skipped(name + "/", "excluded"))
             else:
-                comp_sources, comp_skipped = _plan_component(root, name, variant)
+                comp_sources, comp_skipped = plan_component(root, name, variant)
                 sources.extend(comp_sources)
                 skipped.extend(comp_skipped)
         else:
@@ -213,7 +213,7 @@ def _check_utf8(name: str, where: Path) -> None:
         raise DDUFPackError(f"{where / shown}: file name is not valid UTF-8; rename it") from None
 
 
-def _plan_component(root: Path, component: str, variant: str | None) -> tuple[list[EntrySource], list[Skipped]]:
+def plan_component(root: Path, component: str, variant: str | None) -> tuple[list[EntrySource], list[Skipped]]:
     folder = root / component
     names = sorted(os.listdir(folder))
     skipped: list[Skipped] = []
@@ -258,7 +258,7 @@ def _plan_component(root: Path, component: str, variant: str | None) -> tuple[li
     for name in chosen:
         entry = f"{component}/{name}"
         check_entry_name(entry)
-        header = _read_header(folder / name, entry) if name.endswith(".safetensors") else None
+        header = read_safetensors_head(folder / name, entry) if name.endswith(".safetensors") else None
         sources.append(EntrySource(entry, path=folder / name, header=header))
     if copy and alias is not None:
         sources.append(EntrySource(f"{component}/{COPY_NAME}", data=(folder / alias).read_bytes()))
@@ -296,7 +296,7 @@ def fold_sources(component: str, folder: Path, sources: list[EntrySource]) -> tu
                  for rel in templates]
 
 
-def _read_header(path: Path, entry: str) -> SafetensorsHeader:
+def read_safetensors_head(path: Path, entry: str) -> SafetensorsHeader:
     return read_file_header(path, entry, DDUFPackError)
 
 

@@ -260,7 +260,7 @@ def _validate_zst(source: str | os.PathLike, verify: bool, strict: bool, max_dec
         return _report(name, [finding(code, None, message)], strict, size, time.perf_counter() - started)
 
     try:
-        zst._zstd()
+        zst.zstd_module()
     except DDUFError as e:  # zstandard missing or broken: the message says `pip install zstandard`
         return failed("Z021", str(e))
     resolved = str(Path(name).resolve())

@@ -1,7 +1,8 @@
 """Weight-file naming, as diffusers and transformers spell it: variants (``model.fp16.safetensors``),
 shards (``model-00001-of-00002.safetensors``) and shard indexes (``model.safetensors.index.json``).
 
-One place decides which files of a component make up the weights for a given variant."""
+One place decides which files of a component make up the weights for a given variant, what a saved weight file
+is named (:func:`weights_name`), and which suffixes are checkpoints of any format (:data:`WEIGHT_SUFFIXES`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,24 @@ from typing import NamedTuple
 _WEIGHT = re.compile(r"^(?P<stem>[^.]+?)(?:\.(?P<variant>[A-Za-z0-9_]+))?(?P<shard>-\d{5}-of-\d{5})?\.safetensors$")
 # stem.safetensors.index[.variant].json     (older: stem.safetensors.index.json only)
 _INDEX = re.compile(r"^(?P<stem>[^.]+?)(?:\.(?P<variant1>[A-Za-z0-9_]+))?\.safetensors\.index(?:\.(?P<variant>[A-Za-z0-9_]+))?\.json$")
+
+
+# The file stems diffusers' and transformers' save_pretrained write (diffusers.utils.constants.SAFETENSORS_WEIGHTS_NAME,
+# transformers.utils.SAFE_WEIGHTS_NAME).
+DIFFUSERS_STEM = "diffusion_pytorch_model"
+TRANSFORMERS_STEM = "model"
+# Checkpoint files of any format: never read whole as if they were configs or tokenizer files.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".onnx", ".msgpack", ".h5", ".npz")
+
+
+def weights_name(library: str | None = "diffusers", variant: str | None = None) -> str:
+    """The single-file weights name ``library``'s ``save_pretrained`` writes for ``variant``.
+
+        >>> weights_name(), weights_name("transformers", "fp16")
+        ('diffusion_pytorch_model.safetensors', 'model.fp16.safetensors')
+    """
+    stem = TRANSFORMERS_STEM if library == "transformers" else DIFFUSERS_STEM
+    return f"{stem}.{variant}.safetensors" if variant else f"{stem}.safetensors"
 
 
 class WeightFile(NamedTuple):

@@ -10,6 +10,7 @@ import itertools
 import re
 import struct
 import unicodedata
+from collections.abc import Callable
 from typing import NamedTuple
 
 from ..storage.source import ByteSource
@@ -37,6 +38,10 @@ class ZipEntry(NamedTuple):
     @property
     def compressed(self) -> bool:
         return self.method != spec.METHOD_STORED
+
+
+# Called with the vetted entries and the central directory's offset, before any local header is read.
+DirectoryHook = Callable[[list[ZipEntry], int], None]
 
 
 class ZipLayout(NamedTuple):
@@ -132,27 +137,27 @@ class _CentralRecord(NamedTuple):
     header_offset: int
 
 
-def parse_layout(source: ByteSource) -> tuple[ZipLayout | None, list[Finding]]:
+def parse_layout(source: ByteSource, before_local_headers: DirectoryHook | None = None,
+                 ) -> tuple[ZipLayout | None, list[Finding]]:
     """Read and cross-check every ZIP structure of ``source``. Reads only records, never entry data.
 
     Steps: end records (and ZIP64 end records) -> bounded central directory -> one vetted entry per
     central record -> local headers, in file order. A step returns None when nothing after it can be
-    trusted; the findings so far are returned either way."""
+    trusted; the findings so far are returned either way. ``before_local_headers(entries, cd_offset)`` runs once
+    the central directory is parsed (:func:`dduf_plus.format.open_plan.prefetch_hook` plans a remote source's
+    reads there), so that this module knows nothing of planning."""
     findings: list[Finding] = []
-    directory = _read_end_records(source, findings)
+    directory = read_end_records(source, findings)
     if directory is None:
         return None, findings
-    cd = _read_central_directory(source, directory, findings)
+    cd = read_central_directory(source, directory, findings)
     if cd is None:
         return None, findings
-    entries = _parse_central_directory(cd, directory.entry_count, findings)
+    entries = parse_central_directory(cd, directory.entry_count, findings)
     if entries is None:
         return None, findings
-    if getattr(source, "prefetching", False):  # a remote source: fetch what comes next in merged requests
-        from .open_plan import open_ranges
-
-        source.prefetch(open_ranges(entries, directory.cd_offset, source.kept,  # type: ignore[attr-defined]
-                                    small_entries=bool(getattr(source, "reads_small_entries", False))))
+    if before_local_headers is not None:  # e.g. a remote source fetching what comes next in merged requests
+        before_local_headers(entries, directory.cd_offset)
     checked = _check_local_headers(source, entries, directory.cd_offset, findings)
     return ZipLayout(checked, directory.cd_offset, directory.cd_size, directory.zip64_end), findings
 
@@ -196,7 +201,7 @@ def _find_end_record(source: ByteSource, findings: list[Finding]) -> tuple[int, 
     return eocd_offset, record
 
 
-def _read_end_records(source: ByteSource, findings: list[Finding]) -> _Directory | None:
+def read_end_records(source: ByteSource, findings: list[Finding]) -> _Directory | None:
     """The end record, and the ZIP64 end record when a locator precedes it: where the central directory is."""
     found = _find_end_record(source, findings)
     if found is None:
@@ -254,7 +259,7 @@ def _read_zip64_end(source: ByteSource, locator: bytes, short: _Directory, findi
 
 
 # --- central directory -------------------------------------------------------------------------------
-def _read_central_directory(source: ByteSource, directory: _Directory, findings: list[Finding]) -> bytes | None:
+def read_central_directory(source: ByteSource, directory: _Directory, findings: list[Finding]) -> bytes | None:
     """The central directory's bytes, bounded (entry count, size, position) before they are read."""
     n_total, cd_offset, cd_size, end_of_cd = directory.entry_count, directory.cd_offset, directory.cd_size, directory.end_of_cd
     if n_total > spec.MAX_ENTRIES:
@@ -271,7 +276,7 @@ def _read_central_directory(source: ByteSource, directory: _Directory, findings:
     return source.read_at(cd_offset, cd_size)
 
 
-def _parse_central_directory(cd: bytes, count: int, findings: list[Finding]) -> list[ZipEntry] | None:
+def parse_central_directory(cd: bytes, count: int, findings: list[Finding]) -> list[ZipEntry] | None:
     """One entry per sound central record with a unique name, in directory order; None when a record
     cannot be delimited (nothing after it can be found)."""
     entries: list[ZipEntry] = []
@@ -402,7 +407,7 @@ def _check_local_headers(source: ByteSource, entries: list[ZipEntry], cd_offset:
     checked: list[ZipEntry] = []
     position = 0  # end of the bytes the entries so far account for
     for entry in sorted(entries, key=lambda e: e.header_offset):
-        placed = _place_local_header(source, entry, cd_offset, findings)
+        placed = place_local_header(source, entry, cd_offset, findings)
         if placed is None:
             continue
         head, data_offset, end = placed
@@ -410,7 +415,7 @@ def _check_local_headers(source: ByteSource, entries: list[ZipEntry], cd_offset:
             findings.append(finding("Z015", entry.name, "entry overlaps the previous one"))
             position = max(position, end)  # its bytes are accounted for (as an error), not foreign
             continue
-        if not _local_header_agrees(source, entry, head, findings):
+        if not local_header_agrees(source, entry, head, findings):
             continue
         if entry.header_offset > position:
             where = "before the first entry" if position == 0 else "before this entry"
@@ -426,7 +431,7 @@ def _check_local_headers(source: ByteSource, entries: list[ZipEntry], cd_offset:
     return sorted(checked, key=lambda e: order[e.name])  # central directory order, as before
 
 
-def _place_local_header(source: ByteSource, entry: ZipEntry, cd_offset: int,
+def place_local_header(source: ByteSource, entry: ZipEntry, cd_offset: int,
                         findings: list[Finding]) -> tuple[tuple, int, int] | None:
     """(the fixed header's fields, data offset, data end) when ``entry``'s local header and data lie before
     the central directory; None (reported) otherwise. Reads the fixed 30 bytes only."""
@@ -448,7 +453,7 @@ def _place_local_header(source: ByteSource, entry: ZipEntry, cd_offset: int,
     return head, data_offset, end
 
 
-def _local_header_agrees(source: ByteSource, entry: ZipEntry, head: tuple, findings: list[Finding]) -> bool:
+def local_header_agrees(source: ByteSource, entry: ZipEntry, head: tuple, findings: list[Finding]) -> bool:
     """Compare the local header (fixed fields ``head``, then its name and extra, read here) with the central
     record: a different name, or CRC-32/sizes (when no data descriptor defers them), is fatal to the entry;
     method or flags differing only reported."""

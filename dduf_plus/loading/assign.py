@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, NamedTuple
 
-from ..packing.empty_init import registration_hooks_idle
+from ..torchkit.empty_init import registration_hooks_idle
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch

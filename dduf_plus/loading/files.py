@@ -273,7 +273,7 @@ def _complete(folder: Path, digests: Mapping[str, str]) -> bool:
         return False
 
 
-def _small_files(files: ComponentFiles, filenames: Iterable[str] | None,
+def small_files(files: ComponentFiles, filenames: Iterable[str] | None,
                  size_of: Callable[[str], int] | None = None) -> dict[str, bytes]:
     """The bytes of non-weight files to materialise; each at most MAX_LOCAL_FILE (checked by ``size_of``
     before it is read, where given)."""
@@ -403,7 +403,7 @@ class ArchiveComponentFiles:
             self._prefetcher.add(self.byte_ranges(filenames))
 
     def local_dir(self, filenames: Iterable[str] | None = None) -> str:
-        return materialize_files(_small_files(self, filenames, lambda f: self.archive.entry(self._entry(f)).length))
+        return materialize_files(small_files(self, filenames, lambda f: self.archive.entry(self._entry(f)).length))
 
     def weight_files(self, variant: str | None = None) -> list[str]:
         return choose_weight_files(self, variant)
@@ -450,6 +450,10 @@ class FolderComponentFiles:
             header = checked(*read_safetensors_header(lambda o, n: mm[o : o + n], 0, size, filename), where)
             self._maps[filename] = (mm, header)
         return self._maps[filename]
+
+    def safetensors_header(self, filename: str) -> SafetensorsHeader:
+        """The parsed header of weight file ``filename`` (mapped once, checked as every header is)."""
+        return self._open(filename)[1]
 
     def tensor_infos(self, filenames: Sequence[str]) -> dict[str, tuple[str, int, TensorInfo]]:
         out: dict[str, tuple[str, int, TensorInfo]] = {}

@@ -32,7 +32,7 @@ from ..format.pipeline_kinds import LIST_LIBRARY, alias_config, list_owners, par
 from ..format.tokenizer_budget import budget_findings
 from ..format.validate import json_entry_findings
 from ..storage.confined import component_name_problem, name_problem
-from .files import FolderComponentFiles, _small_files, materialize_files
+from .files import FolderComponentFiles, materialize_files, small_files
 
 logger = logging.getLogger(__name__)
 
@@ -214,7 +214,7 @@ class PipelineFolderFiles(FolderComponentFiles):
         if visible == set(self._listing) and filenames is None:
             return super().local_dir(None)
         entries = self.pipeline.entries
-        return materialize_files(_small_files(self, filenames, lambda f: entries[f"{self.name}/{f}"].length))
+        return materialize_files(small_files(self, filenames, lambda f: entries[f"{self.name}/{f}"].length))
 
 
 def hub_pipeline(source: str, dduf_file: str | None = None, *, revision: str | None = None,

@@ -1,7 +1,7 @@
 """The load check (``dduf validate --load-check``, ``dduf_plus.validate(..., load_check=True)``): does each
 model component's stored weights fit the model its class and config build, without reading a weight?
 
-Every stored model component is built on the meta device (:func:`dduf_plus.packing.meta_model.meta_model`:
+Every stored model component is built on the meta device (:func:`dduf_plus.torchkit.meta_model.meta_model`:
 no memory for parameters, no initialisers, within the construction budget of what is stored, so a hostile
 config is refused in about a second, never built), and its state-dict table (names, shapes, dtypes) is
 matched against the safetensors headers the archive already parsed:
@@ -28,7 +28,7 @@ from ..errors import DDUFError
 from ..format.findings import Finding, finding
 from ..format.quantization import QMAP_NAME as QUANTO_QMAP
 from ..format.structure import parse_json
-from ..packing.meta_model import meta_model
+from ..torchkit.meta_model import meta_model
 from .components import kind_of, resolve_class
 from .models import DIRECT_TRANSFORMERS, diffusers_class_for
 

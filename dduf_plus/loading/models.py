@@ -2,7 +2,7 @@
 
 diffusers models are built on the meta device from their config (``from_config`` with parameters on the
 meta device and no initialisation, as diffusers does, but for the building thread only:
-:mod:`dduf_plus.packing.empty_init`) and then given the tensors with ``load_state_dict(assign=True)``:
+:mod:`dduf_plus.torchkit.empty_init`) and then given the tensors with ``load_state_dict(assign=True)``:
 parameters *are* the views, nothing is copied. transformers models go through transformers' own loader
 (``from_pretrained(None, config=..., state_dict=...)``), which applies the class's checkpoint key renames,
 weight conversions, tied weights, non-persistent buffers and dtype plan; a tensor it receives in the right
@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 from ..errors import DDUFLoadError
 from ..format.quantization import QMAP_NAME as QUANTO_QMAP
 from ..format.weights import classify
-from ..packing.empty_init import meta_parameters, no_init
-from ..packing.thread_dtype import local_default_dtype
+from ..torchkit.empty_init import meta_parameters, no_init
+from ..torchkit.thread_dtype import local_default_dtype
 from .assign import assign_state
 from .budget import construction_budget
 from .dtypes import plan_dtypes
@@ -69,7 +69,7 @@ def pick_weight_files(files: ComponentFiles, variant: str | None, preferred_stem
 def default_dtype(dtype: torch.dtype) -> contextlib.AbstractContextManager[None]:
     """Build under ``dtype`` as diffusers/transformers do: buffers computed at construction (not stored in
     the checkpoint) then come out in the component's dtype, exactly as theirs. For this thread only: torch's
-    process default is never changed (:mod:`dduf_plus.packing.thread_dtype`)."""
+    process default is never changed (:mod:`dduf_plus.torchkit.thread_dtype`)."""
     return local_default_dtype(dtype)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -22,13 +23,14 @@ from ..format.archive import DDUFArchive
 from ..format.pipeline_kinds import LIST_CLASSES, LIST_LIBRARY, list_parts, part_owner
 from ..format.validate import load_findings
 from ..format.weights import variants
-from ..packing.backend_import import offline_imports
 from ..storage.urls import is_url
+from ..torchkit.backend_import import offline_imports
 from .bridge import install_bridge
 from .components import build_component, did_you_mean, resolve_class
 from .dtypes import AUTO, requested_for, resolve_request
 from .files import ArchiveComponentFiles, ComponentFiles
 from .folder_source import FolderPipeline
+from .gated_files import gate
 from .gc_pause import collector_paused
 from .lora import apply_adapters
 from .models import ModelRequest
@@ -135,7 +137,7 @@ def load_dduf(
                    resolve_options={"refs": refs, "local_files_only": local_files_only, "token": token,
                                     "revision": revision, "cache_dir": cache_dir, "verify": verify},
                    use_mmap=use_mmap, verify=verify, allow_missing_weights=allow_missing_weights,
-                   before_build=fetch.gate if fetch is not None else None,
+                   before_build=functools.partial(gate, fetch) if fetch is not None else None,
                    build_order=fetch.prioritize if fetch is not None else None)
     try:
         pipe = _load(ctx, kwargs)
@@ -185,7 +187,7 @@ def _open_source(path_str: str, dduf_file: str | None, *, revision: str | None, 
         archive, fetch = _open_url(path_str, remote, local_files_only)
         return path_str, archive, fetch
     if _is_zst(path_str):
-        from ..storage.zst import cached_decompress
+        from ..storage.zst_cache import cached_decompress
 
         return path_str, DDUFArchive(str(cached_decompress(path_str, max_decompressed=max_decompressed))), None
     return path_str, DDUFArchive(path_str), None
@@ -199,13 +201,11 @@ def _is_zst(path: str) -> bool:
 
 def _is_hub_repo(path: str) -> bool:
     """``org/name[@revision]`` that is no local path (an existing path wins, as in ``from_pretrained``)."""
-    if os.path.exists(path) or is_url(path):
+    if os.path.exists(path) or is_url(path):  # a local load does not import the Hub module
         return False
-    from ..remote.hub import is_repo_id, split_revision
+    from ..remote.hub import hub_repo_of
 
-    repo = split_revision(path)[0]
-    first = repo.split("/", 1)[0]
-    return is_repo_id(repo) and not os.path.isdir(first)  # "models/x" with ./models here: a missing path
+    return hub_repo_of(path) is not None
 
 
 def _open_folder(path: str) -> FolderPipeline:
@@ -526,7 +526,7 @@ def _component_files(archive: DDUFArchive | FolderPipeline, name: str, stored: M
             if not (e.name or "").startswith("dduf_plus.refs"):
                 raise
             raise DDUFReferenceError(f"component {name!r} is stored outside {archive.path} "
-                                     f"({_describe_reference(references[name])}) and this dduf_plus cannot resolve "
+                                     "(a reference) and this dduf_plus cannot resolve "
                                      f"references; pass it as an argument: load_dduf(..., {name}=...)") from None
         return resolve_component(name, references[name], **resolve_options)
     if name in stored and stored[name].files:
@@ -535,14 +535,6 @@ def _component_files(archive: DDUFArchive | FolderPipeline, name: str, stored: M
         return ArchiveComponentFiles(archive, name, use_mmap=use_mmap, verify=verify, prefetcher=prefetcher)
     raise DDUFLoadError(f"component {name!r} is named in model_index.json but {archive.path} neither stores nor "
                         f"references it; pass it as an argument: load_dduf(..., {name}=...)")
-
-
-def _describe_reference(reference: Any) -> str:
-    if isinstance(reference, Mapping):
-        repo = reference.get("pretrained_model_name_or_path")
-        sub = reference.get("subfolder")
-        return f"{repo}/{sub}" if repo and sub else str(repo or reference)
-    return str(reference)
 
 
 def _queue_prefetch(files: ComponentFiles, variant: str | None) -> None:

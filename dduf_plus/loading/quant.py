@@ -29,19 +29,20 @@ quanto; the torch-free parts (``QMAP_NAME``, the index record) live in :mod:`ddu
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import DDUFLoadError, DDUFPackError
+from ..errors import DDUFLoadError
 from ..format.quant_rules import QUANTO_ALIGNMENT
 from ..format.quantization import QMAP_NAME, quantization_method, quanto_index_record  # noqa: F401 (re-exported)
-from ..packing.backend_import import import_backend
-from ..packing.meta_model import construction_budget, is_diffusers_model, meta_model
-from ..storage.confined import Confined
+from ..torchkit.backend_import import import_backend
+from ..torchkit.meta_model import construction_budget, is_diffusers_model
+from ..torchkit.quanto_state import aligned_order, quanto_state, save_quanto_component  # noqa: F401 (re-exported)
+from . import quant_backends
+from .files import ComponentFiles, FolderComponentFiles, tensor_metadata
+from .quant_model import check_state_keys, empty_model, finish_model, torch_dtype
+from .quant_sdnq import load_sdnq_component
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -72,161 +73,19 @@ CPU_BACKENDS = {
 def rebuilt_here() -> str:
     """The quantization methods load_dduf rebuilds from an archive, as a message names them (from the loaders'
     own tables, so that it cannot go stale: quanto here, the others in quant_backends.BACKENDS)."""
-    from .quant_backends import SUPPORTED
-
-    methods = sorted({"quanto", *(m.partition("_")[0] for m in SUPPORTED)})
+    methods = sorted({"quanto", *(m.partition("_")[0] for m in quant_backends.SUPPORTED)})
     return ", ".join(methods[:-1]) + " and " + methods[-1]
 
 
 def _require_quanto() -> Any:
     try:
-        return import_backend("optimum.quanto")  # with the Hub off (see packing.backend_import)
+        return import_backend("optimum.quanto")  # with the Hub off (see torchkit.backend_import)
     except ImportError as e:
         raise DDUFLoadError(f"this component was quantized with optimum-quanto, which is not installed ({e}); "
                             f"install it with: {INSTALL_HINT}") from None
 
 
-# --- saving ------------------------------------------------------------------------------------------
-
-
-def aligned_order(nbytes_by_name: Mapping[str, tuple[int, int]]) -> list[str]:
-    """An order for writing tensors into a safetensors file so that as many as possible start on a
-    64-byte boundary of a page-aligned data section, without padding (safetensors forbids holes): tensors
-    whose size is a multiple of 64 first, then the rest, each group widest element first (which keeps
-    every tensor aligned to its element size). ``nbytes_by_name`` maps name -> (nbytes, element size).
-
-    Quantized int8 weights that land misaligned must be copied at load time (quanto's CPU int8 kernel
-    needs aligned data), so a writer of quanto components should use this order."""
-    return sorted(nbytes_by_name, key=lambda n: (nbytes_by_name[n][0] % KERNEL_ALIGNMENT != 0,
-                                                 -nbytes_by_name[n][1], n))
-
-
-def quanto_state(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor], bytes] | None:
-    """The tensors and quantization map to store for a quanto-quantized module, or None when ``module``
-    holds no quanto layer (or optimum-quanto is not installed: then nothing can be quantized).
-
-    Every returned tensor is a plain, contiguous CPU ``torch.Tensor`` whose storage no other entry shares
-    (safetensors' requirement); the names are those ``module.state_dict()`` uses, which are those
-    :func:`load_quanto_component` expects. The map bytes are ``quanto_qmap.json``.
-
-    Example:
-        >>> quantize(pipe.unet, weights=qint8); freeze(pipe.unet)
-        >>> tensors, qmap = quanto_state(pipe.unet)
-        >>> tensors["conv_in.weight._data"].dtype
-        torch.int8
-
-    Raises:
-        DDUFPackError: some quantized layer is not frozen (its weights are still floats: call
-            ``optimum.quanto.freeze(module)`` first).
-    """
-    try:
-        quanto = import_backend("optimum.quanto")
-    except ImportError:
-        return None
-    import torch
-
-    qmap = quanto.quantization_map(module)
-    if not qmap:
-        return None
-    unfrozen = [name for name, m in module.named_modules()
-                if isinstance(m, quanto.QModuleMixin) and m.weight_qtype is not None and not m.frozen]
-    if unfrozen:
-        raise DDUFPackError(f"{len(unfrozen)} quantized layers are not frozen (first: {unfrozen[0]!r}); call "
-                            "optimum.quanto.freeze(model) before saving")
-    out: dict[str, torch.Tensor] = {}
-    storages: set[tuple[int, int]] = set()
-    for name, value in module.state_dict().items():
-        if type(value) is not torch.Tensor:  # quanto flattens its tensors; anything else is a bug upstream
-            raise DDUFPackError(f"{name}: state_dict holds a {type(value).__name__}, not a plain tensor")
-        tensor = value.detach().to("cpu").contiguous()
-        key = (tensor.untyped_storage().data_ptr(), int(tensor.storage_offset()))
-        if tensor.numel() and key in storages:
-            tensor = tensor.clone()  # tied/shared storage: safetensors stores each tensor once
-        storages.add((tensor.untyped_storage().data_ptr(), int(tensor.storage_offset())))
-        out[name] = tensor
-    return out, (json.dumps(qmap, indent=4, sort_keys=True) + "\n").encode()
-
-
-def save_quanto_component(module: torch.nn.Module, folder: str | os.PathLike, *,
-                          weights_name: str | None = None) -> Path:
-    """Write a frozen quanto-quantized model as a component folder ``dduf pack`` takes: its config
-    (``save_config`` / ``config.save_pretrained``), one safetensors file with the tensors in
-    :func:`aligned_order` (so no quantized weight needs a copy at load) and ``quanto_qmap.json``.
-
-    Example:
-        >>> quantize(pipe.unet, weights=qint8); freeze(pipe.unet)
-        >>> pipe.save_pretrained("sd-q8")             # the other components, as usual
-        >>> save_quanto_component(pipe.unet, "sd-q8/unet")
-        >>> # dduf pack sd-q8 -o sd-q8.dduf
-
-    Raises:
-        DDUFPackError: ``module`` holds no quanto layer, or one that is not frozen.
-    """
-    import torch
-
-    folder = Path(folder).absolute()  # Confined resolves a relative path against its root: anchor it here
-    state = quanto_state(module)
-    if state is None:
-        raise DDUFPackError(f"{type(module).__name__} holds no optimum-quanto layer (quantize + freeze it first)")
-    tensors, qmap = state
-    folder.mkdir(parents=True, exist_ok=True)
-    for old in folder.glob("*.safetensors*"):
-        old.unlink()  # a previous (unquantized) save's shards would be picked up as weights
-    config = getattr(module, "config", None)
-    if callable(save_config := getattr(module, "save_config", None)):  # diffusers ModelMixin
-        save_config(folder)
-    elif config is not None and hasattr(config, "save_pretrained"):  # transformers PreTrainedModel
-        config.save_pretrained(folder)
-    name = weights_name or ("diffusion_pytorch_model.safetensors" if is_diffusers_model(type(module))
-                            else "model.safetensors")
-    from ..format import spec
-
-    order = aligned_order({k: (t.nbytes, t.element_size()) for k, t in tensors.items()})
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    position = 0
-    for key in order:
-        t = tensors[key]
-        dtype = spec.DTYPE_BY_TORCH[str(t.dtype).removeprefix("torch.")].safetensors
-        header[key] = {"dtype": dtype, "shape": list(t.shape), "data_offsets": [position, position + t.nbytes]}
-        position += t.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    with Confined(folder).atomic(folder / name, fsync=False, mode=0o644) as out:  # exclusive temp, then rename
-        out.file.write(len(raw).to_bytes(8, "little") + raw)
-        for key in order:  # little-endian hosts, as safetensors requires
-            out.file.write(tensors[key].reshape(-1).view(torch.uint8).numpy().data)
-    Confined(folder).write_bytes(folder / QMAP_NAME, qmap, mode=0o644)
-    return folder
-
-
 # --- loading -----------------------------------------------------------------------------------------
-
-
-def _torch_dtype(dtype: Any) -> torch.dtype | None:
-    import torch
-
-    if dtype is None or dtype == "auto":
-        return None
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    value = getattr(torch, str(dtype).removeprefix("torch."), None)
-    if not isinstance(value, torch.dtype):
-        raise DDUFLoadError(f"unknown dtype {dtype!r}")
-    return value
-
-
-def _empty_model(model_cls: type[Any], config: Mapping[str, Any], where: str, files: Any,
-                 variant: str | None) -> torch.nn.Module:
-    """The model on the meta device (:func:`~dduf_plus.packing.meta_model.meta_model`), within the
-    construction budget of the tensors ``files`` stores for ``variant`` (a config asking for 3,000 layers
-    over a few stored ones ran 46 s here before it was refused); a class that is neither a diffusers nor a
-    transformers model is refused."""
-    from .files import tensor_metadata
-
-    model = meta_model(model_cls, config, where, tensor_metadata(files, files.weight_files(variant)))
-    if model is None:
-        raise DDUFLoadError(f"{where}: {model_cls.__name__} is neither a diffusers nor a transformers model")
-    return model
 
 
 def _check_qmap(qmap: Any, quanto: Any, where: str) -> dict[str, dict[str, Any]]:
@@ -286,17 +145,10 @@ def _expected_keys(model: torch.nn.Module, quanto: Any) -> set[str]:
     return keys
 
 
-def _tied_keys(model: torch.nn.Module) -> set[str]:
-    tied = getattr(model, "_tied_weights_keys", None)
-    if isinstance(tied, Mapping):
-        return set(tied)
-    return set(tied or [])
-
-
 def load_quanto_component(
     model_cls: type[Any],
     config: Mapping[str, Any],
-    files: Any,
+    files: ComponentFiles,
     *,
     device: Any = None,
     dtype: Any = None,
@@ -327,11 +179,11 @@ def load_quanto_component(
     quanto = _require_quanto()
     where = str(getattr(files, "description", None) or getattr(files, "name", "component"))
     qmap = _check_qmap(_read_qmap(files, where) if qmap is None else qmap, quanto, where)
-    target_dtype = _torch_dtype(dtype)
-    model = _empty_model(model_cls, config, where, files, variant)
+    target_dtype = torch_dtype(dtype)
+    model = empty_model(model_cls, config, where, files, variant)
     _quantize_skeleton(model, qmap, quanto, where)
     state = dict(files.tensors(files.weight_files(variant)))
-    _check_state_keys(state, _expected_keys(model, quanto), model, f"{where}: stored tensors do not match the "
+    check_state_keys(state, _expected_keys(model, quanto), model, f"{where}: stored tensors do not match the "
                       f"quantized {model_cls.__name__}")
     check_quanto_shapes(model, state, quanto, where)
     _realign_int8(state, where)
@@ -340,24 +192,14 @@ def load_quanto_component(
     # assign=True: quanto's QModuleMixin._load_from_state_dict wraps the stored `_data`/`_scale` views
     # into its weight tensors and assigns them; every other tensor is assigned as is (no copy).
     model.load_state_dict(state, strict=False, assign=True)
-    return _finish(model, where, device)
+    return finish_model(model, where, device)
 
 
-def _read_qmap(files: Any, where: str) -> Any:
+def _read_qmap(files: ComponentFiles, where: str) -> Any:
     try:
         return files.read_json(QMAP_NAME)
     except Exception as e:  # the protocol's own errors: missing entry, bad JSON
         raise DDUFLoadError(f"{where}: cannot read {QMAP_NAME}: {e}", code=getattr(e, "code", None)) from e
-
-
-def _check_state_keys(state: Mapping[str, Any], expected: set[str], model: torch.nn.Module, problem: str) -> None:
-    """The stored tensors are exactly the quantized model's state-dict keys (tied ones may be absent)."""
-    missing = expected - set(state) - _tied_keys(model)
-    unexpected = set(state) - expected
-    if missing or unexpected:
-        shown = ", ".join(sorted(missing)[:5]) or "-"
-        extra = ", ".join(sorted(unexpected)[:5]) or "-"
-        raise DDUFLoadError(f"{problem} ({len(missing)} missing: {shown}; {len(unexpected)} unexpected: {extra})")
 
 
 def check_quanto_shapes(model: torch.nn.Module, state: Mapping[str, Any], quanto: Any, where: str) -> None:
@@ -418,22 +260,6 @@ def _cast_floating(state: dict[str, Any], target_dtype: torch.dtype, keep_fp32: 
             state[key] = tensor.to(target_dtype)
 
 
-def _finish(model: torch.nn.Module, where: str, device: Any) -> torch.nn.Module:
-    """Tie weights, check nothing is left on the meta device, freeze, move to ``device``."""
-    import torch
-
-    if _tied_keys(model) and callable(tie_weights := getattr(model, "tie_weights", None)):
-        tie_weights()
-    on_meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
-    if on_meta:
-        raise DDUFLoadError(f"{where}: {len(on_meta)} tensors were not loaded (first: {on_meta[0]})")
-    model.requires_grad_(False)
-    model.eval()
-    if device is not None and torch.device(device).type != "cpu":
-        model.to(device)  # quanto moves _data/_scale and picks the device's kernels (Marlin, AWQ, ...)
-    return model
-
-
 def quanto_qmap_from_config(model: torch.nn.Module, quantization_config: Mapping[str, Any]) -> dict[str, Any]:
     """The quantization map implied by diffusers' ``QuantoConfig`` for ``model``: the same layers
     diffusers' ``_replace_with_quanto_layers`` converts (every ``nn.Linear`` whose own name is not in
@@ -456,7 +282,7 @@ def quanto_qmap_from_config(model: torch.nn.Module, quantization_config: Mapping
 def load_with_diffusers_quantizer(
     model_cls: type[Any],
     config: Mapping[str, Any],
-    files: Any,
+    files: ComponentFiles,
     *,
     device: Any = None,
     dtype: Any = None,
@@ -479,18 +305,13 @@ def load_with_diffusers_quantizer(
         raise DDUFLoadError(f"{where}: config.json has no quantization_config.quant_method")
     if method == "quanto":
         _require_quanto()
-        skeleton = _empty_model(model_cls, config, where, files, variant)
+        skeleton = empty_model(model_cls, config, where, files, variant)
         qmap = quanto_qmap_from_config(skeleton, config["quantization_config"])
         del skeleton
         return load_quanto_component(model_cls, config, files, device=device, dtype=dtype, variant=variant,
                                      qmap=qmap)
-    from . import quant_backends
-
     if method in quant_backends.SUPPORTED:  # torchao, bitsandbytes, sdnq: over the archive's views
-        return quant_backends.load_backend_component(model_cls, config, files, device=device, dtype=dtype,
-                                                     variant=variant)
-    from .files import FolderComponentFiles
-
+        return load_backend_component(model_cls, config, files, device=device, dtype=dtype, variant=variant)
     hint = CPU_BACKENDS.get(method, "untested backend")
     if not isinstance(files, FolderComponentFiles):
         # Its quantizer reads the weights from disk itself, and dduf_plus never extracts weights from an archive.
@@ -498,7 +319,7 @@ def load_with_diffusers_quantizer(
             f"{where}: quantized with {method} (quantization_config); load_dduf rebuilds {rebuilt_here()} "
             f"only, and {method}'s own quantizer needs the files on disk (CPU support: {hint}). Unpack the "
             "archive (`dduf unpack`) and load that folder with diffusers, or reference the component from a folder")
-    target_dtype = _torch_dtype(dtype)
+    target_dtype = torch_dtype(dtype)
     folder = files.local_dir(files.listdir())  # a folder component: its own path, nothing is copied
     # A verified local folder: nothing is fetched and no code from the files runs.
     kwargs: dict[str, Any] = {"local_files_only": True}
@@ -510,11 +331,23 @@ def load_with_diffusers_quantizer(
         kwargs["device_map"] = str(device)
     if variant is not None:
         kwargs["variant"] = variant
-    from .files import tensor_metadata
-
     stored = tensor_metadata(files, files.weight_files(variant))
-    try:  # the quantizer's own construction, under the same budget as every other (packing/meta_model.py)
+    try:  # the quantizer's own construction, under the same budget as every other (torchkit/meta_model.py)
         with construction_budget(where, model_cls.__name__, stored):
             return model_cls.from_pretrained(folder, **kwargs)
     except (ImportError, RuntimeError, ValueError) as e:
         raise DDUFLoadError(f"{where}: diffusers' {method} quantizer failed ({e}); CPU support: {hint}") from e
+
+
+def load_backend_component(model_cls: type[Any], config: Mapping[str, Any], files: ComponentFiles, *,
+                           device: Any = None, dtype: Any = None, variant: str | None = None) -> torch.nn.Module:
+    """Dispatch on the config's backend (see :data:`~dduf_plus.loading.quant_backends.SUPPORTED`)."""
+    backend = quant_backends.backend_of(config)
+    if backend == "torchao":
+        return quant_backends.load_torchao_component(model_cls, config, files, device=device, dtype=dtype,
+                                                     variant=variant)
+    if backend in ("bitsandbytes_4bit", "bitsandbytes_8bit"):
+        return quant_backends.load_bnb_component(model_cls, config, files, device=device, variant=variant)
+    if backend == "sdnq":
+        return load_sdnq_component(model_cls, config, files, device=device, dtype=dtype, variant=variant)
+    raise DDUFLoadError(f"{getattr(files, 'description', 'component')}: no zero-copy loader for {backend}")

@@ -35,7 +35,9 @@ from ..format.quant_rules import (
     torchao_groups,
 )
 from ..format.safetensors_header import SafetensorsHeader, TensorInfo
-from ..packing.backend_import import import_backend
+from ..torchkit.backend_import import import_backend
+from .files import ComponentFiles
+from .quant_model import check_state_keys, empty_model, finish_model, torch_dtype
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -62,21 +64,18 @@ def require_backend(backend: str, where: str) -> Any:
                             f"with: {hint}") from None
 
 
-def component_headers(files: Any, filenames: Sequence[str]) -> list[SafetensorsHeader]:
+def component_headers(files: ComponentFiles, filenames: Sequence[str]) -> list[SafetensorsHeader]:
     """The parsed safetensors headers of ``filenames`` (archive or folder component): nothing new is read."""
     archive = getattr(files, "archive", None)
     if archive is not None:
         return [archive.headers[f"{files.name}/{f}"] for f in filenames if f"{files.name}/{f}" in archive.headers]
-    return [files._open(f)[1] for f in filenames]
+    header_of = getattr(files, "safetensors_header", None)  # a folder component (FolderComponentFiles)
+    if header_of is None:
+        raise DDUFLoadError(f"{files.description}: cannot read the safetensors headers of a quantized component here")
+    return [header_of(f) for f in filenames]
 
 
-def _torch_dtype(dtype: Any) -> torch.dtype | None:
-    from .quant import _torch_dtype as parse
-
-    return parse(dtype)
-
-
-def load_torchao_component(model_cls: type[Any], config: Mapping[str, Any], files: Any, *, device: Any = None,
+def load_torchao_component(model_cls: type[Any], config: Mapping[str, Any], files: ComponentFiles, *, device: Any = None,
                            dtype: Any = None, variant: str | None = None) -> torch.nn.Module:
     """Rebuild a component saved by diffusers' torchao quantizer as the modules ``from_pretrained`` builds.
 
@@ -88,8 +87,6 @@ def load_torchao_component(model_cls: type[Any], config: Mapping[str, Any], file
         DDUFLoadError: torchao missing (with the pip command), the component not self-consistent (its Q0xx
             rule), tensors missing or unexpected for the model.
     """
-    from .quant import _check_state_keys, _empty_model, _finish
-
     where = str(getattr(files, "description", None) or getattr(files, "name", "component"))
     require_backend("torchao", where)
     from torchao.prototype.safetensors.safetensors_utils import object_from_dict
@@ -104,7 +101,7 @@ def load_torchao_component(model_cls: type[Any], config: Mapping[str, Any], file
         descriptions = torchao_descriptions(metadata)
     except QuantError as e:
         raise DDUFLoadError(f"{where}: {e.code}: torchao quantization: {e}", code=e.code) from None
-    model = _empty_model(model_cls, config, where, files, variant)
+    model = empty_model(model_cls, config, where, files, variant)
     state = dict(files.tensors(weight_files))
     for name, parts in torchao_groups(descriptions).items():
         description = copy.deepcopy(descriptions[name])
@@ -114,9 +111,9 @@ def load_torchao_component(model_cls: type[Any], config: Mapping[str, Any], file
         except (ValueError, TypeError, AttributeError) as e:
             raise DDUFLoadError(f"{where}: Q005: torchao cannot build {name} from its description ({e})",
                                 code="Q005") from None
-    _check_state_keys(state, set(model.state_dict()), model, f"{where}: stored tensors do not match the "
+    check_state_keys(state, set(model.state_dict()), model, f"{where}: stored tensors do not match the "
                       f"torchao-quantized {model_cls.__name__}")
-    target = _torch_dtype(dtype)
+    target = torch_dtype(dtype)
     if target is not None:
         import torch
 
@@ -126,12 +123,12 @@ def load_torchao_component(model_cls: type[Any], config: Mapping[str, Any], file
     quantizer = _quantizer(config)
     if quantizer is not None:  # as diffusers' from_pretrained: is_quantized, quantization_method, modules_to_not_convert
         _validate_environment(quantizer, where, torch_dtype=target)  # torchao's sets `offload` (save reads it)
-        _preprocess(quantizer, model, where)
+        preprocess_model(quantizer, model, where)
         quantizer._metadata = metadata  # what diffusers' set_metadata keeps (its `metadata` property)
     model.load_state_dict(state, strict=False, assign=True)
     if quantizer is not None:  # so that save_pretrained and dequantize work as after diffusers' load
         register_quantizer(model, quantizer, target)
-    return _finish(model, where, device)
+    return finish_model(model, where, device)
 
 
 def _validate_environment(quantizer: Any, where: str, **kwargs: Any) -> None:
@@ -170,7 +167,7 @@ def _quiet(name: str) -> Iterator[None]:
         log.disabled = before
 
 
-def _preprocess(quantizer: Any, model: torch.nn.Module, where: str) -> None:
+def preprocess_model(quantizer: Any, model: torch.nn.Module, where: str) -> None:
     """diffusers' own skeleton step (replaces the layers to quantize, on meta), its failures as DDUFLoadError."""
     try:
         quantizer.preprocess_model(model=model, device_map=None,
@@ -193,7 +190,7 @@ def _quantizer(config: Mapping[str, Any]) -> Any:
         return None
 
 
-def checked_quantizer(config: Mapping[str, Any], files: Any, variant: str | None, where: str,
+def checked_quantizer(config: Mapping[str, Any], files: ComponentFiles, variant: str | None, where: str,
                       backend: str) -> tuple[list[str], Any]:
     """(weight files, diffusers' quantizer) of a component once its tensors pass Q001-Q005 (torch-free, before the
     backend parses its config).
@@ -213,22 +210,7 @@ def checked_quantizer(config: Mapping[str, Any], files: Any, variant: str | None
     return weight_files, quantizer
 
 
-def load_backend_component(model_cls: type[Any], config: Mapping[str, Any], files: Any, *, device: Any = None,
-                           dtype: Any = None, variant: str | None = None) -> torch.nn.Module:
-    """Dispatch on the config's backend (see :data:`SUPPORTED`)."""
-    backend = backend_of(config)
-    if backend == "torchao":
-        return load_torchao_component(model_cls, config, files, device=device, dtype=dtype, variant=variant)
-    if backend in ("bitsandbytes_4bit", "bitsandbytes_8bit"):
-        return load_bnb_component(model_cls, config, files, device=device, variant=variant)
-    if backend == "sdnq":
-        from .quant_sdnq import load_sdnq_component
-
-        return load_sdnq_component(model_cls, config, files, device=device, dtype=dtype, variant=variant)
-    raise DDUFLoadError(f"{getattr(files, 'description', 'component')}: no zero-copy loader for {backend}")
-
-
-def load_bnb_component(model_cls: type[Any], config: Mapping[str, Any], files: Any, *, device: Any = None,
+def load_bnb_component(model_cls: type[Any], config: Mapping[str, Any], files: ComponentFiles, *, device: Any = None,
                        variant: str | None = None) -> torch.nn.Module:
     """Rebuild a component saved by diffusers' bitsandbytes quantizer as its ``from_pretrained`` does:
     ``Linear4bit`` / ``Linear8bitLt`` layers (diffusers' own ``replace_with_bnb_linear``, on meta) whose weights
@@ -238,14 +220,12 @@ def load_bnb_component(model_cls: type[Any], config: Mapping[str, Any], files: A
         DDUFLoadError: bitsandbytes or diffusers missing, the component not self-consistent (Q0xx), a packed
             quant_state over its budget.
     """
-    from .quant import _check_state_keys, _empty_model, _finish
-
     where = str(getattr(files, "description", None) or getattr(files, "name", "component"))
     backend = str(backend_of(config))
     bnb = require_backend(backend, where)
     weight_files, quantizer = checked_quantizer(config, files, variant, where, "bitsandbytes")
-    model = _empty_model(model_cls, config, where, files, variant)
-    _preprocess(quantizer, model, where)
+    model = empty_model(model_cls, config, where, files, variant)
+    preprocess_model(quantizer, model, where)
     state = dict(files.tensors(weight_files))
     layer_cls = bnb.nn.Linear4bit if backend == "bitsandbytes_4bit" else bnb.nn.Linear8bitLt
     tensors = {name: info for header in component_headers(files, weight_files) for name, info in header.tensors.items()}
@@ -269,11 +249,11 @@ def load_bnb_component(model_cls: type[Any], config: Mapping[str, Any], files: A
     if plain:
         logger.debug("%s: Q009: %d bitsandbytes 4-bit layers kept on the plain CPU path (their shapes do not fit "
                      "the AVX512-BF16 repack)", where, plain)
-    _check_state_keys(state, {k for k in model.state_dict() if not _is_bnb_weight(model, k, layer_cls)}, model,
+    check_state_keys(state, {k for k in model.state_dict() if not _is_bnb_weight(model, k, layer_cls)}, model,
                       f"{where}: stored tensors do not match the {backend} {model_cls.__name__}")
     model.load_state_dict(state, strict=False, assign=True)
     register_quantizer(model, quantizer, None)  # bitsandbytes components load as saved: diffusers' default dtype
-    return _finish(model, where, device)
+    return finish_model(model, where, device)
 
 
 def _check_bnb_shape(module: Any, name: str, parts: Mapping[str, str], state: Mapping[str, Any],

@@ -27,6 +27,9 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import DDUFLoadError
 from ..format.quant_rules import SDNQ_PARTS
+from .files import ComponentFiles
+from .quant_backends import checked_quantizer, preprocess_model, register_quantizer, require_backend
+from .quant_model import check_state_keys, empty_model, finish_model, torch_dtype
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -80,7 +83,7 @@ def _cast(state: dict[str, torch.Tensor], skeleton: Mapping[str, torch.Tensor], 
             state[key] = tensor.to(wanted)
 
 
-def load_sdnq_component(model_cls: type[Any], config: Mapping[str, Any], files: Any, *, device: Any = None,
+def load_sdnq_component(model_cls: type[Any], config: Mapping[str, Any], files: ComponentFiles, *, device: Any = None,
                         dtype: Any = None, variant: str | None = None) -> torch.nn.Module:
     """Rebuild a component saved by diffusers' SDNQ quantizer as the modules its ``from_pretrained`` builds.
 
@@ -92,23 +95,21 @@ def load_sdnq_component(model_cls: type[Any], config: Mapping[str, Any], files: 
         DDUFLoadError: sdnq missing (with the pip command), the component not self-consistent (its Q0xx rule), a
             stored tensor unlike the layer SDNQ builds (Q006), tensors missing or unexpected for the model.
     """
-    from .quant import _check_state_keys, _empty_model, _finish, _torch_dtype
-    from .quant_backends import _preprocess, checked_quantizer, register_quantizer, require_backend
 
     where = str(getattr(files, "description", None) or getattr(files, "name", "component"))
     require_backend("sdnq", where)
     weight_files, quantizer = checked_quantizer(config, files, variant, where, "sdnq")
     state = dict(files.tensors(weight_files))
-    target = _torch_dtype(dtype)
+    target = torch_dtype(dtype)
     quantized = {k for k in state if k.rpartition(".")[2] in SDNQ_KEYS}
     quantizer.update_torch_dtype(target or _saved_dtype(state, quantized))
-    model = _empty_model(model_cls, config, where, files, variant)
-    _preprocess(quantizer, model, where)  # sdnq's own skeleton: SDNQ layers with meta weight / scale / zero_point
+    model = empty_model(model_cls, config, where, files, variant)
+    preprocess_model(quantizer, model, where)  # sdnq's own skeleton: SDNQ layers with meta weight / scale / zero_point
     owned = check_layers(model, state, where)
-    _check_state_keys(state, set(model.state_dict()), model, f"{where}: stored tensors do not match the "
+    check_state_keys(state, set(model.state_dict()), model, f"{where}: stored tensors do not match the "
                       f"SDNQ-quantized {model_cls.__name__}")
     if target is not None:
         _cast(state, model.state_dict(), owned, target)
     model.load_state_dict(state, strict=False, assign=True)
     register_quantizer(model, quantizer, target)  # as diffusers: requires_grad off, matmul layouts, config
-    return _finish(model, where, device)
+    return finish_model(model, where, device)

@@ -20,7 +20,7 @@ from ..format import spec
 from ..format.archive import DDUFArchive
 from ..format.chat_template import INDEX_KEY, TOKENIZER_CONFIG, fold, is_template_name, restore_plan
 from ..format.json_budget import parse_json_entry
-from ..format.pack import EntrySource, PackResult, _read_header, write_archive
+from ..format.pack import EntrySource, PackResult, read_safetensors_head, write_archive
 from ..refs.resolve import Located, SpecLike, check_ref_names, locate_component
 from ..storage.confined import Confined
 from .partial import ORIGINAL_MODEL_INDEX_KEY, canonical_model_index_bytes
@@ -152,7 +152,7 @@ def _referenced_sources(name: str, loc: Located, files: Iterable[str], others: l
             folded = fold(name, path, templates)
             sources.append(EntrySource(entry, data=folded.data, source_sha256=folded.source_sha256, folded=folded))
             continue
-        header = _read_header(path, entry) if fname.endswith(".safetensors") else None
+        header = read_safetensors_head(path, entry) if fname.endswith(".safetensors") else None
         sources.append(EntrySource(entry, path=path, header=header))
     return sources
 

@@ -33,7 +33,7 @@ other quantized components (diffusers ``quantization_config``) and fp8 targets f
 component are packed unchanged, or refused when ``--dtype`` names them.
 
 The model class's module tree comes from a skeleton built from the component's config on the meta device,
-within the construction budget of the weights the folder stores (:mod:`dduf_plus.packing.meta_model`): a
+within the construction budget of the weights the folder stores (:mod:`dduf_plus.torchkit.meta_model`): a
 config asking for far more (``num_layers: 3000`` over two stored layers) is a :class:`DDUFPackError`
 within a second or so, not a minute of construction; such an archive would not load anyway.
 
@@ -76,7 +76,7 @@ from ..format.quantization import QMAP_NAME as QUANTO_QMAP
 from ..format.safetensors_header import SafetensorsHeader, TensorInfo, parse_header
 from ..format.structure import component_specs
 from ..format.weights import classify
-from .meta_model import ConstructionBudgetError, StoredTensors, is_diffusers_model, meta_model
+from ..torchkit.meta_model import ConstructionBudgetError, StoredTensors, is_diffusers_model, meta_model
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ class ComponentRules:
         construction budget (a config asking for far more is refused: the archive would not load)."""
         self.component = component
         self.library, self.class_name = library, class_name
-        self.cls = _import_class(library, class_name)
+        self.cls = import_class(library, class_name)
         self.model: torch.nn.Module | None = None
         if self.cls is not None and config is not None:
             try:
@@ -206,7 +206,7 @@ def _as_list(value: Any) -> list[str]:
     return [v for v in value if isinstance(v, str)]
 
 
-def _import_class(library: str | None, class_name: str | None) -> type[Any] | None:
+def import_class(library: str | None, class_name: str | None) -> type[Any] | None:
     if not library or not class_name:
         return None
     try:

@@ -235,14 +235,9 @@ def _check_partial(partial: Any, *, base: str | None, dtype: str | Mapping[str, 
 def hub_source(source: str | os.PathLike) -> tuple[str, str | None] | None:
     """(repo id, revision) when ``source`` names a Hub repo (``org/name[@revision]``) and no local path;
     None for a local path (an existing one always wins) or anything else."""
-    text = os.fspath(source)
-    if os.path.exists(text):
-        return None
-    from ..remote.hub import is_repo_id, split_revision
+    from ..remote.hub import hub_repo_of
 
-    repo, revision = split_revision(text)
-    first = repo.split("/", 1)[0]
-    return (repo, revision) if is_repo_id(repo) and not os.path.isdir(first) else None
+    return hub_repo_of(source)
 
 
 def pack_source(source: str | os.PathLike, *, variant: str | None = None, token: str | bool | None = None,

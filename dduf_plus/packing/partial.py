@@ -42,8 +42,8 @@ from ..format.pack import (
     LocalFile,
     PackResult,
     Skipped,
-    _plan_component,
     file_size,
+    plan_component,
     plan_folder,
     write_archive,
 )
@@ -51,6 +51,7 @@ from ..format.references import is_local_path
 from ..format.structure import component_specs, model_index_object
 from ..format.weights import classify
 from ..refs.resolve import Spec, component_folder, parse_ref_args, parse_spec
+from ..sizes import format_size
 from .identity import ComponentBytes, ComponentCopy
 from .reference_source import (
     BaseMatch,
@@ -91,14 +92,6 @@ def canonical_model_index_bytes(model_index: Mapping[str, Any]) -> bytes:
 
 def _files(n: int) -> str:
     return f"{n} file{'s' if n != 1 else ''}"
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "kB", "MB", "GB"):
-        if abs(n) < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n} B"
 
 
 def _infer_variant(plan: FolderPlan) -> str | None:
@@ -280,7 +273,7 @@ class _Planner:
                 return None
             chosen = self.plan.held[name]
         elif (self.root / name).is_dir():
-            chosen, _skipped = _plan_component(self.root, name, self.variant)
+            chosen, _skipped = plan_component(self.root, name, self.variant)
         else:
             return None
         files: dict[str, LocalFile] = {s.name.split("/", 1)[1]: s.file for s in chosen if s.file is not None}
@@ -317,7 +310,7 @@ class _Planner:
         self.references[name] = self.reference(name, src, files, revision, variant)
         where = str(src) if src is not None else "no source (must be passed to load_dduf as an argument)"
         self.report.append(f"referenced {name} -> {where} ({_files(len(files))}, "
-                           f"{_human(self.local_bytes.get(name, 0))}; {origin})")
+                           f"{format_size(self.local_bytes.get(name, 0))}; {origin})")
 
     def _records_from_source(self, name: str, src: Spec) -> tuple[FileRecords, str | None, str]:
         """No local copy: the file records (and the revision they were read at) come from the source."""
@@ -351,7 +344,7 @@ class _Planner:
             self.references[name] = self.reference(name, base_spec, match.files, source.revision, match.variant)
             variant = f", BASE's {match.variant} variant" if match.variant and match.variant != self.variant else ""
             self.report.append(f"referenced {name} -> {base_spec} ({match.how}{variant}: {_files(len(match.files))} "
-                               f"there, {_human(self.local_bytes[name])} here)")
+                               f"there, {format_size(self.local_bytes[name])} here)")
 
     def _match_base(self, name: str, paths: Mapping[str, LocalFile], source: ReferenceSource,
                     base_spec: Spec) -> tuple[str, BaseMatch | None]:
@@ -425,7 +418,7 @@ class _Planner:
         total = sum(s.nbytes for s in plan.sources) + sum(b for n, b in self.local_bytes.items() if n not in self.stored)
         if references:
             pct = f" ({100.0 * saved / total:.1f}% of the component files)" if total else ""
-            self.report.append(f"bytes saved: {saved} ({_human(saved)}){pct} by referencing {len(references)} "
+            self.report.append(f"bytes saved: {saved} ({format_size(saved)}){pct} by referencing {len(references)} "
                                f"component{'s' if len(references) != 1 else ''}")
         else:
             self.report.append("nothing referenced: the archive is complete")

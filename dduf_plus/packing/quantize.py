@@ -3,7 +3,7 @@
 The component is quantized by diffusers' own quantizer, fed from the full-precision source a batch of tensors at a
 time (at most :data:`BATCH_BYTES`, 32 MiB, of source tensors in memory, each read with ``pread``: no mmap keeps pages
 resident), and written as its ``save_pretrained`` would write it
-(:func:`~dduf_plus.packing.quant_state.backend_state`): the same tensors, safetensors ``__metadata__`` and
+(:func:`~dduf_plus.torchkit.quant_state.backend_state`): the same tensors, safetensors ``__metadata__`` and
 ``config.json`` (with its ``quantization_config``) as quantizing with diffusers
 (``from_pretrained(quantization_config=...)``) then packing the saved folder. Peak memory is the quantized
 component plus one batch, never the whole component in full precision.
@@ -33,7 +33,8 @@ from ..assignments import PackNameError, check_names, closest, parse_assignments
 from ..errors import DDUFPackError
 from ..format.pack import EntrySource, FileRegion, FolderPlan
 from ..format.structure import component_specs
-from .backend_import import offline_imports
+from ..format.weights import classify, weights_name
+from ..torchkit.backend_import import offline_imports
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -52,7 +53,6 @@ SCHEMES: dict[str, str] = {  # --quantize name -> what it is, in the backend's w
 ALIASES = {"bitsandbytes-nf4": "bnb-nf4", "bitsandbytes-fp4": "bnb-fp4", "bitsandbytes-int8": "bnb-int8",
            "torchao-int8_weight_only": "torchao-int8", "torchao-int8wo": "torchao-int8", "sdnq-fp8": "sdnq-float8_e4m3fn"}
 BATCH_BYTES = 32 << 20  # source tensors handed to diffusers' loader at once
-WEIGHTS = "diffusion_pytorch_model.safetensors"
 
 
 def scheme_name(text: str, what: str = "--quantize ") -> str:
@@ -160,8 +160,8 @@ def quantize_component(component: str, class_spec: Any, sources: list[EntrySourc
                        dtype: Any) -> tuple[list[EntrySource], dict[str, Any] | None]:
     """One component quantized: (its new sources: config.json, the weights entry, its other files; index record)."""
     from ..format import quant_rules
-    from .quant_state import backend_state
-    from .tensor_stream import tensor_source
+    from ..torchkit.quant_state import backend_state
+    from ..torchkit.tensor_stream import tensor_source
 
     config_source = next((s for s in sources if s.name == f"{component}/config.json"), None)
     weights = [s for s in sources if s.name.endswith(".safetensors") and s.file is not None and s.header is not None]
@@ -173,8 +173,9 @@ def quantize_component(component: str, class_spec: Any, sources: list[EntrySourc
                             f"({quant_rules.backend_of(config)}); pack it as it is")
     model = quantized_model(component, class_spec, config, weights, scheme, dtype)
     state, metadata = backend_state(component, model)
-    variant = _variant_of(weights[0].name, component)
-    entry = tensor_source(f"{component}/{_weights_name(variant)}", state, metadata=metadata, what=component)
+    stored = classify(weights[0].name.rsplit("/", 1)[-1])  # fp16 of unet/diffusion_pytorch_model.fp16.safetensors
+    variant = stored.variant if stored is not None else None
+    entry = tensor_source(f"{component}/{weights_name('diffusers', variant)}", state, metadata=metadata, what=component)
     with tempfile.TemporaryDirectory(prefix="dduf-quantize-") as tmp:
         model.save_config(tmp)  # ModelMixin.save_pretrained's config step: quantization_config included
         config_bytes = (Path(tmp) / "config.json").read_bytes()
@@ -187,17 +188,6 @@ def quantize_component(component: str, class_spec: Any, sources: list[EntrySourc
     return [*others, EntrySource(config_source.name, data=config_bytes), entry], record
 
 
-def _variant_of(entry: str, component: str) -> str | None:
-    """``fp16`` of ``unet/diffusion_pytorch_model.fp16.safetensors`` (or of a shard of it)."""
-    stem = entry.removeprefix(f"{component}/").removesuffix(".safetensors").split("-")[0]
-    parts = stem.split(".")
-    return parts[1] if len(parts) > 1 else None
-
-
-def _weights_name(variant: str | None) -> str:
-    return WEIGHTS if not variant else WEIGHTS.replace(".safetensors", f".{variant}.safetensors")
-
-
 def quantized_model(component: str, class_spec: Any, config: Mapping[str, Any], weights: list[EntrySource],
                     scheme: Any, dtype: Any) -> Any:
     """The model diffusers' ``from_pretrained(folder, quantization_config=..., torch_dtype=dtype)`` builds, fed one
@@ -205,11 +195,11 @@ def quantized_model(component: str, class_spec: Any, config: Mapping[str, Any], 
     from diffusers.models.model_loading_utils import load_model_dict_into_meta
     from diffusers.quantizers import DiffusersAutoQuantizer
 
-    from .convert import _import_class
-    from .meta_model import is_diffusers_model, meta_model
+    from ..torchkit.meta_model import is_diffusers_model, meta_model
+    from .convert import import_class
 
     library, class_name = class_spec
-    cls = _import_class(library, class_name)
+    cls = import_class(library, class_name)
     if cls is None or not is_diffusers_model(cls):
         raise DDUFPackError(f"--quantize {component}: {library}.{class_name} is not a diffusers model (transformers "
                             "components: quantize them with transformers and pack the saved folder)")

@@ -8,19 +8,18 @@ change them); the git blob hash is huggingface_hub's, imported on first use."""
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import re
 import threading
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
-from ..errors import DDUFError
 from ..storage import cache_dirs
 from ..storage.cache_dirs import hf_hub_cache
 from ..storage.confined import Confined
+from ..storage.signed import Signer, StatKey, stat_key
 
 logger = logging.getLogger(__name__)
 
@@ -30,22 +29,9 @@ LFS_EXTENSIONS = (".safetensors", ".model", ".bin", ".pt", ".pth", ".ckpt", ".gg
 LFS_SIZE = 10 * 1000 * 1000
 CHUNK = 8 << 20
 VERIFIED_FILE = "verified.json"
-VERIFIED_VERSION = 2  # 2: the stat key holds the device too (version 1 files are ignored: hashed again once)
+VERIFIED_VERSION = 3  # 3: signed (storage/signed.py); 2: unsigned, 1: no device in the stat key (both ignored)
 MAX_VERIFIED = 50_000  # oldest entries are dropped past this: the memory must stay a small file
-
-
-def _is_true(value: str | None) -> bool:
-    return (value or "").strip().upper() in {"1", "ON", "YES", "TRUE"}
-
-
-def is_offline() -> bool:
-    """HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE, as set now (huggingface_hub reads them once, at import)."""
-    if _is_true(os.environ.get("HF_HUB_OFFLINE")) or _is_true(os.environ.get("TRANSFORMERS_OFFLINE")):
-        return True
-    import sys
-
-    constants = sys.modules.get("huggingface_hub.constants")
-    return bool(getattr(constants, "HF_HUB_OFFLINE", False))
+MAX_VERIFIED_BYTES = 32 << 20  # what reading it may take (50,000 entries of a long path and a digest)
 
 
 def hf_cache_dirs(cache_dir: str | os.PathLike | None = None) -> list[Path]:
@@ -100,40 +86,37 @@ def git_blob_sha1_file(path: str | os.PathLike) -> str:
     return git_blob_sha1(Path(path).read_bytes())
 
 
-class StatKey(NamedTuple):
-    size: int
-    mtime_ns: int
-    inode: int
-    device: int
-
-
-def stat_key(path: str | os.PathLike) -> StatKey:
-    st = os.stat(path)
-    return StatKey(st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
-
-
 class VerifiedHashes:
     """sha256 of files already hashed here, keyed by real path and remembered while (size, mtime_ns,
     inode, device) stay the same: a second load of a partial archive hashes nothing.
 
     Entries are also keyed ``<archive>#<entry>`` for members of other .dduf archives. The JSON file is
-    rewritten atomically (through :class:`~dduf_plus.storage.confined.Confined`, rooted at its folder)
-    and merged with what other processes wrote meanwhile."""
+    signed with its folder's secret (:mod:`dduf_plus.storage.signed`, the trust model of every hash memo: a file
+    written by anyone else is ignored), rewritten atomically (through
+    :class:`~dduf_plus.storage.confined.Confined`, rooted at its folder) and merged with what other processes
+    wrote meanwhile."""
 
     def __init__(self, path: Path | None = None):
         self.path = path or dduf_cache_dir() / VERIFIED_FILE
         self._lock = threading.Lock()
         self._entries: dict[str, list[Any]] | None = None
         self._dirty: dict[str, list[Any]] = {}
+        self._signer: Signer | None = None
+
+    @property
+    def signer(self) -> Signer:
+        if self._signer is None:  # on first use: constructing the memo creates nothing
+            box = Confined(self.path.parent)
+            self._signer = Signer(box, box.root, writable=True, version=VERIFIED_VERSION)
+        return self._signer
 
     def _load(self) -> dict[str, list[Any]]:
         try:
-            data = json.loads(self.path.read_text())
-            if isinstance(data, dict) and data.get("version") == VERIFIED_VERSION and isinstance(data.get("entries"), dict):
-                return data["entries"]
-        except (OSError, ValueError):
-            pass
-        return {}
+            data = self.signer.read(self.path, MAX_VERIFIED_BYTES)
+        except OSError:  # its folder cannot be made: nothing remembered
+            return {}
+        entries = data.get("entries") if data is not None else None
+        return entries if isinstance(entries, dict) else {}
 
     @property
     def entries(self) -> dict[str, list[Any]]:
@@ -189,11 +172,12 @@ class VerifiedHashes:
             merged.update(self._dirty)
             if len(merged) > MAX_VERIFIED:
                 merged = dict(list(merged.items())[-MAX_VERIFIED:])
-            data = json.dumps({"version": VERIFIED_VERSION, "entries": merged}, separators=(",", ":"))
             try:
-                Confined(self.path.parent).write_bytes(self.path.name, data.encode())
-            except (OSError, DDUFError) as e:  # DDUFPathError: its folder is a link out of the cache  # a read-only home must not break loading: we just hash again next time
-                logger.debug("cannot save verified hashes to %s: %s", self.path, e)
+                saved = self.signer.write(self.path, {"entries": merged})
+            except OSError:
+                saved = False
+            if not saved:  # a read-only home must not break loading: we just hash again next time
+                logger.debug("cannot save verified hashes to %s", self.path)
                 return
             self._entries = merged
             self._dirty.clear()

@@ -20,155 +20,31 @@ import json
 import logging
 import os
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from ..assignments import ReferenceNameError, check_names, parse_assignments
 from ..errors import DDUFError, DDUFIntegrityError, DDUFReferenceError
 from ..format.references import reference_problem
 from ..format.spec import CONFIG_FILES
 from ..storage.confined import Confined, component_name_problem, plain_name
+from ..storage.hub_env import env_true, is_offline
 from . import cache as _cache
+from .spec import (  # noqa: F401 (the SPEC names, re-exported: packing and the CLI name them here)
+    REFERENCE_KINDS,
+    Spec,
+    SpecLike,
+    check_ref_names,
+    describe_reference,
+    parse_ref_args,
+    parse_spec,
+    reference_spec,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..format.archive import DDUFArchive
 
 logger = logging.getLogger(__name__)
-
-SpecLike = str | os.PathLike
-
-# --- SPEC syntax ---------------------------------------------------------------------------------------
-_REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*(/[A-Za-z0-9_.\-]+)?$")
-_SUBFOLDER = re.compile(r"^[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*$")
-
-
-class Spec(NamedTuple):
-    """A parsed SPEC: ``SOURCE[@REVISION][:SUBFOLDER]``.
-
-    kind: ``"hub"`` (location is a repo id), ``"folder"`` or ``"dduf"`` (location is an absolute path),
-    ``"url"`` (location is the URL of a hosted ``.dduf``: ``https://``, ``hf://org/repo/file.dduf``, ...).
-    subfolder: component folder inside the source; None means "the component's own name"."""
-
-    kind: str
-    location: str
-    revision: str | None = None
-    subfolder: str | None = None
-
-    def __str__(self) -> str:
-        rev = f"@{self.revision}" if self.revision else ""
-        sub = f":{self.subfolder}" if self.subfolder else ""
-        return f"{self.location}{rev}{sub}"
-
-
-def parse_spec(spec: SpecLike) -> Spec:
-    """Parse ``SOURCE[@REVISION][:SUBFOLDER]``.
-
-    SOURCE is the URL of a hosted ``.dduf`` (``https://host/base.dduf``, ``hf://org/repo/base.dduf``: only
-    the component's entries are fetched, by range reads), a path ending in ``.dduf``, an existing folder
-    (or any path starting with ``/``, ``.`` or ``~``), else a Hub repo id. ``@REVISION`` (branch, tag or commit) applies to repo ids only;
-    ``:SUBFOLDER`` names the component's folder in the source when it differs from the component name
-    (``org/sdxl:text_encoder_2``). A local path wins over a repo id of the same spelling, as in
-    ``from_pretrained``.
-
-    Raises:
-        DDUFReferenceError: SPEC is none of these.
-    """
-    text = os.fspath(spec).strip()
-    if not text:
-        raise DDUFReferenceError("empty reference SPEC")
-    if text.startswith("file://"):
-        text = text[len("file://"):]
-    elif "://" in text:
-        return _url_spec(text)
-    source, subfolder = text, None
-    head, sep, tail = text.rpartition(":")
-    if sep and len(head) > 1 and _SUBFOLDER.match(tail):  # len > 1: "C:dir" is a Windows drive
-        source, subfolder = head, tail
-    if source.endswith(".dduf"):
-        return Spec("dduf", _abspath(source), None, subfolder)
-    if os.path.isdir(os.path.expanduser(source)) or source.startswith(("/", ".", "~", "\\")) or os.path.isabs(source):
-        return Spec("folder", _abspath(source), None, subfolder)
-    repo, _, revision = source.partition("@")
-    if not _REPO_ID.match(repo) or ".." in repo or (_ and not revision):
-        raise DDUFReferenceError(f"reference {text!r} is not an existing folder, a .dduf file or a Hub repo id "
-                                 "(SPEC syntax: SOURCE[@REVISION][:SUBFOLDER])")
-    return Spec("hub", repo, revision or None, subfolder)
-
-
-def _url_spec(text: str) -> Spec:
-    """``URL[:SUBFOLDER]``: a ``:`` suffix is a subfolder only after ``.dduf`` (``http://h:8080/x.dduf`` has
-    a port, not a subfolder)."""
-    from ..storage.urls import check_url, is_url
-
-    url, subfolder = text, None
-    head, sep, tail = text.rpartition(":")
-    if sep and head.endswith(".dduf") and "/" not in tail and _SUBFOLDER.match(tail):
-        url, subfolder = head, tail
-    if not (is_url(url) and url.endswith(".dduf")):
-        raise DDUFReferenceError(f"reference {text!r}: a URL SOURCE must name a hosted .dduf archive "
-                                 "(https://host/base.dduf[:SUBFOLDER], hf://org/repo/base.dduf)")
-    try:
-        check_url(url)
-    except DDUFError as e:
-        raise DDUFReferenceError(f"reference {text!r}: {e}") from None
-    return Spec("url", url, None, subfolder)
-
-
-def _abspath(path: str) -> str:
-    return os.path.abspath(os.path.expanduser(path))
-
-
-def parse_ref_args(values: list[str] | tuple[str, ...] | None) -> dict[str, str]:
-    """CLI ``--ref`` values to a refs mapping: ``SPEC`` -> ``{"*": SPEC}``, ``NAME=SPEC`` -> ``{NAME: SPEC}``
-    (``NAME=`` when NAME is a component-like identifier, no ``/``); a name given twice is refused. One parser
-    for ``--ref`` and ``--dtype``: :func:`dduf_plus.assignments.parse_assignments`."""
-    return parse_assignments(values, "--ref", default_key="*", value_name="SPEC", error=DDUFReferenceError)
-
-
-def check_ref_names(refs: Mapping[str, Any] | None, components: Iterable[str], references: Iterable[str], *,
-                    what: str = "refs=", where: str = "the archive") -> None:
-    """Every name in ``refs`` (but ``"*"``) must be a referenced component: a typo (``vea``) is an error naming
-    it, the closest component and the components; a component the archive stores (or that is null) is
-    refused too: a source for it would be ignored. ``what`` is how the names were given (``"--ref"``)."""
-    if not refs:
-        return
-    names = [n for n in refs if n != "*"]
-    check_names(names, components, what=what, where=where, error=ReferenceNameError)
-    referenced = sorted(set(references))
-    stored = [n for n in names if n not in referenced]
-    if stored:
-        raise ReferenceNameError(
-            f"{what} {', '.join(stored)}: not referenced by {where} (stored in it, or null), so a source for "
-            f"{'it' if len(stored) == 1 else 'them'} would be ignored; referenced components: "
-            f"{', '.join(referenced) or 'none'}", names=stored, known=referenced)
-
-
-def reference_spec(reference: Mapping[str, Any]) -> Spec | None:
-    """The source a reference records, as a Spec (subfolder filled in); None when it records none."""
-    location = reference.get("pretrained_model_name_or_path")
-    if not location:
-        return None
-    location = str(location)
-    sub = reference.get("subfolder") or None
-    rev = reference.get("revision") or None
-    if "://" in location and location.endswith(".dduf") and not location.startswith("file://"):
-        return Spec("url", location, None, sub)  # a hosted archive; any other URL is never fetched
-    if location.endswith(".dduf"):
-        return Spec("dduf", location, None, sub)
-    if os.path.isabs(location) or location.startswith((".", "~")) or not _REPO_ID.match(location):
-        return Spec("folder", location, None, sub)
-    return Spec("hub", location, rev, sub)
-
-
-def describe_reference(name: str, reference: Mapping[str, Any]) -> str:
-    spec = reference_spec(reference)
-    if spec is None:
-        return "no source recorded"
-    sub = spec.subfolder or name
-    rev = f"@{spec.revision}" if spec.revision else ""
-    return f"{spec.location}{rev}:{sub}" if sub != name else f"{spec.location}{rev}"
-
 
 # --- the result ----------------------------------------------------------------------------------------
 class Located(NamedTuple):
@@ -188,6 +64,18 @@ class _Attempt(NamedTuple):
     what: str
     problem: str
     mismatch: bool  # the source had the files, with the wrong content
+
+
+class Problem(NamedTuple):
+    """What a candidate source gets wrong about one recorded file: the sentence for messages, and whether the
+    file is absent there (a copy without the file is no mismatch: the next candidate is tried, even with
+    ``verify=False``)."""
+
+    text: str
+    missing: bool = False
+
+    def __str__(self) -> str:
+        return self.text
 
 
 class _Candidate(NamedTuple):
@@ -216,20 +104,20 @@ def _recorded_files(reference: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
 
 # --- checking ------------------------------------------------------------------------------------------
 def _check_folder_files(component: str, files: Mapping[str, Path], recorded: Mapping[str, Mapping[str, Any]],
-                        source: str, opts: _Options) -> tuple[bool, list[str]]:
+                        source: str, opts: _Options) -> tuple[bool, list[Problem]]:
     """Compare files on disk with the reference. Returns (all hashes known and equal, problems)."""
     hv = _cache.verified_hashes()
-    problems: list[str] = []
+    problems: list[Problem] = []
     all_known = True
     for fname, rec in sorted(recorded.items()):
         path = files.get(fname)
         where = f"{component}/{fname} from {source}"
         if path is None or not path.is_file():
-            problems.append(f"{component}/{fname} is missing in {source}")
+            problems.append(Problem(f"{component}/{fname} is missing in {source}", missing=True))
             continue
         size = path.stat().st_size
         if rec.get("size") is not None and size != rec["size"]:
-            problems.append(f"{where}: {size} bytes, the reference records {rec['size']}")
+            problems.append(Problem(f"{where}: {size} bytes, the reference records {rec['size']}"))
             continue
         want, want_git = rec.get("sha256"), rec.get("git_sha1")
         if want:
@@ -239,12 +127,12 @@ def _check_folder_files(component: str, files: Mapping[str, Path], recorded: Map
             if got is None:
                 all_known = False
             elif got != want:
-                problems.append(f"{where}: sha256 {got} differs from the recorded {want} ({path})")
+                problems.append(Problem(f"{where}: sha256 {got} differs from the recorded {want} ({path})"))
         elif want_git:
             if opts.hash_files and opts.verify:
                 got = _cache.git_blob_sha1_file(path)
                 if got != want_git:
-                    problems.append(f"{where}: git blob sha1 {got} differs from the recorded {want_git} ({path})")
+                    problems.append(Problem(f"{where}: git blob sha1 {got} differs from the recorded {want_git} ({path})"))
             else:
                 all_known = False
         else:
@@ -253,26 +141,26 @@ def _check_folder_files(component: str, files: Mapping[str, Path], recorded: Map
 
 
 def _check_archive(component: str, archive: DDUFArchive, member: str,
-                   recorded: Mapping[str, Mapping[str, Any]], source: str, opts: _Options) -> tuple[bool, list[str]]:
+                   recorded: Mapping[str, Mapping[str, Any]], source: str, opts: _Options) -> tuple[bool, list[Problem]]:
     """Entries of another archive against the reference. That archive's own index hashes are claims of
     its writer, so each entry is hashed here once and remembered by the archive's stat."""
     hv = _cache.verified_hashes()
-    problems: list[str] = []
+    problems: list[Problem] = []
     all_known = True
     if member not in archive.components:
-        return False, [f"{source} has no component {member!r}"]
+        return False, [Problem(f"{source} has no component {member!r}")]
     comp = archive.components[member]
     if comp.external is not None and not comp.files:
-        return False, [f"{source} does not store {member!r} either (it references it)"]
+        return False, [Problem(f"{source} does not store {member!r} either (it references it)")]
     for fname, rec in sorted(recorded.items()):
         entry_name = f"{member}/{fname}"
         where = f"{component}/{fname} from {source} (entry {entry_name})"
         if entry_name not in archive:
-            problems.append(f"{component}/{fname} is missing in {source} (no entry {entry_name})")
+            problems.append(Problem(f"{component}/{fname} is missing in {source} (no entry {entry_name})", missing=True))
             continue
         entry = archive.entry(entry_name)
         if rec.get("size") is not None and entry.length != rec["size"]:
-            problems.append(f"{where}: {entry.length} bytes, the reference records {rec['size']}")
+            problems.append(Problem(f"{where}: {entry.length} bytes, the reference records {rec['size']}"))
             continue
         want = rec.get("sha256")
         want_git = rec.get("git_sha1")
@@ -286,13 +174,13 @@ def _check_archive(component: str, archive: DDUFArchive, member: str,
                 view.release()
             hv.remember(archive.path, got, member=entry_name)
             if git is not None and git != want_git:
-                problems.append(f"{where}: git blob sha1 {git} differs from the recorded {want_git}")
+                problems.append(Problem(f"{where}: git blob sha1 {git} differs from the recorded {want_git}"))
                 continue
         if want:
             if got is None:
                 all_known = False
             elif got != want:
-                problems.append(f"{where}: sha256 {got} differs from the recorded {want}")
+                problems.append(Problem(f"{where}: sha256 {got} differs from the recorded {want}"))
         elif not (want_git and got is not None):
             all_known = False
     return all_known and not problems, problems
@@ -388,7 +276,7 @@ def _check_recorded_host(url: str) -> None:
     override lifts it. ``hf://`` goes to the configured Hub endpoint, like a Hub reference."""
     from ..storage.urls import host_problem
 
-    if url.lower().startswith("hf://") or _cache._is_true(os.environ.get(ALLOW_PRIVATE_ENV)):
+    if url.lower().startswith("hf://") or env_true(os.environ.get(ALLOW_PRIVATE_ENV)):
         return
     why = host_problem(url)
     if why:
@@ -444,7 +332,7 @@ def _download_candidate(spec: Spec, name: str, recorded: Mapping[str, Mapping[st
     def get() -> tuple[str, Any]:
         if local_files_only:
             raise _Skip("not downloaded: local_files_only=True")
-        if _cache.is_offline():
+        if is_offline():
             raise _Skip("not downloaded: HF_HUB_OFFLINE is set")
         from ..remote.hub import hub_unreachable
 
@@ -474,7 +362,7 @@ def _candidates(name: str, reference: Mapping[str, Any], recorded: Mapping[str, 
         if spec.kind == "dduf":
             return [_dduf_candidate(how, spec, name)]
         if spec.kind == "url":
-            offline = local_files_only or _cache.is_offline()
+            offline = local_files_only or is_offline()
             return [_hosted_candidate(how, spec, name, recorded, fetch=download and not offline,
                                       offline=offline, token=token)]
         out = [_hf_cache_candidate(spec, name, revision, cache_dir)]
@@ -643,9 +531,9 @@ def _try(name: str, cand: _Candidate, kind: str, value: Any, recorded: Mapping[s
             folder = None
         result = Located(name, cand.how, source, folder, None, None, files, known)
     if problems:
-        missing = [p for p in problems if " is missing in " in p]
+        missing = [p for p in problems if p.missing]
         if missing or opts.verify:
-            attempts.append(_Attempt(source, "; ".join(problems[:3]) + ("; ..." if len(problems) > 3 else ""),
+            attempts.append(_Attempt(source, "; ".join(map(str, problems[:3])) + ("; ..." if len(problems) > 3 else ""),
                                      not missing))
             return None
         for p in problems:
@@ -692,7 +580,7 @@ def check_references(
                                    download=False)
         except DDUFReferenceError as e:
             spec = reference_spec(reference) if isinstance(reference, Mapping) else None
-            online = spec is not None and spec.kind in ("hub", "url") and not (local_files_only or _cache.is_offline())
+            online = spec is not None and spec.kind in ("hub", "url") and not (local_files_only or is_offline())
             reason = str(e)
             if online and spec is not None and spec.kind == "hub":
                 from ..remote.hub import hub_unreachable

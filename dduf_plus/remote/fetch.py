@@ -59,10 +59,24 @@ from ..errors import (
     DDUFUsageError,
 )
 from ..format import spec
+from ..format.open_plan import open_ranges
 from ..storage.confined import Confined
+from ..storage.hub_env import is_offline
 from . import partials
+
+# cached_sha256, manifest_path, url_record: re-exported (callers name them here)
+from .cache_records import (  # noqa: F401
+    LocalRanges,
+    cached_sha256,
+    manifest_path,
+    read_record,
+    url_record,
+    write_manifest,
+    write_record,
+)
 from .intervals import Intervals
 from .readers import RangeReader, RemoteOptions, open_reader
+from .sink import choose_sink, in_ram, memory_file, size_file
 from .tail import MAX_LOCAL_SLACK, Tail, read_tail
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -70,13 +84,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 logger = logging.getLogger("dduf_plus.remote.fetch")
 
-METADATA_MAX_ENTRY = 4 << 20  # other entries up to this size come with the metadata (configs, tokenizers)
 MERGE_GAP = 256 << 10  # metadata ranges closer than this are read as one request
 PROGRESS_EVERY_S = 0.5
-HEADER_GUESS = 1 << 20  # safetensors header bytes fetched with the metadata when no index says how many
-EXTRA_GUESS = 4096 + 64  # a local header's extra field when no index says where the data starts (alignment)
 _HASH_BLOCK = 8 << 20
-WRITE_BEHIND_MIN = 64 << 20  # smaller archives go straight to the cache file (the disk keeps up with them)
 
 
 class _EntryMismatch(DDUFIntegrityError):
@@ -170,27 +180,12 @@ class RemoteFetch:
         return sorted(out, key=lambda e: e.header_offset)
 
     def _metadata_ranges(self) -> list[tuple[int, int]]:
-        """What opening the archive reads: every local header, the small entries, each safetensors header
-        (where the index does not say where data and tensors start: a guess, the rest comes in order)."""
-        files = self.tail.file_records()
-        ranges = []
-        for e in self._entries:
-            found = files.get(e.name)
-            info: dict[str, Any] = found if isinstance(found, dict) else {}
-            indexed = e.index_offset is not None and e.index_offset >= e.head_end
-            data_at = e.index_offset if indexed and e.index_offset is not None else e.head_end + EXTRA_GUESS
-            end = data_at  # a large entry: its local header only
-            if not e.name.endswith(".safetensors") and e.size <= METADATA_MAX_ENTRY:
-                end = data_at + e.size
-            elif e.name.endswith(".safetensors"):
-                tensors_at = info.get("tensor_data_offset")
-                if indexed and isinstance(tensors_at, int) and data_at <= tensors_at <= data_at + e.size:
-                    end = tensors_at
-                elif not indexed:
-                    end = data_at + min(e.size, HEADER_GUESS)
-            ranges.append((e.header_offset, min(end, self.tail.cd_offset)))
+        """What opening the archive reads (:func:`dduf_plus.format.open_plan.open_ranges`, the one planner), as
+        ``(start, end)`` spans, neighbours closer than :data:`MERGE_GAP` merged into one request."""
+        planned = open_ranges(self.tail.records, self.tail.cd_offset, self.tail.file_records(), small_entries=True)
         merged: list[tuple[int, int]] = []
-        for start, end in sorted(ranges):
+        for start, length in sorted(planned):
+            end = start + length
             if merged and start - merged[-1][1] <= MERGE_GAP:
                 merged[-1] = (merged[-1][0], max(merged[-1][1], end))
             else:
@@ -220,8 +215,8 @@ class RemoteFetch:
             resumed = self._resume() if self.file_fd >= 0 else False
             if self.file_fd >= 0 and self.cache is not None:  # on tmpfs, reserving would allocate (and zero)
                 # every page before any byte comes
-                _size_file(self.file_fd, self.size, reserve=self.sink != "file" or not _in_ram(self.cache.root))
-            self.fd = self.file_fd if self.sink == "file" else _memory_file(self.url, self.size)
+                size_file(self.file_fd, self.size, reserve=self.sink != "file" or not in_ram(self.cache.root))
+            self.fd = self.file_fd if self.sink == "file" else memory_file(self.url, self.size)
             if resumed and self.sink == "write-behind":
                 self._load_resumed()
             self._written = Intervals(self._done)
@@ -513,14 +508,6 @@ class RemoteFetch:
             prefix = component + "/"
             self.wait_entries([e.name for e in self._entries if e.name.startswith(prefix)])
 
-    def gate(self, component: str, files: Any) -> Any:
-        """``files`` (one component's :class:`~dduf_plus.loading.files.ComponentFiles`) whose reads wait for
-        the entries they read to arrive and match: a model is constructed (on the meta device, from its
-        config) while its weights are still arriving, and its tensors view only checked bytes."""
-        if self.verified or not hasattr(files, "archive"):  # a referenced component is not in this archive
-            return files
-        return _GatedFiles(self, component, files)
-
     def entry_sha256(self) -> dict[str, str]:
         """{entry: sha256} of the entries checked so far (every entry once :meth:`finish` returned)."""
         with self._cond:
@@ -646,66 +633,6 @@ class RemoteFetch:
                 pass
 
 
-class _GatedFiles:
-    """A component's files over a fetch in progress: configs and tokenizer files are read once their own
-    entries have matched, tensors once every entry of the component has (:meth:`RemoteFetch.wait_component`);
-    everything else (listings, safetensors header metadata) is the wrapped object's."""
-
-    def __init__(self, fetch: RemoteFetch, component: str, files: Any):
-        self._fetch, self._component, self._files = fetch, component, files
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._files, name)
-
-    def read_bytes(self, filename: str) -> bytes:
-        self._fetch.wait_entries([f"{self._component}/{filename}"])
-        return self._files.read_bytes(filename)
-
-    def read_json(self, filename: str) -> Any:
-        self._fetch.wait_entries([f"{self._component}/{filename}"])
-        return self._files.read_json(filename)
-
-    def tensors(self, filenames: Any) -> Any:
-        self._fetch.wait_component(self._component)
-        return self._files.tensors(filenames)
-
-    def local_dir(self, filenames: Any = None) -> str:
-        self._fetch.wait_component(self._component)
-        return self._files.local_dir(filenames)
-
-
-def _size_file(fd: int, size: int, reserve: bool = True) -> None:
-    """The partial file at its full size, its blocks allocated where the file system can (a resumed file's
-    released holes too): the disk space is reserved before any byte is fetched."""
-    if os.fstat(fd).st_size != size:
-        os.ftruncate(fd, size)
-    if reserve and hasattr(os, "posix_fallocate"):
-        try:
-            os.posix_fallocate(fd, 0, size)
-        except OSError:
-            pass  # preallocation is an optimisation; a sparse file works as well
-
-
-def _memory_file(url: str, size: int) -> int:
-    """An anonymous in-memory file of ``size`` bytes (Linux ``memfd``; elsewhere an unlinked temporary
-    file). Its pages come with the bytes (``pwrite``: memory that is not there is an error, never a crash);
-    reserving them up front would allocate and zero them all before the first byte is fetched."""
-    if hasattr(os, "memfd_create"):
-        fd = os.memfd_create("dduf-remote", getattr(os, "MFD_CLOEXEC", 0))
-    else:  # pragma: no cover - not Linux
-        import tempfile
-
-        with tempfile.TemporaryFile() as f:
-            fd = os.dup(f.fileno())
-    try:
-        os.ftruncate(fd, size)
-    except OSError as e:
-        os.close(fd)
-        raise DDUFIOError(f"{url}: {size} bytes do not fit in memory ({e.strerror}); load it with the "
-                          "remote cache (remote={'cache': True, 'memory_max': 0})") from None
-    return fd
-
-
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     while data:
         written = os.pwrite(fd, data, offset)
@@ -755,73 +682,6 @@ def _reraise(error: BaseException) -> BaseException:
 
 
 # --- the front door ------------------------------------------------------------------------------------------------------
-def _url_record(cache: Confined, url: str) -> Path:
-    return cache.path("urls", hashlib.sha256(url.encode("utf-8", "surrogatepass")).hexdigest() + ".json")
-
-
-def _read_record(cache: Confined, url: str) -> dict[str, Any]:
-    try:
-        record = json.loads(_url_record(cache, url).read_text())
-    except (OSError, ValueError):
-        return {}
-    return record if isinstance(record, dict) and record.get("url") == url else {}
-
-
-def _write_record(cache: Confined, url: str, size: int, tail: Tail) -> None:
-    path = _url_record(cache, url)
-    cache.mkdir(path.parent)
-    cache.write_bytes(path, json.dumps({"url": url, "size": size, "tail_start": tail.start, "key": tail.key}).encode())
-
-
-def manifest_path(cache: Confined, key: str) -> Path:
-    return cache.path(f"{key}.sha256.json")
-
-
-def write_manifest(cache: Confined, tail: Tail, url: str, size: int, digests: dict[str, str]) -> None:
-    """``<key>.sha256.json`` beside a completed archive: every entry's sha256 as fetched and checked, and the
-    URL it came from when the key is bound to it (no index sha256 for every entry)."""
-    record = {"key": tail.key, "size": size, "shared": tail.shared, "url": None if tail.shared else url,
-              "sha256": dict(sorted(digests.items()))}
-    cache.write_bytes(manifest_path(cache, tail.key), json.dumps(record, indent=1).encode())
-
-
-def cached_sha256(path: str | os.PathLike) -> dict[str, str] | None:
-    """{entry: sha256} recorded when the remote-cache file ``path`` was fetched and checked (None: no record).
-    For an archive without a complete index these are the only strong hashes of its entries."""
-    path = Path(path)
-    try:
-        record = json.loads(path.with_name(path.name.removesuffix(".dduf") + ".sha256.json").read_text())
-    except (OSError, ValueError):
-        return None
-    digests = record.get("sha256") if isinstance(record, dict) else None
-    return dict(digests) if isinstance(digests, dict) else None
-
-
-class _LocalRanges:
-    """A :class:`RangeReader` over a cached file, named by the URL it was fetched from (the key of an
-    archive bound to its URL covers the URL)."""
-
-    def __init__(self, url: str, path: Path):
-        self.url, self.path, self.size = url, path, path.stat().st_size
-
-    def read(self, offset: int, length: int) -> bytes:
-        with open(self.path, "rb") as f:
-            f.seek(offset)
-            data = f.read(length)
-        if len(data) != length:
-            raise DDUFIOError(f"{self.path}: short read at {offset}")
-        return data
-
-    def read_into(self, offset: int, out: memoryview) -> None:
-        out[:] = self.read(offset, len(out))
-
-    def remaining(self) -> float:
-        return float("inf")
-
-    def close(self) -> None:
-        pass
-
-
 def _offline_hit(cache: Confined, url: str, record: dict[str, Any]) -> Path | None:
     """The cached file the URL's record names, if its own tail gives the recorded key again for this URL: a
     record written by an older dduf_plus (whose keys did not cover the URL) or pointing at another archive
@@ -834,7 +694,7 @@ def _offline_hit(cache: Confined, url: str, record: dict[str, Any]) -> Path | No
     try:
         if not known.is_file() or known.stat().st_size != record.get("size"):
             return None
-        tail = read_tail(_LocalRanges(url, known), record.get("tail_start"))
+        tail = read_tail(LocalRanges(url, known), record.get("tail_start"))
     except (DDUFError, OSError):
         return None
     return known if tail.key == key else None
@@ -855,14 +715,14 @@ def open_remote(url: str, options: RemoteOptions | dict[str, Any] | None = None,
     """
     options = RemoteOptions.of(options)
     if not options.cache:  # keep nothing: no cache folder is read or written
-        if local_files_only or _offline():
+        if local_files_only or is_offline():
             raise DDUFNotFoundError(f"{url}: remote cache=False fetches the archive, which local_files_only/"
                                     "HF_HUB_OFFLINE forbids", url)
         reader, tail = _read_with_hint(url, options, {})
         return _started(RemoteFetch(url, options, None, tail, reader, "memory"), reader)
     cache = Confined(options.folder())
-    record = _read_record(cache, url)
-    if local_files_only or _offline():
+    record = read_record(cache, url)
+    if local_files_only or is_offline():
         known = _offline_hit(cache, url, record)
         if known is not None:
             return known
@@ -874,10 +734,10 @@ def open_remote(url: str, options: RemoteOptions | dict[str, Any] | None = None,
         wait_cache_writes(final)
         if final.is_file() and final.stat().st_size == reader.size:
             reader.close()
-            _write_record(cache, url, reader.size, tail)
+            write_record(cache, url, reader.size, tail)
             return final
-        fetch = RemoteFetch(url, options, cache, tail, reader, _sink(options, cache.root, reader.size, in_memory))
-        _write_record(cache, url, reader.size, tail)
+        fetch = RemoteFetch(url, options, cache, tail, reader, choose_sink(options, cache.root, reader.size, in_memory))
+        write_record(cache, url, reader.size, tail)
     except BaseException:
         reader.close()
         raise
@@ -891,72 +751,6 @@ def _started(fetch: RemoteFetch, reader: RangeReader) -> RemoteFetch:
         reader.close()
         raise
     return fetch
-
-
-def _offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def _sink(options: RemoteOptions, folder: Path, size: int, in_memory: bool) -> str:
-    """Where the bytes land: straight in the cache file when it is in memory already (tmpfs), when the page
-    cache takes it without making writers wait for the disk (``memory_max`` unset), or when the archive is
-    over ``memory_max``; else in memory, written to the cache file behind the load (a disk slower than the
-    link does not hold the load up)."""
-    if not in_memory or size < WRITE_BEHIND_MIN or _in_ram(folder):
-        return "file"
-    meminfo = _meminfo()
-    bound = options.memory_max if options.memory_max is not None else meminfo.get("MemAvailable", 0) // 2
-    if size > bound:
-        return "file"
-    return "file" if options.memory_max is None and size <= _dirty_room(meminfo) else "write-behind"
-
-
-def _dirty_room(meminfo: dict[str, int]) -> int:
-    """Bytes the page cache takes as dirty pages before the kernel makes writers wait for the disk (its
-    free-run point, (vm.dirty_ratio + vm.dirty_background_ratio) / 2 of the available memory, less what is
-    dirty already): an archive that fits goes straight to the cache file (one copy fewer)."""
-    def knob(name: str, default: int) -> int:
-        try:
-            with open(f"/proc/sys/vm/{name}") as f:
-                return int(f.read().split()[0])
-        except (OSError, ValueError, IndexError):
-            return default
-    available = meminfo.get("MemAvailable", 0)
-    limit = knob("dirty_bytes", 0) or available * knob("dirty_ratio", 20) // 100
-    background = knob("dirty_background_bytes", 0) or available * knob("dirty_background_ratio", 10) // 100
-    return max(0, (limit + background) // 2 - meminfo.get("Dirty", 0) - meminfo.get("Writeback", 0))
-
-
-def _in_ram(folder: Path) -> bool:
-    """Whether ``folder`` is on tmpfs/ramfs (its file pages are memory: nothing to write behind)."""
-    try:
-        target = os.path.realpath(folder)
-        best, kind = "", ""
-        with open("/proc/self/mounts") as f:
-            for line in f:
-                fields = line.split()
-                mount = fields[1].replace("\\040", " ") if len(fields) > 2 else ""
-                inside = target == mount or target.startswith(mount.rstrip("/") + "/")
-                if inside and len(mount) > len(best):
-                    best, kind = mount, fields[2]
-    except OSError:
-        return False
-    return kind in ("tmpfs", "ramfs")
-
-
-def _meminfo() -> dict[str, int]:
-    """/proc/meminfo in bytes ({} where unknown: then nothing is served from memory unless memory_max says)."""
-    out: dict[str, int] = {}
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                name, _, value = line.partition(":")
-                fields = value.split()
-                if fields and fields[0].isdigit():
-                    out[name] = int(fields[0]) * 1024
-    except OSError:
-        pass
-    return out
 
 
 def _read_with_hint(url: str, options: RemoteOptions, record: dict[str, Any]) -> tuple[RangeReader, Tail]:

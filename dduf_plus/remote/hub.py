@@ -26,6 +26,7 @@ from ..format.chat_template import is_template_name
 from ..format.json_budget import read_json
 from ..format.weights import classify, select_weights
 from ..storage.cache_dirs import hf_hub_cache
+from ..storage.hub_env import is_offline
 
 logger = logging.getLogger("dduf_plus.remote.hub")
 
@@ -41,20 +42,51 @@ class HubSourceNotFoundError(DDUFNotFoundError, DDUFPackError):
     error (exit 2), as for a Hub SOURCE, and a :class:`DDUFPackError` for callers of ``pack()``."""
 
 
-def is_repo_id(text: str) -> bool:
-    """``org/name`` as huggingface_hub validates a repo id (exactly one ``/``; no ``.dduf`` suffix, which
-    is a file name; no ``@`` revision, see :func:`split_revision`)."""
-    if text.count("/") != 1 or text.endswith(DDUF_SUFFIXES) or text.startswith((".", "/", "~")):
+class HubFileNotFoundError(DDUFNotFoundError):
+    """The Hub answered: the repo exists and has no such file at that revision (not: offline, not cached)."""
+
+
+def is_repo_id(text: str, *, namespaced: bool = True) -> bool:
+    """Whether ``text`` is a Hub repo id, as huggingface_hub's ``validate_repo_id`` decides, and no file or path
+    (no ``.dduf`` suffix, no leading ``.``, ``/`` or ``~``; no ``@`` revision, see :func:`split_revision`).
+
+    ``namespaced`` (the default) asks for ``org/name``: where a bare word could as well be a local path (a
+    command's SOURCE, ``load_dduf("name")``). A reference SPEC (``--ref vae=gpt2``) passes ``namespaced=False``:
+    the Hub's legacy ids without an owner are repo ids there.
+
+        >>> is_repo_id("org/name"), is_repo_id("gpt2"), is_repo_id("gpt2", namespaced=False), is_repo_id("a/b.dduf")
+        (True, False, True, False)
+    """
+    if (namespaced and text.count("/") != 1) or text.endswith(DDUF_SUFFIXES) or text.startswith((".", "/", "~")):
         return False
     try:
         from huggingface_hub.utils import HFValidationError, validate_repo_id
     except ImportError:  # pragma: no cover - a dependency
-        return bool(re.fullmatch(r"[\w.\-]+/[\w.\-]+", text))
+        return bool(re.fullmatch(r"(?:[\w.\-]+/)?[\w.\-]+", text))
     try:
         validate_repo_id(text)
     except HFValidationError:
         return False
     return True
+
+
+def hub_repo_of(source: str | os.PathLike) -> tuple[str, str | None] | None:
+    """(repo id, revision) when ``source`` names a Hub repo (``org/name[@revision]``) and no local path, else None.
+
+    The one answer to "is this a Hub repo?" for every command and loader: an existing path always wins (as in
+    ``from_pretrained``), and so does a missing one under an existing folder (``models/x`` with ``./models``
+    here is a mistyped path, not the repo ``models/x``).
+
+        >>> hub_repo_of("stabilityai/stable-diffusion-2@main"), hub_repo_of("./weights.dduf")
+        (('stabilityai/stable-diffusion-2', 'main'), None)
+    """
+    text = os.fspath(source)
+    if os.path.exists(text):
+        return None
+    repo, revision = split_revision(text)
+    if not is_repo_id(repo) or os.path.isdir(repo.split("/", 1)[0]):
+        return None
+    return repo, revision
 
 
 def split_revision(source: str) -> tuple[str, str | None]:
@@ -63,22 +95,17 @@ def split_revision(source: str) -> tuple[str, str | None]:
     return (repo, rev) if sep and rev else (source, None)
 
 
-def _env_offline(local_files_only: bool) -> bool:
-    if local_files_only:
-        return True
-    from huggingface_hub import constants
-
-    return bool(constants.HF_HUB_OFFLINE) or os.environ.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}
+_env_offline = is_offline  # packing/single_file.py's name for it, until issue 30 splits that file
 
 
 def _offline(local_files_only: bool) -> bool:
     """Work from the cache only: asked to (``local_files_only``, ``HF_HUB_OFFLINE``), or the Hub cannot be
     reached (:func:`hub_unreachable`), so huggingface_hub's retries (5, about 23 s) are never spent."""
-    return _env_offline(local_files_only) or hub_unreachable() is not None
+    return is_offline(local_files_only) or hub_unreachable() is not None
 
 
 def _offline_reason(local_files_only: bool) -> str:
-    if _env_offline(local_files_only):
+    if is_offline(local_files_only):
         return "offline (HF_HUB_OFFLINE or local_files_only)"
     return f"the Hub cannot be reached ({hub_unreachable()})"
 
@@ -172,7 +199,7 @@ def _hub_call(what: str, repo_id: str, revision: str | None, call: Callable[[], 
                                 f"cache and the Hub cannot be reached ({_first_line(e)}){_no_local(repo_id)}",
                                 filename) from None
     except hf_errors.EntryNotFoundError:  # the repo has no such file at that revision
-        raise DDUFNotFoundError(f"{what}: {where} has no file {filename}", filename) from None
+        raise HubFileNotFoundError(f"{what}: {where} has no file {filename}", filename) from None
     except hf_errors.HfHubHTTPError as e:
         raise DDUFIOError(f"{what}: the Hub answered for {where}: {_first_line(e)}") from None
     except DDUFError:
@@ -341,8 +368,8 @@ def hub_folder_for_pack(repo_id: str, *, revision: str | None = None, variant: s
         mi_path = Path(_hub_call(where, repo_id, revision, lambda: hf_hub_download(
             repo_id, spec.MODEL_INDEX, revision=revision, token=token, cache_dir=_as_path(cache_dir),
             local_files_only=offline), filename=spec.MODEL_INDEX, offline=why))
-    except DDUFNotFoundError as e:
-        if offline or "has no file" not in str(e):
+    except HubFileNotFoundError:
+        if offline:
             raise
         archives = [f for f in list_repo_files(repo_id, revision=revision, token=token) if f.endswith(DDUF_SUFFIXES)]
         if not archives:
@@ -369,7 +396,7 @@ def hub_folder_for_pack(repo_id: str, *, revision: str | None = None, variant: s
     return Path(folder)
 
 
-__all__ = ["hub_archive", "hub_folder_for_pack", "is_repo_id", "list_repo_files", "pack_selection", "split_revision"]
+__all__ = ["hub_archive", "hub_folder_for_pack", "hub_repo_of", "is_repo_id", "list_repo_files", "pack_selection", "split_revision"]
 
 
 def _as_path(folder: str | os.PathLike | None) -> Path | None:

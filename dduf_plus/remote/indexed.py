@@ -35,7 +35,7 @@ from ..format.archive import DDUFArchive, Entry
 from ..format.findings import Finding
 from ..format.safetensors_header import SafetensorsHeader, parse_header, read_safetensors_header
 from ..format.structure import check_structure, parse_json
-from ..format.zipfmt import ZipEntry, _local_header_agrees, _place_local_header
+from ..format.zipfmt import ZipEntry, local_header_agrees, place_local_header
 from ..storage.prefetch_source import PrefetchSource
 from ..storage.source import ByteSource, open_source
 from .tail import Tail, read_tail
@@ -48,12 +48,16 @@ _TOGETHER = 1 << 20  # a first read starting this far into an entry brings its h
 
 
 class _SourceReader:
-    """The RangeReader face of a ByteSource that :func:`~dduf_plus.remote.tail.read_tail` needs."""
+    """A ByteSource as the RangeReader :func:`~dduf_plus.remote.tail.read_tail` takes (the two methods it adds)."""
 
     def __init__(self, source: ByteSource):
-        self.source, self.url, self.size = source, source.name, source.size
+        self.source, self.name, self.size = source, source.name, source.size
 
-    def read(self, offset: int, length: int) -> bytes:
+    @property
+    def bytes_read(self) -> int:
+        return self.source.bytes_read
+
+    def read_at(self, offset: int, length: int) -> bytes:
         return self.source.read_at(offset, length)
 
     def read_into(self, offset: int, out: memoryview) -> None:
@@ -241,8 +245,8 @@ def _local_header_problem(head: bytes, record: ZipEntry, data_offset: int, cd_of
     findings: list[Finding] = []
     blob = _Blob(record.header_offset, head)
     try:
-        placed = _place_local_header(blob, record, cd_offset, findings)
-        agrees = placed is not None and _local_header_agrees(blob, record, placed[0], findings)
+        placed = place_local_header(blob, record, cd_offset, findings)
+        agrees = placed is not None and local_header_agrees(blob, record, placed[0], findings)
     except _Outside:
         return f"its local header at byte {record.header_offset} does not end where the index places its data (I002)"
     errors = [f for f in findings if f.severity == "error"]

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import sys
 import time
 from pathlib import Path
 
 from ..errors import DDUFIOError, DDUFUsageError
+from ..sizes import format_size, parse_size
 from ..storage import zst as _zst
 from ..storage.confined import Confined
 
@@ -30,8 +30,6 @@ logger = logging.getLogger(__name__)
 PARTIALS_ENV = "DDUF_PLUS_REMOTE_PARTIALS_MAX"
 DEFAULT_PARTIALS_MAX = 64 << 30
 IDLE_S = 120.0
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _PUNCH = 0x01 | 0x02  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
 
 
@@ -46,10 +44,10 @@ def partials_budget() -> int | None:
         return DEFAULT_PARTIALS_MAX
     if text.lower() in ("unlimited", "none", "inf"):
         return None
-    match = _SIZE.match(text)
-    if match is None:
+    size = parse_size(text)
+    if size is None:
         raise DDUFUsageError(f"${PARTIALS_ENV}={text!r}: expected a size (500M, 64G, 0) or 'unlimited'")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    return size
 
 
 def allocated(path: str | os.PathLike) -> int:
@@ -69,11 +67,11 @@ def check_room(url: str, folder: Path, size: int, partial: Path) -> None:
     Raises:
         DDUFIOError: not enough free space (the message says how much and where to point the cache).
     """
-    free = _zst._free_bytes(folder) + allocated(partial)
+    free = _zst.free_bytes(folder) + allocated(partial)
     if size > free:
         raise DDUFIOError(
-            f"{url}: the archive is {_zst.human_size(size)}, but {folder} has {_zst.human_size(max(free, 0))} "
-            f"free (keeping {_zst.human_size(_zst.DISK_RESERVE)} spare): free disk space or fetch elsewhere "
+            f"{url}: the archive is {format_size(size, binary=True)}, but {folder} has {format_size(max(free, 0), binary=True)} "
+            f"free (keeping {format_size(_zst.DISK_RESERVE, binary=True)} spare): free disk space or fetch elsewhere "
             "($DDUF_PLUS_CACHE, remote={'cache_dir': ...})")
 
 
@@ -135,10 +133,10 @@ def enforce_budget(cache: Confined, *, keep: Path | None = None, active: Path | 
         discard(cache, partial)
         total -= sizes[partial]
         logger.info("removed the resumable partial %s (%s): kept partials over $%s", partial,
-                    _zst.human_size(sizes[partial]), PARTIALS_ENV)
+                    format_size(sizes[partial], binary=True), PARTIALS_ENV)
     if keep is not None and total > budget:
         logger.warning("%s is not kept for a resume: the kept partials would hold %s, over $%s=%s", keep,
-                       _zst.human_size(total), PARTIALS_ENV, _zst.human_size(budget))
+                       format_size(total, binary=True), PARTIALS_ENV, format_size(budget, binary=True))
         discard(cache, keep)
         return False
     return True

@@ -13,15 +13,15 @@ from typing import Any, Protocol
 
 from ..errors import DDUFError, DDUFIOError, DDUFNotFoundError, DDUFUsageError
 from ..storage.http_range import (
-    _HTTP_BODY_CHUNK,
     DEFAULT_DEADLINE_S,
+    HTTP_BODY_CHUNK,
     WHOLE_FILE_BELOW,
+    HTTPFailure,
     HTTPSource,
-    _Budget,
-    _HTTPFailure,
-    _short,
+    RemoteBudget,
+    short_text,
 )
-from ..storage.source import check_length
+from ..storage.source import ByteSource, check_length
 from ..storage.urls import check_url
 
 DEFAULT_CONCURRENCY = 16
@@ -96,11 +96,10 @@ class RemoteOptions:
         return Path(self.cache_dir) if self.cache_dir is not None else cache_dir("remote")
 
 
-class RangeReader(Protocol):
-    url: str
-    size: int
-
-    def read(self, offset: int, length: int) -> bytes: ...
+class RangeReader(ByteSource, Protocol):
+    """The one random-access reader protocol, :class:`~dduf_plus.storage.source.ByteSource` (``name``, ``size``,
+    ``read_at``, ``bytes_read``, ``close``), with what a concurrent whole-archive fetch adds: ``read_into`` (a
+    range straight into the caller's buffer) and ``remaining`` (seconds left of the shared deadline)."""
 
     def read_into(self, offset: int, out: memoryview) -> None: ...
 
@@ -109,7 +108,7 @@ class RangeReader(Protocol):
     def close(self) -> None: ...
 
 
-def _extend_deadline(budget: _Budget, size: int, explicit: float | None) -> None:
+def _extend_deadline(budget: RemoteBudget, size: int, explicit: float | None) -> None:
     """Without an explicit deadline, allow a large archive time in proportion to its size."""
     if explicit is None and not os.environ.get("DDUF_REMOTE_DEADLINE", "").strip():
         budget.deadline_s = DEFAULT_DEADLINE_S + size / DEADLINE_RATE
@@ -144,12 +143,12 @@ class _IntoSource(HTTPSource):
         got = 0
         while got < length:
             self._budget.remaining()  # the deadline, between socket reads (a trickle is cut off)
-            n = response.readinto(out[got:min(length, got + _HTTP_BODY_CHUNK)])
+            n = response.readinto(out[got:min(length, got + HTTP_BODY_CHUNK)])
             if not n:
                 self.close()
                 if self._expired:
                     raise self._budget.expired()
-                raise _HTTPFailure(f"the connection closed after {got} of {length} bytes")
+                raise HTTPFailure(f"the connection closed after {got} of {length} bytes")
             got += n
         self._filled = True
         return out
@@ -162,7 +161,7 @@ class HTTPRanges:
     and the end of the file, which the tail is then read from (``storage/http_range.HTTPSource``)."""
 
     def __init__(self, url: str, options: RemoteOptions, size: int | None = None):
-        self.url = url
+        self.name = url
         self._options = options
         self._local = threading.local()
         self._all: list[_IntoSource] = []
@@ -184,12 +183,17 @@ class HTTPRanges:
     def _source(self) -> _IntoSource:
         source = getattr(self._local, "source", None)
         if source is None:
-            source = _IntoSource(self.url, headers=self._options.headers, timeout=self._options.timeout,
+            source = _IntoSource(self.name, headers=self._options.headers, timeout=self._options.timeout,
                                 size=self.size, budget=self._budget)
             self._adopt(source)
         return source
 
-    def read(self, offset: int, length: int) -> bytes:
+    @property
+    def bytes_read(self) -> int:
+        with self._lock:
+            return sum(source.bytes_read for source in self._all)
+
+    def read_at(self, offset: int, length: int) -> bytes:
         return self._source().read_at(offset, length)
 
     def read_into(self, offset: int, out: memoryview) -> None:
@@ -212,8 +216,9 @@ class FsspecRanges:
     def __init__(self, url: str, options: RemoteOptions, size: int | None = None):
         import fsspec
 
-        self.url = url
-        self._budget = _Budget(url, options.deadline, options.max_bytes)
+        self.name = url
+        self.bytes_read = 0
+        self._budget = RemoteBudget(url, options.deadline, options.max_bytes)
         try:
             self._fs, self._path = fsspec.core.url_to_fs(url, **(options.storage_options or {}))
             info = self._fs.info(self._path)
@@ -222,7 +227,7 @@ class FsspecRanges:
         except DDUFError:
             raise
         except Exception as e:  # every backend's own network and protocol errors
-            raise DDUFIOError(f"cannot open {url}: {type(e).__name__}: {_short(e, 300)}") from None
+            raise DDUFIOError(f"cannot open {url}: {type(e).__name__}: {short_text(e, 300)}") from None
         reported = info.get("size") if isinstance(info, dict) else None
         if not isinstance(reported, int) or reported < 0:
             raise DDUFIOError(f"cannot open {url}: the file system does not report its size")
@@ -232,20 +237,21 @@ class FsspecRanges:
         self._budget.sized(self.size)
         _extend_deadline(self._budget, self.size, options.deadline)
 
-    def read(self, offset: int, length: int) -> bytes:
+    def read_at(self, offset: int, length: int) -> bytes:
         self._budget.remaining()
         self._budget.spend(length)
         try:
             data = self._fs.cat_file(self._path, start=offset, end=offset + length)
         except Exception as e:
-            raise DDUFIOError(f"{self.url}: read of {length} bytes at {offset} failed: "
-                              f"{type(e).__name__}: {_short(e, 300)}") from None
+            raise DDUFIOError(f"{self.name}: read of {length} bytes at {offset} failed: "
+                              f"{type(e).__name__}: {short_text(e, 300)}") from None
         self._budget.settle(length, len(data))  # what the backend handed over counts, not what was asked
-        check_length(self.url, offset, length, data)
+        check_length(self.name, offset, length, data)
+        self.bytes_read += len(data)
         return data
 
     def read_into(self, offset: int, out: memoryview) -> None:
-        out[:] = self.read(offset, len(out))
+        out[:] = self.read_at(offset, len(out))
 
     def remaining(self) -> float:
         return self._budget.remaining()

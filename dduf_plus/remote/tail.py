@@ -28,7 +28,7 @@ from ..format.findings import Finding, finding
 from ..format.structure import parse_json
 
 # The validator's ZIP record checks, applied to the tail's bytes alone (no entry data is read).
-from ..format.zipfmt import ZipEntry, _parse_central_directory, _read_central_directory, _read_end_records
+from ..format.zipfmt import ZipEntry, parse_central_directory, read_central_directory, read_end_records
 from ..storage.http_range import SUFFIX_BYTES
 from .readers import RangeReader
 
@@ -110,7 +110,7 @@ def _directory(url: str, reader: RangeReader, start: int, data: bytes) -> tuple[
     size = reader.size
     findings: list[Finding] = []
     try:
-        directory = _read_end_records(_TailBytes(url, size, start, data), findings)
+        directory = read_end_records(_TailBytes(url, size, start, data), findings)
     except _Short:  # it looked before the guess: no end record in the last 22 bytes (DDUF has no comment)
         directory = None
         findings.append(finding("Z001", None, "no end-of-central-directory record at the end of the file"))
@@ -120,10 +120,10 @@ def _directory(url: str, reader: RangeReader, start: int, data: bytes) -> tuple[
         if size - directory.cd_offset > MAX_TAIL or directory.cd_size > spec.MAX_CENTRAL_DIRECTORY:
             raise _refuse(url, [finding("Z005", None, f"central directory of {directory.cd_size} bytes at "
                                         f"{directory.cd_offset} is out of bounds")])
-        data = reader.read(directory.cd_offset, start - directory.cd_offset) + data
+        data = reader.read_at(directory.cd_offset, start - directory.cd_offset) + data
         start = directory.cd_offset
-    cd = _read_central_directory(_TailBytes(url, size, start, data), directory, findings)
-    records = _parse_central_directory(cd, directory.entry_count, findings) if cd is not None else None
+    cd = read_central_directory(_TailBytes(url, size, start, data), directory, findings)
+    records = parse_central_directory(cd, directory.entry_count, findings) if cd is not None else None
     findings.extend(_check_tiling(records or [], directory.cd_offset))
     if records is None or any(f.severity == "error" for f in findings):
         raise _refuse(url, findings)
@@ -170,15 +170,15 @@ def read_tail(reader: RangeReader, start_hint: int | None = None) -> Tail:
         DDUFValidationError: the tail breaks a ZIP or DDUF rule (the findings carry the codes).
         DDUFIntegrityError: the index entry does not match its CRC-32.
     """
-    url, size = reader.url, reader.size
+    url, size = reader.name, reader.size
     start = max(0, size - SUFFIX) if start_hint is None or not 0 <= start_hint < size else start_hint
-    data = reader.read(start, size - start)
+    data = reader.read_at(start, size - start)
     start, data, records, cd_offset = _directory(url, reader, start, data)
     index_record = max(records, key=lambda r: r.header_offset, default=None)
     index = None
     if index_record is not None and index_record.name == spec.INDEX_NAME and index_record.size <= MAX_INDEX:
         if index_record.header_offset < start:
-            data = reader.read(index_record.header_offset, start - index_record.header_offset) + data
+            data = reader.read_at(index_record.header_offset, start - index_record.header_offset) + data
             start = index_record.header_offset
         index = _parse_index(url, data, start, index_record, cd_offset)
         start = index_record.header_offset

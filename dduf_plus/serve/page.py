@@ -28,13 +28,13 @@ def rich(text: str) -> str:
     return "".join(f"<code>{escape(p)}</code>" if i % 2 else escape(p) for i, p in enumerate(parts))
 
 
-def _reference(component: dict[str, Any]) -> str:
+def _reference(name: str, component: dict[str, Any]) -> str:
     ref = component.get("external")
     if not ref:
         return "in archive"
-    where = ref.get("pretrained_model_name_or_path") or "(passed by the caller)"
-    where += f"/{ref['subfolder']}" if ref.get("subfolder") else ""
-    return where + (f"@{ref['revision']}" if ref.get("revision") else "")
+    from ..refs.spec import describe_reference
+
+    return describe_reference(name, ref)
 
 
 def _sizes(component: dict[str, Any]) -> tuple[str, str]:
@@ -99,7 +99,7 @@ def _components(info: dict[str, Any] | None) -> str:
         parameters, size = _sizes(c)
         rows.append(f"<tr><th scope='row'>{escape(name)}</th><td>{escape(str(c.get('class')))}</td>"
                     f"<td>{escape(str(c.get('dtype') or '-'))}</td><td>{parameters}</td>"
-                    f"<td>{size}</td><td>{escape(_reference(c))}</td></tr>")
+                    f"<td>{size}</td><td>{escape(_reference(name, c))}</td></tr>")
     return ("<table id='components'><caption>Components</caption><thead><tr><th scope='col'>Component</th>"
             "<th scope='col'>Class</th><th scope='col'>Dtype</th><th scope='col'>Parameters</th>"
             f"<th scope='col'>Bytes</th><th scope='col'>References</th></tr></thead><tbody>{''.join(rows)}</tbody></table>")

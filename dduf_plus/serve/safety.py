@@ -24,7 +24,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ..errors import DDUFIOError, DDUFUsageError
-from ..storage.http_range import HTTPSource, get_document
+from ..storage.http_range import HTTPSource, get_document, proxied
 from ..storage.urls import address_problem  # noqa: F401 (address_problem re-exported)
 from .settings import Settings
 
@@ -40,7 +40,7 @@ class BadURL(DDUFUsageError):
     """The URL cannot be parsed: its port, its IPv6 literal, its host name (HTTP 400)."""
 
 
-def _origin(url: str) -> tuple[str, str, int]:
+def url_origin(url: str) -> tuple[str, str, int]:
     """(scheme, host, port) of ``url``; :class:`BadURL` when urllib cannot read its port or host."""
     try:
         parts = urlsplit(url)
@@ -89,14 +89,14 @@ def check_url(url: str, settings: Settings, *, hub: bool = False) -> str:
         raise URLRefused("the URL must be a string of at most 4096 characters")
     if any(ord(c) < 0x21 or c == "\x7f" for c in url):
         raise BadURL(f"{url[:200]!r}: a URL has no spaces or control characters")
-    origin = _origin(url)
+    origin = url_origin(url)
     parts = urlsplit(url)
     if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
         raise URLRefused(f"{url}: only http(s) URLs with a host are validated here")
     if parts.username or parts.password:
         raise URLRefused(f"{url}: credentials in the URL are not accepted")
     prefixes = (*settings.prefixes, settings.endpoint) if hub else settings.prefixes
-    if not any(url.startswith(p) and origin == _origin(p) for p in prefixes):
+    if not any(url.startswith(p) and origin == url_origin(p) for p in prefixes):
         raise URLRefused(f"{url}: not under an allowed prefix ({', '.join(settings.prefixes)})")
     if not settings.allow_private:
         scheme, host, port = origin
@@ -114,7 +114,9 @@ def check_url(url: str, settings: Settings, *, hub: bool = False) -> str:
 
 
 def _check_peer(conn: http.client.HTTPConnection, url: str, settings: Settings) -> None:
-    if settings.allow_private or conn.sock is None:
+    """Refuse a connection whose peer is no public address. Through a proxy (HTTPS_PROXY, the operator's
+    egress) the peer is the proxy: the name check before connecting (:func:`check_url`) is what applies."""
+    if settings.allow_private or conn.sock is None or proxied(conn):
         return
     why = address_problem(str(conn.sock.getpeername()[0]))
     if why:
@@ -138,7 +140,7 @@ class PeerCheckedSource(HTTPSource):
 
 def auth_headers(url: str, settings: Settings) -> dict[str, str]:
     """The Hub token, for URLs on the configured endpoint only (never sent to another host)."""
-    if settings.token and _origin(url) == _origin(settings.endpoint):
+    if settings.token and url_origin(url) == url_origin(settings.endpoint):
         return {"Authorization": f"Bearer {settings.token}"}
     return {}
 

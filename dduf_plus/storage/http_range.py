@@ -13,11 +13,13 @@ import socket
 import ssl
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import urljoin, urlsplit
 
 from ..errors import DDUFError, DDUFIOError, DDUFNotFoundError, DDUFUsageError
+from .hub_env import Proxy, ca_bundle, proxy_for
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +27,7 @@ DEFAULT_DEADLINE_S = 300.0
 BUDGET_SLACK_BYTES = 16 << 20
 MAX_REDIRECTS = 5
 DEFAULT_READ_TIMEOUT_S = 10.0
-_HTTP_BODY_CHUNK = 1 << 20
+HTTP_BODY_CHUNK = 1 << 20
 # What one answer may bring besides the bytes asked for: the status line and headers (of a redirect, a 1xx or
 # the 206), and chunked framing. Every byte received from the socket counts; past this the answer is refused.
 HEADER_ALLOWANCE = 64 << 10
@@ -57,7 +59,7 @@ def _read_timeout() -> float:
     return value if value > 0 else DEFAULT_READ_TIMEOUT_S
 
 
-class _Budget:
+class RemoteBudget:
     """The deadline and byte budget of one remote source; every request asks it first."""
 
     def __init__(self, name: str, deadline: float | None, max_bytes: int | None):
@@ -113,7 +115,7 @@ class _Budget:
 # --- http(s): our own range client, so deadlines, redirects and range support are ours to decide -------------
 
 
-class _HTTPFailure(Exception):
+class HTTPFailure(Exception):
     """One request failed; ``why`` says how (the caller adds which URL and which read)."""
 
     def __init__(self, why: str, not_found: bool = False):
@@ -121,7 +123,7 @@ class _HTTPFailure(Exception):
         self.why, self.not_found = why, not_found
 
 
-class _NoSuffix(_HTTPFailure):
+class _NoSuffix(HTTPFailure):
     """The server does not answer suffix ranges (``bytes=-N``: HTTP 200 or 416): open with ``bytes=0-0``."""
 
 
@@ -221,7 +223,7 @@ class HTTPSource:
 
     def __init__(self, url: str, *, deadline: float | None = None, max_bytes: int | None = None,
                  headers: dict[str, str] | None = None, timeout: float | None = None,
-                 size: int | None = None, budget: _Budget | None = None, suffix: int | None = None):
+                 size: int | None = None, budget: RemoteBudget | None = None, suffix: int | None = None):
         self.name = url
         parts = urlsplit(url)
         if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
@@ -232,7 +234,7 @@ class HTTPSource:
         self._url = url
         self._headers = {"User-Agent": "dduf_plus", "Accept-Encoding": "identity", **(headers or {})}
         self._timeout = float(timeout) if timeout else _read_timeout()
-        self._budget = budget if budget is not None else _Budget(url, deadline, max_bytes)
+        self._budget = budget if budget is not None else RemoteBudget(url, deadline, max_bytes)
         self._lock = threading.Lock()  # one connection: one request at a time
         self._conn: http.client.HTTPConnection | None = None
         self._expired = False
@@ -246,7 +248,7 @@ class HTTPSource:
             return
         try:
             self.size = self._open(SUFFIX_BYTES if suffix is None else max(0, int(suffix)))
-        except _HTTPFailure as e:
+        except HTTPFailure as e:
             self.close()
             message = f"cannot open {url}: {e.why}"
             raise (DDUFNotFoundError(message, url) if e.not_found else DDUFIOError(message)) from None
@@ -270,7 +272,7 @@ class HTTPSource:
             self._budget.spend(length)
             try:
                 _, _, body = self._request(offset, offset + length - 1, expect=length)
-            except _HTTPFailure as e:
+            except HTTPFailure as e:
                 raise DDUFIOError(f"{self.name}: read of {length} bytes at {offset} failed: {e.why}") from None
         self.bytes_read += len(body)
         return body
@@ -290,7 +292,7 @@ class HTTPSource:
                 self._budget.spend(self.size)
                 try:
                     _, _, body = self._request(0, self.size - 1, expect=self.size)
-                except _HTTPFailure as e:
+                except HTTPFailure as e:
                     raise DDUFIOError(f"{self.name}: read of the whole {self.size}-byte file failed: {e.why}") from None
                 self._whole = body
                 self.bytes_read += len(body)
@@ -324,9 +326,9 @@ class HTTPSource:
         if status == 416:  # "bytes */0": an empty file has no byte 0
             if total == 0:
                 return 0
-            raise _HTTPFailure("HTTP 416 Range Not Satisfiable for the first byte of the file")
+            raise HTTPFailure("HTTP 416 Range Not Satisfiable for the first byte of the file")
         if total is None:
-            raise _HTTPFailure("the server does not report the file size (no total in Content-Range)")
+            raise HTTPFailure("the server does not report the file size (no total in Content-Range)")
         self.bytes_read += len(body)
         return total
 
@@ -334,29 +336,26 @@ class HTTPSource:
         if self._conn is not None and self._conn.sock is not None:
             if self._waiting():  # an idle kept-alive connection has nothing to say: these are bytes past an answer
                 self.close()
-                raise _HTTPFailure("the server sent bytes after its previous answer (past the length it declared); "
+                raise HTTPFailure("the server sent bytes after its previous answer (past the length it declared); "
                                    "connection closed")
             return self._conn, True
         self.close()
         scheme, host, port = self._origin
         timeout = min(self._timeout, self._budget.remaining())
-        if scheme == "https":
-            conn: http.client.HTTPConnection = http.client.HTTPSConnection(
-                host, port, timeout=timeout, context=_tls_context())
-        else:
-            conn = http.client.HTTPConnection(host, port, timeout=timeout)
+        conn = open_connection(scheme, host, port, timeout)
+        via = f" through the proxy {proxy.url}" if (proxy := proxy_for(scheme, host)) else ""
         try:
             conn.connect()
         except socket.gaierror as e:
-            raise _HTTPFailure(f"cannot resolve host {host!r} (DNS: {e.strerror})") from None
+            raise HTTPFailure(f"cannot resolve host {host!r}{via} (DNS: {e.strerror})") from None
         except ConnectionRefusedError:
-            raise _HTTPFailure(f"connection refused by {host}:{port} (nothing listens there)") from None
+            raise HTTPFailure(f"connection refused by {host}:{port}{via} (nothing listens there)") from None
         except TimeoutError:
-            raise _HTTPFailure(f"no connection to {host}:{port} within {timeout:.3g} s") from None
+            raise HTTPFailure(f"no connection to {host}:{port}{via} within {timeout:.3g} s") from None
         except ssl.SSLError as e:
-            raise _HTTPFailure(f"TLS handshake with {host}:{port} failed: {e.reason or e}") from None
+            raise HTTPFailure(f"TLS handshake with {host}:{port}{via} failed: {e.reason or e}") from None
         except OSError as e:
-            raise _HTTPFailure(f"cannot connect to {host}:{port}: {e.strerror or e}") from None
+            raise HTTPFailure(f"cannot connect to {host}:{port}{via}: {e.strerror or e}") from None
         if conn.sock is not None:
             conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small range requests, no Nagle delay
         self._conn = conn
@@ -388,14 +387,14 @@ class HTTPSource:
                         continue
                     self._url = url  # later reads go straight to where the redirects led
                     return result
-                raise _HTTPFailure(f"more than {MAX_REDIRECTS} redirects")
+                raise HTTPFailure(f"more than {MAX_REDIRECTS} redirects")
             except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError) as e:
                 self.close()
                 if self._expired:
                     raise self._budget.expired() from None
                 if not reused:
-                    raise _HTTPFailure(f"the server closed the connection ({type(e).__name__})") from None
-        raise _HTTPFailure("the server closed the connection twice")
+                    raise HTTPFailure(f"the server closed the connection ({type(e).__name__})") from None
+        raise HTTPFailure("the server closed the connection twice")
 
     def _exchange(self, conn: http.client.HTTPConnection, url: str, start: int, end: int,
                   expect: int | None, received: list[int], suffix: bool = False) -> tuple[int, int | None, bytes] | str:
@@ -420,31 +419,31 @@ class HTTPSource:
             return self._answer(response, url, start, end, expect)
         except _Overrun:
             self.close()
-            raise _HTTPFailure(f"the server sent more than {tally.cap} bytes for a range of {length} bytes "
+            raise HTTPFailure(f"the server sent more than {tally.cap} bytes for a range of {length} bytes "
                                "(headers, framing or data past the range); connection closed") from None
         except TimeoutError:
             self.close()
             # near the deadline the socket's timeout (the time left) and the watchdog race: either way, the deadline
             if self._expired or time.monotonic() >= self._budget.ends_at - 0.05:
                 raise self._budget.expired() from None
-            raise _HTTPFailure(f"the server sent nothing for {self._timeout:g} s (HF_HUB_DOWNLOAD_TIMEOUT)") from None
+            raise HTTPFailure(f"the server sent nothing for {self._timeout:g} s (HF_HUB_DOWNLOAD_TIMEOUT)") from None
         except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
             if tally.received:  # the server said something, then hung up: not a stale kept-alive connection
                 self.close()
-                raise _HTTPFailure("the server closed the connection in the middle of its answer") from None
+                raise HTTPFailure("the server closed the connection in the middle of its answer") from None
             raise
         except (http.client.BadStatusLine, http.client.LineTooLong) as e:
             self.close()
             if self._expired:  # the watchdog cut a trickled status line short
                 raise self._budget.expired() from None
-            raise _HTTPFailure(f"the server sent bytes after its previous answer (past the length it declared) or "
-                               f"garbage where a status line belongs ({type(e).__name__}: {_short(e, 80)}); "
+            raise HTTPFailure(f"the server sent bytes after its previous answer (past the length it declared) or "
+                               f"garbage where a status line belongs ({type(e).__name__}: {short_text(e, 80)}); "
                                "connection closed") from None
         except (http.client.HTTPException, OSError) as e:
             self.close()
             if self._expired:
                 raise self._budget.expired() from None
-            raise _HTTPFailure(f"the connection failed ({type(e).__name__}: {e})") from None
+            raise HTTPFailure(f"the connection failed ({type(e).__name__}: {e})") from None
         finally:
             watchdog.cancel()
             received[0] += tally.received
@@ -456,43 +455,43 @@ class HTTPSource:
             location = response.getheader("Location")
             self.close()  # the redirect's body is not read
             if not location:
-                raise _HTTPFailure(f"HTTP {status} redirect without a Location")
+                raise HTTPFailure(f"HTTP {status} redirect without a Location")
             target = urljoin(url, location.strip())
             if _origin(urlsplit(target)) != self._origin:
-                raise _HTTPFailure(f"HTTP {status} redirects to another origin ({_short(target)}); only "
+                raise HTTPFailure(f"HTTP {status} redirects to another origin ({short_text(target)}); only "
                                    "same-origin redirects are followed")
             return target
         if status == 200:
             self.close()
-            raise _HTTPFailure("the server does not support range requests (it answered a Range request with "
+            raise HTTPFailure("the server does not support range requests (it answered a Range request with "
                                "HTTP 200 and the whole file); refusing to download it")
         if status == 416:
             total = _content_range_total(response.getheader("Content-Range"))
             self.close()
             if expect is None:
                 return status, total, b""
-            raise _HTTPFailure("HTTP 416 Range Not Satisfiable (the file changed size?)")
+            raise HTTPFailure("HTTP 416 Range Not Satisfiable (the file changed size?)")
         if status != 206:
             self.close()
-            raise _HTTPFailure(f"HTTP {status} {_short(response.reason)}".rstrip(), not_found=status in (404, 410))
+            raise HTTPFailure(f"HTTP {status} {short_text(response.reason)}".rstrip(), not_found=status in (404, 410))
         encoding = (response.getheader("Content-Encoding") or "identity").strip().lower()
         if encoding != "identity":
             self.close()
-            raise _HTTPFailure(f"the server sent a {_short(encoding)}-encoded range")
+            raise HTTPFailure(f"the server sent a {short_text(encoding)}-encoded range")
         span = _content_range(response.getheader("Content-Range"))
         if span is None or span[0] != start or span[1] != end:
             self.close()
-            raise _HTTPFailure(f"the server answered with another range ({_short(response.getheader('Content-Range'))}"
+            raise HTTPFailure(f"the server answered with another range ({short_text(response.getheader('Content-Range'))}"
                                f" for bytes={start}-{end})")
         length = end - start + 1
         if expect is not None and span[2] is not None and span[2] != self.size:
             self.close()
-            raise _HTTPFailure(f"the server now reports a size of {span[2]} bytes, not {self.size} (the file "
+            raise HTTPFailure(f"the server now reports a size of {span[2]} bytes, not {self.size} (the file "
                                "changed, or the server misreports sizes)")
         declared = response.getheader("Content-Length")
         if declared is not None and declared.strip() != str(length):
             self.close()
-            raise _HTTPFailure(f"Content-Length {_short(declared)} for a range of {length} bytes")
+            raise HTTPFailure(f"Content-Length {short_text(declared)} for a range of {length} bytes")
         body = self._read_body(response, length)
         self._check_end(response, start, end)
         return status, span[2], body
@@ -515,8 +514,8 @@ class HTTPSource:
         total = span[2] if span is not None else None
         if span is None or total is None or span[1] != total - 1 or span[0] != max(0, total - length):
             self.close()
-            raise _HTTPFailure(f"the server answered the suffix range bytes=-{length} with Content-Range "
-                               f"{_short(value)!r}; the rule: a suffix range is answered with the file's last "
+            raise HTTPFailure(f"the server answered the suffix range bytes=-{length} with Content-Range "
+                               f"{short_text(value)!r}; the rule: a suffix range is answered with the file's last "
                                f"{length} bytes (all of a shorter file) and the file's size; refused")
         return self._answer(response, url, span[0], span[1], None)
 
@@ -529,12 +528,12 @@ class HTTPSource:
         elif not response.isclosed():  # chunked or close-delimited: one more byte must be the end
             if response.read1(1):
                 self.close()
-                raise _HTTPFailure(f"the server sent more than bytes={start}-{end} (data past the range); "
+                raise HTTPFailure(f"the server sent more than bytes={start}-{end} (data past the range); "
                                    "connection closed")
         leftover = getattr(response, "leftover", 0) or self._waiting()
         if leftover:
             self.close()
-            raise _HTTPFailure(f"the server sent bytes after its answer to bytes={start}-{end} (past the "
+            raise HTTPFailure(f"the server sent bytes after its answer to bytes={start}-{end} (past the "
                                "length it declared); connection closed")
 
     def _waiting(self) -> bool:
@@ -555,12 +554,12 @@ class HTTPSource:
         parts, got = [], 0
         while got < length:
             self._budget.remaining()
-            chunk = response.read1(min(_HTTP_BODY_CHUNK, length - got))
+            chunk = response.read1(min(HTTP_BODY_CHUNK, length - got))
             if not chunk:
                 self.close()
                 if self._expired:
                     raise self._budget.expired()
-                raise _HTTPFailure(f"the connection closed after {got} of {length} bytes")
+                raise HTTPFailure(f"the connection closed after {got} of {length} bytes")
             parts.append(chunk)
             got += len(chunk)
         return b"".join(parts)
@@ -592,9 +591,7 @@ def get_document(url: str, *, max_bytes: int, deadline: float, timeout: float | 
     parts = urlsplit(url)
     scheme, host, port = _origin(parts)
     wait = min(float(timeout) if timeout else _read_timeout(), deadline)
-    conn: http.client.HTTPConnection = (
-        http.client.HTTPSConnection(host, port, timeout=wait, context=_tls_context()) if scheme == "https"
-        else http.client.HTTPConnection(host, port, timeout=wait))
+    conn = open_connection(scheme, host, port, wait)
     tally = _Tally(HEADER_ALLOWANCE + max_bytes + max_bytes // FRAMING_ALLOWANCE)
     conn.response_class = functools.partial(_MeteredResponse, tally=tally)  # type: ignore[assignment]
     expired = threading.Event()
@@ -614,7 +611,7 @@ def get_document(url: str, *, max_bytes: int, deadline: float, timeout: float | 
                      headers={"User-Agent": "dduf_plus", "Accept-Encoding": "identity", **(headers or {})})
         response = conn.getresponse()
         body = bytearray()
-        while chunk := response.read1(min(_HTTP_BODY_CHUNK, max_bytes + 1 - len(body))):
+        while chunk := response.read1(min(HTTP_BODY_CHUNK, max_bytes + 1 - len(body))):
             body += chunk
             if len(body) > max_bytes:
                 raise DDUFIOError(f"{url}: more than {max_bytes} bytes (the most this document may have)")
@@ -625,23 +622,68 @@ def get_document(url: str, *, max_bytes: int, deadline: float, timeout: float | 
     except (OSError, http.client.HTTPException) as e:
         if expired.is_set():
             raise DDUFIOError(f"{url}: took longer than its deadline of {deadline:g} s") from None
-        raise DDUFIOError(f"{url}: the connection failed ({type(e).__name__}: {_short(e)})") from None
+        raise DDUFIOError(f"{url}: the connection failed ({type(e).__name__}: {short_text(e)})") from None
     finally:
         watchdog.cancel()
         conn.close()
 
 
-_TLS: list[ssl.SSLContext] = []
+_TLS: dict[tuple[str | None, str | None], ssl.SSLContext] = {}
+_PROXIED: weakref.WeakSet[http.client.HTTPConnection] = weakref.WeakSet()
 
 
 def _tls_context() -> ssl.SSLContext:
-    """The system's CA store (as aiohttp and browsers use it), built once; certificates are always verified."""
-    if not _TLS:
-        _TLS.append(ssl.create_default_context())
-    return _TLS[0]
+    """The CA bundle huggingface_hub users set (``REQUESTS_CA_BUNDLE``, ``CURL_CA_BUNDLE``, ``SSL_CERT_FILE``,
+    ``SSL_CERT_DIR``: :func:`~.hub_env.ca_bundle`), else the system's store, built once per setting; certificates
+    are always verified."""
+    where = ca_bundle()
+    if where not in _TLS:
+        try:
+            _TLS[where] = ssl.create_default_context(cafile=where[0], capath=where[1])
+        except (OSError, ssl.SSLError) as e:
+            raise DDUFUsageError(f"cannot read the CA bundle {where[0] or where[1]} (REQUESTS_CA_BUNDLE, "
+                                 f"CURL_CA_BUNDLE, SSL_CERT_FILE or SSL_CERT_DIR): {e}") from None
+    return _TLS[where]
 
 
-def _short(text: object, limit: int = 120) -> str:
+class _ViaProxy(http.client.HTTPConnection):
+    """Plain http through a forward proxy: absolute-form request targets, the proxy's credentials on each."""
+
+    def __init__(self, proxy: Proxy, origin: str, timeout: float):
+        super().__init__(proxy.host, proxy.port, timeout=timeout)
+        self.origin, self.proxy_headers = origin, proxy.headers
+
+    def putrequest(self, method: str, url: str, skip_host: bool = False, skip_accept_encoding: bool = False) -> None:
+        super().putrequest(method, self.origin + url if url.startswith("/") else url, skip_host, skip_accept_encoding)
+        for name, value in self.proxy_headers.items():
+            self.putheader(name, value)
+
+
+def open_connection(scheme: str, host: str, port: int, timeout: float) -> http.client.HTTPConnection:
+    """A connection to ``scheme://host:port`` (not yet connected), through the proxy the environment names
+    (:func:`~.hub_env.proxy_for`: ``HTTPS_PROXY``, ``HTTP_PROXY``, ``ALL_PROXY``, ``NO_PROXY``): https by a
+    ``CONNECT`` tunnel (TLS and its certificate check stay end to end), http by absolute-form requests."""
+    proxy = proxy_for(scheme, host)
+    if proxy is None:
+        if scheme == "https":
+            return http.client.HTTPSConnection(host, port, timeout=timeout, context=_tls_context())
+        return http.client.HTTPConnection(host, port, timeout=timeout)
+    conn: http.client.HTTPConnection
+    if scheme == "https":
+        conn = http.client.HTTPSConnection(proxy.host, proxy.port, timeout=timeout, context=_tls_context())
+        conn.set_tunnel(host, port, headers=proxy.headers)
+    else:
+        conn = _ViaProxy(proxy, f"http://{host}:{port}", timeout)
+    _PROXIED.add(conn)
+    return conn
+
+
+def proxied(conn: http.client.HTTPConnection) -> bool:
+    """Whether ``conn`` goes through a proxy (then its peer address is the proxy's, not the server's)."""
+    return conn in _PROXIED
+
+
+def short_text(text: object, limit: int = 120) -> str:
     text = str(text or "")
     return text if len(text) <= limit else text[:limit] + "..."
 

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
 from ..errors import DDUFError, DDUFIOError, DDUFNotFoundError, DDUFUsageError, io_error
-from .http_range import DEFAULT_DEADLINE_S, HTTPSource, _Budget, _short
+from .http_range import DEFAULT_DEADLINE_S, HTTPSource, RemoteBudget, short_text
 from .urls import ALLOWED_URL_SCHEMES, check_url, is_url
 
 __all__ = ["ALLOWED_URL_SCHEMES", "DEFAULT_DEADLINE_S", "ByteSource", "BytesSource", "FsspecSource", "HTTPSource",
@@ -125,7 +125,7 @@ class FsspecSource:
 
         self.name = url
         self._lock = threading.Lock()  # seek + read is one operation on a shared file object
-        self._budget = _Budget(url, deadline, max_bytes)
+        self._budget = RemoteBudget(url, deadline, max_bytes)
         self._broken = False
         self._file: Any = None
 
@@ -144,13 +144,13 @@ class FsspecSource:
             raise
         except FileNotFoundError as e:
             self.close()
-            raise DDUFNotFoundError(f"cannot open {url}: not found ({_short(e) or 'no such file'})", url) from None
+            raise DDUFNotFoundError(f"cannot open {url}: not found ({short_text(e) or 'no such file'})", url) from None
         except PermissionError as e:
             self.close()
-            raise DDUFIOError(f"cannot open {url}: access denied ({_short(e)})") from None
+            raise DDUFIOError(f"cannot open {url}: access denied ({short_text(e)})") from None
         except Exception as e:  # network/protocol errors of every backend
             self.close()
-            raise DDUFIOError(f"cannot open {url}: {type(e).__name__}: {_short(e, 300)}") from None
+            raise DDUFIOError(f"cannot open {url}: {type(e).__name__}: {short_text(e, 300)}") from None
         if not (hasattr(self._file, "seek") and self._file.seekable()):
             self.close()
             raise DDUFIOError(f"cannot open {url}: the file system offers no random access (range requests)")
@@ -198,7 +198,7 @@ class FsspecSource:
             except DDUFError:
                 raise
             except Exception as e:
-                raise DDUFIOError(f"{self.name}: read failed at {offset}: {type(e).__name__}: {_short(e, 300)}") from None
+                raise DDUFIOError(f"{self.name}: read failed at {offset}: {type(e).__name__}: {short_text(e, 300)}") from None
             self._budget.settle(length, len(data))  # what the backend handed over counts, not what was asked
         check_length(self.name, offset, length, data)
         self.bytes_read += len(data)

@@ -19,7 +19,7 @@ A ``.zst`` is untrusted like the archive inside: decompression has a budget (:cl
 an absolute cap, a ratio cap above a floor, and the free disk space), checked before writing when the
 stream announces its size and enforced while decoding when it does not.
 
-:func:`cached_decompress` (in :mod:`dduf_plus.storage.zst_cache`, importable from here) decompresses once
+:func:`~dduf_plus.storage.zst_cache.cached_decompress` decompresses once
 into a cache keyed by the sha256 of the ``.zst`` file and returns the plain archive, which loaders then
 mmap as usual; every hit is verified against content.
 
@@ -28,24 +28,35 @@ Only ``zstandard`` and the standard library are imported here (no torch)."""
 from __future__ import annotations
 
 import logging
-import math
 import os
-import re
-import shutil
 import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from ..errors import DDUFError, DDUFFormatError, DDUFIntegrityError, DDUFUsageError, io_error
 from .cache_dirs import CACHE_ENV  # noqa: F401 (re-exported: tests and zst_cache name it here)
 from .confined import Confined
-from .progress import progress_bar  # huggingface_hub's tqdm, silent off a TTY
+from .progress import progress_bar
+from .zst_budget import (  # noqa: F401 (the budget's names, re-exported: callers and tests name them here)
+    DEFAULT_MAX_BYTES,
+    DISK_RESERVE,
+    MAX_DECOMPRESSED_ENV,
+    RAISE_HINT,
+    RATIO_FLOOR,
+    BudgetLike,
+    DecompressionBudget,
+    DecompressionBudgetError,
+    allowance_for,
+    decompression_budget,
+    free_bytes,
+    no_space,
+    over_budget,
+)  # huggingface_hub's tqdm, silent off a TTY
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +108,7 @@ def is_zst(path: str | os.PathLike) -> bool:
     return os.fspath(path).endswith(".zst")
 
 
-def _zstd() -> Any:
+def zstd_module() -> Any:
     try:
         import zstandard
     except ImportError:  # a declared dependency; only a broken install gets here
@@ -145,7 +156,7 @@ def _same_file(a: Path, b: Path) -> bool:
         return False
 
 
-def _open_input(src: Path) -> tuple[int, int]:
+def open_input(src: Path) -> tuple[int, int]:
     try:
         fd = os.open(src, os.O_RDONLY | getattr(os, "O_BINARY", 0))
     except OSError as e:
@@ -195,12 +206,12 @@ def compress(
     Raises:
         DDUFError: ``src`` cannot be read, or ``dst`` is ``src``.
     """
-    zstd = _zstd()
+    zstd = zstd_module()
     src, dst = Path(src), Path(dst)
     _check_compress_args(zstd, src, dst, level, frame_size)
     started = time.perf_counter()
     cctx = _compressor(zstd, level, threads, long)
-    fd_in, total = _open_input(src)
+    fd_in, total = open_input(src)
     bar = _progress(total, dst.name, quiet)
     try:
         with _atomic_output(dst) as fd_out:
@@ -254,7 +265,7 @@ def _write_frame(cctx: Any, fd_in: int, fd_out: int, frame_start: int, frame_len
                  buffer: bytearray, bar: Any, src: Path) -> int:
     """Compress input ``[frame_start, frame_start + frame_len)`` as one fresh frame (independent of the
     others) written at ``position``, in ``IO_CHUNK`` reads; returns its compressed size."""
-    zstd = _zstd()
+    zstd = zstd_module()
     cobj = cctx.compressobj(size=frame_len)
     written = 0
     done = 0
@@ -281,7 +292,7 @@ def read_layout(fd: int, size: int, name: str = "<stream>") -> StreamLayout:
     Raises:
         DDUFFormatError: a dduf_plus stream whose seek table is missing (truncated) or inconsistent.
     """
-    zstd = _zstd()
+    zstd = zstd_module()
     total = frame_size = None
     if size >= HEADER_FRAME_SIZE:
         head = os.pread(fd, HEADER_FRAME_SIZE, 0)
@@ -329,169 +340,10 @@ def _read_seek_table(fd: int, size: int, name: str) -> list[Frame] | None:
     return frames
 
 
-# --- budget ------------------------------------------------------------------------------------------
-# A .zst is as untrusted as the archive inside: 65 KB of zstd can announce (and really hold) 2 GiB of
-# zeros. Real DDUF weights compress 1.05-1.3x (bf16/fp16 mantissas are close to random); tokenizers and
-# configs compress more but are small. So above a floor (small archives never trip it, and writing the
-# floor costs well under a second), the output may be at most MAX_RATIO times the compressed size, and
-# never more than MAX_BYTES (beyond the largest public pipelines, ~100 GB in fp32), whatever the ratio.
-MAX_DECOMPRESSED_ENV = "DDUF_PLUS_MAX_DECOMPRESSED"
-DEFAULT_MAX_BYTES = 256 << 30  # 256 GiB
-DEFAULT_MAX_RATIO = 16.0  # an order of magnitude over real pipelines' 1.1x
-RATIO_FLOOR = 256 * MiB  # any ratio is fine below this
-DISK_RESERVE = 256 * MiB  # decompression never fills a disk to its last bytes
-RAISE_HINT = f"max_decompressed= in Python, --max-decompressed on the command line, or ${MAX_DECOMPRESSED_ENV}"
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
-_RATIO = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*x\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-class DecompressionBudgetError(DDUFError):
-    """Decompressing would pass the size/ratio budget or the free disk space (``dduf validate``: Z022)."""
-
-
-@dataclass(frozen=True)
-class DecompressionBudget:
-    """How much a ``.zst`` may expand to: at most ``max_bytes`` (None: no absolute cap) and at most
-    ``max_ratio`` times its compressed size once past :data:`RATIO_FLOOR` (None: no ratio cap). Free
-    disk space is checked whatever the budget.
-
-    Example:
-        >>> DecompressionBudget.parse("64G")      # 64 GiB, any ratio (you vouch for the archive)
-        >>> DecompressionBudget.parse("32x")      # 32x the compressed size, within the default cap
-        >>> DecompressionBudget.parse("64G,32x")  # both; "unlimited": only the disk space check
-    """
-
-    max_bytes: int | None = DEFAULT_MAX_BYTES
-    max_ratio: float | None = DEFAULT_MAX_RATIO
-    origin: str = "the default budget"
-
-    def limit(self, compressed_size: int) -> int | None:
-        """The most bytes a stream of ``compressed_size`` bytes may decompress to (None: unbounded)."""
-        limits = [] if self.max_bytes is None else [self.max_bytes]
-        if self.max_ratio is not None:
-            limits.append(max(RATIO_FLOOR, int(self.max_ratio * compressed_size)))
-        return min(limits) if limits else None
-
-    def __str__(self) -> str:
-        parts = [] if self.max_bytes is None else [f"at most {human_size(self.max_bytes)}"]
-        if self.max_ratio is not None:
-            parts.append(f"at most {self.max_ratio:g}x the compressed size above {human_size(RATIO_FLOOR)}")
-        return f"{self.origin} ({', '.join(parts) or 'unlimited'})"
-
-    @classmethod
-    def parse(cls, text: str, origin: str = "--max-decompressed") -> DecompressionBudget:
-        """``SIZE`` (``500M``, ``64G``, ``1T``, bytes), ``RATIOx``, both comma-separated, or ``unlimited``.
-
-        Raises:
-            DDUFError: the text is none of these (the message names ``origin``).
-        """
-        if text.strip().lower() in ("unlimited", "none", "inf"):
-            return cls(None, None, f"{origin}=unlimited")
-        max_bytes: int | None = None
-        max_ratio: float | None = None
-        for part in text.split(","):
-            if (m := _SIZE.match(part)) and max_bytes is None:
-                max_bytes = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-            elif (m := _RATIO.match(part)) and max_ratio is None and float(m.group(1)) > 0:
-                max_ratio = float(m.group(1))
-            else:
-                raise DDUFError(f"{origin}={text!r}: expected a size (500M, 64G, 1T), a ratio (32x), both "
-                                "(64G,32x) or 'unlimited'")
-        if max_bytes is not None and max_ratio is None:
-            return cls(max_bytes, None, f"{origin}={text.strip()}")  # an explicit size: the user vouches
-        return cls(DEFAULT_MAX_BYTES if max_bytes is None else max_bytes, max_ratio, f"{origin}={text.strip()}")
-
-
-BudgetLike = DecompressionBudget | int | str | None
-
-
-def decompression_budget(value: BudgetLike = None) -> DecompressionBudget:
-    """The budget to apply: ``value`` (a budget, a byte count or a string for :meth:`DecompressionBudget.parse`),
-    else ``$DDUF_PLUS_MAX_DECOMPRESSED``, else the default (256 GiB, 16x above 256 MiB)."""
-    if isinstance(value, DecompressionBudget):
-        return value
-    if isinstance(value, int) and not isinstance(value, bool):
-        return DecompressionBudget(value, None, f"max_decompressed={value}")
-    if isinstance(value, str):
-        return DecompressionBudget.parse(value, "max_decompressed")
-    env = os.environ.get(MAX_DECOMPRESSED_ENV)
-    if env:
-        return DecompressionBudget.parse(env, f"${MAX_DECOMPRESSED_ENV}")
-    return DecompressionBudget()
-
-
-def human_size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
-
-
-def _free_bytes(folder: Path) -> int:
-    try:
-        return shutil.disk_usage(folder).free - DISK_RESERVE
-    except OSError:  # a file system that does not say: let the writes themselves fail
-        return 1 << 62
-
-
-class _Allowance(NamedTuple):
-    """What one decompression may write: ``cutoff`` bytes (None: unbounded) and why it stops there."""
-
-    cutoff: int | None
-    over_budget: bool  # the cutoff is the budget's (else the free disk space's)
-
-
-def _allowance(name: str, compressed: int, announced: int | None, budget: DecompressionBudget,
-               out_dir: Path) -> _Allowance:
-    """Check an announced size against the budget and the free space *before* writing; for a stream
-    that announces nothing, the point where decoding must stop."""
-    limit = budget.limit(compressed)
-    if announced is not None and limit is not None and announced > limit:
-        raise _over_budget(name, compressed, announced, limit, budget, announced=True)
-    free = _free_bytes(out_dir)
-    if announced is not None:
-        if announced > free:
-            raise _no_space(name, announced, free, out_dir)
-        return _Allowance(announced, False)
-    if free <= 0:
-        raise _no_space(name, None, 0, out_dir)
-    if limit is not None and limit <= free:
-        return _Allowance(limit, True)
-    return _Allowance(free, False)
-
-
-def _over_budget(name: str, compressed: int, size: int, limit: int, budget: DecompressionBudget, *,
-                 announced: bool) -> DecompressionBudgetError:
-    ratio = size / compressed if compressed else float("inf")
-    what = (f"announces {human_size(size)} of output" if announced
-            else f"decompressed past {human_size(size)} without announcing its size (stopped there)")
-    return DecompressionBudgetError(
-        f"{name}: the stream {what} from {human_size(compressed)} ({ratio:,.0f}x), over the decompression "
-        f"budget: {human_size(limit)} for this file under {budget}. If you trust the archive, raise the "
-        f"budget ({RAISE_HINT}: e.g. {_suggest(size if announced else 2 * size)} or 'unlimited')")
-
-
-def _suggest(size: int) -> str:
-    """A round budget that admits ``size`` bytes, written as the option takes it (``3G``)."""
-    return f"{max(1, math.ceil(size / (1 << 30)))}G"
-
-
-def _no_space(name: str, size: int | None, free: int, out_dir: Path) -> DecompressionBudgetError:
-    """``size``: what the stream announces; None: it announces nothing and was cut off at ``free``."""
-    what = (f"decompressing needs {human_size(size)}, but {out_dir} has {human_size(max(free, 0))} free" if size
-            is not None else f"the stream announces no size and decoded past the {human_size(max(free, 0))} "
-            f"free in {out_dir}")
-    return DecompressionBudgetError(
-        f"{name}: {what} (keeping {human_size(DISK_RESERVE)} spare): free disk space or decompress elsewhere "
-        "(-o, $DDUF_PLUS_CACHE, $TMPDIR)")
-
-
 # --- decompress --------------------------------------------------------------------------------------
 
 
-class _RangeReader:
+class _FdSlice:
     """File-like view of ``length`` bytes at ``offset`` of a descriptor (for zstd's stream_reader)."""
 
     def __init__(self, fd: int, offset: int, length: int, on_read: Callable[[bytes], None] | None = None):
@@ -564,7 +416,7 @@ def decompress(
         DDUFIntegrityError: a frame's content checksum does not match (corrupted data).
         DecompressionBudgetError: over the budget or the free disk space.
     """
-    _zstd()
+    zstd_module()
     src, dst = Path(src), Path(dst)
     if _same_file(src, dst):
         raise DDUFError(f"{dst}: output would overwrite the input")
@@ -581,9 +433,9 @@ def decompress_into(src: Path, fd_out: int, out_dir: Path, *, budget: Decompress
     """Decompress ``src`` into the open, empty file ``fd_out`` (on the file system of ``out_dir``, whose
     free space is checked). Returns (compressed bytes, decompressed bytes, frames). The caller owns the
     output file and removes it when this raises (see :func:`decompress`)."""
-    zstd = _zstd()
+    zstd = zstd_module()
     name = name or str(src)
-    fd_in, size = _open_input(src)
+    fd_in, size = open_input(src)
     try:
         layout = read_layout(fd_in, size, name)
         announced: int | None
@@ -593,7 +445,7 @@ def decompress_into(src: Path, fd_out: int, out_dir: Path, *, budget: Decompress
             announced = None if None in sizes else sum(s or 0 for s in sizes)
         else:
             announced = layout.total_size or 0
-        allowance = _allowance(name, size, announced, budget, out_dir)
+        allowance = allowance_for(name, size, announced, budget, out_dir)
         bar = _progress(announced or size, desc or name, quiet)
         lock = threading.Lock()
 
@@ -608,8 +460,8 @@ def decompress_into(src: Path, fd_out: int, out_dir: Path, *, budget: Decompress
                     raise DDUFFormatError(f"{name}: decoded {total} bytes, its frames announce {announced}")
                 if allowance.cutoff is not None and total > allowance.cutoff:
                     if allowance.over_budget:
-                        raise _over_budget(name, size, total, allowance.cutoff, budget, announced=False)
-                    raise _no_space(name, None, allowance.cutoff, out_dir)
+                        raise over_budget(name, size, total, allowance.cutoff, budget, announced=False)
+                    raise no_space(name, None, allowance.cutoff, out_dir)
             else:
                 total = layout.total_size or 0  # what was announced: the frame table's total
                 os.ftruncate(fd_out, total)  # frames then fill their slices in any order
@@ -645,7 +497,7 @@ def _decompress_frames(zstd: Any, fd_in: int, fd_out: int, frames: list[Frame], 
             raise DDUFFormatError(f"{name}: frame {index} holds {params.content_size} bytes, seek table says {frame.size}")
         # A fresh context per frame: zstd contexts are not thread-safe.
         reader = zstd.ZstdDecompressor().stream_reader(
-            _RangeReader(fd_in, frame.offset, frame.compressed_size), read_size=IO_CHUNK, read_across_frames=False)
+            _FdSlice(fd_in, frame.offset, frame.compressed_size), read_size=IO_CHUNK, read_across_frames=False)
         try:
             written = _decode_into(reader, fd_out, frame.output_offset, frame.size, bytearray(IO_CHUNK), progress,
                                    stop)
@@ -676,7 +528,7 @@ def _decompress_sequential(zstd: Any, fd_in: int, size: int, fd_out: int, progre
                            name: str, cutoff: int | None) -> int:
     """Streams without a seek table (e.g. from the zstd CLI): one pass over every frame (whose tiling of
     the file :func:`decompress_into` checked first). Decodes at most ``cutoff + 1`` bytes."""
-    reader = zstd.ZstdDecompressor().stream_reader(_RangeReader(fd_in, 0, size), read_size=IO_CHUNK,
+    reader = zstd.ZstdDecompressor().stream_reader(_FdSlice(fd_in, 0, size), read_size=IO_CHUNK,
                                                    read_across_frames=True)
     try:
         return _decode_into(reader, fd_out, 0, cutoff, bytearray(IO_CHUNK), progress)
@@ -734,15 +586,3 @@ def _walk_frames(zstd: Any, fd: int, size: int, name: str) -> list[tuple[int, in
         frames.append((offset, length, content))
         offset += length
     return frames
-
-
-# --- the cache (dduf_plus.storage.zst_cache; names kept here, imported on first use) ------------------
-_CACHE_NAMES = ("cache_root", "content_key", "cached_decompress", "validation_archive")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _CACHE_NAMES:
-        from . import zst_cache
-
-        return getattr(zst_cache, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -21,8 +21,6 @@ that is removed after the verdict (also on errors and Ctrl-C), unless a verified
 from __future__ import annotations
 
 import hashlib
-import hmac
-import json
 import logging
 import os
 import stat
@@ -35,31 +33,29 @@ from typing import Any
 from ..errors import DDUFError, DDUFPathError, io_error
 from .cache_dirs import cache_root
 from .confined import Confined
+from .signed import Signer, StatKey
 from .zst import (
     CACHE_ENV,
     BudgetLike,
     DecompressionBudget,
     MiB,
-    _open_input,
-    _zstd,
     decompress_into,
     decompression_budget,
     is_zst,
+    open_input,
+    zstd_module,
 )
 
 logger = logging.getLogger(__name__)
 
 RECORD_VERSION = 2  # version 1 (unsigned memos, no entry records) is ignored: entries are rewritten once
-SECRET_NAME = ".secret"
-SECRET_SIZE = 32
-MAX_RECORD = 64 << 10
 HASH_CHUNK = 8 * MiB
 
 
 def content_key(path: str | os.PathLike) -> str:
     """The cache key of a ``.zst`` file: the sha256 of its bytes (= its Hub LFS oid), always computed
     from the bytes: a file's name (``blobs/<sha256>``) is never taken for its digest."""
-    fd, size = _open_input(Path(path))
+    fd, size = open_input(Path(path))
     try:
         return _sha256_fd(fd, size)
     finally:
@@ -83,7 +79,7 @@ def _sha256_fd(fd: int, size: int) -> str:
 
 
 def _stat_key(st: os.stat_result) -> dict[str, int]:
-    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ino": st.st_ino, "dev": st.st_dev}
+    return dict(zip(("size", "mtime_ns", "ino", "dev"), StatKey.of(st), strict=True))
 
 
 def _is_key(value: object) -> bool:
@@ -98,51 +94,14 @@ class _Cache:
         self.box = Confined(root, create=writable)
         self.writable = writable
         self.folder = self.box.root / "zst"
-        self.secret = self._secret()
-
-    # --- signing -------------------------------------------------------------------------------------
-    def _secret(self) -> bytes | None:
-        path = self.folder / SECRET_NAME
-        secret = _read_secret(path)
-        if secret is None and self.writable:
-            self.box.mkdir(self.folder)
-            self.box.write_bytes(path, os.urandom(SECRET_SIZE))  # mkstemp: mode 0600 from the start
-            secret = _read_secret(path)  # another process may have won the race: use what is there
-        return secret
-
-    def _mac(self, record: dict[str, Any]) -> str:
-        assert self.secret is not None
-        body = json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
-        return hmac.new(self.secret, body, hashlib.sha256).hexdigest()
+        self.signer = Signer(self.box, self.folder, writable=writable, version=RECORD_VERSION)
 
     def _read(self, path: Path) -> dict[str, Any] | None:
-        """A record this cache signed, or None (missing, unreadable, unsigned, forged, old version)."""
-        if self.secret is None:
-            return None
-        try:
-            self.box.check(path)
-            with open(path, "rb") as f:
-                raw = f.read(MAX_RECORD + 1)
-            record = json.loads(raw) if len(raw) <= MAX_RECORD else None
-        except (OSError, ValueError, DDUFPathError):
-            return None
-        if not isinstance(record, dict):
-            return None
-        mac = record.pop("mac", None)
-        if not isinstance(mac, str) or not hmac.compare_digest(mac, self._mac(record)):
-            return None
-        return record if record.get("v") == RECORD_VERSION else None
+        return self.signer.read(path)
 
     def _write(self, path: Path, record: dict[str, Any]) -> None:
-        if not self.writable or self.secret is None:
-            return
-        record = {**record, "v": RECORD_VERSION}
-        data = json.dumps({**record, "mac": self._mac(record)}).encode()
-        try:
-            self.box.mkdir(path.parent)
-            self.box.write_bytes(path, data)
-        except OSError as e:  # a read-only cache still serves verified entries: we just hash again next time
-            logger.debug("cannot record %s: %s", path, e)
+        if not self.signer.write(path, record):  # a read-only cache still serves verified entries
+            logger.debug("cannot record %s", path)
 
     # --- the .zst -> key memo ------------------------------------------------------------------------
     def _memo_path(self, src: Path) -> Path:
@@ -205,27 +164,6 @@ class _Cache:
         return final
 
 
-def _read_secret(path: Path) -> bytes | None:
-    """The cache's secret, only if it is a regular file of the right size that only its owner (us) can
-    read: a file someone else planted (another owner, group- or world-readable, a link) is not one."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0))
-    except OSError:
-        return None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size != SECRET_SIZE:
-            return None
-        if os.name == "posix" and (st.st_uid != os.getuid() or st.st_mode & 0o077):
-            return None
-        data = os.read(fd, SECRET_SIZE + 1)
-        return data if len(data) == SECRET_SIZE else None
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-
-
 def _source(path: str | os.PathLike) -> tuple[Path, os.stat_result]:
     src = Path(path).resolve()
     try:
@@ -278,7 +216,7 @@ def cached_decompress(
         DDUFFormatError / DDUFIntegrityError / DecompressionBudgetError: as :func:`~dduf_plus.storage.zst.decompress`.
         DDUFError: the file is missing, or the cache cannot be written.
     """
-    _zstd()
+    zstd_module()
     src, st = _source(path)
     budget = decompression_budget(max_decompressed)
     root = Path(cache_dir) if cache_dir is not None else cache_root()
@@ -313,7 +251,7 @@ def validation_archive(path: str | os.PathLike, *, max_decompressed: BudgetLike 
     if not is_zst(path):
         yield Path(path)
         return
-    _zstd()
+    zstd_module()
     src, st = _source(path)
     budget = decompression_budget(max_decompressed)
     try:

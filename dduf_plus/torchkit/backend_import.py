@@ -11,7 +11,7 @@ with huggingface_hub offline *in the loading thread*: ``huggingface_hub.constant
 every Hub request checks first (its request hook), answers True there, so the request is refused before it
 is sent; the library falls back as it does offline (bitsandbytes logs that it could not load the kernel and
 uses its own CPU code). Other threads are not affected: the function is a thread-aware dispatcher, in place
-over huggingface_hub's own while some thread is in such a step (see :mod:`dduf_plus.packing.empty_init` for
+over huggingface_hub's own while some thread is in such a step (see :mod:`dduf_plus.torchkit.empty_init` for
 the rule), that answers as huggingface_hub does outside these steps.
 
 **The knob.** ``DDUF_PLUS_BACKEND_DOWNLOADS=1`` (read at each load) lets those imports use the Hub as

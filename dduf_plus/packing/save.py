@@ -11,13 +11,13 @@ checkpoint conversion, same header layout as ``safetensors.torch.save_file``), e
 is one unsharded file: DDUF entries are ZIP64, so no size limit calls for shards.
 
 Models quantized with optimum-quanto (``quantize`` + ``freeze``) are stored as
-:func:`~dduf_plus.loading.quant.save_quanto_component` + ``dduf pack`` store them: quanto's flattened
+:func:`~dduf_plus.torchkit.quanto_state.save_quanto_component` + ``dduf pack`` store them: quanto's flattened
 state dict (``L.weight._data``, ``L.weight._scale``...) streamed in
-:func:`~dduf_plus.loading.quant.aligned_order`, ``quanto_qmap.json`` beside it, and the same
+:func:`~dduf_plus.torchkit.quanto_state.aligned_order`, ``quanto_qmap.json`` beside it, and the same
 ``quantization`` record in the index, so both routes give the same archive.
 
 Models quantized by a diffusers quantizer (torchao, bitsandbytes, SDNQ) are stored as their
-``save_pretrained`` writes them (:mod:`~dduf_plus.packing.quant_state`); the archive equals ``dduf pack``
+``save_pretrained`` writes them (:mod:`~dduf_plus.torchkit.quant_state`); the archive equals ``dduf pack``
 of that folder (docs/precision.md, "Saving quantized pipelines")."""
 
 from __future__ import annotations
@@ -43,12 +43,13 @@ from ..format.chat_template import TEMPLATE_DIR, is_template_name
 from ..format.pack import EntrySource, PackResult, Skipped, fold_sources, write_archive
 from ..format.pipeline_kinds import COPY_NAME, LIST_CLASSES, alias_config, part_name, part_owner, with_parts
 from ..format.structure import component_specs
-from ..packing.identity import SourcesCopy
-from ..packing.lora import saved_adapter_sources, with_lora_key
-from ..packing.partial import BaseComparer, model_index_with, warn_local_paths
-from ..packing.tensor_stream import DtypeRule, tensor_bytes, tensor_source  # noqa: F401 (tensor_bytes re-exported)
+from ..format.weights import weights_name
 from ..storage.confined import Confined
-from .lora import pipeline_adapters, without_adapters
+from ..torchkit.tensor_stream import DtypeRule, tensor_bytes, tensor_source  # noqa: F401 (tensor_bytes re-exported)
+from .identity import SourcesCopy
+from .lora import saved_adapter_sources, with_lora_key
+from .lora_save import pipeline_adapters, without_adapters
+from .partial import BaseComparer, model_index_with, warn_local_paths
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ def save_dduf(
 
     Diffusers models quantized by their ``quantization_config`` (torchao, bitsandbytes nf4 / fp4 / int8, or any
     backend diffusers saves as safetensors, such as SDNQ) are stored as their ``save_pretrained`` writes them
-    (:mod:`~dduf_plus.packing.quant_state`), streamed from the live quantized tensors, with the index record
+    (:mod:`~dduf_plus.torchkit.quant_state`), streamed from the live quantized tensors, with the index record
     ``dduf pack`` gives such a folder; ``dtype`` does not apply to them (an error when the dict names them).
 
     Example:
@@ -232,7 +233,7 @@ def _component_sources(
         weights: EntrySource | None = None
         if isinstance(component, ModelMixin):
             quanto = _quanto_state(component)
-            entry = f"{name}/{_weights_name('diffusion_pytorch_model.safetensors', variant)}"
+            entry = f"{name}/{weights_name('diffusers', variant)}"
             component.save_config(folder)  # exactly ModelMixin.save_pretrained's config step
             keep = _keep_in_fp32(component)
             if getattr(component, "hf_quantizer", None) is not None:  # bitsandbytes, torchao, SDNQ...
@@ -245,7 +246,7 @@ def _component_sources(
         elif transformers_model is not None and isinstance(component, transformers_model):
             _refuse_quantized(name, component)
             quanto = _quanto_state(component)
-            entry = f"{name}/{_weights_name('model.safetensors', variant)}"
+            entry = f"{name}/{weights_name('transformers', variant)}"
             keep = _keep_in_fp32(component)
             if quanto is not None:  # the state dict quanto_state gives is the one load_quanto_component takes
                 weights, record, converted = _quanto_sources(name, entry, quanto, folder, dtype, keep, explicit)
@@ -282,13 +283,6 @@ def _transformers_model_class() -> type[Any] | None:
     return PreTrainedModel
 
 
-def _weights_name(name: str, variant: str | None) -> str:
-    if not variant:
-        return name
-    stem, ext = name.rsplit(".", 1)
-    return f"{stem}.{variant}.{ext}"
-
-
 def _refuse_quantized(name: str, model: Any) -> None:
     """A transformers model quantized by a ``quantization_config`` backend: its save logic is transformers'
     own, not streamed here. Plain optimum-quanto models are not refused."""
@@ -301,9 +295,9 @@ def _refuse_quantized(name: str, model: Any) -> None:
 def _backend_sources(name: str, entry: str, model: Any, folder: Path, dtype: torch.dtype | None,
                      explicit: bool) -> tuple[EntrySource, dict[str, Any] | None]:
     """The weights entry of a model a diffusers quantizer quantized (what its ``save_pretrained`` writes:
-    :func:`~dduf_plus.packing.quant_state.backend_state`) and its index record (as ``dduf pack`` makes it)."""
+    :func:`~dduf_plus.torchkit.quant_state.backend_state`) and its index record (as ``dduf pack`` makes it)."""
     from ..format import quant_rules
-    from ..packing.quant_state import backend_state, quant_method
+    from ..torchkit.quant_state import backend_state, quant_method
 
     if dtype is not None:
         if explicit:
@@ -329,7 +323,7 @@ def _quanto_state(model: Any) -> tuple[dict[str, torch.Tensor], bytes] | None:
     cannot hold quanto layers unless optimum.quanto was imported."""
     if "optimum.quanto" not in sys.modules:
         return None
-    from .quant import quanto_state
+    from ..torchkit.quanto_state import quanto_state
 
     return quanto_state(model)
 
@@ -342,7 +336,7 @@ def _quanto_sources(
     ``save_quanto_component`` writes them), its ``quanto_qmap.json`` (written into ``folder``), its
     index record and whether any tensor gets converted. ``dtype`` converts floating tensors other than
     the quantized values (``._data``)."""
-    from .quant import QMAP_NAME, quanto_index_record
+    from ..format.quantization import QMAP_NAME, quanto_index_record
 
     tensors, qmap = quanto
     if dtype is not None and dtype not in QUANTO_CONVERTIBLE:
@@ -496,7 +490,7 @@ def _storage_tokens(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor
     return {name: tokens.setdefault(_area(t), torch.empty(1)) for name, t in state.items()}
 
 
-# --- safetensors bytes, streamed (packing.tensor_stream; the quanto layout order from loading.quant) -----------
+# --- safetensors bytes, streamed (torchkit.tensor_stream; the quanto layout order from torchkit.quanto_state) -----------
 def weight_source(
     entry: str,
     state: Mapping[str, torch.Tensor],
@@ -506,12 +500,12 @@ def weight_source(
     what: str = "",
     aligned: bool = False,
 ) -> EntrySource:
-    """:func:`~dduf_plus.packing.tensor_stream.tensor_source`; ``aligned=True`` lays the tensors out in
-    :func:`~dduf_plus.loading.quant.aligned_order` (of their stored sizes) instead of safetensors' order, as
+    """:func:`~dduf_plus.torchkit.tensor_stream.tensor_source`; ``aligned=True`` lays the tensors out in
+    :func:`~dduf_plus.torchkit.quanto_state.aligned_order` (of their stored sizes) instead of safetensors' order, as
     ``save_quanto_component`` does, so that quantized int8 weights start 64-byte aligned and need no copy at load."""
     order = None
     if aligned:
-        from .quant import aligned_order
+        from ..torchkit.quanto_state import aligned_order
 
         rule = dtype_for or (lambda name, tensor: None)
         sizes = {}

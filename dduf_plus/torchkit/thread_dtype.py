@@ -8,7 +8,7 @@ overlap restore each other's values in the wrong order (the default stayed fp16 
 loads). Within :func:`local_default_dtype`, in this thread only:
 
 - ``torch.set_default_dtype`` / ``torch.get_default_dtype`` (dispatchers under the rule of
-  :mod:`dduf_plus.packing.empty_init`, in place only while some thread is in a block: torch.compile knows
+  :mod:`dduf_plus.torchkit.empty_init`, in place only while some thread is in a block: torch.compile knows
   torch's own by identity) set and read this thread's value, so diffusers' ``_set_default_torch_dtype``
   and transformers' ``local_torch_dtype`` called from here change nothing another thread sees. Outside a
   block, and in every other thread, they behave as torch's own.

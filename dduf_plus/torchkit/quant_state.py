@@ -2,7 +2,7 @@
 
 ``ModelMixin.save_pretrained`` of a quantized model writes ``hf_quantizer.get_state_dict_and_metadata(
 model.state_dict())`` with ``{"format": "pt", **metadata}`` as the safetensors ``__metadata__``. This module
-gives the same tensors and metadata for :func:`~dduf_plus.loading.save.save_dduf` to stream:
+gives the same tensors and metadata for :func:`~dduf_plus.packing.save.save_dduf` to stream:
 
 * torchao: each tensor subclass (``Int8Tensor``...) flattened into ``L._weight_<part>`` tensors plus its JSON
   description, as torchao's ``flatten_tensor_state_dict`` does, but over views of the parts (torchao clones
