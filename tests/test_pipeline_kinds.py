@@ -21,7 +21,7 @@ from dduf_plus import load_dduf, validate
 from dduf_plus.cli import main
 from dduf_plus.errors import DDUFLoadError, DDUFPackError, DDUFValidationError
 from dduf_plus.format.archive import DDUFArchive
-from dduf_plus.loading.save import save_dduf
+from dduf_plus.packing.save import save_dduf
 from dduf_plus.packing.pack import pack
 
 diffusers = pytest.importorskip("diffusers")

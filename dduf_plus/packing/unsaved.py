@@ -8,7 +8,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from .backend_import import offline_imports
+from ..torchkit.backend_import import offline_imports
 
 logger = logging.getLogger(__name__)
 
