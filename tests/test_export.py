@@ -273,6 +273,11 @@ def test_cli_export(sd: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureF
     assert main(["export", str(archive), "-o", str(out)]) == 2  # exists: --force
     assert main(["export", str(archive), "-o", str(tmp_path / "v.safetensors"), "--component", "vae", "-q"]) == 0
     assert capsys.readouterr().out == ""
+    assert main(["export", str(tmp_path / "missing.dduf"), "-o", str(tmp_path / "m.safetensors")]) == 2
+    bad = tmp_path / "bad.dduf"
+    bad.write_bytes(b"garbage" * 100)
+    assert main(["export", str(bad), "-o", str(tmp_path / "b.safetensors")]) == 1
+    assert not (tmp_path / "m.safetensors").exists() and not (tmp_path / "b.safetensors").exists()
 
 
 def test_unsupported_pipeline_is_refused(tmp_path: Path) -> None:
@@ -282,3 +287,22 @@ def test_unsupported_pipeline_is_refused(tmp_path: Path) -> None:
     pack(PIPELINES / "tiny-dit", archive, quiet=True)
     with pytest.raises(DDUFError, match="no single-file layout"):
         export_single_file(archive, tmp_path / "x.safetensors")
+
+
+def test_component_unet_packs_back_and_loads_in_diffusers(sd: dict[str, Path], tmp_path: Path) -> None:
+    """``component="unet"`` keeps ``model.diffusion_model.``: diffusers' UNet from_single_file reads it, and
+    ``dduf pack`` takes it back (the UNet stored, everything else referenced)."""
+    from diffusers import UNet2DConditionModel
+
+    from dduf_plus import load_dduf
+
+    archive = tmp_path / "a.dduf"
+    pack_single_file(sd["sd1"], archive, base=str(TINY_SD), quiet=True, fsync=False)
+    unet = export_single_file(archive, tmp_path / "unet.safetensors", component="unet", fsync=False)
+    assert all(k.startswith("model.diffusion_model.") for k in read_checkpoint_header(unet.path).tensors)
+    mine = UNet2DConditionModel.from_single_file(str(unet.path), config=str(TINY_SD), subfolder="unet",
+                                                 local_files_only=True)
+    assert _same_modules(type("P", (), {"unet": mine})(), load_dduf(archive), ("unet",)) > 0
+    again = tmp_path / "again.dduf"
+    _result, partial = pack_single_file(unet.path, again, base=str(TINY_SD), quiet=True, fsync=False)
+    assert _stored(again) == _stored(archive)

@@ -3,7 +3,8 @@
 The archive's pipeline is written in its family's original single-file layout (SD 1.x/2.x: LDM; SDXL: SGM; SD3 /
 SD3.5: Stability's; Flux: ComfyUI's full file, the transformer in BFL's layout), or with ``component=`` one model
 in the layout an app's folder for it expects (a bare LDM VAE for ``models/vae``, transformers' CLIP / T5 for
-``models/text_encoders``, the bare UNet / MMDiT / BFL transformer for ``models/diffusion_models``).
+``models/text_encoders``, the UNet / MMDiT (under ``model.diffusion_model.``) or BFL's bare Flux transformer for
+``models/diffusion_models``).
 
 A partial archive exports complete: each reference is resolved and verified by the reference resolver. The
 file is planned from headers alone (names, shapes, dtypes: :mod:`dduf_plus.packing.export_layout`), then each
@@ -52,6 +53,9 @@ _FULL_PREFIX = {"flux": "model.diffusion_model."}
 # --component: the kind an app's model folder expects for each kind of a full file (text encoders in
 # transformers' layout: ComfyUI's clip_l / clip_g / t5xxl files)
 _COMPONENT_KIND = {"open_clip": "clip", "sd3_clip_l": "clip", "sd3_clip_g": "clip"}
+# --component: a UNet / MMDiT keeps ``model.diffusion_model.`` (diffusers' from_single_file reads only that for
+# them, ComfyUI's loaders both; and dduf pack reads it back); a VAE, the text encoders and BFL's Flux are bare
+_COMPONENT_PREFIX = {"unet": "model.diffusion_model.", "sd3_transformer": "model.diffusion_model."}
 
 
 class ExportResult(NamedTuple):
@@ -185,7 +189,8 @@ def _parts(ark: DDUFArchive, model_index: Mapping[str, Any], component: str | No
     for name in wanted:
         comp: Component = family.components[name]
         kind = _COMPONENT_KIND.get(comp.kind, comp.kind) if component else comp.kind
-        prefix = "" if component else (comp.prefix or _FULL_PREFIX.get(comp.kind, ""))
+        prefix = (_COMPONENT_PREFIX.get(comp.kind, "") if component
+                  else comp.prefix or _FULL_PREFIX.get(comp.kind, ""))
         tensors, where = source(name)
         parts.append(_Part(name, kind, prefix, tensors, configs[name], where))
     return parts, model_type
