@@ -306,3 +306,25 @@ def test_component_unet_packs_back_and_loads_in_diffusers(sd: dict[str, Path], t
     again = tmp_path / "again.dduf"
     _result, partial = pack_single_file(unet.path, again, base=str(TINY_SD), quiet=True, fsync=False)
     assert _stored(again) == _stored(archive)
+
+
+@pytest.mark.parametrize("family", ["v2", "xl_refiner"])
+def test_sd2_and_refiner_export_round_trip(family: str, tmp_path: Path) -> None:
+    """SD 2.x (OpenCLIP-H in cond_stage_model.model., no projection: diffusers' CLIPTextModel has none) and the
+    SDXL refiner (OpenCLIP-G only, as conditioner.embedders.0.model.)."""
+    from single_file_ckpt import build_tiny_sd2, build_tiny_sdxl_refiner
+
+    if family == "v2":
+        base = build_tiny_sd2(tmp_path / "tiny-sd2", TINY_SD / "tokenizer")
+        ckpt = _save(checkpoint_from_pipeline(base, "v2", unet_delta=0.01), tmp_path / "sd2.safetensors")
+        cls, names, dtype = "StableDiffusionPipeline", SD_NAMES, torch.float32
+    else:
+        base = build_tiny_sdxl_refiner(tmp_path / "tiny-refiner", TINY_SD / "tokenizer")
+        ckpt = _save(checkpoint_from_pipeline(base, "xl_refiner", unet_delta=0.01, dtype=torch.float16),
+                     tmp_path / "refiner.safetensors")
+        cls, names, dtype = "StableDiffusionXLImg2ImgPipeline", ("unet", "vae", "text_encoder_2"), torch.float16
+    work = tmp_path / "work"
+    work.mkdir()
+    out = _proof(ckpt, base, cls, dtype, names, work)
+    want = {"v2": "stable-diffusion-v2-512", "xl_refiner": "stable-diffusion-xl-v1-refiner"}[family]
+    assert _metadata(out)["modelspec.architecture"] == want
