@@ -19,7 +19,7 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -316,14 +316,6 @@ def _make(o: _Out, views: list[Any]) -> Any:
     return t.to(want) if t.dtype != want else t
 
 
-def _tensors(plan: list[_Out], parts: list[_Part], maps: Mapping[Path, Any]) -> Iterator[tuple[_Out, Any]]:
-    for o in plan:
-        part = parts[o.part]
-        views = [view(maps[part.tensors[s].path], part.tensors[s].start, part.tensors[s].info)
-                 for s in o.piece.sources]
-        yield o, _make(o, views)
-
-
 def _check_projection(parts: list[_Part], maps: Mapping[Path, Any]) -> None:
     """SD3's CLIP-L file layout has no projection (diffusers loads the identity): refuse to drop another one."""
     import torch
@@ -344,23 +336,16 @@ def _write(output: Path, head: bytes, plan: list[_Out], parts: list[_Part], *, f
     output.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{output.name}.", suffix=".tmp", dir=output.parent)
     try:
-        with ExitStack() as stack, os.fdopen(fd, "wb") as f:
+        with ExitStack() as stack, os.fdopen(fd, "wb", buffering=0) as f:
             paths = sorted({t.path for p in parts for t in p.tensors.values()})
             maps = {p: stack.enter_context(mapped(p)) for p in paths}
+            files = {p: stack.enter_context(open(p, "rb")) for p in paths}
             _check_projection(parts, maps)
-            dropper = Dropper(*maps.values())
-            f.write(head)
-            for o, t in _tensors(plan, parts, maps):
-                data = bytes_of(t)
-                if data.numel() != _nbytes(o):  # pragma: no cover - a source changed under us
-                    raise DDUFPackError(f"{o.name}: {data.numel()} bytes, {_nbytes(o)} planned")
-                f.write(data.numpy().data)
-                dropper.read(data.numel())
-                del data, t
-            f.flush()
+            _write_all(f.fileno(), head)
+            _stream(plan, parts, maps, {p: h.fileno() for p, h in files.items()}, f.fileno())
             if fsync:
                 os.fsync(f.fileno())
-            size = f.tell()
+            size = os.fstat(f.fileno()).st_size
         os.replace(tmp, output)
     except BaseException:
         try:
@@ -369,3 +354,49 @@ def _write(output: Path, head: bytes, plan: list[_Out], parts: list[_Part], *, f
             pass
         raise
     return size
+
+
+def _stream(plan: list[_Out], parts: list[_Part], maps: Mapping[Path, Any], fds: Mapping[Path, int], out: int) -> None:
+    """Every planned tensor's bytes, in order: a tensor that is its source's bytes as they are (renamed, or a
+    1x1 convolution's reshape) is copied by the kernel (``copy_file_range``: no pass through this process);
+    the others are made from views of the maps, one at a time, and written (pages dropped as they go)."""
+    dropper = Dropper(*maps.values())
+    kernel = hasattr(os, "copy_file_range")
+    for o in plan:
+        part = parts[o.part]
+        first = part.tensors[o.piece.sources[0]]
+        if kernel and o.piece.op in ("copy", "conv1x1") and o.dtype == first.info.dtype:
+            if _copy_range(fds[first.path], out, first.start + first.info.begin, first.info.nbytes, o.name):
+                continue
+            kernel = False  # not on this file system: bytes through the maps from now on
+        t = _make(o, [view(maps[part.tensors[s].path], part.tensors[s].start, part.tensors[s].info)
+                      for s in o.piece.sources])
+        data = bytes_of(t)
+        if data.numel() != _nbytes(o):  # pragma: no cover - a source changed under us
+            raise DDUFPackError(f"{o.name}: {data.numel()} bytes, {_nbytes(o)} planned")
+        _write_all(out, data.numpy().data)
+        dropper.read(data.numel())
+        del data, t
+
+
+def _write_all(fd: int, data: Any) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _copy_range(src: int, out: int, offset: int, count: int, name: str) -> bool:
+    """Copy ``count`` bytes at ``offset`` of ``src`` to ``out``'s position in the kernel; False when the file
+    systems do not support it (nothing written then)."""
+    done = 0
+    try:
+        while done < count:
+            n = os.copy_file_range(src, out, count - done, offset + done)
+            if n == 0:
+                raise DDUFPackError(f"{name}: its source file ended early (changed while exporting?)")
+            done += n
+    except OSError:
+        if done:
+            raise
+        return False
+    return True

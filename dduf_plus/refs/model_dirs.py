@@ -34,7 +34,7 @@ from ..errors import DDUFError, DDUFFormatError
 from ..format.safetensors_header import SafetensorsHeader, TensorInfo, read_file_header
 from ..format.weights import classify
 from ..storage.confined import Confined
-from . import cache as _cache
+from .cache import dduf_cache_dir, sha256_file, stat_key, verified_hashes
 
 logger = logging.getLogger(__name__)
 
@@ -131,9 +131,22 @@ def tensor_record(folder: Path, files: Mapping[str, Any]) -> dict[str, Any]:
         text = config.read_bytes().decode("utf-8")
     except (OSError, UnicodeDecodeError, DDUFError):
         return {}
-    return {RECORD_KEY: {"version": VERSION, "sha256": tensors_digest([(folder / weights[0], header)]),
+    return {RECORD_KEY: {"version": VERSION, "sha256": _remembered_digest(folder / weights[0], header),
                          "layout": layout_digest(header.tensors.values()), "count": len(header.tensors),
                          "bytes": sum(t.nbytes for t in header.tensors.values()), "config": text}}
+
+
+def _remembered_digest(path: Path, header: SafetensorsHeader) -> str:
+    """:func:`tensors_digest` of one file, from dduf_plus' hash memory when the file is unchanged since (a pack
+    against the same BASE, a model folder searched again: nothing hashed)."""
+    memo = verified_hashes()
+    known = memo.lookup(path, _MEMBER)
+    if known is None:
+        before = stat_key(path)
+        known = tensors_digest([(path, header)])
+        if stat_key(path) == before:  # a file written while it was read is not remembered
+            memo.remember(path, known, _MEMBER, key=before)
+    return str(known)
 
 
 # --- the search ------------------------------------------------------------------------------------------------
@@ -194,9 +207,8 @@ def find_component(name: str, reference: Mapping[str, Any], dirs: Sequence[Path]
     if hashlib.sha256(config).hexdigest() != config_sha:
         return "the recorded config text does not match the recorded config.json sha256"
     rejected: list[Rejected] = []
-    memo = _cache.verified_hashes()
     for path in _walk(dirs):
-        why = _check(path, rec, memo)
+        why = _check(path, rec)
         if why is None:
             return Match({weights: path, "config.json": _config_file(config, config_sha)}, f"model folder {path}",
                          rejected)
@@ -206,7 +218,7 @@ def find_component(name: str, reference: Mapping[str, Any], dirs: Sequence[Path]
     return f"no file in {', '.join(map(str, dirs))} holds its tensors" + (f" (rejected: {reasons})" if reasons else "")
 
 
-def _check(path: Path, rec: Mapping[str, Any], memo: Any) -> str | None:
+def _check(path: Path, rec: Mapping[str, Any]) -> str | None:
     """None when ``path`` holds the recorded tensors; "" when it is plainly another model (not said); else why
     it was rejected."""
     try:
@@ -217,12 +229,7 @@ def _check(path: Path, rec: Mapping[str, Any], memo: Any) -> str | None:
         return ""
     if layout_digest(header.tensors.values()) != rec["layout"]:
         return "same size, other tensor names, dtypes or shapes (another layout or model)"
-    known = memo.lookup(path, _MEMBER)
-    if known is None:
-        before = _cache.stat_key(path)
-        known = tensors_digest([(path, header)])
-        if _cache.stat_key(path) == before:
-            memo.remember(path, known, _MEMBER, key=before)
+    known = _remembered_digest(path, header)
     if known != rec["sha256"]:
         logger.warning("model folder file %s: its header fits the reference but its tensors' bytes differ: skipped",
                        path)
@@ -232,9 +239,9 @@ def _check(path: Path, rec: Mapping[str, Any], memo: Any) -> str | None:
 
 def _config_file(config: bytes, sha256: str) -> Path:
     """The recorded config text as a file in dduf_plus' cache (named by its sha256; written once)."""
-    cache = Confined(_cache.dduf_cache_dir())
+    cache = Confined(dduf_cache_dir())
     cache.mkdir(cache.path("model-dirs"))
     path = cache.path("model-dirs", f"{sha256}.json")
-    if path.is_symlink() or not path.is_file() or _cache.sha256_file(path) != sha256:
+    if path.is_symlink() or not path.is_file() or sha256_file(path) != sha256:
         cache.write_bytes(path, config)
     return path
