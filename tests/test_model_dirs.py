@@ -130,7 +130,7 @@ def test_refs_says_where_and_older_archives_resolve_as_before(setup: dict[str, A
     assert rows["scheduler"]["how"] == "recorded folder"
     assert main(["refs", str(setup["archive"]), "--model-dir", str(setup["models"])]) == 0
     out = capsys.readouterr().out
-    assert "model folder: model folder " in out and "clip_l.safetensors" in out
+    assert "-> model folder: " in out and "clip_l.safetensors" in out and "model folder: model folder" not in out
     # an archive written before the digest: model folders do not apply, and it says so
     old = {n: {k: v for k, v in r.items() if k != model_dirs.RECORD_KEY} for n, r in _refs(setup).items()}
     with pytest.raises(DDUFReferenceError, match="records no tensor digest"):

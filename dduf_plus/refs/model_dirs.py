@@ -210,8 +210,7 @@ def find_component(name: str, reference: Mapping[str, Any], dirs: Sequence[Path]
     for path in _walk(dirs):
         why = _check(path, rec)
         if why is None:
-            return Match({weights: path, "config.json": _config_file(config, config_sha)}, f"model folder {path}",
-                         rejected)
+            return Match({weights: path, "config.json": _config_file(config, config_sha)}, str(path), rejected)
         if why:
             rejected.append(Rejected(str(path), why))
     reasons = "; ".join(f"{r.path}: {r.why}" for r in rejected[:5]) + ("; ..." if len(rejected) > 5 else "")
