@@ -165,6 +165,22 @@ def test_complete_takes_a_byte_identical_file_from_a_model_folder(setup: dict[st
         assert json.loads(a.read_text("vae/config.json")) == json.loads((TINY_SD / "vae" / "config.json").read_text())
 
 
+def test_export_resolves_from_app_folders(setup: dict[str, Any], tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """A partial archive whose BASE copies are gone exports complete from the model folders."""
+    from dduf_plus.cli import main
+    from dduf_plus.packing.single_file import read_checkpoint_header
+
+    out = tmp_path / "out.safetensors"
+    assert main(["export", str(setup["archive"]), "-o", str(out)]) == 1  # not found without the folders
+    assert not out.exists()
+    assert main(["export", str(setup["archive"]), "-o", str(out), "--model-dir", str(setup["models"])]) == 0
+    text = capsys.readouterr().out
+    assert "vae: model folder: " in text and "sd15_vae.safetensors" in text
+    keys = read_checkpoint_header(out).tensors
+    assert any(k.startswith("first_stage_model.") for k in keys) and any(k.startswith("cond_stage_model.") for k in keys)
+
+
 def _refs(setup: dict[str, Any]) -> dict[str, Any]:
     with DDUFArchive(setup["archive"]) as a:
         return dict(a.references)

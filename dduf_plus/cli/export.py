@@ -20,6 +20,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--title", help="modelspec.title written in the file (default: the archive's name)")
     p.add_argument("--ref", action="append", metavar="[NAME=]SPEC",
                    help="take a referenced component from this source (Hub repo id[@revision], folder or .dduf)")
+    p.add_argument("--model-dir", action="append", metavar="FOLDER",
+                   help="an app's model folder to find referenced components in by their tensors (repeatable; "
+                        "also DDUF_PLUS_MODEL_DIRS)")
     p.add_argument("--local-files-only", action="store_true", help="never download a referenced component")
     p.add_argument("--token", help="Hugging Face token for downloads")
     p.add_argument("-q", "--quiet", action="store_true", help="no summary")
@@ -35,7 +38,8 @@ def run(args: argparse.Namespace) -> int:
         path_like_missing(spec, "--ref")
     output = output_file(args.output, args.force, "export.safetensors")
     result = export_single_file(args.archive, output, component=args.component, dtype=args.dtype, title=args.title,
-                                refs=refs or None, token=args.token, local_files_only=args.local_files_only)
+                                refs=refs or None, token=args.token, local_files_only=args.local_files_only,
+                                model_dirs=args.model_dir)
     if not args.quiet:
         for name, where in result.components.items():
             echo(f"{name}: {where}")

@@ -19,7 +19,7 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -118,10 +118,12 @@ def export_single_file(
     token: str | bool | None = None,
     local_files_only: bool = False,
     fsync: bool = True,
+    model_dirs: Sequence[str | os.PathLike] | None = None,
 ) -> ExportResult:
     """Write ``archive``'s pipeline (or its ``component``) as one ``.safetensors`` file in the family's original
     layout (module docstring). ``dtype`` casts floating tensors (``"fp16"``, ``"bf16"``...; default: kept).
-    ``refs`` overrides where references resolve (as ``load_dduf(refs=...)``).
+    ``refs`` overrides where references resolve, ``model_dirs`` adds app model folders to search (as
+    ``load_dduf(refs=..., model_dirs=...)``).
 
     Raises:
         DDUFPackError: a pipeline family or component dduf does not export, a tensor without a place in the
@@ -135,7 +137,7 @@ def export_single_file(
         ark = stack.enter_context(DDUFArchive(archive))
         model_index = ark.model_index
         parts, model_type = _parts(ark, model_index, component, refs=refs, token=token,
-                                   local_files_only=local_files_only)
+                                   local_files_only=local_files_only, model_dirs=model_dirs)
         plan = _plan(parts, target)
         arch = ARCHITECTURES[model_type] + (f"/{component}" if component else "")
         family = "flux" if model_type.startswith("flux") else "sgm"
@@ -158,7 +160,8 @@ def _target_dtype(dtype: str | None) -> str | None:
 
 
 def _parts(ark: DDUFArchive, model_index: Mapping[str, Any], component: str | None, *, refs: Mapping[str, str] | None,
-           token: str | bool | None, local_files_only: bool) -> tuple[list[_Part], str]:
+           token: str | bool | None, local_files_only: bool,
+           model_dirs: Sequence[str | os.PathLike] | None) -> tuple[list[_Part], str]:
     """Every component the file holds, each with its tensors' places and config (references resolved)."""
     references = ark.references
     configs: dict[str, dict[str, Any]] = {}
@@ -167,7 +170,8 @@ def _parts(ark: DDUFArchive, model_index: Mapping[str, Any], component: str | No
     def source(name: str) -> tuple[dict[str, _Tensor], str]:
         if name not in sources:
             sources[name] = _component_source(ark, name, references, refs=refs, token=token,
-                                              local_files_only=local_files_only, configs=configs)
+                                              local_files_only=local_files_only, configs=configs,
+                                              model_dirs=model_dirs)
         return sources[name]
 
     def config(name: str) -> dict[str, Any]:
@@ -197,8 +201,8 @@ def _parts(ark: DDUFArchive, model_index: Mapping[str, Any], component: str | No
 
 
 def _component_source(ark: DDUFArchive, name: str, references: Mapping[str, Any], *, refs: Mapping[str, str] | None,
-                      token: str | bool | None, local_files_only: bool,
-                      configs: dict[str, dict[str, Any]]) -> tuple[dict[str, _Tensor], str]:
+                      token: str | bool | None, local_files_only: bool, configs: dict[str, dict[str, Any]],
+                      model_dirs: Sequence[str | os.PathLike] | None = None) -> tuple[dict[str, _Tensor], str]:
     """The places of component ``name``'s tensors: in the archive, or where its reference resolves (verified)."""
     if name not in references and f"{name}/config.json" in ark:
         configs[name] = _config(ark.read_bytes(f"{name}/config.json"), name, "the archive")
@@ -213,7 +217,7 @@ def _component_source(ark: DDUFArchive, name: str, references: Mapping[str, Any]
     from ..refs.resolve import locate_component
 
     loc = locate_component(name, references[name], refs=refs, token=token, local_files_only=local_files_only,
-                           verify=True)
+                           verify=True, model_dirs=model_dirs)
     if loc.archive is not None and loc.member is not None:
         with DDUFArchive(loc.archive) as other:
             configs[name] = _config(other.read_bytes(f"{loc.member}/config.json"), name, str(loc.archive))
