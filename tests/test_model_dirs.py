@@ -165,6 +165,31 @@ def test_complete_takes_a_byte_identical_file_from_a_model_folder(setup: dict[st
         assert json.loads(a.read_text("vae/config.json")) == json.loads((TINY_SD / "vae" / "config.json").read_text())
 
 
+def test_an_ldm_vae_in_models_vae_is_found_renamed(setup: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """ComfyUI's VAEs are in the LDM layout (bare keys, 1x1 attention convolutions): found by the same tensors
+    under diffusers' names, renamed once into the cache (the data section as it is), remembered."""
+    from safetensors.torch import save_file
+    from single_file_ckpt import _config, _state, vae_to_ldm
+
+    from dduf_plus import load_dduf
+
+    (setup["models"] / "vae" / "sd15_vae.safetensors").unlink()
+    ldm = {k.removeprefix("first_stage_model."): v for k, v in vae_to_ldm(_state(TINY_SD, "vae"),
+                                                                          _config(TINY_SD, "vae")).items()}
+    assert "encoder.mid.attn_1.q.weight" in ldm and ldm["encoder.mid.attn_1.q.weight"].ndim == 4
+    save_file(ldm, setup["models"] / "vae" / "vae-ft-mse.safetensors")
+    hashed: list[Path] = []
+    real = model_dirs.tensors_digest
+    monkeypatch.setattr(model_dirs, "tensors_digest", lambda files: hashed.extend(p for p, _h in files) or real(files))
+    _same(load_dduf(setup["archive"], model_dirs=[setup["models"]]), setup["expected"])
+    assert "vae-ft-mse.safetensors" in [p.name for p in hashed]
+    hashed.clear()
+    _same(load_dduf(setup["archive"], model_dirs=[setup["models"]]), setup["expected"])
+    assert hashed == []
+    row = next(r for r in check_references(_refs(setup), model_dirs=[setup["models"]]) if r["component"] == "vae")
+    assert "vae-ft-mse.safetensors (ldm-vae layout" in row["found"]
+
+
 def test_export_resolves_from_app_folders(setup: dict[str, Any], tmp_path: Path,
                                          capsys: pytest.CaptureFixture[str]) -> None:
     """A partial archive whose BASE copies are gone exports complete from the model folders."""

@@ -7,7 +7,7 @@ in the layout an app's folder for it expects (a bare LDM VAE for ``models/vae``,
 ``models/diffusion_models``).
 
 A partial archive exports complete: each reference is resolved and verified by the reference resolver. The
-file is planned from headers alone (names, shapes, dtypes: :mod:`dduf_plus.packing.export_layout`), then each
+file is planned from headers alone (names, shapes, dtypes: :mod:`dduf_plus.format.original_layout`), then each
 output tensor is made from zero-copy views of the mapped sources one at a time (a fused q/k/v is the only copy)
 and written, pages dropped as it goes; the bytes are deterministic (tensors by element width then name, header
 keys sorted), the write atomic, and ModelSpec metadata names the architecture so apps identify the file."""
@@ -29,11 +29,11 @@ from ..errors import DDUFPackError, DDUFUsageError
 from ..format import spec
 from ..format.archive import DDUFArchive
 from ..format.json_budget import read_json
+from ..format.original_layout import Piece, original_pieces
 from ..format.safetensors_header import TensorInfo, parse_header, read_file_header
 from ..format.structure import component_specs
 from ..format.weights import select_weights, tensor_files
 from ..storage.urls import is_url
-from .export_layout import Piece, original_pieces
 from .mapped_views import Dropper, bytes_of, mapped, view
 from .single_file_layout import FAMILIES, Component
 

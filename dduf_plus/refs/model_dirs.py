@@ -23,14 +23,18 @@ Standard library only (no torch)."""
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import mmap
 import os
+import shutil
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from ..errors import DDUFError, DDUFFormatError
+from ..format import spec
+from ..format.original_layout import diffusers_vae_names
 from ..format.safetensors_header import SafetensorsHeader, TensorInfo, read_file_header
 from ..format.weights import classify
 from ..storage.confined import Confined
@@ -136,16 +140,17 @@ def tensor_record(folder: Path, files: Mapping[str, Any]) -> dict[str, Any]:
                          "bytes": sum(t.nbytes for t in header.tensors.values()), "config": text}}
 
 
-def _remembered_digest(path: Path, header: SafetensorsHeader) -> str:
+def _remembered_digest(path: Path, header: SafetensorsHeader, layout: str = "") -> str:
     """:func:`tensors_digest` of one file, from dduf_plus' hash memory when the file is unchanged since (a pack
     against the same BASE, a model folder searched again: nothing hashed)."""
     memo = verified_hashes()
-    known = memo.lookup(path, _MEMBER)
+    member = _MEMBER + (f"-{layout}" if layout else "")
+    known = memo.lookup(path, member)
     if known is None:
         before = stat_key(path)
         known = tensors_digest([(path, header)])
         if stat_key(path) == before:  # a file written while it was read is not remembered
-            memo.remember(path, known, _MEMBER, key=before)
+            memo.remember(path, known, member, key=before)
     return str(known)
 
 
@@ -209,31 +214,53 @@ def find_component(name: str, reference: Mapping[str, Any], dirs: Sequence[Path]
     rejected: list[Rejected] = []
     for path in _walk(dirs):
         why = _check(path, rec)
-        if why is None:
-            return Match({weights: path, "config.json": _config_file(config, config_sha)}, str(path), rejected)
+        if isinstance(why, tuple):
+            layout, named = why
+            used = path if not layout else _in_diffusers_names(path, named, rec["sha256"])
+            shown = str(path) if not layout else f"{path} ({layout} layout, renamed in {used})"
+            return Match({weights: used, "config.json": _config_file(config, config_sha)}, shown, rejected)
         if why:
             rejected.append(Rejected(str(path), why))
     reasons = "; ".join(f"{r.path}: {r.why}" for r in rejected[:5]) + ("; ..." if len(rejected) > 5 else "")
     return f"no file in {', '.join(map(str, dirs))} holds its tensors" + (f" (rejected: {reasons})" if reasons else "")
 
 
-def _check(path: Path, rec: Mapping[str, Any]) -> str | None:
-    """None when ``path`` holds the recorded tensors; "" when it is plainly another model (not said); else why
-    it was rejected."""
+def _check(path: Path, rec: Mapping[str, Any]) -> tuple[str, SafetensorsHeader] | str:
+    """(layout, the file's header in diffusers' naming) when ``path`` holds the recorded tensors; "" when it is
+    plainly another model (not said); else why it was rejected."""
     try:
         header = read_file_header(path, path.name, DDUFFormatError)
     except (OSError, DDUFError) as e:
         return f"not a readable safetensors file ({str(e).splitlines()[0][:120]})"
     if len(header.tensors) != rec["count"] or sum(t.nbytes for t in header.tensors.values()) != rec["bytes"]:
         return ""
-    if layout_digest(header.tensors.values()) != rec["layout"]:
-        return "same size, other tensor names, dtypes or shapes (another layout or model)"
-    known = _remembered_digest(path, header)
-    if known != rec["sha256"]:
-        logger.warning("model folder file %s: its header fits the reference but its tensors' bytes differ: skipped",
-                       path)
-        return "its header fits but its tensors' bytes differ (skipped)"
-    return None
+    for layout, named in _layouts(header):
+        if layout_digest(named.tensors.values()) != rec["layout"]:
+            continue
+        if _remembered_digest(path, named, layout) != rec["sha256"]:
+            logger.warning("model folder file %s: its header fits the reference but its tensors' bytes differ: "
+                           "skipped", path)
+            return "its header fits but its tensors' bytes differ (skipped)"
+        return layout, named
+    return "same size, other tensor names, dtypes or shapes (another layout or model)"
+
+
+_VAE_PREFIXES = ("first_stage_model.", "vae.")
+
+
+def _layouts(header: SafetensorsHeader) -> Iterator[tuple[str, SafetensorsHeader]]:
+    """The file's tensors named as diffusers names them, in each layout they may be in: as they are, then an
+    LDM VAE (bare, or all under ``first_stage_model.`` / ``vae.``), renamed by the names alone (the same bytes)."""
+    yield "", header
+    keys = header.tensors
+    prefix = next((p for p in _VAE_PREFIXES if all(k.startswith(p) for k in keys)), "")
+    names = diffusers_vae_names({k.removeprefix(prefix): t.shape for k, t in keys.items()})
+    if names is not None:
+        renamed = {}
+        for k, t in keys.items():
+            name, shape = names[k.removeprefix(prefix)]
+            renamed[name] = t._replace(name=name, shape=shape)
+        yield "ldm-vae", header._replace(tensors=renamed)
 
 
 def _config_file(config: bytes, sha256: str) -> Path:
@@ -244,3 +271,28 @@ def _config_file(config: bytes, sha256: str) -> Path:
     if path.is_symlink() or not path.is_file() or sha256_file(path) != sha256:
         cache.write_bytes(path, config)
     return path
+
+
+def _in_diffusers_names(path: Path, named: SafetensorsHeader, digest: str) -> Path:
+    """A file in another layout (an LDM VAE) with its tensors renamed as diffusers names them: the same data
+    section under a new header, written once into dduf_plus' cache (named by the tensors' digest, remembered),
+    then memory-mapped like any file."""
+    cache = Confined(dduf_cache_dir())
+    cache.mkdir(cache.path("model-dirs"))
+    out = cache.path("model-dirs", f"{digest}.safetensors")
+    if not out.is_symlink() and out.is_file() and verified_hashes().lookup(out, _MEMBER) == digest:
+        return out
+    records: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    for t in sorted(named.tensors.values(), key=lambda t: t.begin):
+        records[t.name] = {"dtype": spec.DTYPE_BY_TORCH[t.dtype].safetensors, "shape": list(t.shape),
+                           "data_offsets": [t.begin, t.end]}
+    raw = json.dumps(records, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "rb") as src, cache.atomic(out) as f:
+        f.file.write(len(raw).to_bytes(8, "little") + raw)
+        src.seek(named.data_start)
+        shutil.copyfileobj(src, f.file, 16 << 20)
+    header = read_file_header(out, out.name, DDUFFormatError)
+    if _remembered_digest(out, header) != digest:  # the file changed while it was copied
+        raise DDUFFormatError(f"{path}: changed while its renamed copy was written")
+    return out

@@ -7,7 +7,9 @@ These are the reverses of diffusers' ``loaders/single_file_utils.py`` converters
 written from diffusers' key maps as facts. They work on names and shapes only (no torch): a :class:`Piece` says
 how one original tensor is made from the component's diffusers tensors (as it is, concatenated, halves swapped,
 transposed, or a 1x1 convolution), so the writer can make the bytes of one tensor at a time, and
-tests/test_export.py checks that diffusers' own converters map every piece back exactly."""
+tests/test_export.py checks that diffusers' own converters map every piece back exactly. One forward map is here
+too, for the model-folder search (:mod:`dduf_plus.refs.model_dirs`): an LDM VAE file's names in diffusers'
+naming (:func:`diffusers_vae_names`), checked against the reverse. Torch-free."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from typing import Any, NamedTuple
 
 from ..errors import DDUFPackError
 
-__all__ = ["KINDS", "Piece", "original_pieces"]
+__all__ = ["KINDS", "Piece", "diffusers_vae_names", "original_pieces"]
 
 
 class Piece(NamedTuple):
@@ -122,6 +124,47 @@ def _vae(shapes: Mapping[str, tuple[int, ...]], config: Mapping[str, Any]) -> li
         op = "conv1x1" if ".mid.attn_1." in name and name.endswith(".weight") and len(shape) == 2 else "copy"
         out.append(_piece(name, op, (key,), shapes))
     return out
+
+
+_UNSHORT = {"nin_shortcut": "conv_shortcut"}
+_VAE_ATTN_BACK = {v: k for k, v in _VAE_ATTN.items()}
+
+
+def _vae_forward(n_up: int) -> list[tuple[str, Callable[..., str]]]:
+    return [
+        (r"encoder\.down\.(\d+)\.block\.(\d+)\.(.*)",
+         lambda i, j, r: f"encoder.down_blocks.{i}.resnets.{j}.{_resnet(r, _UNSHORT)}"),
+        (r"encoder\.down\.(\d+)\.downsample\.conv\.(.*)", lambda i, r: f"encoder.down_blocks.{i}.downsamplers.0.conv.{r}"),
+        (r"decoder\.up\.(\d+)\.block\.(\d+)\.(.*)",
+         lambda i, j, r: f"decoder.up_blocks.{n_up - 1 - i}.resnets.{j}.{_resnet(r, _UNSHORT)}"),
+        (r"decoder\.up\.(\d+)\.upsample\.conv\.(.*)", lambda i, r: f"decoder.up_blocks.{n_up - 1 - i}.upsamplers.0.conv.{r}"),
+        (r"(encoder|decoder)\.mid\.block_(\d+)\.(.*)",
+         lambda x, k, r: f"{x}.mid_block.resnets.{k - 1}.{_resnet(r, _UNSHORT)}"),
+        (r"(encoder|decoder)\.mid\.attn_1\.(norm|q|k|v|proj_out)\.(.*)",
+         lambda x, p, r: f"{x}.mid_block.attentions.0.{_VAE_ATTN_BACK[p]}.{r}"),
+        (r"(encoder|decoder)\.norm_out\.(.*)", lambda x, r: f"{x}.conv_norm_out.{r}"),
+    ]
+
+
+def diffusers_vae_names(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[str, tuple[int, ...]]] | None:
+    """{LDM name: (diffusers name, shape)} for the tensors of a bare LDM VAE (ComfyUI's ``models/vae``), or None
+    when they are not one: the result must map back to exactly ``shapes`` through the reverse (:func:`_vae`)."""
+    ups = {int(m[1]) for k in shapes if (m := re.match(r"decoder\.up\.(\d+)\.", k))}
+    if not ups or not any(k.startswith("encoder.down.") for k in shapes):
+        return None
+    n_up = max(ups) + 1
+    rules = _vae_forward(n_up)
+    out: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for key, shape in shapes.items():
+        name = _match(rules, key) or key
+        if ".mid_block.attentions.0." in name and name.endswith(".weight") and len(shape) == 4 and shape[2:] == (1, 1):
+            shape = shape[:2]  # LDM's 1x1 attention convolutions are linear in diffusers (the same bytes)
+        out[key] = (name, tuple(shape))
+    try:
+        back = _vae({n: s for n, s in out.values()}, {"up_block_types": [None] * n_up})
+    except (KeyError, IndexError):  # pragma: no cover - the rules above only make names _vae knows
+        return None
+    return out if {p.name: p.shape for p in back} == {k: tuple(s) for k, s in shapes.items()} else None
 
 
 # --- text encoders ---------------------------------------------------------------------------------------------
