@@ -190,6 +190,28 @@ def test_an_ldm_vae_in_models_vae_is_found_renamed(setup: dict[str, Any], monkey
     assert "vae-ft-mse.safetensors (ldm-vae layout" in row["found"]
 
 
+def test_a_clip_under_text_model_is_found_renamed(setup: dict[str, Any]) -> None:
+    """ComfyUI's clip_l file keeps transformers' ``text_model.`` prefix, which the installed transformers saves
+    without (or the other way round): found by the same tensors under the archive's names."""
+    from safetensors.torch import load_file, save_file
+
+    from dduf_plus import load_dduf
+
+    clip = setup["models"] / "text_encoders" / "clip_l.safetensors"
+    state = load_file(clip)
+    flat = not any(k.startswith("text_model.") for k in state)
+    clip.unlink()
+    save_file({("text_model." + k if flat else k.removeprefix("text_model.")): v for k, v in state.items()},
+              setup["models"] / "text_encoders" / "clip_l_comfy.safetensors")
+    row = next(r for r in check_references(_refs(setup), model_dirs=[setup["models"]])
+               if r["component"] == "text_encoder")
+    if not flat:  # the installed transformers keeps the prefix: a flat file is another layout, not matched
+        assert row["status"] == "unresolved"
+        return
+    assert row["status"] == "ok" and "clip_l_comfy.safetensors (text_model layout" in row["found"]
+    _same(load_dduf(setup["archive"], model_dirs=[setup["models"]]), setup["expected"])
+
+
 def test_export_resolves_from_app_folders(setup: dict[str, Any], tmp_path: Path,
                                          capsys: pytest.CaptureFixture[str]) -> None:
     """A partial archive whose BASE copies are gone exports complete from the model folders."""

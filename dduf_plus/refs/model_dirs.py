@@ -249,8 +249,9 @@ _VAE_PREFIXES = ("first_stage_model.", "vae.")
 
 
 def _layouts(header: SafetensorsHeader) -> Iterator[tuple[str, SafetensorsHeader]]:
-    """The file's tensors named as diffusers names them, in each layout they may be in: as they are, then an
-    LDM VAE (bare, or all under ``first_stage_model.`` / ``vae.``), renamed by the names alone (the same bytes)."""
+    """The file's tensors named as diffusers names them, in each layout they may be in: as they are, an LDM VAE
+    (bare, or all under ``first_stage_model.`` / ``vae.``), a CLIP under ``text_model.``; renamed by the names
+    alone (the same bytes)."""
     yield "", header
     keys = header.tensors
     prefix = next((p for p in _VAE_PREFIXES if all(k.startswith(p) for k in keys)), "")
@@ -261,6 +262,12 @@ def _layouts(header: SafetensorsHeader) -> Iterator[tuple[str, SafetensorsHeader
             name, shape = names[k.removeprefix(prefix)]
             renamed[name] = t._replace(name=name, shape=shape)
         yield "ldm-vae", header._replace(tensors=renamed)
+    # transformers' CLIP as released (and in ComfyUI's clip_l / clip_g files): under ``text_model.``, which
+    # transformers >= 5.6 saves without
+    text = [k for k in keys if k != "text_projection.weight"]
+    if text and all(k.startswith("text_model.") for k in text):
+        flat = {k.removeprefix("text_model."): t._replace(name=k.removeprefix("text_model.")) for k, t in keys.items()}
+        yield "text_model", header._replace(tensors=flat)
 
 
 def _config_file(config: bytes, sha256: str) -> Path:
