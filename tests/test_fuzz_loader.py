@@ -393,10 +393,10 @@ def test_single_file_inputs_are_a_function_of_seed_and_number(single_file_fuzz) 
 def test_single_file_fuzz_catches_an_unbounded_conversion(single_file_fuzz, monkeypatch: pytest.MonkeyPatch) -> None:
     """The engine finds the issue's bug class: with the header check disabled, a declared-empty tensor that a
     converter sizes by (an identity from a position grid, as diffusers' SD3 CLIP-L projection) is a finding."""
-    from dduf_plus.packing import single_file
+    from dduf_plus.packing import single_file, single_file_convert
 
     work, bases = single_file_fuzz
-    real = single_file._convert
+    real = single_file_convert.convert_component
 
     def unbounded(kind: str, prefix: str, views: dict, config: Any, base_keys: set) -> dict:
         out = real(kind, prefix, views, config, base_keys)
@@ -405,7 +405,7 @@ def test_single_file_fuzz_catches_an_unbounded_conversion(single_file_fuzz, monk
             raise MemoryError(f"eye({grid.shape[-1]})")
         return out
 
-    monkeypatch.setattr(single_file, "_convert", unbounded)
+    monkeypatch.setattr(single_file_convert, "convert_component", unbounded)
     monkeypatch.setattr(single_file, "check_declared", lambda *a, **k: 0)
     state = {k: list(v) for k, v in bases[0].tensors.items()}
     key = "cond_stage_model.transformer.text_model.embeddings.position_embedding.weight"

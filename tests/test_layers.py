@@ -115,10 +115,9 @@ def test_imports_point_down() -> None:
     assert not upward, "imports that point up a floor:\n" + "\n".join(upward)
 
 
-# The one circle left while packing/single_file.py is split (issue 30 removes it; then delete this allowance).
-ALLOWED_CYCLES = {frozenset({"dduf_plus.packing.pack", "dduf_plus.packing.single_file"})}
-# single_file.py's private imports, for the same reason (issue 30's split names them publicly).
-ALLOWED_PRIVATE = {"dduf_plus.packing.single_file"}
+# No circle and no private import is allowed; these stay empty (the planted examples below use them).
+ALLOWED_CYCLES: set[frozenset[str]] = set()
+ALLOWED_PRIVATE: set[str] = set()
 
 
 def import_graph(modules: list[tuple[Path, str]], *, lazy: bool = True) -> dict[str, set[str]]:

@@ -21,8 +21,8 @@ from dduf_plus import load_dduf, validate
 from dduf_plus.cli import main
 from dduf_plus.errors import DDUFLoadError, DDUFPackError, DDUFValidationError
 from dduf_plus.format.archive import DDUFArchive
-from dduf_plus.packing.save import save_dduf
 from dduf_plus.packing.pack import pack
+from dduf_plus.packing.save import save_dduf
 
 diffusers = pytest.importorskip("diffusers")
 transformers = pytest.importorskip("transformers")

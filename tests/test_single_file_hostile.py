@@ -34,7 +34,7 @@ from single_file_ckpt import (
 from conftest import PIPELINES
 from dduf_plus.cli import main
 from dduf_plus.errors import DDUFPackError
-from dduf_plus.packing import single_file
+from dduf_plus.packing import single_file_convert
 from dduf_plus.packing.single_file import describe_checkpoint, pack_single_file, plan_single_file
 
 TINY_SD = PIPELINES / "tiny-sd"
@@ -60,13 +60,13 @@ def _position_file(path: Path, base: Path, n: int) -> Path:
 def _no_tensor_viewed(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Record every tensor of the file the pack views (the real conversion's first step)."""
     seen: list[str] = []
-    real = single_file._view
+    real = single_file_convert.view
 
     def view(mm: Any, start: int, info: Any) -> Any:
         seen.append(info.name)
         return real(mm, start, info)
 
-    monkeypatch.setattr(single_file, "_view", view)
+    monkeypatch.setattr(single_file_convert, "view", view)
     return seen
 
 

@@ -28,6 +28,7 @@ COMMANDS = {
     "validate": ("validate", "validate archives (local paths or URLs) against every DDUF rule"),
     "refs": ("refs", "list an archive's external references and where each resolves"),
     "complete": ("complete", "pull referenced components into a self-contained archive"),
+    "export": ("export", "write an archive as the single .safetensors file apps load"),
     "compress": ("compress", "zstd-compress an archive for transport"),
     "decompress": ("decompress", "decompress a .dduf.zst archive"),
     "serve": ("serve", "serve validation over HTTP (API, page, Hub webhook; extra 'serve')"),

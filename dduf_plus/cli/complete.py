@@ -16,6 +16,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--ref", action="append", metavar="[NAME=]SPEC",
                    help="take a referenced component from this source (Hub repo id[@revision], folder or .dduf)")
     p.add_argument("--cache-dir", help="Hugging Face cache to search first (and download into)")
+    p.add_argument("--model-dir", action="append", metavar="FOLDER",
+                   help="an app's model folder to find referenced components in by their tensors (repeatable; "
+                        "also DDUF_PLUS_MODEL_DIRS)")
     p.add_argument("--local-files-only", action="store_true", help="never download")
     p.add_argument("--token", help="Hugging Face token for downloads")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
@@ -31,7 +34,8 @@ def run(args: argparse.Namespace) -> int:
         path_like_missing(spec, "--ref")
     output = output_file(args.output, args.force, os.path.basename(args.partial))
     result = complete_archive(args.partial, output, refs=refs, local_files_only=args.local_files_only,
-                              token=args.token, cache_dir=args.cache_dir, quiet=args.quiet)
+                              token=args.token, cache_dir=args.cache_dir, quiet=args.quiet,
+                              model_dirs=args.model_dir)
     if not args.quiet:
         echo(f"wrote {result.path}: {plural(result.entries, 'entry', 'entries')}, {human_bytes(result.bytes_written)} "
              f"in {result.seconds:.2f} s")

@@ -25,6 +25,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--ref", action="append", metavar="[NAME=]SPEC",
                    help="check this source instead of the recorded one (as load_dduf(refs=...))")
     p.add_argument("--cache-dir", help="Hugging Face cache to search first")
+    p.add_argument("--model-dir", action="append", metavar="FOLDER",
+                   help="an app's model folder to find referenced components in by their tensors (repeatable; "
+                        "also DDUF_PLUS_MODEL_DIRS)")
     p.add_argument("--max-decompressed", type=budget_arg, default=None, metavar="SIZE",
                    help="how far a .dduf.zst may expand (as dduf validate --max-decompressed)")
     p.set_defaults(func=run)
@@ -41,7 +44,8 @@ def run(args: argparse.Namespace) -> int:
     with plain_archive(args.archive, args.max_decompressed) as (plain, _), DDUFArchive(plain) as archive:
         references = archive.references
         check_ref_names(refs, archive.components, references, what="--ref", where=str(args.archive))
-    rows = check_references(references, refs=refs, cache_dir=args.cache_dir, verify=args.verify)
+    rows = check_references(references, refs=refs, cache_dir=args.cache_dir, verify=args.verify,
+                            model_dirs=args.model_dir)
     bad = [r for r in rows if r["status"] in ("unresolved", "differs")]
     if args.json:
         print_json({"archive": str(args.archive), "references": rows})
@@ -55,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
         if r["status"] == "ok":
             state = "verified" if r["verified"] else "sizes match, not hashed yet (--verify)"
             member = f" component {r['member']}" if r.get("member") and r["member"] != r["component"] else ""
-            echo(f"      -> {r['how']}: {r['resolves_to']}{member}  [{state}]")
+            where = r["found"] if r["how"] == "model folder" else r["resolves_to"]
+            echo(f"      -> {r['how']}: {where}{member}  [{state}]")
         elif r["status"] == "download":
             echo("      -> not on this machine: only its entries will be fetched from the hosted archive when loaded"
                  if r.get("source_kind") == "url" else "      -> not on this machine: will be downloaded from the Hub when loaded")

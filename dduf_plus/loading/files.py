@@ -548,6 +548,7 @@ def resolve_component(
     revision: str | None = None,
     cache_dir: str | os.PathLike | None = None,
     verify: bool = True,
+    model_dirs: Any = None,
 ) -> Any:
     """The referenced component's files as a ``ComponentFiles`` (see :mod:`dduf_plus.loading.files`):
     ``FolderComponentFiles`` over a folder holding exactly the verified files, or
@@ -559,7 +560,7 @@ def resolve_component(
     from ..refs.resolve import locate_component
 
     located = locate_component(name, reference, refs=refs, local_files_only=local_files_only, token=token,
-                               revision=revision, cache_dir=cache_dir, verify=verify)
+                               revision=revision, cache_dir=cache_dir, verify=verify, model_dirs=model_dirs)
     if located.archive is not None and located.member is not None:
         return ArchiveComponentFiles(DDUFArchive(located.archive), located.member)
     if located.folder is None:  # pragma: no cover - a Located is a folder or an archive member

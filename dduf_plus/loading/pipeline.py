@@ -67,6 +67,7 @@ def load_dduf(
     allow_missing_weights: bool = False,
     max_decompressed: Any = None,
     remote: Any = None,
+    model_dirs: Any = None,
     adapters: Any = None,
     adapter_weights: Mapping[str, float] | None = None,
     fuse_lora: bool = False,
@@ -99,6 +100,9 @@ def load_dduf(
             archive's small entries. ``revision`` is the Hub revision of the archive's repo when ``path`` is
             a repo id, and the revision of references that record none (references written by ``dduf pack``
             pin the commit they were checked against, which wins).
+        model_dirs: app model folders (ComfyUI's ``models/vae``...; also ``DDUF_PLUS_MODEL_DIRS``) where a
+            referenced component is found by its tensors' digest, after local copies and before any download
+            (:mod:`dduf_plus.refs.model_dirs`).
         use_mmap: False reads each tensor into its own buffer with ``os.preadv`` (network file systems).
         prefetch: read the weights in on a background thread while the modules are being built.
         max_decompressed: the decompression budget for a ``.dduf.zst`` (``"64G"``, ``"32x"``, ``"64G,32x"``,
@@ -135,7 +139,8 @@ def load_dduf(
     prefetcher = Prefetcher(mapped) if prefetch and use_mmap and fetch is None and mapped is not None else None
     ctx = _Context(archive, path_str, request, device_for, variant, prefetcher,
                    resolve_options={"refs": refs, "local_files_only": local_files_only, "token": token,
-                                    "revision": revision, "cache_dir": cache_dir, "verify": verify},
+                                    "revision": revision, "cache_dir": cache_dir, "verify": verify,
+                                    "model_dirs": model_dirs},
                    use_mmap=use_mmap, verify=verify, allow_missing_weights=allow_missing_weights,
                    before_build=functools.partial(gate, fetch) if fetch is not None else None,
                    build_order=fetch.prioritize if fetch is not None else None)
@@ -144,10 +149,7 @@ def load_dduf(
         apply_adapters(pipe, archive, adapters=adapters, adapter_weights=adapter_weights, fuse_lora=fuse_lora)
         if fetch is not None:
             fetch.finish()  # the rest of the archive, then the cache file is marked complete
-        if prefetcher is not None:
-            # Not waiting for it: the read-ahead goes on while the caller starts using the pipeline. (Waiting
-            # until everything is resident measured slower here: proactive reclaim (DAMON pageout) drops
-            # populated pages that nobody has touched yet.)
+        if prefetcher is not None:  # not waited for: waiting measured slower (reclaim drops untouched pages)
             prefetcher.finish()
     except BaseException:
         if fetch is not None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +67,7 @@ def complete_archive(
     token: str | bool | None = None,
     cache_dir: str | os.PathLike | None = None,
     quiet: bool = False,
+    model_dirs: Sequence[str | os.PathLike] | None = None,
 ) -> PackResult:
     """Write ``output``: ``partial`` with every referenced component pulled in, verified by sha256.
 
@@ -88,7 +89,7 @@ def complete_archive(
         references = archive.references
         check_ref_names(refs, archive.components, references, what="--ref", where=str(partial))  # typos: never ignored
         located = _locate_references(references, refs=refs, local_files_only=local_files_only, token=token,
-                                     cache_dir=cache_dir)
+                                     cache_dir=cache_dir, model_dirs=model_dirs)
         model_index, model_index_bytes = full_model_index(archive.model_index, archive.read_bytes(spec.MODEL_INDEX))
         sources = _stored_sources(archive, references)
         others: list[DDUFArchive] = []  # archives the references resolve into, open while writing
@@ -107,7 +108,8 @@ def complete_archive(
 
 def _locate_references(references: Mapping[str, Any], *, refs: Mapping[str, SpecLike] | None,
                        local_files_only: bool, token: str | bool | None,
-                       cache_dir: str | os.PathLike | None) -> dict[str, Located]:
+                       cache_dir: str | os.PathLike | None,
+                       model_dirs: Sequence[str | os.PathLike] | None = None) -> dict[str, Located]:
     """Every reference resolved and verified against its recorded files, in name order."""
     located: dict[str, Located] = {}
     for name in sorted(references):
@@ -116,7 +118,7 @@ def _locate_references(references: Mapping[str, Any], *, refs: Mapping[str, Spec
             raise DDUFReferenceError(f"component {name!r}: the reference records no files, so there is nothing to "
                                      "verify a copy against; complete it by packing the full pipeline instead")
         located[name] = locate_component(name, ref, refs=refs, local_files_only=local_files_only, token=token,
-                                         cache_dir=cache_dir, verify=True)
+                                         cache_dir=cache_dir, verify=True, model_dirs=model_dirs)
     return located
 
 

@@ -190,7 +190,7 @@ def describe_lora_file(path: Path, base: str | None = None, *, token: str | bool
     targets = {t: {"modules": len(ms), "ranks": sorted({m.rank for m in ms if m.rank})}
                for t, ms in sorted(lora.targets().items())}
     if base:
-        from .single_file import open_base
+        from .single_file_base import open_base
 
         the_base = open_base(os.fspath(base), token, local_files_only)
         try:
@@ -305,7 +305,7 @@ def pack_lora(
         DDUFPackError: no BASE, an adapter that is not a sane LoRA or does not fit BASE; nothing is written.
     """
     from .partial import make_references, model_index_with
-    from .single_file import open_base
+    from .single_file_base import open_base
 
     started = time.perf_counter()
     items = [parse_lora_arg(x) for x in loras]

@@ -50,6 +50,7 @@ from ..format.pack import (
 from ..format.references import is_local_path
 from ..format.structure import component_specs, model_index_object
 from ..format.weights import classify
+from ..refs.model_dirs import tensor_record
 from ..refs.resolve import Spec, component_folder, parse_ref_args, parse_spec
 from ..sizes import format_size
 from .identity import ComponentBytes, ComponentCopy
@@ -190,6 +191,8 @@ def reference_record(name: str, type_hint: tuple[str | None, str | None], src: S
     sub = (src.subfolder if src else None) or name
     has_variant = variant is not None and any((w := classify(f)) and w.variant == variant for f in files)
     location = None if src is None else src.location
+    folder = Path(src.location) / (src.subfolder or name) if src is not None and src.kind == "folder" else None
+    found_by = tensor_record(folder, files) if folder is not None else {}  # app model folders find it by this
     snap = hf_snapshot(src.location) if src is not None and src.kind == "folder" else None
     if snap is not None and src is not None:  # a folder in the HF cache is its repo at its commit: it travels
         location, revision = snap.repo, snap.revision
@@ -203,6 +206,7 @@ def reference_record(name: str, type_hint: tuple[str | None, str | None], src: S
         "variant": variant if has_variant else None,
         "type_hint": [library, cls],
         "files": files,
+        **found_by,
     }
 
 

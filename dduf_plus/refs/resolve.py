@@ -20,7 +20,7 @@ import json
 import logging
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -353,9 +353,26 @@ def _download_candidate(spec: Spec, name: str, recorded: Mapping[str, Mapping[st
     return _Candidate("hub download", f"{spec.location}" + (f"@{rev}" if rev else "") + f":{sub}", get)
 
 
+def _model_dirs_candidate(name: str, reference: Mapping[str, Any],
+                          given: Sequence[str | os.PathLike] | None) -> list[_Candidate]:
+    """The reference found by its tensors in app model folders (:mod:`dduf_plus.refs.model_dirs`)."""
+    from . import model_dirs
+
+    dirs = model_dirs.search_dirs(given)
+
+    def get() -> tuple[str, Any]:
+        found = model_dirs.find_component(name, reference, dirs)
+        if isinstance(found, str):
+            raise _Skip(found)
+        return "verified files", found
+
+    return [_Candidate("model folder", os.pathsep.join(map(str, dirs)), get)] if dirs else []
+
+
 def _candidates(name: str, reference: Mapping[str, Any], recorded: Mapping[str, Mapping[str, Any]], *,
                 override: SpecLike | None, revision: str | None, local_files_only: bool,
-                token: str | bool | None, cache_dir: str | os.PathLike | None, download: bool) -> list[_Candidate]:
+                token: str | bool | None, cache_dir: str | os.PathLike | None, download: bool,
+                model_dirs: Sequence[str | os.PathLike] | None = None) -> list[_Candidate]:
     def for_spec(spec: Spec, how: str) -> list[_Candidate]:
         if spec.kind == "folder":
             return [_folder_candidate(how, spec, name)]
@@ -388,6 +405,7 @@ def _candidates(name: str, reference: Mapping[str, Any], recorded: Mapping[str, 
     if hub is not None:
         out.append(_hf_cache_candidate(hub, name, revision, cache_dir))
     out.append(_content_candidate(recorded, cache_dir))
+    out += _model_dirs_candidate(name, reference, model_dirs)  # app folders: after local copies, before downloads
     if hub is not None and download:
         out.append(_download_candidate(hub, name, recorded, revision=revision, local_files_only=local_files_only,
                                        token=token, cache_dir=cache_dir))
@@ -455,6 +473,7 @@ def locate_component(
     verify: bool = True,
     hash_files: bool = True,
     download: bool = True,
+    model_dirs: Sequence[str | os.PathLike] | None = None,
 ) -> Located:
     """Find ``name``'s files as recorded in ``reference`` (see the module docstring for the order).
 
@@ -485,7 +504,8 @@ def locate_component(
             f"load_dduf(..., {name}=...), or give refs={{{name!r}: SPEC}} (CLI: --ref {name}=SPEC)")
     attempts: list[_Attempt] = []
     candidates = _candidates(name, reference, recorded, override=override, revision=revision,
-                             local_files_only=local_files_only, token=token, cache_dir=cache_dir, download=download)
+                             local_files_only=local_files_only, token=token, cache_dir=cache_dir, download=download,
+                             model_dirs=model_dirs)
     for cand in candidates:
         try:
             kind, value = cand.get()
@@ -505,6 +525,10 @@ def locate_component(
 
 def _try(name: str, cand: _Candidate, kind: str, value: Any, recorded: Mapping[str, Mapping[str, Any]],
          opts: _Options, attempts: list[_Attempt]) -> Located | None:
+    if kind == "verified files":  # verified tensor by tensor (refs/model_dirs.py), not by the files' sha256
+        for r in value.rejected:
+            logger.info("component %r: model folder candidate %s rejected: %s", name, r.path, r.why)
+        return Located(name, cand.how, value.source, view_folder(name, value.files), None, None, value.files, True)
     if kind == "dduf":
         from ..format.archive import DDUFArchive
 
@@ -561,6 +585,7 @@ def check_references(
     cache_dir: str | os.PathLike | None = None,
     verify: bool = False,
     local_files_only: bool = False,
+    model_dirs: Sequence[str | os.PathLike] | None = None,
 ) -> list[dict[str, Any]]:
     """Where each reference resolves on this machine, without downloading (``dduf refs``).
 
@@ -577,7 +602,7 @@ def check_references(
         }
         try:
             loc = locate_component(name, reference, refs=refs, cache_dir=cache_dir, verify=True, hash_files=verify,
-                                   download=False)
+                                   download=False, model_dirs=model_dirs)
         except DDUFReferenceError as e:
             spec = reference_spec(reference) if isinstance(reference, Mapping) else None
             online = spec is not None and spec.kind in ("hub", "url") and not (local_files_only or is_offline())
@@ -595,7 +620,7 @@ def check_references(
         else:
             where = loc.archive if loc.archive is not None else loc.folder
             row.update(status="ok", how=loc.how, resolves_to=str(where), verified=loc.verified,
-                       member=loc.member, reason=None)
+                       member=loc.member, reason=None, found=loc.source)
         row["source_kind"] = spec_kind(reference)  # "hub", "url", "folder", "dduf" or None (no source)
         out.append(row)
     return out

@@ -95,7 +95,6 @@ def split_revision(source: str) -> tuple[str, str | None]:
     return (repo, rev) if sep and rev else (source, None)
 
 
-_env_offline = is_offline  # packing/single_file.py's name for it, until issue 30 splits that file
 
 
 def _offline(local_files_only: bool) -> bool:

@@ -1,0 +1,161 @@
+"""A partial archive's references resolved from app model folders vs from the Hugging Face cache.
+
+    python bench/bench_model_dirs.py [--shape sd15|sdxl] [--repeat 3]
+
+The SD-1.5-shaped (or SDXL-shaped) fp16 pipeline is put in a Hugging Face cache layout and packed as a partial
+archive (the UNet stored; the VAE, text encoder(s), tokenizer(s) and scheduler referenced, with their tensors'
+digest). Then ``load_dduf`` is timed, each load in a fresh process (imports before the clock), with a fresh
+dduf_plus cache per repetition (its first load hashes the referenced weights, the second hashes nothing):
+
+* ``hf_cache``: every reference resolves from the Hugging Face cache (files' sha256);
+* ``model_dirs``: the VAE and text encoders are not in the cache but in a ComfyUI-shaped ``models/`` folder (the
+  VAE as the base has it, the text encoders re-saved: other order and metadata, so no file hash matches), found
+  by their tensors' digest.
+
+The page cache is warm (the same bytes are read before timing). Writes bench/results/model_dirs[_sdxl].json
+with its provenance."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import RESULTS, ROOT, WORK, median, pipeline_folder  # noqa: E402
+from bench_trainer_partial import provenance  # noqa: E402
+
+sys.path.insert(0, str(ROOT))
+
+COMMIT = "0" * 39 + "1"
+MOVED = {"sd15": ("vae", "text_encoder"), "sdxl": ("vae", "text_encoder", "text_encoder_2")}
+LOAD = """
+import os, sys, time, json
+import torch
+torch.set_num_threads(1)
+import diffusers, transformers
+from dduf_plus import load_dduf
+from dduf_plus.format.archive import DDUFArchive
+from dduf_plus.refs.resolve import locate_component
+dirs = json.loads(sys.argv[2])
+t = time.perf_counter()
+with DDUFArchive(sys.argv[1]) as a:
+    refs = a.references
+for name, ref in refs.items():
+    locate_component(name, ref, model_dirs=dirs or None)
+resolved = time.perf_counter() - t
+pipe = load_dduf(sys.argv[1], model_dirs=dirs or None)
+print(json.dumps({"seconds": time.perf_counter() - t, "resolve": resolved}))
+"""
+
+
+def _link_tree(src: Path, dst: Path, skip: tuple[str, ...] = ()) -> None:
+    """A hard-linked copy of ``src`` (no bytes copied), leaving out the top-level folders in ``skip``."""
+    for path in sorted(src.rglob("*")):
+        rel = path.relative_to(src)
+        if rel.parts[0] in skip or rel.name.startswith("."):
+            continue
+        target = dst / rel
+        if path.is_dir():
+            target.mkdir(parents=True, exist_ok=True)
+        else:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.link(path, target)
+
+
+def _snapshot(cache: Path, src: Path, skip: tuple[str, ...] = ()) -> Path:
+    repo = cache / "models--bench--pipeline"
+    snap = repo / "snapshots" / COMMIT
+    _link_tree(src, snap, skip)
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / "main").write_text(COMMIT)
+    return snap
+
+
+def _resave(src: Path, dst: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(src)
+    save_file(dict(reversed(list(state.items()))), dst, metadata={"saved_by": "an app"})
+
+
+def _load(archive: Path, env: dict[str, str], dirs: list[str]) -> tuple[float, float]:
+    """(seconds to resolve every reference, seconds to resolve and load) in a fresh process."""
+    out = subprocess.run([sys.executable, "-c", LOAD, str(archive), json.dumps(dirs)], env=env, check=True,
+                         capture_output=True, text=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    return float(got["resolve"]), float(got["seconds"])
+
+
+def _warm(paths: list[Path]) -> None:
+    for p in paths:
+        for f in ([p] if p.is_file() else sorted(p.rglob("*.safetensors"))):
+            with open(f, "rb") as fh:
+                while fh.read(64 << 20):
+                    pass
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="sd15", choices=("sd15", "sdxl"))
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+    from dduf_plus.packing.pack import pack
+
+    src = pipeline_folder(args.shape)
+    moved = MOVED[args.shape]
+    work = Path(tempfile.mkdtemp(prefix="model-dirs-", dir=WORK))
+    try:
+        full = _snapshot(work / "hf", src)
+        _snapshot(work / "hf-without", src, skip=moved)
+        archive = work / "partial.dduf"
+        names = json.loads((src / "model_index.json").read_text())
+        referenced = [n for n, v in names.items() if isinstance(v, list) and n != "unet" and v[0] is not None]
+        pack(full, archive, exclude=referenced, refs={"*": str(full)}, quiet=True, fsync=False)
+        models = work / "models"
+        (models / "vae").mkdir(parents=True)
+        (models / "text_encoders").mkdir()
+        os.link(src / "vae" / "diffusion_pytorch_model.safetensors", models / "vae" / "vae.safetensors")
+        for n in moved[1:]:
+            _resave(src / n / "model.safetensors", models / "text_encoders" / f"{n}.safetensors")
+        _warm([src, models, archive])
+        rows: dict[str, dict[str, list[float]]] = {c: {"first": [], "second": [], "resolve_first": [],
+                                                       "resolve_second": []} for c in ("hf_cache", "model_dirs")}
+        for i in range(args.repeat):
+            for case, hf, dirs in (("hf_cache", work / "hf", []), ("model_dirs", work / "hf-without", [str(models)])):
+                env = {**os.environ, "HF_HUB_CACHE": str(hf), "HF_HUB_OFFLINE": "1",
+                       "DDUF_PLUS_CACHE": str(work / f"cache-{case}-{i}"), "OMP_NUM_THREADS": "1"}
+                env.pop("DDUF_PLUS_MODEL_DIRS", None)
+                for which in ("first", "second"):
+                    resolve, total = _load(archive, env, dirs)
+                    rows[case][which].append(total)
+                    rows[case][f"resolve_{which}"].append(resolve)
+        referenced_bytes = sum(f.stat().st_size for n in moved for f in (src / n).glob("*.safetensors"))
+        result = {
+            "provenance": provenance(sys.argv),
+            "shape": args.shape, "repeat": args.repeat, "archive_bytes": archive.stat().st_size,
+            "found_in_model_dirs": list(moved), "found_bytes": referenced_bytes,
+            "load_seconds": {c: {k: {"median": round(median(v), 3), "runs": [round(x, 3) for x in v]}
+                                 for k, v in r.items()} for c, r in rows.items()},
+            "ratio_model_dirs_vs_hf_cache": {k: round(median(rows["model_dirs"][k]) / median(rows["hf_cache"][k]), 2)
+                                             for k in rows["hf_cache"]},
+            "note": "one process per load, imports before the clock; resolve: every reference located (and verified) "
+                    "with locate_component; first/second: that plus load_dduf, page cache warm; first: a fresh "
+                    "dduf_plus cache (the referenced weights hashed: files' sha256 for the HF cache, tensors' "
+                    "digest for model folders), second: remembered (nothing hashed)",
+        }
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    name = "model_dirs" + ("" if args.shape == "sd15" else f"_{args.shape}")
+    (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result["load_seconds"], indent=2), result["ratio_model_dirs_vs_hf_cache"])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,48 @@
+"""``dduf export ARCHIVE -o OUT.safetensors``: the archive's pipeline (or one component) as the single file apps
+load, in its family's original layout (:mod:`dduf_plus.packing.export`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from ._common import as_usage, echo, human_bytes, output_file, path_like_missing
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("export", help="write an archive as the single .safetensors file apps load")
+    p.add_argument("archive", help="a .dduf archive (a partial one is exported complete: references resolved)")
+    p.add_argument("-o", "--output", required=True, help="the .safetensors file to write (atomically)")
+    p.add_argument("-f", "--force", action="store_true", help="overwrite OUTPUT if it exists")
+    p.add_argument("--component", metavar="NAME",
+                   help="export only this model, in the layout an app's folder for it expects (vae: models/vae; "
+                        "text_encoder*: models/text_encoders; unet / transformer: models/diffusion_models)")
+    p.add_argument("--dtype", help="cast floating tensors (fp16, bf16, fp32, fp8; default: as stored)")
+    p.add_argument("--title", help="modelspec.title written in the file (default: the archive's name)")
+    p.add_argument("--ref", action="append", metavar="[NAME=]SPEC",
+                   help="take a referenced component from this source (Hub repo id[@revision], folder or .dduf)")
+    p.add_argument("--model-dir", action="append", metavar="FOLDER",
+                   help="an app's model folder to find referenced components in by their tensors (repeatable; "
+                        "also DDUF_PLUS_MODEL_DIRS)")
+    p.add_argument("--local-files-only", action="store_true", help="never download a referenced component")
+    p.add_argument("--token", help="Hugging Face token for downloads")
+    p.add_argument("-q", "--quiet", action="store_true", help="no summary")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..packing.export import export_single_file
+    from ..refs.resolve import parse_ref_args
+
+    refs = as_usage(lambda: parse_ref_args(args.ref))
+    for spec in refs.values():
+        path_like_missing(spec, "--ref")
+    output = output_file(args.output, args.force, "export.safetensors")
+    result = export_single_file(args.archive, output, component=args.component, dtype=args.dtype, title=args.title,
+                                refs=refs or None, token=args.token, local_files_only=args.local_files_only,
+                                model_dirs=args.model_dir)
+    if not args.quiet:
+        for name, where in result.components.items():
+            echo(f"{name}: {where}")
+        echo(f"wrote {result.path}: {result.architecture} ({result.model_type}), {result.tensors} tensors, "
+             f"{human_bytes(result.bytes)} in {result.seconds:.2f} s")
+    return 0

@@ -1,0 +1,305 @@
+"""References found in the model folders apps already keep (ComfyUI's ``models/vae``, ``models/text_encoders``...)
+by content, not by path or file hash.
+
+A reference records (optional field ``tensors``, written by ``dduf pack``) a digest of the component's tensors
+in diffusers' naming: per tensor, sorted by name, its name, dtype, shape and the sha256 of its bytes; and a layout
+digest of the same without the bytes. The file's own sha256 does not survive a re-save (other metadata, other
+order), the tensors' digest does. Searching (``load_dduf(model_dirs=...)``, ``DDUF_PLUS_MODEL_DIRS``,
+``--model-dir``):
+
+1. the folders are walked within budgets (depth, files; symlinked folders are not followed, a symlinked file
+   only when it resolves to a regular file) for ``.safetensors`` files;
+2. each header is read with the format layer's budgets, and only a file whose tensor count, byte total and
+   layout digest fit the reference is hashed (tensor by tensor, from a map of the file);
+3. a verified file is remembered by (path, size, mtime, inode) in dduf_plus' hash memory, so a second load
+   hashes nothing; a changed file is hashed again;
+4. a file whose header fits but whose bytes differ is skipped and said.
+
+The match is used as it is, memory-mapped: a view folder holds the recorded config (its text is in the
+record, checked against the recorded sha256) and a link to the file. Files in another layout than the
+reference's diffusers names (an LDM VAE, a full checkpoint's part) are reported as such and not used yet.
+Standard library only (no torch)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import mmap
+import os
+import shutil
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from ..errors import DDUFError, DDUFFormatError
+from ..format import spec
+from ..format.original_layout import diffusers_vae_names
+from ..format.safetensors_header import SafetensorsHeader, TensorInfo, read_file_header
+from ..format.weights import classify
+from ..storage.confined import Confined
+from .cache import dduf_cache_dir, sha256_file, stat_key, verified_hashes
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ENV", "RECORD_KEY", "Match", "Rejected", "find_component", "search_dirs", "tensor_record",
+           "tensors_digest"]
+
+ENV = "DDUF_PLUS_MODEL_DIRS"
+RECORD_KEY = "tensors"
+VERSION = 1
+MAX_DEPTH = 8  # ComfyUI: models/<kind>/<maker>/<file>: a few levels
+MAX_FILES = 20_000  # directory entries looked at, over all folders
+MAX_CONFIG = 256 << 10  # the recorded config text
+_MEMBER = f"tensors-v{VERSION}"  # the hash memory's key for a file's tensor digest (beside its sha256)
+_SLICE = 64 << 20
+
+
+class Rejected(NamedTuple):
+    path: str
+    why: str
+
+
+class Match(NamedTuple):
+    files: dict[str, Path]  # recorded file name -> file on disk (the match, and the config written to the cache)
+    source: str
+    rejected: list[Rejected]
+
+
+def search_dirs(given: Iterable[str | os.PathLike] | None = None) -> list[Path]:
+    """The model folders to search: ``given`` then ``DDUF_PLUS_MODEL_DIRS`` (``os.pathsep``-separated)."""
+    out: list[Path] = []
+    env = os.environ.get(ENV, "")
+    for d in [*(given or ()), *(p for p in env.split(os.pathsep) if p.strip())]:
+        path = Path(os.fspath(d)).expanduser()
+        if path not in out:
+            out.append(path)
+    return out
+
+
+# --- the digest ----------------------------------------------------------------------------------------------
+def _line(info: TensorInfo) -> bytes:
+    return f"{info.name}\0{info.dtype}\0{','.join(map(str, info.shape))}\0".encode()
+
+
+def layout_digest(tensors: Iterable[TensorInfo]) -> str:
+    """sha256 over the tensors' (name, dtype, shape), sorted by name: what a header alone can be checked for."""
+    h = hashlib.sha256(f"dduf-tensors-layout-v{VERSION}\n".encode())
+    for info in sorted(tensors, key=lambda t: t.name):
+        h.update(_line(info))
+    return h.hexdigest()
+
+
+def _tensor_sha(mm: mmap.mmap | None, start: int, info: TensorInfo) -> bytes:
+    h = hashlib.sha256()
+    view = memoryview(mm) if mm is not None else memoryview(b"")
+    try:
+        begin, end = start + info.begin, start + info.end
+        for pos in range(begin, end, _SLICE):
+            h.update(view[pos:min(end, pos + _SLICE)])
+    finally:
+        view.release()
+    return h.digest()
+
+
+def tensors_digest(files: Sequence[tuple[Path, SafetensorsHeader]]) -> str:
+    """sha256 over every tensor's (name, dtype, shape, sha256 of its bytes), sorted by name, of ``files``
+    (a component's shards): the same for the same tensors in any file layout, order or metadata."""
+    per: dict[str, tuple[TensorInfo, bytes]] = {}
+    for path, header in files:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) if size else None
+            try:
+                for info in header.tensors.values():
+                    per[info.name] = (info, _tensor_sha(mm, header.data_start, info))
+            finally:
+                if mm is not None:
+                    mm.close()
+    h = hashlib.sha256(f"dduf-tensors-v{VERSION}\n".encode())
+    for name in sorted(per):
+        info, digest = per[name]
+        h.update(_line(info) + digest)
+    return h.hexdigest()
+
+
+def tensor_record(folder: Path, files: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``tensors`` field of a reference to the component in ``folder`` recording ``files``: {} when it has
+    no single-file safetensors weights or its config is not small text (nothing to match then)."""
+    weights = [f for f in files if f.endswith(".safetensors") and classify(f) is not None]
+    config = folder / "config.json"
+    if len(weights) != 1 or "config.json" not in files or not config.is_file() or config.stat().st_size > MAX_CONFIG:
+        return {}
+    try:
+        header = read_file_header(folder / weights[0], weights[0], DDUFFormatError)
+        text = config.read_bytes().decode("utf-8")
+    except (OSError, UnicodeDecodeError, DDUFError):
+        return {}
+    return {RECORD_KEY: {"version": VERSION, "sha256": _remembered_digest(folder / weights[0], header),
+                         "layout": layout_digest(header.tensors.values()), "count": len(header.tensors),
+                         "bytes": sum(t.nbytes for t in header.tensors.values()), "config": text}}
+
+
+def _remembered_digest(path: Path, header: SafetensorsHeader, layout: str = "") -> str:
+    """:func:`tensors_digest` of one file, from dduf_plus' hash memory when the file is unchanged since (a pack
+    against the same BASE, a model folder searched again: nothing hashed)."""
+    memo = verified_hashes()
+    member = _MEMBER + (f"-{layout}" if layout else "")
+    known = memo.lookup(path, member)
+    if known is None:
+        before = stat_key(path)
+        known = tensors_digest([(path, header)])
+        if stat_key(path) == before:  # a file written while it was read is not remembered
+            memo.remember(path, known, member, key=before)
+    return str(known)
+
+
+# --- the search ------------------------------------------------------------------------------------------------
+def _record(reference: Mapping[str, Any]) -> dict[str, Any] | str:
+    """The reference's ``tensors`` record, checked (it comes from an untrusted archive), or why not usable."""
+    rec = reference.get(RECORD_KEY)
+    if rec is None:
+        return "the reference records no tensor digest (an archive packed before model folders were searched)"
+    ok = (isinstance(rec, dict) and rec.get("version") == VERSION and isinstance(rec.get("count"), int)
+          and isinstance(rec.get("bytes"), int) and isinstance(rec.get("config"), str)
+          and len(rec["config"]) <= MAX_CONFIG
+          and all(isinstance(rec.get(k), str) and len(rec[k]) == 64 for k in ("sha256", "layout")))
+    return rec if ok else "the reference's tensor digest record is malformed"
+
+
+def _walk(dirs: Sequence[Path]) -> Iterator[Path]:
+    """``.safetensors`` files under ``dirs``, breadth first, within :data:`MAX_DEPTH` and :data:`MAX_FILES`."""
+    seen = 0
+    queue = [(d, 0) for d in dirs]
+    while queue:
+        folder, depth = queue.pop(0)
+        try:
+            entries = sorted(os.scandir(folder), key=lambda e: e.name)
+        except OSError:
+            continue
+        for e in entries:
+            seen += 1
+            if seen > MAX_FILES:
+                logger.info("model folders: stopped after %d entries (the search budget)", MAX_FILES)
+                return
+            if e.is_dir(follow_symlinks=False) and depth < MAX_DEPTH:
+                queue.append((Path(e.path), depth + 1))
+            elif e.name.endswith(".safetensors") and e.is_file(follow_symlinks=True):
+                yield Path(e.path)
+
+
+def _recorded_weights(reference: Mapping[str, Any]) -> tuple[str, str] | None:
+    files = reference.get("files")
+    if not isinstance(files, dict):
+        return None
+    weights = [f for f in files if isinstance(f, str) and f.endswith(".safetensors")]
+    config = files.get("config.json")
+    if len(weights) != 1 or not isinstance(config, dict) or not isinstance(config.get("sha256"), str):
+        return None
+    return weights[0], config["sha256"]
+
+
+def find_component(name: str, reference: Mapping[str, Any], dirs: Sequence[Path]) -> Match | str:
+    """A file in ``dirs`` holding exactly the referenced tensors, or why none (with the rejected candidates)."""
+    rec = _record(reference)
+    recorded = _recorded_weights(reference)
+    if isinstance(rec, str):
+        return rec
+    if recorded is None:
+        return "the reference is not one weights file and a config (sharded components are not matched yet)"
+    weights, config_sha = recorded
+    config = rec["config"].encode("utf-8")
+    if hashlib.sha256(config).hexdigest() != config_sha:
+        return "the recorded config text does not match the recorded config.json sha256"
+    rejected: list[Rejected] = []
+    for path in _walk(dirs):
+        why = _check(path, rec)
+        if isinstance(why, tuple):
+            layout, named = why
+            used = path if not layout else _in_diffusers_names(path, named, rec["sha256"])
+            shown = str(path) if not layout else f"{path} ({layout} layout, renamed in {used})"
+            return Match({weights: used, "config.json": _config_file(config, config_sha)}, shown, rejected)
+        if why:
+            rejected.append(Rejected(str(path), why))
+    reasons = "; ".join(f"{r.path}: {r.why}" for r in rejected[:5]) + ("; ..." if len(rejected) > 5 else "")
+    return f"no file in {', '.join(map(str, dirs))} holds its tensors" + (f" (rejected: {reasons})" if reasons else "")
+
+
+def _check(path: Path, rec: Mapping[str, Any]) -> tuple[str, SafetensorsHeader] | str:
+    """(layout, the file's header in diffusers' naming) when ``path`` holds the recorded tensors; "" when it is
+    plainly another model (not said); else why it was rejected."""
+    try:
+        header = read_file_header(path, path.name, DDUFFormatError)
+    except (OSError, DDUFError) as e:
+        return f"not a readable safetensors file ({str(e).splitlines()[0][:120]})"
+    if len(header.tensors) != rec["count"] or sum(t.nbytes for t in header.tensors.values()) != rec["bytes"]:
+        return ""
+    for layout, named in _layouts(header):
+        if layout_digest(named.tensors.values()) != rec["layout"]:
+            continue
+        if _remembered_digest(path, named, layout) != rec["sha256"]:
+            logger.warning("model folder file %s: its header fits the reference but its tensors' bytes differ: "
+                           "skipped", path)
+            return "its header fits but its tensors' bytes differ (skipped)"
+        return layout, named
+    return "same size, other tensor names, dtypes or shapes (another layout or model)"
+
+
+_VAE_PREFIXES = ("first_stage_model.", "vae.")
+
+
+def _layouts(header: SafetensorsHeader) -> Iterator[tuple[str, SafetensorsHeader]]:
+    """The file's tensors named as diffusers names them, in each layout they may be in: as they are, an LDM VAE
+    (bare, or all under ``first_stage_model.`` / ``vae.``), a CLIP under ``text_model.``; renamed by the names
+    alone (the same bytes)."""
+    yield "", header
+    keys = header.tensors
+    prefix = next((p for p in _VAE_PREFIXES if all(k.startswith(p) for k in keys)), "")
+    names = diffusers_vae_names({k.removeprefix(prefix): t.shape for k, t in keys.items()})
+    if names is not None:
+        renamed = {}
+        for k, t in keys.items():
+            name, shape = names[k.removeprefix(prefix)]
+            renamed[name] = t._replace(name=name, shape=shape)
+        yield "ldm-vae", header._replace(tensors=renamed)
+    # transformers' CLIP as released (and in ComfyUI's clip_l / clip_g files): under ``text_model.``, which
+    # transformers >= 5.6 saves without
+    text = [k for k in keys if k != "text_projection.weight"]
+    if text and all(k.startswith("text_model.") for k in text):
+        flat = {k.removeprefix("text_model."): t._replace(name=k.removeprefix("text_model.")) for k, t in keys.items()}
+        yield "text_model", header._replace(tensors=flat)
+
+
+def _config_file(config: bytes, sha256: str) -> Path:
+    """The recorded config text as a file in dduf_plus' cache (named by its sha256; written once)."""
+    cache = Confined(dduf_cache_dir())
+    cache.mkdir(cache.path("model-dirs"))
+    path = cache.path("model-dirs", f"{sha256}.json")
+    if path.is_symlink() or not path.is_file() or sha256_file(path) != sha256:
+        cache.write_bytes(path, config)
+    return path
+
+
+def _in_diffusers_names(path: Path, named: SafetensorsHeader, digest: str) -> Path:
+    """A file in another layout (an LDM VAE) with its tensors renamed as diffusers names them: the same data
+    section under a new header, written once into dduf_plus' cache (named by the tensors' digest, remembered),
+    then memory-mapped like any file."""
+    cache = Confined(dduf_cache_dir())
+    cache.mkdir(cache.path("model-dirs"))
+    out = cache.path("model-dirs", f"{digest}.safetensors")
+    if not out.is_symlink() and out.is_file() and verified_hashes().lookup(out, _MEMBER) == digest:
+        return out
+    records: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    for t in sorted(named.tensors.values(), key=lambda t: t.begin):
+        records[t.name] = {"dtype": spec.DTYPE_BY_TORCH[t.dtype].safetensors, "shape": list(t.shape),
+                           "data_offsets": [t.begin, t.end]}
+    raw = json.dumps(records, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "rb") as src, cache.atomic(out) as f:
+        f.file.write(len(raw).to_bytes(8, "little") + raw)
+        src.seek(named.data_start)
+        shutil.copyfileobj(src, f.file, 16 << 20)
+    header = read_file_header(out, out.name, DDUFFormatError)
+    if _remembered_digest(out, header) != digest:  # the file changed while it was copied
+        raise DDUFFormatError(f"{path}: changed while its renamed copy was written")
+    return out
