@@ -377,3 +377,13 @@ def test_an_adapter_exports_in_kohya_layout_that_diffusers_reads_alike(sd: dict[
     assert sum(k.endswith(".alpha") for k in keys) * 3 == len(keys)
     x = _image(_theirs(fixture["base"], (out, "a")))
     assert (x == _image(_theirs(fixture["base"], (lora, "a")))).all()
+
+
+def test_cli_exports_an_adapter(two: Path, sd: dict[str, Path], tmp_path: Path) -> None:
+    out = tmp_path / "ink.safetensors"
+    done = subprocess.run([*DDUF, "export", str(two), "--adapter", "ink", "-o", str(out)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert out.read_bytes() == sd["ink"].read_bytes()  # a kohya adapter is written as stored
+    several = subprocess.run([*DDUF, "export", str(two), "-o", str(tmp_path / "x.safetensors")], capture_output=True,
+                             text=True)
+    assert several.returncode == 1 and "name one with --adapter" in several.stderr

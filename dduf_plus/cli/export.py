@@ -16,6 +16,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--component", metavar="NAME",
                    help="export only this model, in the layout an app's folder for it expects (vae: models/vae; "
                         "text_encoder*: models/text_encoders; unet / transformer: models/diffusion_models)")
+    p.add_argument("--adapter", metavar="NAME",
+                   help="export this LoRA adapter of the archive in kohya / A1111 layout (models/loras); the only "
+                        "adapter of a LoRA archive is exported when --adapter is not given")
     p.add_argument("--dtype", help="cast floating tensors (fp16, bf16, fp32, fp8; default: as stored)")
     p.add_argument("--title", help="modelspec.title written in the file (default: the archive's name)")
     p.add_argument("--ref", action="append", metavar="[NAME=]SPEC",
@@ -37,6 +40,8 @@ def run(args: argparse.Namespace) -> int:
     for spec in refs.values():
         path_like_missing(spec, "--ref")
     output = output_file(args.output, args.force, "export.safetensors")
+    if args.adapter or _adapters_only(args.archive):
+        return _run_adapter(args, output)
     result = export_single_file(args.archive, output, component=args.component, dtype=args.dtype, title=args.title,
                                 refs=refs or None, token=args.token, local_files_only=args.local_files_only,
                                 model_dirs=args.model_dir)
@@ -45,4 +50,36 @@ def run(args: argparse.Namespace) -> int:
             echo(f"{name}: {where}")
         echo(f"wrote {result.path}: {result.architecture} ({result.model_type}), {result.tensors} tensors, "
              f"{human_bytes(result.bytes)} in {result.seconds:.2f} s")
+    return 0
+
+
+def _adapters_only(path: str) -> bool:
+    """A LoRA archive: adapters stored, every component referenced (its export is the adapter)."""
+    from ..errors import DDUFError
+    from ..format.archive import DDUFArchive
+    from ..format.lora import LORA_CONFIG
+
+    try:
+        with DDUFArchive(path) as archive:
+            stored = {name.split("/", 1)[0] for name in archive.entries if "/" in name}
+            return LORA_CONFIG in archive.entries and stored == {LORA_CONFIG.split("/", 1)[0]}
+    except DDUFError:  # not readable as an archive here: export_single_file says why
+        return False
+
+
+def _run_adapter(args: argparse.Namespace, output: object) -> int:
+    """``dduf export L.dduf [--adapter NAME] -o OUT.safetensors``: the adapter as a kohya file (docs/lora.md)."""
+    from ..errors import DDUFUsageError
+    from ..format.archive import DDUFArchive
+    from ..format.lora_export import export_adapter
+
+    used = [o for o, v in (("--component", args.component), ("--dtype", args.dtype), ("--title", args.title),
+                           ("--ref", args.ref), ("--model-dir", args.model_dir)) if v]
+    if used:
+        raise DDUFUsageError(f"{', '.join(used)}: not for an adapter (it is written as stored, in kohya names)")
+    with DDUFArchive(args.archive) as archive:
+        path = export_adapter(archive, args.adapter, output)  # type: ignore[arg-type]
+    if not args.quiet:
+        echo(f"wrote {path}: adapter {args.adapter or '(the only one)'} in kohya layout, "
+             f"{human_bytes(path.stat().st_size)}")
     return 0

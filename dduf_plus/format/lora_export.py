@@ -20,7 +20,7 @@ from .lora import LoraFile, LoraModule, read_lora
 from .safetensors_header import SafetensorsHeader, TensorInfo
 
 # diffusers component -> kohya prefix, per family (SDXL's two text encoders are te1 / te2)
-_PREFIX = {"unet": "lora_unet_", "transformer": "lora_unet_", "text_encoder_2": "lora_te2_",
+_PREFIX = {"unet": "lora_unet_", "text_encoder_2": "lora_te2_",
            "text_encoder_3": "lora_te3_"}
 _DTYPE_NAME = {d.torch: d.safetensors for d in spec.DTYPE_BY_TORCH.values()}
 
@@ -137,7 +137,10 @@ def export_adapter(archive: Any, name: str | None, out: str | os.PathLike) -> Pa
     entry = chosen[0].file
     header = archive.headers[entry]
     path = Path(out)
-    if read_lora(header).layout == "kohya":
+    lora = read_lora(header)
+    # kohya's own names for MMDiT / Flux transformers are BFL's (fused qkv): not written; apps (ComfyUI, Forge)
+    # read those adapters in diffusers' layout, so they are written as stored
+    if lora.layout == "kohya" or any(m.key.startswith("transformer.") for m in lora.modules.values()):
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_bytes(archive.read_bytes(entry))
         os.replace(tmp, path)
