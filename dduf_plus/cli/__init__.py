@@ -19,6 +19,7 @@ import sys
 
 from ..errors import DDUFError, DDUFIOError, DDUFUsageError
 from ._common import PrintedOnce, SafeFormatter, echo_error
+from .quiet import quiet_other_libraries
 
 # name -> (module, one-line help)
 COMMANDS = {
@@ -76,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     handler = logging.StreamHandler()
     handler.setFormatter(SafeFormatter("%(message)s"))  # log messages quote archive content
     handler.addFilter(PrintedOnce())  # a library printing its own records: once, not twice
+    quiet_other_libraries(handler, args.verbose)  # other libraries' notices: only with -v
     logging.basicConfig(level=logging.WARNING, handlers=[handler])
     logging.getLogger("dduf_plus").setLevel(level)
     for stream in (sys.stdout, sys.stderr):  # a name the terminal's encoding lacks is escaped, not a crash

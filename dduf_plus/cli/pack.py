@@ -89,8 +89,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.quiet:
         for s in result.skipped:
             echo(f"skipped {s.path}: {s.reason}")
-        for line in getattr(partial, "report", None) or []:
-            echo(line)
+        # (the reference report was logged by pack itself, once, on stderr: not printed here a second time)
         echo(f"wrote {result.path}: {plural(result.entries, 'entry', 'entries')}, {human_bytes(result.bytes_written)} "
              f"in {result.seconds:.2f} s")
     return 0
