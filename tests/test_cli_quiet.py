@@ -41,6 +41,7 @@ def test_the_root_handler_keeps_our_records_and_others_errors() -> None:
     assert not keep.filter(record("torchao", logging.WARNING))
     assert not keep.filter(record("dduf_plus_other", logging.WARNING))  # a prefix is not our package
     assert keep.filter(record("bitsandbytes", logging.ERROR))
+    assert keep.filter(record("huggingface_hub.utils._http", logging.WARNING))  # "Retrying in 1s": the user's request
 
 
 def test_verbose_leaves_everything_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:

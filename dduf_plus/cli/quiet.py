@@ -20,11 +20,16 @@ OWN_HANDLERS = ("torch.utils._pytree", "torch._subclasses", "torchao")
 VERBOSITY_ENV = ("DIFFUSERS_VERBOSITY", "TRANSFORMERS_VERBOSITY")
 
 
+# Whose warnings a command still shows: ours, and huggingface_hub's, which are about the user's own request
+# (a retry of a download, a token) rather than about a library's build.
+SHOWN = ("dduf_plus", "huggingface_hub")
+
+
 class OwnRecordsOnly(logging.Filter):
-    """For the CLI's root handler: dduf_plus's records, and other libraries' errors."""
+    """For the CLI's root handler: dduf_plus's and huggingface_hub's records, other libraries' errors."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.name.split(".", 1)[0] == "dduf_plus" or record.levelno >= logging.ERROR
+        return record.name.split(".", 1)[0] in SHOWN or record.levelno >= logging.ERROR
 
 
 def quiet_other_libraries(handler: logging.Handler, verbose: int) -> None:
