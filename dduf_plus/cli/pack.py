@@ -35,7 +35,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="convert floating weights while packing (e.g. bfloat16, unet=float8_e4m3fn)")
     p.add_argument("--quantize", action="append", metavar="NAME=SCHEME",
                    help="quantize a component while packing, as diffusers would save it (repeatable): bnb-nf4, "
-                        "bnb-fp4, bnb-int8, torchao-int8, sdnq-int8, sdnq-uint4, sdnq-float8_e4m3fn")
+                        "bnb-fp4, bnb-int8, torchao-int8, sdnq-int8, sdnq-uint4, sdnq-float8_e4m3fn, quanto-int8, "
+                        "quanto-float8")
     p.add_argument("--token", help="Hugging Face token for a SOURCE repo and --ref/--base on the Hub")
     p.add_argument("--no-fsync", dest="fsync", action="store_false",
                    help="skip flushing to disk before the atomic rename (faster; like cp, not power-cut safe)")
