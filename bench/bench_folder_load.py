@@ -96,7 +96,7 @@ def main() -> None:
     if args.child:
         child(args.child, args.path)
         return
-    from _common import RESULTS, sd15_folder
+    from _common import RESULTS, sd15_folder, write_result
 
     folder = sd15_folder()
     runs: dict[str, list[dict]] = {m: [] for m in MODES}
@@ -116,7 +116,7 @@ def main() -> None:
               "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, shared with other jobs",
               "date": time.strftime("%Y-%m-%d")}
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "folder_load.json").write_text(json.dumps(record, indent=2) + "\n")
+    write_result(RESULTS / "folder_load.json", record)
     print(f"SD-1.5-shaped fp16 folder, {size / 1e9:.2f} GB of weights; medians of {args.runs}, warm page cache\n")
     print("| loader | dtypes (unet / text_encoder / vae) | load | load+touch | peak RSS |")
     print("| --- | --- | --- | --- | --- |")

@@ -404,7 +404,9 @@ def finish(results: dict, cat: dict, out: Path, shape: str = "sd15") -> None:
               "unix_time": time.time()}
     print_table(results, cat, ratios)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    from provenance import write_result
+
+    write_result(out, report)
     chart(results, cat, out.with_suffix(".png"), shape, report["archive_bytes"])
     print(f"wrote {out} and {out.with_suffix('.png')}")
 

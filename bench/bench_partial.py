@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS, ROOT, WORK, median, sd15_folder  # noqa: E402
+from _common import RESULTS, ROOT, WORK, median, sd15_folder, write_result  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
 
@@ -178,7 +178,7 @@ def main() -> int:
         "cpus": os.cpu_count(),
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "partial.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_result(RESULTS / "partial.json", result)
 
     gb = 1e9
     print("| SD-1.5-shaped fine-tune (fp16) | partial (--base) | complete |\n| --- | --- | --- |")

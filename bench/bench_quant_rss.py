@@ -41,7 +41,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS, WORK, median, sd15_archive, sd15_folder  # noqa: E402
+from _common import RESULTS, WORK, median, sd15_archive, sd15_folder, write_result  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -399,7 +399,7 @@ def _write_results(update: dict) -> None:
     path = RESULTS / "quant.json"
     previous = json.loads(path.read_text()) if path.exists() else {}
     RESULTS.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({**previous, **update}, indent=2) + "\n")
+    write_result(path, {**previous, **update}, kept_from_earlier=set(previous) - set(update) - {"provenance"})
 
 
 def main() -> None:

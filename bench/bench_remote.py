@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import resource
 import shutil
@@ -265,7 +264,7 @@ def report(result: dict, size: int, args: argparse.Namespace) -> None:
     if args.per_connection and args.out is None:
         target = target.with_name(target.stem + "_per_connection.json")
     target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(json.dumps(out, indent=2) + "\n")
+    _common.write_result(target, out)
     print(f"wrote {target}")
 
 
