@@ -57,6 +57,9 @@ def child(mode: str, path: str) -> None:
     pipe = loaders[mode]()
     loaded = time.perf_counter()
     total = 0
+    # the touch sums on one thread: with two OpenMP threads, a busy neighbour on a core turns each small
+    # reduction into a spin-wait (SD-1.5's UNet: 1 s instead of 0.07 s, for every loader alike)
+    torch.set_num_threads(1)
     with torch.no_grad():  # one byte of every 4 KiB page of every parameter: each page read once, whatever the
         for component in pipe.components.values():  # dtype (a float sum of fp16 on CPU would cost more than the read)
             if isinstance(component, torch.nn.Module):

@@ -122,11 +122,16 @@ def child(mode: str, path: str, shape: str = "sd15") -> None:
     pipe = load()
     loaded = time.perf_counter()
     total = 0.0
+    threads = torch.get_num_threads()
+    # the touch sums on one thread: with two OpenMP threads, a busy neighbour on a core turns each small
+    # reduction into a spin-wait (SD-1.5's UNet: 1 s instead of 0.07 s, for every loader alike)
+    torch.set_num_threads(1)
     with torch.no_grad():
         for component in pipe.components.values():
             if isinstance(component, torch.nn.Module):
                 for p in component.parameters():
                     total += float(p.sum())
+    torch.set_num_threads(threads)
     touched = time.perf_counter()
     dtypes = {n: str(getattr(c, "dtype", "")) for n, c in pipe.components.items() if isinstance(c, torch.nn.Module)}
     print("RESULT " + json.dumps({"load": loaded - started, "load_touch": touched - started,

@@ -42,6 +42,7 @@ pipe = load_dduf(sys.argv[1], torch_dtype="auto")
 load = time.perf_counter() - t
 t = time.perf_counter()
 total = 0.0
+torch.set_num_threads(1)  # the touch sums on one thread (a busy neighbour makes OpenMP reductions spin-wait)
 for name in ("unet", "vae", "text_encoder"):
     for p in getattr(pipe, name).parameters():  # one element of every 4 KiB page: every page is faulted in
         flat = p.detach().reshape(-1)

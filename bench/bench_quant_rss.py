@@ -102,6 +102,7 @@ def touch(t):
     return float(t.reshape(-1).view(torch.uint8).max())
 
 total = 0.0
+torch.set_num_threads(1)  # the touch sums on one thread (a busy neighbour makes OpenMP reductions spin-wait)
 with torch.no_grad():
     for p in list(unet.parameters()) + list(unet.buffers()):
         data = getattr(p, "_data", p)
@@ -270,6 +271,7 @@ else:  # "diffusers fp16": the saved compute dtype, where the backend's own defa
     unet = UNet2DConditionModel.from_pretrained(path, **kwargs)
 load_s = time.perf_counter() - t
 total = 0.0
+torch.set_num_threads(1)  # the touch sums on one thread (a busy neighbour makes OpenMP reductions spin-wait)
 with torch.no_grad():
     for p in list(unet.parameters()) + list(unet.buffers()):
         for leaf in leaves(p):

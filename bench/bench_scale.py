@@ -100,11 +100,16 @@ def child(mode: str, path: str) -> None:
         pipe = load_dduf(path)
     loaded = time.perf_counter()
     total = 0.0
+    threads = torch.get_num_threads()
+    # the touch sums on one thread: with two OpenMP threads, a busy neighbour on a core turns each small
+    # reduction into a spin-wait (SD-1.5's UNet: 1 s instead of 0.07 s, for every loader alike)
+    torch.set_num_threads(1)
     with torch.no_grad():
         for component in pipe.components.values():
             if isinstance(component, torch.nn.Module):
                 for p in component.parameters():
                     total += float(p.sum())
+    torch.set_num_threads(threads)
     touched = time.perf_counter()
     print("RESULT " + json.dumps({"load": loaded - started, "load_touch": touched - started,
                                    "rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6}))
