@@ -13,6 +13,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from provenance import provenance, with_provenance, write_result  # noqa: F401  (every bench's results)
+
 ROOT = Path(__file__).resolve().parent.parent
 WORK = Path(os.environ.get("DDUF_BENCH_WORK", ROOT / "bench" / "_work"))
 RESULTS = ROOT / "bench" / "results"

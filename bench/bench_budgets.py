@@ -188,7 +188,9 @@ def main(argv: list[str] | None = None) -> int:
             for leftover in folder.iterdir():
                 leftover.unlink()
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
+        from provenance import write_result
+
+        write_result(Path(args.json), rows)
     return 0 if all(r["within_budget"] for r in rows) else 1
 
 

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS, WORK, median, sd15_archive  # noqa: E402
+from _common import RESULTS, WORK, median, sd15_archive, write_result  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
@@ -130,7 +130,7 @@ def main() -> int:
     results["bomb_bytes"] = bomb_path.stat().st_size
     results["when"] = time.strftime("%Y-%m-%d")
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "caches.json").write_text(json.dumps(results, indent=2) + "\n")
+    results = write_result(RESULTS / "caches.json", results)
     print(json.dumps(results, indent=2))
     return 0
 

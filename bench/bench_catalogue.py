@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS, ROOT, WORK, median  # noqa: E402
+from _common import RESULTS, ROOT, WORK, median, write_result  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
 from dduf_plus.catalogue import validate_many  # noqa: E402
@@ -177,7 +177,7 @@ def _write(result: dict, rows: list[dict]) -> None:
     result["runs"] = rows
     result["ratios"] = _ratios(rows)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "catalogue.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_result(RESULTS / "catalogue.json", result)
 
 
 def _dask(urls: list[str], jobs: int, repeat: int, rows: list[dict], result: dict) -> None:

@@ -57,6 +57,9 @@ def child(mode: str, path: str) -> None:
     pipe = loaders[mode]()
     loaded = time.perf_counter()
     total = 0
+    # the touch sums on one thread: with two OpenMP threads, a busy neighbour on a core turns each small
+    # reduction into a spin-wait (SD-1.5's UNet: 1 s instead of 0.07 s, for every loader alike)
+    torch.set_num_threads(1)
     with torch.no_grad():  # one byte of every 4 KiB page of every parameter: each page read once, whatever the
         for component in pipe.components.values():  # dtype (a float sum of fp16 on CPU would cost more than the read)
             if isinstance(component, torch.nn.Module):
@@ -96,7 +99,7 @@ def main() -> None:
     if args.child:
         child(args.child, args.path)
         return
-    from _common import RESULTS, sd15_folder
+    from _common import RESULTS, sd15_folder, write_result
 
     folder = sd15_folder()
     runs: dict[str, list[dict]] = {m: [] for m in MODES}
@@ -116,7 +119,7 @@ def main() -> None:
               "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, shared with other jobs",
               "date": time.strftime("%Y-%m-%d")}
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "folder_load.json").write_text(json.dumps(record, indent=2) + "\n")
+    write_result(RESULTS / "folder_load.json", record)
     print(f"SD-1.5-shaped fp16 folder, {size / 1e9:.2f} GB of weights; medians of {args.runs}, warm page cache\n")
     print("| loader | dtypes (unet / text_encoder / vae) | load | load+touch | peak RSS |")
     print("| --- | --- | --- | --- | --- |")

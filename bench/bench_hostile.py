@@ -13,7 +13,6 @@ process's start, bytes the server sent (headers included), seconds, and the outc
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
 import os
 import sys
@@ -109,7 +108,9 @@ def main(argv: list[str] | None = None) -> int:
                       f"RSS +{row.get('rss_growth_mb', '?'):>7} MB  {row.get('seconds', '?'):>6} s  "
                       f"{row.get('outcome', '?')[:110]}", flush=True)
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+        from provenance import write_result
+
+        write_result(args.json, rows, indent=1)
     return 0
 
 

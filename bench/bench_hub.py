@@ -14,7 +14,6 @@ Prints medians and writes bench/results/hub.json."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -25,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from _common import RESULTS, ROOT, median  # noqa: E402
+from _common import RESULTS, ROOT, median, write_result  # noqa: E402
 
 os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
@@ -153,7 +152,7 @@ def main() -> int:
               f"{row['fetched_over_component']:.2f}x), first {row['first_s'] * 1000:.0f} ms, cached "
               f"{row['cached_s'] * 1000:.0f} ms, 0 requests")
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "hub.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_result(RESULTS / "hub.json", result)
     return 0
 
 

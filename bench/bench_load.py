@@ -106,7 +106,8 @@ def child(mode: str, path: str, shape: str = "sd15") -> None:
         sys.path.insert(0, str(ROOT))
         from dduf_plus import load_dduf
 
-        options = {"dduf": {}, "dduf-noprefetch": {"prefetch": False}, "dduf-pread": {"use_mmap": False}}[mode]
+        options = {"dduf": {}, "dduf-prefetch": {"prefetch": True}, "dduf-noprefetch": {"prefetch": False},
+                   "dduf-pread": {"use_mmap": False}}[mode]
         load = lambda: load_dduf(path, **options)  # noqa: E731
     elif mode == "folder":
         load = lambda: DiffusionPipeline.from_pretrained(path, dtype=torch.float16)  # noqa: E731
@@ -122,11 +123,16 @@ def child(mode: str, path: str, shape: str = "sd15") -> None:
     pipe = load()
     loaded = time.perf_counter()
     total = 0.0
+    threads = torch.get_num_threads()
+    # the touch sums on one thread: with two OpenMP threads, a busy neighbour on a core turns each small
+    # reduction into a spin-wait (SD-1.5's UNet: 1 s instead of 0.07 s, for every loader alike)
+    torch.set_num_threads(1)
     with torch.no_grad():
         for component in pipe.components.values():
             if isinstance(component, torch.nn.Module):
                 for p in component.parameters():
                     total += float(p.sum())
+    torch.set_num_threads(threads)
     touched = time.perf_counter()
     dtypes = {n: str(getattr(c, "dtype", "")) for n, c in pipe.components.items() if isinstance(c, torch.nn.Module)}
     print("RESULT " + json.dumps({"load": loaded - started, "load_touch": touched - started,
@@ -295,7 +301,7 @@ def main() -> None:
     parser.add_argument("--skip-old", action="store_true", help="skip diffusers 0.35.2")
     parser.add_argument("--skip-cold", action="store_true")
     parser.add_argument("--skip-fresh", action="store_true", help="skip the fresh-process first-load rows")
-    parser.add_argument("--loaders", help="only these loaders (comma-separated: dduf,dduf-noprefetch,dduf-pread,"
+    parser.add_argument("--loaders", help="only these loaders (comma-separated: dduf,dduf-prefetch,dduf-noprefetch,dduf-pread,"
                                           "folder,old-hub,old-ours); fresh rows always compare dduf and folder")
     parser.add_argument("--out", help="default: bench/results/load.json (sd15), load_sdxl.json (sdxl)")
     parser.add_argument("--from-json", help="re-render the table, ratios and chart from a saved load.json")
@@ -312,17 +318,18 @@ def main() -> None:
         return
     skip_old = args.skip_old or args.shape != "sd15"  # 0.35.2 copies everything: 16+ GB for the SDXL shape
     paths = prepare(skip_old, args.shape)
-    pythons = {m: sys.executable for m in ("dduf", "dduf-noprefetch", "dduf-pread", "folder", "fresh-dduf", "fresh-folder")}
+    pythons = {m: sys.executable for m in ("dduf", "dduf-prefetch", "dduf-noprefetch", "dduf-pread", "folder",
+                                            "fresh-dduf", "fresh-folder")}
     if not skip_old:
         pythons["old-hub"] = pythons["old-ours"] = old_python()
     # The old loader's 5-6 GB of anonymous memory pushes the others' page cache out: it gets a phase of its own.
-    phases = [("warm", ["dduf", "dduf-noprefetch", "dduf-pread", "folder"])]
+    phases = [("warm", ["dduf", "dduf-prefetch", "dduf-noprefetch", "dduf-pread", "folder"])]
     if not args.skip_fresh and args.shape == "sd15":  # tiny-sd whatever the shape: measured once, with sd15
         phases.append(("fresh", ["dduf", "folder"]))
     if not skip_old:
         phases.append(("warm", ["old-hub", "old-ours"]))
     if not args.skip_cold:
-        phases.append(("cold", ["dduf", "dduf-noprefetch", "dduf-pread", "folder"]))
+        phases.append(("cold", ["dduf", "dduf-prefetch", "dduf-noprefetch", "dduf-pread", "folder"]))
     if args.loaders:
         keep = set(args.loaders.split(","))
         phases = [(c, [m for m in ms if c == "fresh" or m in keep]) for c, ms in phases]
@@ -404,7 +411,9 @@ def finish(results: dict, cat: dict, out: Path, shape: str = "sd15") -> None:
               "unix_time": time.time()}
     print_table(results, cat, ratios)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    from provenance import write_result
+
+    write_result(out, report)
     chart(results, cat, out.with_suffix(".png"), shape, report["archive_bytes"])
     print(f"wrote {out} and {out.with_suffix('.png')}")
 
@@ -431,6 +440,9 @@ def compute_ratios(results: dict, cat: dict) -> dict[str, float]:
     if cold and "cold" in cat:
         ratios["cold load+touch vs cat"] = cold["load_touch"] / cat["cold"]
         ratios["cold load+touch vs cat, best run vs median cat"] = cold["best_load_touch"] / cat["cold"]
+        if results.get("cold:dduf-prefetch"):
+            ratios["cold load+touch vs cat, read-ahead (prefetch=True)"] = (results["cold:dduf-prefetch"]["load_touch"]
+                                                                            / cat["cold"])
         if results.get("cold:dduf-noprefetch"):
             ratios["cold load+touch vs cat, no prefetch"] = results["cold:dduf-noprefetch"]["load_touch"] / cat["cold"]
         if results.get("cold:folder"):
@@ -460,6 +472,7 @@ LABELS = {
     "fresh:folder": "fresh process, imports + diffusers folder (tiny-sd)",
     "dduf": "dduf_plus load_dduf (auto)",
     "dduf-noprefetch": "load_dduf, prefetch=False",
+    "dduf-prefetch": "load_dduf, prefetch=True",
     "dduf-pread": "load_dduf, use_mmap=False",
     "folder": "diffusers 0.42 folder, dtype=float16",
     "old-hub": "diffusers 0.35.2 dduf_file= (hub archive)",

@@ -18,14 +18,12 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS, ROOT, WORK, median, pipeline_folder  # noqa: E402
-from bench_trainer_partial import provenance  # noqa: E402
+from _common import RESULTS, ROOT, WORK, median, pipeline_folder, write_result  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
 
@@ -91,7 +89,6 @@ def main() -> int:
             times[name].append(time.perf_counter() - t)
             gc.collect()
     result = {
-        "provenance": provenance(sys.argv),
         "shape": "sd15 (fp16 base, 2.1 GB)", "rank": args.rank,
         "lora_bytes": lora.stat().st_size, "archive_bytes": archive.stat().st_size,
         "overhead_bytes": archive.stat().st_size - lora.stat().st_size,
@@ -100,8 +97,7 @@ def main() -> int:
         "load_median": {k: round(median(v), 3) for k, v in times.items()},
     }
     result["load_ratio"] = round(result["load_median"]["ours"] / result["load_median"]["anchor"], 3)
-    out = RESULTS / "lora.json"
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(RESULTS / "lora.json", result)
     print(f"LoRA file {result['lora_bytes']:,} B, archive {result['archive_bytes']:,} B "
           f"(+{result['overhead_bytes']:,} B); pack {pack_seconds:.2f} s")
     print(f"load: ours {result['load_median']['ours']:.2f} s, from_pretrained + load_lora_weights "

@@ -14,7 +14,6 @@ the same files on every core, in process: no tool that records sha256 can beat i
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -23,7 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS, WORK, median, sd15_folder  # noqa: E402
+from _common import RESULTS, WORK, median, sd15_folder, write_result  # noqa: E402
 
 HUB = "import sys; from huggingface_hub import export_folder_as_dduf as e; e(sys.argv[1], sys.argv[2])"
 
@@ -112,7 +111,7 @@ def main() -> None:
         rss = f"{row['peak_rss_bytes'] / 1e6:.0f} MB" if row["peak_rss_bytes"] else ""
         print(f"| {label} | {m:.2f} | {size / m / 1e9:.2f} | {ratio_cp} | {ratio_hub} | {rss} |")
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "pack.json").write_text(json.dumps({"bytes": size, "cpus": os.cpu_count(), "rows": rows}, indent=2))
+    write_result(RESULTS / "pack.json", {"bytes": size, "cpus": os.cpu_count(), "rows": rows})
 
 
 if __name__ == "__main__":

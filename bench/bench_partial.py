@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS, ROOT, WORK, median, sd15_folder  # noqa: E402
+from _common import RESULTS, ROOT, WORK, median, sd15_folder, write_result  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
 
@@ -42,6 +42,7 @@ pipe = load_dduf(sys.argv[1], torch_dtype="auto")
 load = time.perf_counter() - t
 t = time.perf_counter()
 total = 0.0
+torch.set_num_threads(1)  # the touch sums on one thread (a busy neighbour makes OpenMP reductions spin-wait)
 for name in ("unet", "vae", "text_encoder"):
     for p in getattr(pipe, name).parameters():  # one element of every 4 KiB page: every page is faulted in
         flat = p.detach().reshape(-1)
@@ -178,7 +179,7 @@ def main() -> int:
         "cpus": os.cpu_count(),
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "partial.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_result(RESULTS / "partial.json", result)
 
     gb = 1e9
     print("| SD-1.5-shaped fine-tune (fp16) | partial (--base) | complete |\n| --- | --- | --- |")

@@ -41,7 +41,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS, WORK, median, sd15_archive, sd15_folder  # noqa: E402
+from _common import RESULTS, WORK, median, sd15_archive, sd15_folder, write_result  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -102,6 +102,7 @@ def touch(t):
     return float(t.reshape(-1).view(torch.uint8).max())
 
 total = 0.0
+torch.set_num_threads(1)  # the touch sums on one thread (a busy neighbour makes OpenMP reductions spin-wait)
 with torch.no_grad():
     for p in list(unet.parameters()) + list(unet.buffers()):
         data = getattr(p, "_data", p)
@@ -270,6 +271,7 @@ else:  # "diffusers fp16": the saved compute dtype, where the backend's own defa
     unet = UNet2DConditionModel.from_pretrained(path, **kwargs)
 load_s = time.perf_counter() - t
 total = 0.0
+torch.set_num_threads(1)  # the touch sums on one thread (a busy neighbour makes OpenMP reductions spin-wait)
 with torch.no_grad():
     for p in list(unet.parameters()) + list(unet.buffers()):
         for leaf in leaves(p):
@@ -399,7 +401,7 @@ def _write_results(update: dict) -> None:
     path = RESULTS / "quant.json"
     previous = json.loads(path.read_text()) if path.exists() else {}
     RESULTS.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({**previous, **update}, indent=2) + "\n")
+    write_result(path, {**previous, **update}, kept_from_earlier=set(previous) - set(update) - {"provenance"})
 
 
 def main() -> None:

@@ -13,6 +13,9 @@ sequential write speed (512 MiB written and fsync'ed) is measured in the same ru
 - link limit: bytes / cap (what no client can beat);
 - single GET: one sequential GET of the whole file into the folder (``curl -O``), nothing else;
 - download-then-load: that GET, then load_dduf(local file), pages touched;
+- ranged download-then-load: the file fetched in ``--concurrency`` concurrent byte ranges of ``--chunk-size``
+  (as huggingface_hub's hf_transfer / hf_xet paths, aria2c -x and s5cmd do), written in place with pwrite, then
+  load_dduf(local file), pages touched: the fair anchor where one stream is capped;
 - load_dduf(URL) first load: remote cache cleared before each run; then every weight page is touched;
 - load_dduf(URL, remote={"cache": False}): nothing kept, pages touched;
 - warm cached load: the archive is in the remote cache (one tail request), pages touched.
@@ -35,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import resource
 import shutil
@@ -50,9 +52,10 @@ import _common  # noqa: E402
 from _common import ROOT, WORK, median  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "remote.json"
-ROWS = ("single_get", "download_then_load", "first", "no_cache", "warm")
+ROWS = ("single_get", "download_then_load", "ranged_get", "ranged_download_then_load", "first", "no_cache", "warm")
 LABELS = {"link_limit": "link limit (bytes / cap)", "single_get": "single GET (nothing else)",
-          "download_then_load": "download, then load_dduf + touch", "first": "load_dduf(URL) first load + touch",
+          "download_then_load": "download, then load_dduf + touch",
+          "ranged_get": "concurrent-range download", "ranged_download_then_load": "ranged download, then load + touch", "first": "load_dduf(URL) first load + touch",
           "no_cache": "load_dduf(URL, cache=False) + touch", "warm": "warm cached load + touch"}
 
 
@@ -70,13 +73,17 @@ def touch(pipe) -> int:
     """Read one byte of every 4 KiB page of every weight (what a first forward pass would fault in)."""
     import torch
 
-    total = 0
+    total, threads = 0, torch.get_num_threads()
+    # the touch sums on one thread: with two OpenMP threads, a busy neighbour on a core turns each small
+    # reduction into a spin-wait (SD-1.5's UNet: 1 s instead of 0.07 s, for every loader alike)
+    torch.set_num_threads(1)
     for module in pipe.components.values():
         if isinstance(module, torch.nn.Module):
             for tensor in module.state_dict().values():
                 flat = tensor.detach().reshape(-1)
                 if flat.numel():
                     total += int(flat.view(torch.uint8)[::4096].sum())
+    torch.set_num_threads(threads)
     return total
 
 
@@ -103,6 +110,35 @@ def download(url: str, target: Path) -> None:
     """One sequential GET of the whole file (as a browser or ``curl -O`` does), 8 MiB at a time."""
     with urllib.request.urlopen(url, timeout=60) as response, open(target, "wb") as out:
         shutil.copyfileobj(response, out, 8 << 20)
+
+
+def download_ranges(url: str, target: Path, connections: int, chunk: int) -> None:
+    """The file in concurrent byte ranges (``connections`` at once, ``chunk`` bytes each), each written in place
+    with pwrite: what a downloader that knows about range requests does (hf_transfer, aria2c -x, s5cmd)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    request = urllib.request.Request(url, method="HEAD")
+    with urllib.request.urlopen(request, timeout=60) as response:
+        size = int(response.headers["Content-Length"])
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.ftruncate(fd, size)
+
+        def fetch(start: int) -> None:
+            end = min(start + chunk, size) - 1
+            ranged = urllib.request.Request(url, headers={"Range": f"bytes={start}-{end}"})
+            with urllib.request.urlopen(ranged, timeout=60) as response:
+                at = start
+                while block := response.read(1 << 20):
+                    os.pwrite(fd, block, at)
+                    at += len(block)
+            if at != end + 1:
+                raise OSError(f"range {start}-{end}: {at - start} bytes")
+
+        with ThreadPoolExecutor(connections) as pool:
+            list(pool.map(fetch, range(0, size, chunk)))
+    finally:
+        os.close(fd)
 
 
 def disk_write_speed(folder: Path, size: int = 512 << 20) -> float:
@@ -208,6 +244,11 @@ def _one_run(url: str, folder: Path, remote: dict, server_pid: int) -> dict[str,
     out["download_then_load"] = tuple(a + b for a, b in zip(out["single_get"], _timed(
         server_pid, lambda: load_and_touch(str(target))), strict=True))  # type: ignore[assignment]
     fresh()
+    out["ranged_get"] = _timed(server_pid, lambda: download_ranges(url, target, remote["concurrency"],
+                                                                    remote["chunk_size"]))
+    out["ranged_download_then_load"] = tuple(a + b for a, b in zip(out["ranged_get"], _timed(
+        server_pid, lambda: load_and_touch(str(target))), strict=True))  # type: ignore[assignment]
+    fresh()
     return out
 
 
@@ -257,6 +298,7 @@ def report(result: dict, size: int, args: argparse.Namespace) -> None:
             "median_server_cpu_s": {row: med[row][2] for row in ROWS},
             "ratios": {"first_vs_link_limit": med["first"][0] / limit,
                        "first_vs_download_then_load": med["first"][0] / dtl,
+                       "first_vs_ranged_download_then_load": med["first"][0] / med["ranged_download_then_load"][0],
                        "no_cache_vs_link_limit": med["no_cache"][0] / limit,
                        "single_get_vs_link_limit": med["single_get"][0] / limit}}
     _headline(out)
@@ -265,7 +307,7 @@ def report(result: dict, size: int, args: argparse.Namespace) -> None:
     if args.per_connection and args.out is None:
         target = target.with_name(target.stem + "_per_connection.json")
     target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(json.dumps(out, indent=2) + "\n")
+    _common.write_result(target, out)
     print(f"wrote {target}")
 
 

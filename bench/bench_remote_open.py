@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import shutil
 import sys
@@ -36,7 +35,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import RESULTS, ROOT, WORK, median  # noqa: E402
+from _common import RESULTS, ROOT, WORK, median, write_result  # noqa: E402
 
 OUT = RESULTS / "remote_open.json"
 WAYS = ("per read", "probe", "suffix", "index")
@@ -191,10 +190,10 @@ def main() -> None:
     opens = {label: r["rows"]["load_dduf(URL): open (reader + tail)"]["suffix"]["requests"]
              for label, r in results.items()}
     info = {label: r["rows"]["dduf info URL"]["index"]["requests"] for label, r in results.items()}
-    OUT.write_text(json.dumps({
+    write_result(OUT, {
         "latency_s": args.latency, "runs": args.runs, "suffix_bytes": SUFFIX_BYTES, "cpu_count": os.cpu_count(),
         "load_average_after": os.getloadavg(), "target_requests_to_open": 1,
-        "requests_to_open": opens, "requests_for_info": info, "archives": results}, indent=2) + "\n")
+        "requests_to_open": opens, "requests_for_info": info, "archives": results})
     print(f"requests to open (load_dduf's reader + tail): {opens}")
     print(f"requests for dduf info URL: {info}")
     print(f"wrote {OUT.relative_to(ROOT)}")

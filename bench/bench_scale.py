@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS, ROOT, WORK, median, pipeline_archive, pipeline_folder  # noqa: E402
+from _common import RESULTS, ROOT, WORK, median, pipeline_archive, pipeline_folder, write_result  # noqa: E402
 from bench_load import evict, files_of, resident_fraction, warm  # noqa: E402
 
 OUT = RESULTS / "scale.json"
@@ -100,11 +100,16 @@ def child(mode: str, path: str) -> None:
         pipe = load_dduf(path)
     loaded = time.perf_counter()
     total = 0.0
+    threads = torch.get_num_threads()
+    # the touch sums on one thread: with two OpenMP threads, a busy neighbour on a core turns each small
+    # reduction into a spin-wait (SD-1.5's UNet: 1 s instead of 0.07 s, for every loader alike)
+    torch.set_num_threads(1)
     with torch.no_grad():
         for component in pipe.components.values():
             if isinstance(component, torch.nn.Module):
                 for p in component.parameters():
                     total += float(p.sum())
+    torch.set_num_threads(threads)
     touched = time.perf_counter()
     print("RESULT " + json.dumps({"load": loaded - started, "load_touch": touched - started,
                                    "rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6}))
@@ -372,7 +377,7 @@ def main() -> None:
             measure_shape(report, shape, args.stages.split(","), runs.get(shape, 1), args.keep_copies)
         report.update(growth=growth(report), cpu_count=os.cpu_count(), latency_s=LATENCY, bandwidth_Bps=BANDWIDTH,
                       command="python bench/bench_scale.py", unix_time=time.time())
-        OUT.write_text(json.dumps(report, indent=2) + "\n")
+        write_result(OUT, report)
         print(f"wrote {OUT.relative_to(ROOT)}")
     report["growth"] = growth(report)
     print(table(report))
@@ -409,7 +414,7 @@ def measure_shape(report: dict, shape: str, stages: list[str], runs: int, keep: 
         print(f"{SHAPE_NAMES[shape]} ({size / 1e9:.2f} GB): {stage}", flush=True)
         data[stage] = summarise(calls[stage](), size)
         data[stage]["_load_average_after"] = round(os.getloadavg()[0], 2)  # others sharing the cores
-        OUT.write_text(json.dumps(report, indent=2) + "\n")  # partial results survive an interrupted run
+        write_result(OUT, report)  # partial results survive an interrupted run
     shutil.rmtree(SCRATCH, ignore_errors=True)
     if not keep:
         shutil.rmtree(WORK / "scale-private" / shape)

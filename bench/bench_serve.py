@@ -9,7 +9,6 @@ Prints p50/p99 latency (ms), requests/s and errors per mode and concurrency; wri
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import subprocess
@@ -109,7 +108,9 @@ def main() -> None:
     result = {"n": args.n, "workers": args.workers, "latency_s": args.latency, "cpu_count": os.cpu_count(),
               "archives": len(names), "runs": rows}
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "serve.json").write_text(json.dumps(result, indent=2) + "\n")
+    from provenance import write_result
+
+    write_result(RESULTS / "serve.json", result)
     print(f"wrote {RESULTS / 'serve.json'}")
 
 

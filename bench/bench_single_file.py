@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS, ROOT, WORK, median  # noqa: E402
+from _common import RESULTS, ROOT, WORK, median, write_result  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
@@ -110,7 +110,7 @@ def main() -> None:
            "load_dduf_s": round(median(loads["dduf"]), 3),
            "load_from_single_file_s": round(median(loads["from_single_file"]), 3), "loads": loads,
            "referenced": sorted(partial.references), "report": partial.report}
-    (RESULTS / "single_file.json").write_text(json.dumps(row, indent=2) + "\n")
+    write_result(RESULTS / "single_file.json", row)
     print(json.dumps({k: v for k, v in row.items() if k != "report"}, indent=2))
 
 

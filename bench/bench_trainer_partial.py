@@ -24,15 +24,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS, ROOT, WORK, compile_package, median, pipeline_folder  # noqa: E402
+from _common import RESULTS, ROOT, WORK, compile_package, median, pipeline_folder, write_result  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
 
@@ -104,25 +102,6 @@ def make_trainer_folder(base: Path, out: Path, denoiser: str) -> Path:
     return out
 
 
-def _git_commit() -> str:
-    try:
-        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def provenance(command: list[str]) -> dict[str, object]:
-    from importlib.metadata import version
-
-    import dduf_plus  # its own version (an editable install's metadata keeps the version it was installed at)
-
-    return {"commit": _git_commit(), "command": " ".join(command), "python": platform.python_version(),
-            "versions": {"dduf_plus": dduf_plus.__version__,
-                         **{d: version(d) for d in ("diffusers", "transformers", "safetensors")}},
-            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "date": time.strftime("%Y-%m-%d")}
-
-
 def timed_packs(pack, ft: Path, base: Path, out: Path, repeat: int  # noqa: ANN001 - dduf_plus.packing.pack
                 ) -> tuple[dict[str, list[float]], dict[str, int], bool]:
     """``repeat`` rounds of: pack FT (complete), pack FT --base BASE (partial), pack complete.dduf --base BASE (the
@@ -168,7 +147,6 @@ def main() -> int:
     out.mkdir(exist_ok=True)
     times, sizes, same = timed_packs(pack, ft, base, out, args.repeat)
     result = {
-        "provenance": provenance([sys.executable, *sys.argv]),
         "shape": args.shape, "repeat": args.repeat,
         "pack_complete_s": median(times["complete"]), "pack_base_s": median(times["partial"]),
         "pack_base_ratio": median(times["partial"]) / median(times["complete"]),
@@ -180,7 +158,7 @@ def main() -> int:
         "runs": times,
     }
     name = "trainer_partial.json" if args.shape == "sd15" else f"trainer_partial_{args.shape}.json"
-    (RESULTS / name).write_text(json.dumps(result, indent=2) + "\n")
+    write_result(RESULTS / name, result)
     print(f"{args.shape}: pack FT {result['pack_complete_s']:.2f} s, pack FT --base {result['pack_base_s']:.2f} s "
           f"({result['pack_base_ratio']:.2f}x); archive {sizes['partial'] / 1e9:.3f} GB vs "
           f"{sizes['complete'] / 1e9:.3f} GB complete ({100 * result['saved_fraction']:.1f} % smaller); "

@@ -30,7 +30,7 @@ import zipfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS, ROOT, WORK, drop_caches, median, sd15_archive  # noqa: E402
+from _common import RESULTS, ROOT, WORK, drop_caches, median, sd15_archive, write_result  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
 from dduf_plus.format.validate import validate  # noqa: E402
@@ -225,7 +225,7 @@ def main() -> None:
     if args.load_check_only:
         archive = sd15_archive()
         result = load_check_bench(archive, args.repeat, args.before)
-        (RESULTS / "validate_load_check.json").write_text(json.dumps(result, indent=2) + "\n")
+        write_result(RESULTS / "validate_load_check.json", result)
         return
     from huggingface_hub import read_dduf_file  # imported before timing, like ours
 
@@ -327,7 +327,7 @@ def main() -> None:
     walls = results["cli_wall_s"]
     print(f"  CLI wall: {walls['dduf validate'] * 1e3:.0f} ms (python start alone {walls['python -c pass (interpreter start)'] * 1e3:.0f} ms)")
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "validate.json").write_text(json.dumps(results, indent=2) + "\n")
+    write_result(RESULTS / "validate.json", results)
     print(f"wrote {RESULTS / 'validate.json'}")
 
 

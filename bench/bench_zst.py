@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS, WORK, median, sd15_archive  # noqa: E402
+from _common import RESULTS, WORK, median, sd15_archive, write_result  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 _CHILD = """
@@ -117,7 +117,7 @@ def main() -> None:
               "repeat": args.repeat, "note": "random weights: ratios are a floor; trained weights compress more",
               "rows": rows}
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "zst.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_result(RESULTS / "zst.json", result)
     print()
     print(f"SD-1.5-shaped fp16 archive, {size / 1e9:.2f} GB, random weights, {os.cpu_count()} CPUs, warm cache, "
           f"median of {args.repeat}")

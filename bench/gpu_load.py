@@ -496,7 +496,9 @@ def finish(args: argparse.Namespace, bench: Bench, result: dict[str, Any]) -> in
         print(f"FAILED {f['step']}: {f['error']}")
     try:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2, default=str) + "\n")
+        from provenance import write_result
+
+        write_result(args.json, result, default=str)
         print(f"wrote {args.json}")
     except OSError as e:
         print(f"could not write {args.json}: {e}")

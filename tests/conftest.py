@@ -98,3 +98,25 @@ def load_make_hostile():
         sys.modules["make_hostile"] = module
         module_spec.loader.exec_module(module)
     return module
+
+
+SLOW_TESTS = ROOT / "tests" / "slow_tests.txt"
+
+
+def slow_prefixes() -> list[str]:
+    """The node ids (or their starts) tests/slow_tests.txt lists: the tests the fast lane leaves out."""
+    lines = (line.strip() for line in SLOW_TESTS.read_text().splitlines())
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+def is_slow(nodeid: str, prefixes: list[str]) -> bool:
+    """Whether ``nodeid`` is a listed file, test, or test with any of its parameters."""
+    return any(nodeid == p or nodeid.startswith((p + "::", p + "[")) for p in prefixes)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark `slow` what tests/slow_tests.txt lists, so `pytest -m "not slow"` is the fast lane."""
+    prefixes = slow_prefixes()
+    for item in items:
+        if is_slow(item.nodeid, prefixes):
+            item.add_marker(pytest.mark.slow)

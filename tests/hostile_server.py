@@ -17,6 +17,7 @@ from __future__ import annotations
 import http.server
 import os
 import re
+import select
 import socket
 import threading
 import time
@@ -88,6 +89,8 @@ class HostileServer(http.server.ThreadingHTTPServer):
     def reset(self) -> None:
         with self.lock:
             self.requests = self.sent = self.connections = 0
+            self.trickled = 0  # bytes sent one at a time (each after trickle_s): a count that a busy machine lowers
+            self.stalls_outlasted = 0  # stalls held WRITE_TIMEOUT_S with the client still connected
             self.active = getattr(self, "active", 0)  # answers being written now (not reset: threads still run)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
@@ -167,6 +170,23 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             if not self._write(data[i : i + 1]) or self.server.stopping.wait(self.server.trickle_s):
                 self.close_connection = True
                 return
+            with self.server.lock:
+                self.server.trickled += 1
+
+    def _stall(self) -> None:
+        """Hold the connection, sending nothing, for WRITE_TIMEOUT_S; counted when the client is still there at
+        the end (a client with a read timeout has hung up by then)."""
+        if not self.server.stopping.wait(WRITE_TIMEOUT_S) and not self._peer_closed():
+            with self.server.lock:
+                self.server.stalls_outlasted += 1
+        self.close_connection = True
+
+    def _peer_closed(self) -> bool:
+        try:
+            readable, _, _ = select.select([self.request], [], [], 0)
+            return bool(readable) and self.request.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except OSError:  # reset by the peer: gone too
+            return True
 
     # -- the file --------------------------------------------------------------------------------------------
     def _file(self) -> Path | None:
@@ -217,8 +237,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._trickle(data)
         elif mode == "stall":
             self._head("200 OK", [("Content-Length", str(len(data)))])
-            self.server.stopping.wait(WRITE_TIMEOUT_S)
-            self.close_connection = True
+            self._stall()
         elif mode in ("overrun-close", "overrun-chunked", "overrun-length", "overrun-declared", "ignore-range"):
             # an endless document: the JSON, then spaces (still valid JSON, if it ever ended)
             self._head("200 OK", [("Connection", "close")])
@@ -361,8 +380,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if not self._write(head):
             return
         if mode == "stall":
-            self.server.stopping.wait(WRITE_TIMEOUT_S)
-            self.close_connection = True
+            self._stall()
             return
         self._trickle(body)
 

@@ -44,7 +44,9 @@ class FileServer(http.server.ThreadingHTTPServer):
     """Serves ``root``; use as a context manager (starts a thread, shuts down on exit).
 
     Args:
-        latency: seconds slept before answering each request (an injected round trip).
+        latency: seconds slept before answering each request (an injected round trip); the wait ends early when
+            the server stops, so a test may set a latency far past anything it waits for, and check
+            ``waited_out`` (requests whose whole latency passed) to say the client gave up first.
         bandwidth: bytes/s shared by all responses (None: unlimited).
         per_connection: bytes/s for each connection on its own, within ``bandwidth`` (None: unlimited): a link
             whose single stream is slower than the whole, as object stores and CDNs serve.
@@ -52,7 +54,9 @@ class FileServer(http.server.ThreadingHTTPServer):
         suffix: how a suffix range (``bytes=-N``, the last N bytes) is answered: ``"206"`` (the last N bytes),
             ``"200"`` (the whole file, as a server that knows only ``bytes=a-b``) or ``"416"``.
         lie_size: added to the Content-Length / total size a HEAD or 206 reports.
-        stall_after: stop sending (and hold the connection) after this many body bytes of a response.
+        stall_after: stop sending (and hold the connection, up to 60 s or until ``stop_stalling``) after this many
+            body bytes of a response; ``stalls_outlasted`` counts the stalls that reached 60 s (a client with no
+            read timeout).
         stall_after_total: stall every response once this many body bytes have been sent in all (a link
             that dies mid-download).
         close_after: close the connection after this many body bytes of a response (a short read).
@@ -78,6 +82,7 @@ class FileServer(http.server.ThreadingHTTPServer):
         self.on_request = on_request
         self.lock = threading.Lock()
         self.stop_stalling = threading.Event()
+        self.release = threading.Event()  # set on exit: any latency still being slept ends
         self.reset()
         super().__init__((host, 0), FileHandler)
         self._thread: threading.Thread | None = None
@@ -94,6 +99,8 @@ class FileServer(http.server.ThreadingHTTPServer):
             self.body_bytes, self.gets, self.heads = 0, 0, 0
             self.sent_bytes = 0  # body bytes actually written (body_bytes counts what was promised)
             self.in_flight, self.max_in_flight = 0, 0  # GET bodies being sent at once
+            self.waited_out = 0  # requests answered after their whole latency (not cut short by the exit)
+            self.stalls_outlasted = 0  # stalls held the full 60 s: the client never gave up on them
             self.ranges: list[tuple[int, int]] = []  # (start, length) of every body sent (a 200: the whole file)
             self.range_headers: list[str] = []  # the Range header of every GET ("" when none)
 
@@ -106,6 +113,7 @@ class FileServer(http.server.ThreadingHTTPServer):
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.release.set()
         self.stop_stalling.set()
         self.shutdown()
         self.server_close()
@@ -130,8 +138,9 @@ class FileHandler(http.server.BaseHTTPRequestHandler):
     def _begin(self, method: str) -> Path | None:
         if self.server.on_request is not None:
             self.server.on_request(method, self.path, self.headers)
-        if self.server.latency:
-            time.sleep(self.server.latency)
+        if self.server.latency and not self.server.release.wait(self.server.latency):
+            with self.server.lock:
+                self.server.waited_out += 1
         path = self._path()
         if path is None:
             self.send_error(404)
@@ -218,7 +227,9 @@ class FileHandler(http.server.BaseHTTPRequestHandler):
                     return
                 limit = self._limit(sent)
                 if limit is not None and limit <= 0:
-                    self.server.stop_stalling.wait(60)
+                    if not self.server.stop_stalling.wait(60):
+                        with self.server.lock:
+                            self.server.stalls_outlasted += 1
                     return
                 n = min(CHUNK, length - sent)
                 if limit is not None:
@@ -243,3 +254,19 @@ class FileHandler(http.server.BaseHTTPRequestHandler):
                     self.server.sent_bytes += len(data)
         finally:
             os.close(fd)
+
+
+def count_connects(monkeypatch: Any) -> list[tuple[str, int]]:
+    """Records every TCP connection attempt made through ``socket.create_connection`` (http.client, httpx and
+    requests all open theirs there) while the test runs: retries are counted, not timed."""
+    import socket
+
+    attempts: list[tuple[str, int]] = []
+    original = socket.create_connection
+
+    def counting(address: tuple[str, int], *args: Any, **kwargs: Any) -> socket.socket:
+        attempts.append((address[0], int(address[1])))
+        return original(address, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "create_connection", counting)
+    return attempts

@@ -163,7 +163,7 @@ def _webhook(site: dict[str, Any], service: Any) -> str:
     assert got.status_code in (200, 202, 502, 504), (got.status_code, got.text)
     if got.status_code == 202:  # over the time limit: the report comes later, still within the bounds
         url = f"{service[0]}{got.json()['commits'][0]['report_url']}"
-        deadline = time.monotonic() + 3 * DEADLINE_S + 5
+        deadline = time.monotonic() + 60  # a hang guard only: how long the check ran is counted at the server
         while httpx.get(url).json().get("status") == "pending":
             assert time.monotonic() < deadline, "the webhook's background check did not finish"
             time.sleep(0.05)
@@ -177,8 +177,9 @@ NEEDS_SERVICE = {"serve-URL", "webhook"}
 
 
 def _bounded_run(site: dict[str, Any], service: Any, entry: str, mode: str, honest_first: int,
-                 tmp_path: Path) -> tuple[str, int, int, float]:
-    """(outcome, bytes the server sent, peak RSS growth, seconds) of one entry point in one mode."""
+                 tmp_path: Path) -> tuple[str, int, int, int]:
+    """(outcome, bytes the server sent, peak RSS growth, bytes trickled plus stalls outlasted) of one entry
+    point in one mode."""
     server: HostileServer = site["server"]
     wait_idle(server)  # the previous case's threads have stopped writing
     site["mp"].setenv("DDUF_PLUS_CACHE", str(tmp_path / "cache"))  # nothing cached from another case
@@ -186,32 +187,32 @@ def _bounded_run(site: dict[str, Any], service: Any, entry: str, mode: str, hone
     server.reset()
     _reset_peak()
     base = _vm("VmRSS:")
-    started = time.perf_counter()
     try:
         outcome = ENTRIES[entry](site, service)
     except DDUFError as e:
         outcome = f"{type(e).__name__}: {e}"
     finally:
-        seconds = time.perf_counter() - started
         growth = _vm("VmHWM:") - base
         server.mode, server.honest_first = "honest", 0
     wait_idle(server)
-    return outcome, server.sent, growth, seconds
+    return outcome, server.sent, growth, server.trickled + 1000 * server.stalls_outlasted
 
 
 @pytest.mark.parametrize("entry", list(ENTRIES))
 @pytest.mark.parametrize(("mode", "honest_first"), CASES, ids=IDS)
 def test_entry_point_is_bounded(site, request, tmp_path, entry, mode, honest_first) -> None:
     service = request.getfixturevalue("service") if entry in NEEDS_SERVICE else None
-    outcome, sent, growth, seconds = _bounded_run(site, service, entry, mode, honest_first, tmp_path)
+    outcome, sent, growth, slow = _bounded_run(site, service, entry, mode, honest_first, tmp_path)
     size = site["size"]
     # the archive about twice (load + validation), headers, and what the kernel buffers for a reader that
     # stopped (64 KiB send buffer + the receiver's window); an overrun read whole would be 64 MiB at least
     # the webhook may also read up to 8 MiB of Hub API JSON (MAX_API_JSON) from an endless answer
     assert sent < 3 * size + (12 << 20) + (8 << 20 if entry == "webhook" else 0), (outcome, sent)
     assert growth < MAX_RSS_GROWTH, (outcome, growth)
-    # trickles and stalls end at the deadline, or the read timeout; the webhook may read twice in a row
-    assert seconds < 3 * DEADLINE_S + 4, (outcome, seconds)
+    # trickles and stalls end at the deadline, or the read timeout; the webhook may read twice in a row. Counted
+    # at the server: a byte trickled every trickle_s (a busy machine trickles fewer, never more), and no stall
+    # held to its end with the client still waiting
+    assert slow < (3 * DEADLINE_S + 4) / site["server"].trickle_s, (outcome, slow)
     if mode == "honest" or mode in FALLBACK:
         assert outcome in ("loaded", "exit 0", "valid=True,valid=True", "HTTP 200"), outcome
     elif entry in ("load_dduf(URL)", "hosted-ref"):

@@ -223,14 +223,14 @@ BOUNDED = textwrap.dedent("""
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     out = {}
     for path in sys.argv[1:]:
-        started = time.perf_counter()
+        started = time.process_time()  # this process' CPU: what the parse costs, whatever the machine's load
         codes = [[f.code for f in validate(path, verify=verify).errors] for verify in (False, True)]
         try:
             load_dduf(path)
             codes.append("loaded")
         except DDUFError as e:
             codes.append(e.codes)
-        out[path] = [codes, time.perf_counter() - started]
+        out[path] = [codes, time.process_time() - started]
     out["rss_mb"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024
     print(json.dumps(out))
 """)
@@ -251,7 +251,7 @@ def test_bombs_are_refused_in_bounded_time_and_memory(ddpm: dict[str, bytes], tm
     for path in map(str, archives):
         codes, seconds = result[path]
         assert codes == [["D013"], ["D013"], ["D013"]], (path, codes)
-        assert seconds < 10, (path, seconds)  # ~1 s here; the parse it replaces took several
+        assert seconds < 5, (path, seconds)  # CPU seconds: ~1 here; the parse it replaces took several
     print(result)
     assert result["rss_mb"] < 150, result  # 15 MB of bytes and a copy; the parse it replaces: ~400 MB
 

@@ -93,3 +93,23 @@ def test_cached_ranges_are_skipped(tmp_path):
     assert prefetcher.bytes_resident == len(mm)
     assert prefetcher.bytes_done == 0
     assert prefetcher._thread is None  # sampled by the caller: nothing to read, no thread to compete with
+
+
+def test_read_ahead_is_off_unless_asked(packed, monkeypatch) -> None:
+    """prefetch=False is the default (the read-ahead measured slower, cold and warm: docs/loading.md); True
+    still starts it."""
+    import dduf_plus.loading.pipeline as pipeline
+    from dduf_plus import load_dduf
+
+    started: list[object] = []
+
+    class Recording(Prefetcher):
+        def __init__(self, *args, **kwargs) -> None:
+            started.append(self)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "Prefetcher", Recording)
+    load_dduf(packed["tiny-sd"])
+    assert started == []
+    load_dduf(packed["tiny-sd"], prefetch=True)
+    assert len(started) == 1

@@ -53,6 +53,10 @@ def quantization_config(scheme: str) -> Any:
         # tiny-sd's layers are all under SDNQ's default minimum sizes (16384 elements, 32 channels)
         return SDNQConfig(weights_dtype=scheme.removeprefix("sdnq-"), minimum_allowed_numel=256,
                           minimum_allowed_channel_size=16)
+    if scheme.startswith("quanto-"):
+        from diffusers import QuantoConfig
+
+        return QuantoConfig(weights_dtype=scheme.removeprefix("quanto-"))
     if scheme == "bnb-int8":
         return BitsAndBytesConfig(load_in_8bit=True)
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=scheme.removeprefix("bnb-"))

@@ -74,6 +74,7 @@ def forward(unet: Any, dtype: torch.dtype) -> torch.Tensor:
 @pytest.mark.parametrize(("scheme", "cpu_path"), [("bnb-nf4", "plain"), ("bnb-nf4", "avx512_bf16"),
                                                   ("bnb-fp4", "plain"), ("bnb-fp4", "avx512_bf16"),
                                                   ("bnb-int8", "plain"), ("torchao-int8", "plain"),
+                                                  ("quanto-int8", "plain"), ("quanto-float8", "plain"),
                                                   pytest.param("sdnq-int8", "plain", marks=SDNQ)])
 def test_pack_time_quantization_equals_diffusers_then_pack(tiny_sd: Path, bnb_sd: Path, tmp_path: Path,
                                                            monkeypatch: pytest.MonkeyPatch, scheme: str,
@@ -88,9 +89,11 @@ def test_pack_time_quantization_equals_diffusers_then_pack(tiny_sd: Path, bnb_sd
     result, _ = pack(source, ours, quiet=True, quantize={"unet": given})
     unet = diffusers_then_pack(source, tmp_path / "theirs.dduf", quantization_config(scheme), monkeypatch)
     assert_same_archive(ours, tmp_path / "theirs.dduf")  # every entry, and the index's quantization record
-    assert result.index["components"]["unet"]["quantization"]["quantized"] > 10
-    report = validate(ours, verify=True, strict=True)
-    assert report.valid and not report.codes, str(report)
+    if not scheme.startswith("quanto"):  # (the index records torchao / bitsandbytes / SDNQ states; quanto: none)
+        assert result.index["components"]["unet"]["quantization"]["quantized"] > 10
+    report = validate(ours, verify=True, strict=not scheme.startswith("quanto"))
+    # quanto's odd-sized int8 tensors sit as diffusers' save_pretrained lays them: unaligned, copied at load (Q008)
+    assert report.valid and set(report.codes) <= ({"Q008"} if scheme.startswith("quanto") else set()), str(report)
     loaded = load_dduf(ours).unet  # loads, and computes what diffusers' quantized model computes
     dtype = next(p.dtype for n, p in unet.named_parameters() if n == "conv_in.weight")
     assert torch.equal(forward_on(loaded, dtype, cpu_path), forward_on(unet, dtype, cpu_path))
@@ -209,3 +212,15 @@ def test_cli_sdnq_with_its_defaults_on_a_tiny_pipeline(tiny_sd: Path, tmp_path: 
     ref = UNet2DConditionModel.from_pretrained(tiny_sd / "unet", quantization_config=SDNQConfig(weights_dtype="int8"))
     assert loaded.is_quantized and loaded.config["quantization_config"]["weights_dtype"] == "int8"
     torch.testing.assert_close(forward(loaded, torch.float32), forward(ref, torch.float32), rtol=1e-5, atol=1e-5)
+
+
+def test_the_help_names_every_scheme() -> None:
+    """`dduf pack --help` lists the schemes --quantize takes (quanto's were refused as unknown before)."""
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["pack", "--help"]) == 0
+    text = " ".join(out.getvalue().split())
+    assert all(name in text.replace("- ", "-") for name in quantize_module.SCHEMES), text

@@ -33,6 +33,10 @@ class Site(http.server.ThreadingHTTPServer):
         self.requests: list[str] = []
         self.redirects: dict[str, str] = {}
         self.trickle_delay = 0.25
+        # a trickle ends (the connection closed) after this many bytes, ~10 s: a client with no deadline then
+        # sees a short read, not a deadline error; ``trickled`` counts the bytes sent so far
+        self.trickle_limit = 40
+        self.trickled = 0
         super().__init__(("127.0.0.1", 0), Handler)
 
     def url(self, path: str, host: str = "127.0.0.1") -> str:
@@ -68,6 +72,17 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
+    def _trickle(self, byte: bytes) -> bool:
+        """Send one byte after trickle_delay; False (the connection closed) once trickle_limit bytes were sent."""
+        if self.server.trickled >= self.server.trickle_limit:
+            self.close_connection = True
+            return False
+        self.wfile.write(byte)
+        self.wfile.flush()
+        self.server.trickled += 1
+        time.sleep(self.server.trickle_delay)
+        return True
+
     def do_GET(self) -> None:  # noqa: N802
         self.server.requests.append(self.path)
         path = self.path
@@ -86,14 +101,12 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 self.send_header("Content-Length", str(end - start + 1))
                 self.end_headers()
                 for i in range(end - start + 1):
-                    self.wfile.write(self.server.data[start + i : start + i + 1])
-                    self.wfile.flush()
-                    time.sleep(self.server.trickle_delay)
+                    if not self._trickle(self.server.data[start + i : start + i + 1]):
+                        return
             elif path == "/trickle-head":
                 for byte in b"HTTP/1.1 206 Partial Content\r\nX-Slow: " + b"a" * 10_000:
-                    self.wfile.write(bytes([byte]))
-                    self.wfile.flush()
-                    time.sleep(self.server.trickle_delay)
+                    if not self._trickle(bytes([byte])):
+                        return
             elif path == "/norange":
                 self.send_response(200)
                 self.send_header("Content-Length", str(len(self.server.data)))
@@ -168,22 +181,24 @@ def test_same_origin_redirect_is_followed_once(site):
 
 
 def test_trickling_body_is_cut_off_at_the_deadline(site):
-    """Each byte arrives well within the per-read timeout: only the overall deadline can stop it."""
-    started = time.monotonic()
+    """Each byte arrives well within the per-read timeout: only the overall deadline can stop it. Counted at
+    the server: the client hung up before the trickle's end (40 bytes, ~10 s); a client without the deadline
+    reads to that end and fails on the short read instead."""
+    site.trickled = 0
     with pytest.raises(DDUFIOError, match="deadline of 1.5 s"):
         validate(site.url("/trickle-body"), deadline=1.5)
-    assert time.monotonic() - started < 3
+    assert site.trickled < site.trickle_limit
 
 
 def test_trickling_headers_are_cut_off_at_the_deadline(site, capsys, monkeypatch):
-    started = time.monotonic()
+    site.trickled = 0
     with pytest.raises(DDUFIOError, match="deadline"):
         validate(site.url("/trickle-head"), deadline=1.0)
-    assert time.monotonic() - started < 3
+    assert site.trickled < site.trickle_limit
     monkeypatch.setenv("DDUF_REMOTE_DEADLINE", "1")
-    started = time.monotonic()
+    site.trickled = 0
     assert cli_main(["validate", site.url("/trickle-head")]) == 2
-    assert time.monotonic() - started < 3
+    assert site.trickled < site.trickle_limit
     assert "deadline of 1 s" in capsys.readouterr().err
 
 
@@ -202,9 +217,12 @@ def test_fsspec_backends_are_bounded_by_the_deadline_too():
     import fsspec
     from fsspec.spec import AbstractBufferedFile, AbstractFileSystem
 
+    release, returned = threading.Event(), threading.Event()
+
     class SlowFile(AbstractBufferedFile):
         def _fetch_range(self, start: int, end: int) -> bytes:
-            time.sleep(5)
+            release.wait(60)  # blocks until the test is done with it
+            returned.set()
             return bytes(end - start)
 
     class SlowFS(AbstractFileSystem):
@@ -218,13 +236,15 @@ def test_fsspec_backends_are_bounded_by_the_deadline_too():
 
     fsspec.register_implementation("slowtest", SlowFS, clobber=True)
     source = FsspecSource("slowtest://x.dduf", deadline=0.5)  # direct: open_source refuses the scheme
-    started = time.monotonic()
-    with pytest.raises(DDUFIOError, match="deadline"):
-        source.read_at(0, 10)
-    assert time.monotonic() - started < 2
-    with pytest.raises(DDUFIOError, match="overran the deadline"):
-        source.read_at(0, 10)
-    source.close()
+    try:
+        with pytest.raises(DDUFIOError, match="deadline"):
+            source.read_at(0, 10)
+        assert not returned.is_set()  # given up while the backend call was still blocked, not after it
+        with pytest.raises(DDUFIOError, match="overran the deadline"):
+            source.read_at(0, 10)
+    finally:
+        release.set()
+        source.close()
 
 
 # --- byte budget ------------------------------------------------------------------------------------------

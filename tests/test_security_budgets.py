@@ -20,7 +20,6 @@ from dduf_plus.format import spec
 
 CPU_BUDGET_S = 3.0
 RSS_BUDGET = 500 << 20
-WALL_BOUND_S = 20.0  # 2 shared cores, 4-5 busy neighbours: wall can be several times CPU; a hang is not
 COMMANDS = ("validate", "info", "refs", "open")
 mh = load_make_hostile()
 
@@ -43,7 +42,9 @@ def run(tmp_path: Path):
     def run(command: str, path: Path) -> dict:
         got = _bench().measure(command, path, timeout=60, env=env)
         assert got["rc"] is not None, f"{command} {path.name} ran past 60 s"
-        assert got["cpu"] < CPU_BUDGET_S and got["rss"] < RSS_BUDGET and got["seconds"] < WALL_BOUND_S, \
+        # CPU seconds and peak RSS are the process' own (a busy machine stretches wall time, not these); a
+        # process that waits instead (a retry loop, a hang) is ended by the 60 s limit above
+        assert got["cpu"] < CPU_BUDGET_S and got["rss"] < RSS_BUDGET, \
             {k: v for k, v in got.items() if k != "output"}
         assert "Traceback" not in got["output"] and "X000" not in got["codes"], got["output"][-2000:]
         return got

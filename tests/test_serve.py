@@ -228,12 +228,11 @@ def test_concurrency_limit_answers_503():
 
 
 def test_time_limit():
-    with FileServer(HOSTILE, latency=3.0) as slow, \
+    with FileServer(HOSTILE, latency=60.0) as slow, \
             running(Settings(allow_private=True, allow_url_prefixes=(slow.url(),), time_limit=0.5)) as (base, _):
-        started = time.monotonic()
-        got = httpx.post(f"{base}/v1/validate", json={"url": slow.url("valid.dduf")}, timeout=60)
+        got = httpx.post(f"{base}/v1/validate", json={"url": slow.url("valid.dduf")}, timeout=120)
         assert got.status_code in (502, 504), got.text  # the URL deadline or the request's, whichever fires first
-        assert time.monotonic() - started < 2.5  # not the server's 3 s: the request gave up at its limit
+        assert slow.waited_out == 0  # answered while the slow server still held its answer: it gave up at its limit
 
 
 def test_load_uploads_and_urls_bounded(corpus):

@@ -51,8 +51,19 @@ def test_valid_archive_is_clean_structurally_and_verified(tmp_path):
         assert report.valid and report.errors == () and report.warnings == (), report
     structural = validate(path)
     assert 0 < structural.bytes_read <= path.stat().st_size
-    assert structural.seconds >= 0
     assert validate(path, verify=True).bytes_read > structural.bytes_read
+
+
+def test_seconds_is_the_time_the_check_took(tmp_path, monkeypatch):
+    """On a clock the test drives (each reading 1.5 s later than the one before): ``seconds`` is the span from
+    the first reading to the last, whatever the machine's load."""
+    import dduf_plus.format.validate as validate_module
+
+    path = build(tmp_path)
+    ticks = iter(range(1000))
+    monkeypatch.setattr(validate_module.time, "perf_counter", lambda: 1.5 * next(ticks))
+    report = validate(path)
+    assert report.seconds == 1.5 * (next(ticks) - 1)  # started at 0; the last reading was the one before this
 
 
 def test_report_shape_and_immutability(tmp_path):

@@ -19,6 +19,8 @@ import sys
 
 from ..errors import DDUFError, DDUFIOError, DDUFUsageError
 from ._common import PrintedOnce, SafeFormatter, echo_error
+from .quiet import quiet_other_libraries
+from .suggest import SuggestingParser
 
 # name -> (module, one-line help)
 COMMANDS = {
@@ -48,7 +50,7 @@ def exit_code(error: BaseException) -> int:
 def build_parser(command: str | None) -> argparse.ArgumentParser:
     from .._version import __version__
 
-    parser = argparse.ArgumentParser(prog="dduf", description="Fast, safe, composable DDUF archives.")
+    parser = SuggestingParser(prog="dduf", description="Fast, safe, composable DDUF archives.")
     parser.add_argument("--version", action="version", version=f"dduf_plus {__version__}")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -77,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     handler = logging.StreamHandler()
     handler.setFormatter(SafeFormatter("%(message)s"))  # log messages quote archive content
     handler.addFilter(PrintedOnce())  # a library printing its own records: once, not twice
+    quiet_other_libraries(handler, args.verbose)  # other libraries' notices: only with -v
     logging.basicConfig(level=logging.WARNING, handlers=[handler])
     logging.getLogger("dduf_plus").setLevel(level)
     for stream in (sys.stdout, sys.stderr):  # a name the terminal's encoding lacks is escaped, not a crash

@@ -15,7 +15,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "table (any `zstd -d` decodes it; `dduf decompress` decodes frames in parallel).")
     p.add_argument("archive", help="the .dduf archive to compress")
     p.add_argument("-o", "--output", help="where to write (default: ARCHIVE.zst); written atomically")
-    p.add_argument("--level", type=int, default=3, help="zstd level, 1 (fast) to 19 (small); default 3")
+    p.add_argument("--level", type=int, default=3,
+                   help="zstd level: 1 (fast) to 19 (small), 20-22 smaller still (more memory), negative faster "
+                        "still, 0 zstd's default; default 3")
     p.add_argument("--threads", type=int, default=-1, help="compression threads (default: one per CPU)")
     p.add_argument("--long", action="store_true", help="long-distance matching, 128 MiB window")
     p.add_argument("--frame-size", type=size_arg, default="256M", metavar="SIZE",

@@ -36,7 +36,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="convert floating weights while packing (e.g. bfloat16, unet=float8_e4m3fn)")
     p.add_argument("--quantize", action="append", metavar="NAME=SCHEME",
                    help="quantize a component while packing, as diffusers would save it (repeatable): bnb-nf4, "
-                        "bnb-fp4, bnb-int8, torchao-int8, sdnq-int8, sdnq-uint4, sdnq-float8_e4m3fn")
+                        "bnb-fp4, bnb-int8, torchao-int8, sdnq-int8, sdnq-uint4, sdnq-float8_e4m3fn, quanto-int8, "
+                        "quanto-float8")
     p.add_argument("--lora", action="append", default=[], metavar="[NAME=]FILE[@WEIGHT]",
                    help="with a LoRA SOURCE (itself [NAME=]FILE[@WEIGHT] too): one more adapter for the same --base "
                         "(docs/lora.md)")
@@ -100,8 +101,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.quiet:
         for s in result.skipped:
             echo(f"skipped {s.path}: {s.reason}")
-        for line in getattr(partial, "report", None) or []:
-            echo(line)
+        # (the reference report was logged by pack itself, once, on stderr: not printed here a second time)
         echo(f"wrote {result.path}: {plural(result.entries, 'entry', 'entries')}, {human_bytes(result.bytes_written)} "
              f"in {result.seconds:.2f} s")
     return 0

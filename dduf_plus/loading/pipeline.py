@@ -63,7 +63,7 @@ def load_dduf(
     cache_dir: str | os.PathLike | None = None,
     verify: bool = True,
     use_mmap: bool = True,
-    prefetch: bool = True,
+    prefetch: bool = False,
     allow_missing_weights: bool = False,
     max_decompressed: Any = None,
     remote: Any = None,
@@ -104,7 +104,8 @@ def load_dduf(
             referenced component is found by its tensors' digest, after local copies and before any download
             (:mod:`dduf_plus.refs.model_dirs`).
         use_mmap: False reads each tensor into its own buffer with ``os.preadv`` (network file systems).
-        prefetch: read the weights in on a background thread while the modules are being built.
+        prefetch: read the weights in on a background thread while the modules are being built (off by
+            default: measured slower than the faults of the first use, cold and warm; docs/loading.md).
         max_decompressed: the decompression budget for a ``.dduf.zst`` (``"64G"``, ``"32x"``, ``"64G,32x"``,
             ``"unlimited"``; default: ``$DDUF_PLUS_MAX_DECOMPRESSED`` or 256 GiB and 16x past 256 MiB).
         remote: how a URL is fetched: a ``dduf_plus.remote.fetch.RemoteOptions`` or a dict of its fields,

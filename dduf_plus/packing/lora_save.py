@@ -9,6 +9,7 @@ import logging
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from ..errors import DDUFPackError
 from ..format.lora import LORA_METADATA_KEY
 
 logger = logging.getLogger(__name__)
@@ -67,7 +68,10 @@ def pipeline_adapters(pipe: Any, components: Iterable[str]) -> list[SavedAdapter
 
 
 def _saved_adapter(name: str, modules: Mapping[str, Any]) -> SavedAdapter:
-    from peft.utils import get_peft_model_state_dict
+    try:
+        from peft.utils import get_peft_model_state_dict
+    except ImportError as e:  # peft is the lora extra: a pipeline with adapters was built with it
+        raise DDUFPackError(f"saving LoRA adapter {name!r} needs peft: pip install 'dduf_plus[lora]'") from e
     from safetensors.torch import save
 
     state: dict[str, Any] = {}

@@ -49,6 +49,8 @@ SCHEMES: dict[str, str] = {  # --quantize name -> what it is, in the backend's w
     "sdnq-int8": "SDNQ int8 weights (SDNQConfig(weights_dtype='int8'))",
     "sdnq-uint4": "SDNQ packed uint4 weights (SDNQConfig(weights_dtype='uint4'))",
     "sdnq-float8_e4m3fn": "SDNQ fp8 e4m3 weights (SDNQConfig(weights_dtype='float8_e4m3fn'))",
+    "quanto-int8": "optimum-quanto int8 weights (QuantoConfig(weights_dtype='int8'))",
+    "quanto-float8": "optimum-quanto fp8 weights (QuantoConfig(weights_dtype='float8'))",
 }
 ALIASES = {"bitsandbytes-nf4": "bnb-nf4", "bitsandbytes-fp4": "bnb-fp4", "bitsandbytes-int8": "bnb-int8",
            "torchao-int8_weight_only": "torchao-int8", "torchao-int8wo": "torchao-int8", "sdnq-fp8": "sdnq-float8_e4m3fn"}
@@ -104,12 +106,16 @@ def quantization_config(scheme: str) -> Any:
         from torchao.quantization import Int8WeightOnlyConfig
 
         return TorchAoConfig(Int8WeightOnlyConfig())
+    if backend == "quanto":
+        from diffusers import QuantoConfig
+
+        return QuantoConfig(weights_dtype=kind)
     from diffusers import SDNQConfig
 
     return SDNQConfig(weights_dtype=kind)
 
 
-_BACKEND_MODULE = {"bnb": "bitsandbytes", "torchao": "torchao", "sdnq": "sdnq"}
+_BACKEND_MODULE = {"bnb": "bitsandbytes", "torchao": "torchao", "sdnq": "sdnq", "quanto": "optimum.quanto"}
 
 
 def _require(scheme: str, component: str) -> None:

@@ -31,7 +31,7 @@ from ..errors import DDUFPackError
 logger = logging.getLogger(__name__)
 
 
-SAVED = ("torchao", "bitsandbytes", "sdnq")  # diffusers quant_method values save_dduf stores
+SAVED = ("torchao", "bitsandbytes", "sdnq", "quanto")  # diffusers quant_method values save_dduf stores
 
 
 def quant_method(model: Any) -> str:
