@@ -14,11 +14,8 @@ from __future__ import annotations
 
 import json
 import os
-import platform
-import subprocess
 import sys
 import tempfile
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -28,6 +25,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "bench"))
+from provenance import write_result  # noqa: E402
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
@@ -125,30 +125,13 @@ def measure(tmp: Path) -> dict[str, Any]:
     return result
 
 
-def provenance(command: list[str]) -> dict[str, Any]:
-    from importlib.metadata import version
-
-    import dduf_plus
-
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = None
-    return {"commit": commit, "command": " ".join(command), "python": platform.python_version(),
-            "versions": {"dduf_plus": dduf_plus.__version__, "torch": torch.__version__,
-                         **{d: version(d) for d in ("diffusers", "transformers", "safetensors")}},
-            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, "
-                       f"CPU capability {torch.backends.cpu.get_cpu_capability()}",
-            "date": time.strftime("%Y-%m-%d")}
-
-
 def main() -> int:
     with tempfile.TemporaryDirectory(prefix="dduf-align-") as tmp:
         result = measure(Path(tmp))
-    record = {"provenance": provenance([sys.executable, *sys.argv]), **result}
-    out = ROOT / "bench" / "results" / "alignment.json"
-    out.write_text(json.dumps(record, indent=2) + "\n")
-    print(json.dumps(record, indent=2))
+    result["cpu"] = {"torch_threads": torch.get_num_threads(),
+                     "capability": torch.backends.cpu.get_cpu_capability()}
+    write_result(ROOT / "bench" / "results" / "alignment.json", result)
+    print(json.dumps(result, indent=2))
     return 0
 
 

@@ -21,8 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS, ROOT, WORK, median, pipeline_archive, pipeline_folder  # noqa: E402
-from bench_trainer_partial import provenance  # noqa: E402
+from _common import RESULTS, ROOT, WORK, median, pipeline_archive, pipeline_folder, write_result  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
 
@@ -74,14 +73,14 @@ def main() -> int:
                 "ratio_vs_copy": round(median(times) / median(anchor_times), 2),
                 "out_bytes": nbytes, "mb_per_s": round(nbytes / median(times) / 1e6)}
 
-    result = {"provenance": provenance(sys.argv), "shape": args.shape, "repeat": args.repeat,
-              "archive_bytes": archive.stat().st_size, "out_dir": args.out_dir or "bench work folder (disk)", "full_file": row(full, anchor, out_bytes),
+    result = {"shape": args.shape, "repeat": args.repeat, "archive_bytes": archive.stat().st_size,
+              "out_dir": args.out_dir or "bench work folder (disk)", "full_file": row(full, anchor, out_bytes),
               "component_vae": row(vae, vae_anchor, vae_bytes),
               "note": "export_single_file in this process (imports before the clock), fsync off, a sync before each "
                       "timed run, page cache warm; anchor: shutil.copyfile of the same bytes, interleaved in the "
                       "same run"}
     name = "export" + ("" if args.shape == "sd15" else f"_{args.shape}")
-    (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_result(RESULTS / f"{name}.json", result)
     print(json.dumps({k: result[k] for k in ("archive_bytes", "full_file", "component_vae")}, indent=2))
     return 0
 

@@ -27,8 +27,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS, ROOT, WORK, median, pipeline_folder  # noqa: E402
-from bench_trainer_partial import provenance  # noqa: E402
+from _common import RESULTS, ROOT, WORK, median, pipeline_folder, write_result  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
 
@@ -137,7 +136,6 @@ def main() -> int:
                     rows[case][f"resolve_{which}"].append(resolve)
         referenced_bytes = sum(f.stat().st_size for n in moved for f in (src / n).glob("*.safetensors"))
         result = {
-            "provenance": provenance(sys.argv),
             "shape": args.shape, "repeat": args.repeat, "archive_bytes": archive.stat().st_size,
             "found_in_model_dirs": list(moved), "found_bytes": referenced_bytes,
             "load_seconds": {c: {k: {"median": round(median(v), 3), "runs": [round(x, 3) for x in v]}
@@ -152,7 +150,7 @@ def main() -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     name = "model_dirs" + ("" if args.shape == "sd15" else f"_{args.shape}")
-    (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_result(RESULTS / f"{name}.json", result)
     print(json.dumps(result["load_seconds"], indent=2), result["ratio_model_dirs_vs_hf_cache"])
     return 0
 
