@@ -229,7 +229,7 @@ def test_load_of_an_index_lying_about_a_safetensors_header_is_refused(served, tm
     size, so the entry's sha256 still matches) is refused by rule I002."""
     from dduf_plus import load_dduf
 
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # online (unset, huggingface_hub's import-time value would decide)
     server, archives = served
 
     def lie(index: dict) -> None:
@@ -264,7 +264,7 @@ def test_tiny_indexed_archive_opens_in_one_request(served, tmp_path: Path, monke
     from dduf_plus.refs.hosted import hosted_member_records
     from dduf_plus.remote.fetch import fetch_archive
 
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # online (unset, huggingface_hub's import-time value would decide)
     server, archives = served
     url, data = server.url("tiny.dduf"), archives["tiny"].read_bytes()
     calls = {"validate": lambda: validate(url).valid, "info": lambda: main(["info", url, "--json"]) == 0,
@@ -285,7 +285,7 @@ def test_server_without_suffix_ranges_costs_one_request_more(tmp_path: Path, ans
     from dduf_plus.format.pack import pack_folder
     from dduf_plus.remote.fetch import fetch_archive
 
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # online (unset, huggingface_hub's import-time value would decide)
     www = tmp_path / "www"
     www.mkdir()
     path = www / "tiny.dduf"
@@ -323,7 +323,7 @@ def test_load_open_is_one_request(served, tmp_path: Path, monkeypatch) -> None:
     request; everything else it reads is entry data (headers are checked as those ranges land)."""
     from dduf_plus.remote.fetch import fetch_archive
 
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # online (unset, huggingface_hub's import-time value would decide)
     server, archives = served
     size = archives["indexed"].stat().st_size
     server.reset()

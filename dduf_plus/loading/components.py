@@ -171,3 +171,8 @@ def build_component(cls: type[Any], files: ComponentFiles, request: ModelRequest
         raise DDUFLoadError(f"{files.description}: {cls.__name__} needs a missing library ({e}); pip install it") from e
     except Exception as e:  # a library's own error on damaged or mismatched data: say which component
         raise DDUFLoadError(f"{files.description}: cannot build {cls.__name__}: {type(e).__name__}: {e}") from e
+    except BaseException as e:  # a Rust library's panic (tokenizers: pyo3's PanicException) on hostile files
+        if type(e).__name__ != "PanicException":
+            raise
+        raise DDUFLoadError(f"{files.description}: cannot build {cls.__name__}: its library panicked on these "
+                            f"files ({str(e).splitlines()[0] if str(e) else 'no message'})") from e
