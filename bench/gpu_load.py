@@ -496,6 +496,8 @@ def finish(args: argparse.Namespace, bench: Bench, result: dict[str, Any]) -> in
         print(f"FAILED {f['step']}: {f['error']}")
     try:
         args.json.parent.mkdir(parents=True, exist_ok=True)
+        if str(ROOT / "bench") not in sys.path:  # loaded by path (tests, a device machine): its sibling module
+            sys.path.insert(0, str(ROOT / "bench"))
         from provenance import write_result
 
         write_result(args.json, result, default=str)

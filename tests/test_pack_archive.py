@@ -186,15 +186,24 @@ def test_same_path_is_refused(full: Path, tmp_path: Path, capsys: pytest.Capture
 
 
 def test_cli_says_what_a_folder_pack_says(full: Path, sd_ft: Path, tmp_path: Path,
-                                          capsys: pytest.CaptureFixture[str]) -> None:
+                                          capsys: pytest.CaptureFixture[str],
+                                          caplog: pytest.LogCaptureFixture) -> None:
     assert main(["pack", str(full), "-o", str(tmp_path / "a.dduf"), "--base", str(TINY_SD), "-q"]) == 0
     assert main(["pack", str(sd_ft), "-o", str(tmp_path / "b.dduf"), "--base", str(TINY_SD), "-q"]) == 0
     assert (tmp_path / "a.dduf").read_bytes() == (tmp_path / "b.dduf").read_bytes()
     capsys.readouterr()
+    caplog.set_level(logging.INFO, logger="dduf_plus")
+    caplog.clear()
     assert main(["pack", str(full), "-o", str(tmp_path / "c.dduf"), "--base", str(TINY_SD)]) == 0
-    lines = [line for line in capsys.readouterr().out.splitlines() if not line.startswith("wrote ")]
+    def said() -> list[str]:  # the report is logged (stderr, once), skipped files and "wrote" on stdout
+        out = [line for line in capsys.readouterr().out.splitlines() if not line.startswith("wrote ")]
+        logged = [r.getMessage() for r in caplog.records if r.name.startswith("dduf_plus")]
+        caplog.clear()
+        return out + logged
+
+    lines = said()
     assert main(["pack", str(sd_ft), "-o", str(tmp_path / "d.dduf"), "--base", str(TINY_SD)]) == 0
-    assert lines == [line for line in capsys.readouterr().out.splitlines() if not line.startswith("wrote ")]
+    assert lines == said()
     assert any(line.startswith("referenced tokenizer -> ") for line in lines), lines
 
 

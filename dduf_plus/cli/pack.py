@@ -150,9 +150,7 @@ def _run_lora(args: argparse.Namespace) -> int:
                     "seconds": round(result.seconds, 3), "adapters": [i.name for i in items],
                     "references": partial.references or {}, "bytes_saved": partial.bytes_saved})
         return 0
-    if not args.quiet:
-        for line in partial.report:
-            echo(line)
+    if not args.quiet:  # the report itself is logged by pack_lora (stderr, once)
         echo(f"wrote {result.path}: {plural(result.entries, 'entry', 'entries')}, {human_bytes(result.bytes_written)} "
              f"in {result.seconds:.2f} s")
     return 0

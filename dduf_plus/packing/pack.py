@@ -146,6 +146,8 @@ def _pack_plan(plan: Any, output: str | os.PathLike, *, variant: str | None, exc
         model_index, model_index_bytes = partial.model_index, partial.model_index_bytes
         sources, references = partial.sources, partial.references
         _check_partial(partial, base=base, dtype=dtype)
+        for line in partial.report:  # what is referenced and why the rest is stored: said once (the CLI shows it)
+            logger.info("%s", line)
     elif references:  # a partial archive re-packed as it is: a --dtype for a referenced component is refused too
         _check_partial(SimpleNamespace(references=references, sources=sources), base=None, dtype=dtype)
     extra: dict[str, Any] | None = _quanto_records(sources)
