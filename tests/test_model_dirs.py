@@ -231,3 +231,35 @@ def test_export_resolves_from_app_folders(setup: dict[str, Any], tmp_path: Path,
 def _refs(setup: dict[str, Any]) -> dict[str, Any]:
     with DDUFArchive(setup["archive"]) as a:
         return dict(a.references)
+
+
+def test_sdxl_text_encoders_and_vae_from_app_folders(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SDXL: the VAE (LDM layout, for models/vae) and both text encoders (re-saved, for models/text_encoders) in an
+    app's folders, BASE's copies gone: the single-file partial archive loads them by content, equal to BASE's."""
+    from safetensors.torch import save_file
+    from single_file_ckpt import build_tiny_sdxl, vae_to_ldm
+
+    from dduf_plus import load_dduf
+
+    monkeypatch.setenv("DDUF_PLUS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv(model_dirs.ENV, raising=False)
+    base = build_tiny_sdxl(tmp_path / "sdxl", TINY_SD / "tokenizer")
+    ckpt = tmp_path / "xl.safetensors"
+    save_file(checkpoint_from_pipeline(base, "xl_base", unet_delta=0.01, dtype=torch.float32), ckpt)
+    archive = tmp_path / "xl.dduf"
+    pack_single_file(ckpt, archive, base=str(base), quiet=True, fsync=False)
+    moved = ("vae", "text_encoder", "text_encoder_2")
+    expected = {n: getattr(load_dduf(archive), n).state_dict() for n in moved}
+    models = tmp_path / "models"
+    (models / "vae").mkdir(parents=True)
+    (models / "text_encoders").mkdir()
+    from safetensors.torch import load_file
+
+    vae_config = json.loads((base / "vae" / "config.json").read_text())
+    save_file(vae_to_ldm(load_file(base / "vae" / "diffusion_pytorch_model.safetensors"), vae_config),
+              models / "vae" / "sdxl_vae.safetensors")
+    _resave(base / "text_encoder" / "model.safetensors", models / "text_encoders" / "clip_l.safetensors")
+    _resave(base / "text_encoder_2" / "model.safetensors", models / "text_encoders" / "clip_g.safetensors")
+    for n in moved:
+        shutil.rmtree(base / n)
+    _same(load_dduf(archive, model_dirs=[models]), expected)
