@@ -263,3 +263,56 @@ def test_sdxl_text_encoders_and_vae_from_app_folders(tmp_path: Path, monkeypatch
     for n in moved:
         shutil.rmtree(base / n)
     _same(load_dduf(archive, model_dirs=[models]), expected)
+
+
+def test_sd3_text_encoders_from_app_folders(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SD3.5: CLIP-L, CLIP-G and T5 re-saved in models/text_encoders (as ComfyUI users keep them), BASE's copies
+    gone: the single-file partial archive finds all three by content."""
+    from safetensors.torch import save_file
+    from single_file_ckpt import build_tiny_sd3, sd3_checkpoint_from_pipeline
+
+    from dduf_plus import load_dduf
+
+    monkeypatch.setenv("DDUF_PLUS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv(model_dirs.ENV, raising=False)
+    base = build_tiny_sd3(tmp_path / "sd3", TINY_SD / "tokenizer", PIPELINES / "tiny-dit" / "tokenizer")
+    ckpt = tmp_path / "sd35.safetensors"
+    save_file(sd3_checkpoint_from_pipeline(base, transformer_delta=0.01, components=("transformer",)), ckpt)
+    archive = tmp_path / "sd35.dduf"
+    pack_single_file(ckpt, archive, base=str(base), quiet=True, fsync=False)
+    moved = ("text_encoder", "text_encoder_2", "text_encoder_3")
+    expected = {n: getattr(load_dduf(archive), n).state_dict() for n in moved}
+    models = tmp_path / "models" / "text_encoders"
+    models.mkdir(parents=True)
+    for n, file in zip(moved, ("clip_l", "clip_g", "t5xxl"), strict=True):
+        _resave(base / n / "model.safetensors", models / f"{file}.safetensors")  # the fp32 weights the pack named
+        shutil.rmtree(base / n)
+    _same(load_dduf(archive, model_dirs=[tmp_path / "models"]), expected)
+
+
+def test_flux_text_encoders_and_vae_from_app_folders(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Flux: the BFL transformer file packed against BASE; the VAE (diffusers' file, as apps also keep it), CLIP-L
+    and T5 (re-saved) in an app's folders, BASE's copies gone: all three found by content."""
+    from safetensors.torch import save_file
+    from single_file_ckpt import build_tiny_flux, flux_checkpoint
+
+    from dduf_plus import load_dduf
+
+    monkeypatch.setenv("DDUF_PLUS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv(model_dirs.ENV, raising=False)
+    base = build_tiny_flux(tmp_path / "flux", TINY_SD / "tokenizer", PIPELINES / "tiny-dit" / "tokenizer")
+    ckpt = tmp_path / "flux1.safetensors"
+    save_file(flux_checkpoint(base, transformer_delta=0.01), ckpt)
+    archive = tmp_path / "flux1.dduf"
+    pack_single_file(ckpt, archive, base=str(base), quiet=True, fsync=False)
+    moved = ("vae", "text_encoder", "text_encoder_2")
+    expected = {n: getattr(load_dduf(archive), n).state_dict() for n in moved}
+    models = tmp_path / "models"
+    (models / "vae").mkdir(parents=True)
+    (models / "text_encoders").mkdir()
+    shutil.copy(base / "vae" / "diffusion_pytorch_model.safetensors", models / "vae" / "ae.safetensors")
+    _resave(base / "text_encoder" / "model.safetensors", models / "text_encoders" / "clip_l.safetensors")
+    _resave(base / "text_encoder_2" / "model.safetensors", models / "text_encoders" / "t5xxl.safetensors")
+    for n in moved:
+        shutil.rmtree(base / n)
+    _same(load_dduf(archive, model_dirs=[models]), expected)
