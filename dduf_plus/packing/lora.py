@@ -106,6 +106,7 @@ class CheckedAdapter(NamedTuple):
     header: SafetensorsHeader
     lora: LoraFile
     record: dict[str, Any]
+    data: bytes | None = None  # the file's bytes when it was serialised in memory (save_dduf), not read from a path
 
 
 def read_adapter(item: LoraInput) -> tuple[SafetensorsHeader, LoraFile]:
@@ -214,7 +215,9 @@ def adapter_sources(adapters: Sequence[CheckedAdapter]) -> list[EntrySource]:
     raw = (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
     sources = [EntrySource(LORA_CONFIG, data=raw)]
     for a in adapters:
-        sources.append(EntrySource(f"{LORA_FOLDER}/{a.record['file']}", path=a.source.path, header=a.header))
+        name = f"{LORA_FOLDER}/{a.record['file']}"
+        sources.append(EntrySource(name, data=a.data, header=a.header) if a.data is not None
+                       else EntrySource(name, path=a.source.path, header=a.header))
     return sources
 
 
@@ -243,11 +246,9 @@ def saved_adapter_sources(adapters: Sequence[Any], comparer: Any) -> list[EntryS
         record = {"name": a.name, "file": f"{a.name}.safetensors", "weight": a.weight, "layout": lora.layout,
                   "targets": targets, "size": len(a.data), "base": str(comparer.spec) if comparer else None,
                   "metadata": {}}
-        out.append(CheckedAdapter(LoraInput(Path(f"{a.name}.safetensors"), a.name, a.weight), header, lora, record))
-    sources = adapter_sources(out)
-    by_name = {a.name: a for a in adapters}
-    return [s if s.path is None else EntrySource(s.name, data=by_name[s.name.rsplit("/", 1)[1][: -len(".safetensors")]].data,
-                                                header=s.header) for s in sources]
+        out.append(CheckedAdapter(LoraInput(Path(f"{a.name}.safetensors"), a.name, a.weight), header, lora, record,
+                                  a.data))
+    return adapter_sources(out)
 
 
 def with_lora_key(model_index: Mapping[str, Any]) -> dict[str, Any]:
