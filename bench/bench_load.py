@@ -304,14 +304,17 @@ def main() -> None:
     parser.add_argument("--loaders", help="only these loaders (comma-separated: dduf,dduf-prefetch,dduf-noprefetch,dduf-pread,"
                                           "folder,old-hub,old-ours); fresh rows always compare dduf and folder")
     parser.add_argument("--out", help="default: bench/results/load.json (sd15), load_sdxl.json (sdxl)")
-    parser.add_argument("--from-json", help="re-render the table, ratios and chart from a saved load.json")
+    parser.add_argument("--from-json", help="re-render the table, ratios and chart from a saved load.json "
+                        "(the JSON itself, and its provenance, are left as measured)")
     args = parser.parse_args()
     out = Path(args.out or ROOT / "bench" / "results" / ("load.json" if args.shape == "sd15" else f"load_{args.shape}.json"))
     if args.from_json:
         saved = json.loads(Path(args.from_json).read_text())
         for r in saved["results"].values():
             r["best_load_touch"] = min(x["load_touch"] for x in r["samples"])
-        finish(saved["results"], saved["cat_archive_s"], out, saved.get("shape", "sd15"))
+        results, cat, shape = saved["results"], saved["cat_archive_s"], saved.get("shape", "sd15")
+        print_table(results, cat, compute_ratios(results, cat))
+        chart(results, cat, Path(args.from_json).with_suffix(".png"), shape, saved.get("archive_bytes"))
         return
     if args.child:
         child(args.child, args.path, args.shape)
@@ -486,6 +489,7 @@ def chart(results: dict, cat: dict, path: Path, shape: str = "sd15", archive_byt
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError:
         print("matplotlib not installed: no chart")
         return
@@ -499,6 +503,10 @@ def chart(results: dict, cat: dict, path: Path, shape: str = "sd15", archive_byt
         ax_time.axvline(value, linestyle="--", color="grey")
         ax_time.text(value, len(keys) - 0.4, f" cat {name}", color="grey", fontsize=8)
     ax_time.set_xscale("log")
+    # plain-number ticks: matplotlib's default minor labels on a short log axis overlap each other
+    ax_time.xaxis.set_major_locator(matplotlib.ticker.FixedLocator([0.1, 0.2, 0.5, 1, 2, 5, 10, 20]))
+    ax_time.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+    ax_time.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax_time.set_xlabel("seconds (log)")
     ax_time.set_yticks(list(y), labels, fontsize=8)
     ax_time.invert_yaxis()
