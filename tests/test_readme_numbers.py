@@ -141,7 +141,7 @@ ROWS: dict[str, tuple[str, Callable[[dict], list[str]], tuple[str, ...]]] = {
     "same, fresh process (tiny-sd, imports included)": ("load", fresh_row, ()),
     "load SD-1.5-shaped fp16 + first denoising step": ("first_step", first_step_row, ("SD-1.5", "fp16", "64x64")),
     "load SDXL-shaped fp16": ("scale", sdxl_row, ("SDXL", "fp16")),
-    "load SD-1.5-shaped fp16 to an H200": ("gpu_load", gpu_row, ("SD-1.5", "fp16", "H200")),
+    "load SD-1.5-shaped fp16 to an H200": ("gpu_load", gpu_row, ("SD-1.5", "fp16", "H200", "0.6.0 code")),
     "`dduf validate`, structural": ("validate", validate_row, ()),
     "`dduf validate --verify`": ("validate", verify_row, ("sha256",)),
     "`dduf pack` (fsync)": ("pack", pack_row, ()),
