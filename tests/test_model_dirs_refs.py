@@ -103,6 +103,21 @@ def test_a_hub_base_not_on_this_machine_records_from_the_identical_local_copy(tm
     assert tensor_records.reference_tensors(spec, "vae", other, None, local) == {}
 
 
+def test_an_archive_repacked_against_a_hub_base_elsewhere_records_from_its_entries(tmp_path: Path,
+                                                                                   hf_env: Path) -> None:
+    """``dduf pack IN.dduf --base org/repo`` with the repo's bytes elsewhere: IN's entries (the local copy, found
+    identical by file hashes) give the digest, hashed from the mapped archive."""
+    from dduf_plus.format.pack import FileRegion
+
+    archive = pack(TINY_SD, tmp_path / "in.dduf", quiet=True)[0].path
+    with DDUFArchive(archive) as a:
+        local = {f: FileRegion(archive, a.entry(f"vae/{f}").offset, a.entry(f"vae/{f}").length, f"vae/{f}")
+                 for f in ("config.json", WEIGHTS["vae"])}
+    files = hash_local_files(local)
+    found = tensor_records.reference_tensors(parse_spec("org/not-cached"), "vae", files, None, local)
+    assert found[model_dirs.RECORD_KEY]["sha256"] == _digest(TINY_SD / "vae" / WEIGHTS["vae"])
+
+
 def test_an_archive_base_is_hashed_once_per_entry(tmp_path: Path, hf_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Packing again against the same .dduf BASE hashes no tensors: the digest is remembered per entry."""
     base = _base("dduf", tmp_path, hf_env)
