@@ -1,7 +1,8 @@
 """``complete``: a partial archive plus its resolved references -> one self-contained archive.
 
 Stored entries are streamed from the partial archive and referenced files from where they resolve, both
-byte-identical, through the same writer (alignment, order, index, atomic rename). ``model_index.json``
+byte-identical (except a weights file found by its tensors in an app's model folder: the same tensors in that
+file's bytes, said), through the same writer (alignment, order, index, atomic rename). ``model_index.json``
 loses ``_dduf_plus_references``; when the partial was packed from a canonical (diffusers-written)
 model_index.json, or recorded the original text, the output equals a direct full pack of the same
 components byte for byte, whole file included."""
@@ -9,6 +10,7 @@ components byte for byte, whole file included."""
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -21,11 +23,15 @@ from ..format.archive import DDUFArchive
 from ..format.chat_template import INDEX_KEY, TOKENIZER_CONFIG, fold, is_template_name, restore_plan
 from ..format.json_budget import parse_json_entry
 from ..format.pack import EntrySource, PackResult, read_safetensors_head, write_archive
+from ..refs import model_dirs
 from ..refs.resolve import Located, SpecLike, check_ref_names, locate_component
 from ..storage.confined import Confined
 from .partial import ORIGINAL_MODEL_INDEX_KEY, canonical_model_index_bytes
 
+logger = logging.getLogger(__name__)
+
 CHUNK = 64 << 20
+MODEL_FOLDER = "model folder"  # Located.how of a component found by its tensors in an app's model folder
 # index keys build_index derives itself; any other key of a stored component (e.g. a dtype conversion's
 # record) is carried over through extra_components
 _DERIVED_KEYS = {"library", "class", "files", "summary", "variants", "external"}
@@ -144,6 +150,10 @@ def _referenced_sources(name: str, loc: Located, files: Iterable[str], others: l
         others.append(other)
         return [_stream(other, f"{loc.member}/{fname}", f"{name}/{fname}") for fname in sorted(files)]
     sources = []
+    missing = sorted(set(files) - set(loc.files))
+    if missing:  # a model folder gives weights and config only
+        raise DDUFReferenceError(f"component {name!r}: {loc.source} has no {', '.join(missing)}, which the reference "
+                                 "records; complete it from a copy with every file (--ref)")
     templates = {f: loc.files[f] for f in sorted(files) if is_template_name(f)}
     for fname in sorted(files):
         path = loc.files[fname]
@@ -170,15 +180,37 @@ def _extra_components(archive: DDUFArchive, references: Mapping[str, Any]) -> di
 def _check_copied(result: PackResult, references: Mapping[str, Any], located: Mapping[str, Located],
                   output: str | os.PathLike) -> None:
     """The writer hashed every byte it copied: a file that changed after it was verified is caught here,
-    and the archive this call just wrote is removed."""
+    and the archive this call just wrote is removed. A weights file found by content in a model folder has
+    other bytes than the recorded ones by design: it is checked to be unchanged since its tensors were verified
+    (their digest is still remembered for it), and the difference is said."""
     written = result.index["files"]
     for name in references:
         folded = result.index["components"].get(name, {}).get(INDEX_KEY, {}).get("files", {})
         for fname, rec in references[name]["files"].items():
             got_rec = folded.get(fname) or written.get(f"{name}/{fname}", {})  # a template: its fold record
             got = got_rec.get("source_sha256") or got_rec.get("sha256")  # folded tokenizer_config: the original's
-            if rec.get("sha256") and got != rec["sha256"]:
-                out = Path(output).absolute()  # a relative path would be taken relative to the Confined root
-                Confined(out.parent).unlink(out)
-                raise DDUFReferenceError(f"component {name!r}: {fname} from {located[name].source} changed while it was "
-                                         f"copied (sha256 {got}, recorded {rec['sha256']}); nothing was written")
+            if not rec.get("sha256") or got == rec["sha256"]:
+                continue
+            why = _by_content(name, fname, located[name], references[name], got)
+            if why is None:
+                continue
+            out = Path(output).absolute()  # a relative path would be taken relative to the Confined root
+            Confined(out.parent).unlink(out)
+            raise DDUFReferenceError(f"component {name!r}: {fname} from {located[name].source} {why} "
+                                     f"(sha256 {got}, recorded {rec['sha256']}); nothing was written")
+
+
+def _by_content(name: str, fname: str, loc: Located, reference: Mapping[str, Any], got: str) -> str | None:
+    """None when ``fname`` came from a model-folder file whose tensors are the reference's (verified by their
+    digest when it was found, and the file unchanged since): said, and accepted with its own bytes. Else why
+    the copy is refused."""
+    if loc.how != MODEL_FOLDER or not fname.endswith(".safetensors") or fname not in loc.files:
+        return "changed while it was copied"
+    record = reference.get(model_dirs.RECORD_KEY)
+    digest = record.get("sha256") if isinstance(record, dict) else None
+    if digest is None or model_dirs.verified_digest(loc.files[fname]) != digest:
+        return "changed after its tensors were verified"
+    logger.warning("component %r: %s written from %s: the same tensors as the reference (verified by their "
+                   "digest) in other bytes than it recorded; the archive's index records their sha256 %s",
+                   name, fname, loc.source, got)
+    return None

@@ -50,7 +50,6 @@ from ..format.pack import (
 from ..format.references import is_local_path
 from ..format.structure import component_specs, model_index_object
 from ..format.weights import classify
-from ..refs.model_dirs import tensor_record
 from ..refs.resolve import Spec, component_folder, parse_ref_args, parse_spec
 from ..sizes import format_size
 from .identity import ComponentBytes, ComponentCopy
@@ -62,6 +61,7 @@ from .reference_source import (
     hash_local_files,
     same_file_hashes,
 )
+from .tensor_records import reference_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -184,15 +184,17 @@ def _parse_sources(refs: Mapping[str, str], base: str | None) -> tuple[dict[str,
 
 
 def reference_record(name: str, type_hint: tuple[str | None, str | None], src: Spec | None, files: FileRecords,
-                     revision: str | None, variant: str | None, local_paths: set[str]) -> dict[str, Any]:
+                     revision: str | None, variant: str | None, local_paths: set[str],
+                     local: Mapping[str, LocalFile] | None = None) -> dict[str, Any]:
     """The reference of component ``name`` to ``src`` recording ``files``; a machine-bound source (a folder or
-    .dduf outside the Hugging Face cache) is added to ``local_paths`` (the pack warns about those)."""
+    .dduf outside the Hugging Face cache) is added to ``local_paths`` (the pack warns about those). The digest
+    of its tensors (how app model folders find it) comes from the source's bytes where they are on this
+    machine, else from ``local``, the copy found identical to them."""
     library, cls = type_hint
     sub = (src.subfolder if src else None) or name
     has_variant = variant is not None and any((w := classify(f)) and w.variant == variant for f in files)
     location = None if src is None else src.location
-    folder = Path(src.location) / (src.subfolder or name) if src is not None and src.kind == "folder" else None
-    found_by = tensor_record(folder, files) if folder is not None else {}  # app model folders find it by this
+    found_by = reference_tensors(src, sub, files, revision, local)  # app model folders find it by this
     snap = hf_snapshot(src.location) if src is not None and src.kind == "folder" else None
     if snap is not None and src is not None:  # a folder in the HF cache is its repo at its commit: it travels
         location, revision = snap.repo, snap.revision
@@ -289,7 +291,8 @@ class _Planner:
     def reference(self, name: str, src: Spec | None, files: FileRecords, revision: str | None,
                   variant: str | None | Literal[False] = False) -> dict[str, Any]:
         return reference_record(name, self.specs[name], src, files, revision,
-                                self.variant if variant is False else variant, self.local_paths)
+                                self.variant if variant is False else variant, self.local_paths,
+                                self.local_copy(name))
 
     # --- explicit references (--exclude, --ref) ----------------------------------------------------------
     def add_explicit(self, name: str, src: Spec | None) -> None:

@@ -43,7 +43,7 @@ from .cache import dduf_cache_dir, sha256_file, stat_key, verified_hashes
 logger = logging.getLogger(__name__)
 
 __all__ = ["ENV", "RECORD_KEY", "Match", "Rejected", "find_component", "search_dirs", "tensor_record",
-           "tensors_digest"]
+           "tensors_digest", "verified_digest"]
 
 ENV = "DDUF_PLUS_MODEL_DIRS"
 RECORD_KEY = "tensors"
@@ -303,3 +303,10 @@ def _in_diffusers_names(path: Path, named: SafetensorsHeader, digest: str) -> Pa
     if _remembered_digest(out, header) != digest:  # the file changed while it was copied
         raise DDUFFormatError(f"{path}: changed while its renamed copy was written")
     return out
+
+
+def verified_digest(path: Path) -> str | None:
+    """The tensors' digest remembered for ``path`` (a file as :func:`find_component` matched it, in diffusers'
+    names) while the file is unchanged since it was hashed, else None: ``dduf complete`` checks by this that
+    the file it copied is still the one verified, without hashing it again."""
+    return verified_hashes().lookup(path, _MEMBER)
