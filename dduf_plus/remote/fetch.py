@@ -8,16 +8,18 @@ Steps:
    written; its bytes, the size and (unless the index pins every entry by sha256) the URL give the key;
 2. ``cache_dir("remote")/<key>.dduf`` already complete: done, the archive is local (see *second load*);
 3. else ``<key>.dduf.partial`` is sized (when it fits the free disk, :mod:`.partials`) and ``concurrency``
-   threads read ``chunk_size`` ranges, each straight from its socket into a buffer the thread reuses, then
-   one ``pwrite``: first the small *metadata* (local headers, configs, tokenizer files, safetensors headers:
+   threads read ``chunk_size`` ranges (the last ones cut smaller), each answer streamed from its socket
+   through a small buffer the thread reuses and written block by block with ``pwrite`` while the block is
+   cache-hot, one writer at a time: first the small *metadata* (local headers, configs, tokenizer files, safetensors headers:
    what opening the archive reads), then the rest in the loader's build order. The bytes land in the
    partial file (cache on tmpfs, or an archive over ``memory_max``), else in an in-memory file that the
    loader maps and a writer thread copies into the partial file behind the load (a disk slower than the
    link does not hold the load up); ``cache=False``: in memory only, nothing on disk;
-4. every entry (the central directory lists them all) is placed by its local header and hashed as its
-   bytes arrive, in order: checked against the index's sha256, else against its CRC-32 (damage only: a
-   CRC-32 is forged with 4 bytes, which is why such an archive's key is bound to its URL), and its sha256
-   is recorded either way; a component is built only once all of its entries have arrived and matched;
+4. every entry (the central directory lists them all) is placed by its local header and hashed once as its
+   bytes arrive, in order, in place through a read-only mapping of the file (:class:`FetchStats` counts
+   it): checked against the index's sha256, else against its CRC-32 (damage only: a CRC-32 is forged
+   with 4 bytes, which is why such an archive's key is bound to its URL), and its sha256 is recorded
+   either way; a component is built only once all of its entries have arrived and matched;
 5. a progress record ``<key>.progress.json`` (completed byte ranges, written atomically, at most every
    half second) lets an interrupted fetch resume: the ranges it lists are re-hashed locally, never
    re-fetched, unless their entry does not match; a refused archive leaves no partial, a kept one holds
@@ -317,7 +319,7 @@ class RemoteFetch:
                 # is still in the CPU's cache (a 16 MiB buffer per thread is not, and was copied from memory)
                 read_each(self.reader, start, end - start, self._buffer(RECEIVE_BLOCK), self._write_block)
                 self._arrived(start, end, t0, time.perf_counter())
-                self._entries_touched(start, end, None)  # hashed in place (mapped) or read back
+                self._entries_touched(start, end)  # hashed in place (mapped), else read back
                 self._save_progress()
             except _Stopped:
                 return
@@ -419,15 +421,15 @@ class RemoteFetch:
         return self.complete
 
     # --- verification as bytes arrive ----------------------------------------------------------------------------
-    def _entries_touched(self, start: int, end: int, data: memoryview | None) -> None:
+    def _entries_touched(self, start: int, end: int) -> None:
         i = max(0, bisect_right(self._starts, start) - 1)
         while i < len(self._entries) and self._entries[i].header_offset < end:
             entry = self._entries[i]
             if entry.end > start or entry.offset is None or entry.offset == entry.end:
-                self._advance(entry, start, data)
+                self._advance(entry)
             i += 1
 
-    def _advance(self, entry: _Entry, start: int = 0, data: memoryview | None = None) -> None:
+    def _advance(self, entry: _Entry) -> None:
         """Place ``entry`` once its local header is here, then hash it forward over the bytes that have
         arrived. One thread works on an entry at a time; the others move on (it looks again before it
         lets go)."""
@@ -437,7 +439,7 @@ class RemoteFetch:
             try:
                 if entry.offset is None and not self._place(entry):
                     return
-                self._hash_arrived(entry, start, data)
+                self._hash_arrived(entry)
                 if entry.upto >= entry.end:
                     self._check(entry)
                     return
@@ -468,9 +470,9 @@ class RemoteFetch:
         entry.offset, entry.end, entry.upto = offset, offset + entry.size, offset
         return True
 
-    def _hash_arrived(self, entry: _Entry, start: int, data: memoryview | None) -> None:
-        """Hash ``entry`` from ``upto`` over every byte that has arrived: the piece just received (where it
-        landed), else in place in the mapped file, else read back from ``fd`` into this thread's hash buffer."""
+    def _hash_arrived(self, entry: _Entry) -> None:
+        """Hash ``entry`` from ``upto`` over every byte that has arrived, once: in place in the mapped file
+        (then let go of those pages), else read back from ``fd`` into this thread's hash buffer."""
         hashed = copied = 0
         while entry.upto < entry.end:
             with self._cond:
@@ -478,14 +480,14 @@ class RemoteFetch:
             if reach <= entry.upto:
                 break
             while entry.upto < reach:
-                if data is not None and start <= entry.upto < start + len(data):  # no re-read
-                    block = data[entry.upto - start:min(reach, start + len(data)) - start]
-                else:
-                    block, was_copied = self._read_back(entry.upto, min(_HASH_BLOCK, reach - entry.upto))
-                    copied += len(block) if was_copied else 0
+                block, was_copied = self._read_back(entry.upto, min(_HASH_BLOCK, reach - entry.upto))
                 entry.hasher.update(block)  # releases the GIL: other threads receive meanwhile
                 if entry.sha256 is None:  # no sha256 to check: the CRC-32 (damage), and the sha256 is recorded
                     entry.crc = zlib.crc32(block, entry.crc)
+                if was_copied:
+                    copied += len(block)
+                elif self._mapped is not None:
+                    self._mapped.forget(entry.upto, entry.upto + len(block))
                 entry.upto += len(block)
                 hashed += len(block)
         with self._cond:
@@ -868,5 +870,5 @@ class CacheSource:
         pass  # the fetch owns the file descriptor
 
 
-__all__ = ["CacheSource", "RemoteFetch", "RemoteOptions", "cached_sha256", "fetch_archive", "open_remote",
+__all__ = ["CacheSource", "FetchStats", "RemoteFetch", "RemoteOptions", "cached_sha256", "fetch_archive", "open_remote",
            "wait_cache_writes"]

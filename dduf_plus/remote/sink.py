@@ -122,6 +122,17 @@ class ReadMap:
         view = self.view
         return view[start:end] if view is not None else None
 
+    def forget(self, start: int, end: int) -> None:
+        """Drop this mapping's hold on the whole pages of ``[start, end)`` once hashed (the file's pages stay in
+        the page cache): a fetch without a loader does not keep the archive mapped in its resident set."""
+        first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+        last = end - end % mmap.PAGESIZE
+        if self.view is not None and last > first:
+            try:
+                self.map.madvise(mmap.MADV_DONTNEED, first, last - first)
+            except (OSError, ValueError, AttributeError):
+                pass
+
     def close(self) -> None:
         """Unmap (the file and its other mappings stay); a slice still held elsewhere defers it to collection."""
         view, self.view = self.view, None
