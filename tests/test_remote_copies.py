@@ -100,3 +100,21 @@ def test_a_failing_write_is_an_io_error_naming_the_file(served, monkeypatch):
     monkeypatch.setattr(fetch_module, "_pwrite_all", full)
     with FileServer(served) as srv, pytest.raises(DDUFIOError, match=r"cannot write bytes .*partial.*No space left"):
         fetch_module.fetch_archive(srv.url("tiny-sd.dduf"), {"chunk_size": CHUNK, "timeout": 2.0})
+
+
+def test_hashed_pages_are_let_go_of_the_mapping(served, monkeypatch):
+    """Every byte hashed in place is handed back (madvise DONTNEED on the read-only mapping): a fetch without a
+    loader does not keep the whole archive mapped."""
+    from dduf_plus.remote import sink
+
+    forgotten: list[int] = []
+    real = sink.ReadMap.forget
+
+    def counting(self, start: int, end: int) -> None:
+        forgotten.append(end - start)
+        real(self, start, end)
+
+    monkeypatch.setattr(sink.ReadMap, "forget", counting)
+    with FileServer(served) as srv:
+        done = fetched(srv.url("tiny-sd.dduf"))
+    assert sum(forgotten) == done.stats.hashed > 0
