@@ -10,11 +10,11 @@ Steps:
 3. else ``<key>.dduf.partial`` is sized (when it fits the free disk, :mod:`.partials`) and ``concurrency``
    threads read ``chunk_size`` ranges (the last ones cut smaller), each answer streamed from its socket
    through a small buffer the thread reuses and written block by block with ``pwrite`` while the block is
-   cache-hot, one writer at a time: first the small *metadata* (local headers, configs, tokenizer files, safetensors headers:
-   what opening the archive reads), then the rest in the loader's build order. The bytes land in the
-   partial file (cache on tmpfs, or an archive over ``memory_max``), else in an in-memory file that the
-   loader maps and a writer thread copies into the partial file behind the load (a disk slower than the
-   link does not hold the load up); ``cache=False``: in memory only, nothing on disk;
+   cache-hot, one writer at a time: first the small *metadata* (local headers, configs, tokenizer files,
+   safetensors headers: what opening the archive reads), then the rest in the loader's build order. The
+   bytes land in the partial file (cache on tmpfs, or an archive over ``memory_max``), else in an in-memory
+   file that the loader maps and a writer thread copies into the partial file behind the load (a disk
+   slower than the link does not hold the load up); ``cache=False``: in memory only, nothing on disk;
 4. every entry (the central directory lists them all) is placed by its local header and hashed once as its
    bytes arrive, in order, in place through a read-only mapping of the file (:class:`FetchStats` counts
    it): checked against the index's sha256, else against its CRC-32 (damage only: a CRC-32 is forged
@@ -344,17 +344,19 @@ class RemoteFetch:
             if self._stop:  # abort() may be releasing the blocks not written yet
                 raise _Stopped()
             self._writing += 1
+        written = 0
         try:
             with self._write_lock:  # one writer at a time: the others sleep instead of spinning in the kernel
                 _pwrite_all(self.fd, block, at)
+            written = len(block)
         except OSError as e:
             raise DDUFIOError(f"{self.url}: cannot write bytes {at}-{at + len(block) - 1} of the fetched archive "
                               f"into {self.partial or 'memory'}: {e.strerror or e}") from None
         finally:
             with self._cond:
                 self._writing -= 1
-                self.stats.written += len(block)
-                self.stats.largest_write = max(self.stats.largest_write, len(block))
+                self.stats.written += written
+                self.stats.largest_write = max(self.stats.largest_write, written)
                 if self._stop:  # abort() waits for the writes in flight (no one else waits for a block)
                     self._cond.notify_all()
 
