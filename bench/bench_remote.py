@@ -296,9 +296,12 @@ def report(result: dict, size: int, args: argparse.Namespace) -> None:
             "runs": runs, "median_s": {row: med[row][0] for row in med},
             "median_client_cpu_s": {row: med[row][1] for row in ROWS},
             "median_server_cpu_s": {row: med[row][2] for row in ROWS},
+            "client_cpu_s_per_GB": {row: med[row][1] / (size / 1e9) for row in ROWS},
             "ratios": {"first_vs_link_limit": med["first"][0] / limit,
                        "first_vs_download_then_load": med["first"][0] / dtl,
                        "first_vs_ranged_download_then_load": med["first"][0] / med["ranged_download_then_load"][0],
+                       "first_cpu_vs_ranged_download_then_load_cpu":
+                           med["first"][1] / med["ranged_download_then_load"][1],
                        "no_cache_vs_link_limit": med["no_cache"][0] / limit,
                        "single_get_vs_link_limit": med["single_get"][0] / limit}}
     _headline(out)

@@ -8,16 +8,18 @@ Steps:
    written; its bytes, the size and (unless the index pins every entry by sha256) the URL give the key;
 2. ``cache_dir("remote")/<key>.dduf`` already complete: done, the archive is local (see *second load*);
 3. else ``<key>.dduf.partial`` is sized (when it fits the free disk, :mod:`.partials`) and ``concurrency``
-   threads read ``chunk_size`` ranges, each straight from its socket into a buffer the thread reuses, then
-   one ``pwrite``: first the small *metadata* (local headers, configs, tokenizer files, safetensors headers:
-   what opening the archive reads), then the rest in the loader's build order. The bytes land in the
-   partial file (cache on tmpfs, or an archive over ``memory_max``), else in an in-memory file that the
-   loader maps and a writer thread copies into the partial file behind the load (a disk slower than the
-   link does not hold the load up); ``cache=False``: in memory only, nothing on disk;
-4. every entry (the central directory lists them all) is placed by its local header and hashed as its
-   bytes arrive, in order: checked against the index's sha256, else against its CRC-32 (damage only: a
-   CRC-32 is forged with 4 bytes, which is why such an archive's key is bound to its URL), and its sha256
-   is recorded either way; a component is built only once all of its entries have arrived and matched;
+   threads read ``chunk_size`` ranges (the last ones cut smaller), each answer streamed from its socket
+   through a small buffer the thread reuses and written block by block with ``pwrite`` while the block is
+   cache-hot, one writer at a time: first the small *metadata* (local headers, configs, tokenizer files,
+   safetensors headers: what opening the archive reads), then the rest in the loader's build order. The
+   bytes land in the partial file (cache on tmpfs, or an archive over ``memory_max``), else in an in-memory
+   file that the loader maps and a writer thread copies into the partial file behind the load (a disk
+   slower than the link does not hold the load up); ``cache=False``: in memory only, nothing on disk;
+4. every entry (the central directory lists them all) is placed by its local header and hashed once as its
+   bytes arrive, in order, in place through a read-only mapping of the file (:class:`FetchStats` counts
+   it): checked against the index's sha256, else against its CRC-32 (damage only: a CRC-32 is forged
+   with 4 bytes, which is why such an archive's key is bound to its URL), and its sha256 is recorded
+   either way; a component is built only once all of its entries have arrived and matched;
 5. a progress record ``<key>.progress.json`` (completed byte ranges, written atomically, at most every
    half second) lets an interrupted fetch resume: the ranges it lists are re-hashed locally, never
    re-fetched, unless their entry does not match; a refused archive leaves no partial, a kept one holds
@@ -47,6 +49,7 @@ import time
 import zlib
 from bisect import bisect_right
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -75,8 +78,8 @@ from .cache_records import (  # noqa: F401
     write_record,
 )
 from .intervals import Intervals
-from .readers import RangeReader, RemoteOptions, open_reader
-from .sink import choose_sink, in_ram, memory_file, size_file
+from .readers import RECEIVE_BLOCK, RangeReader, RemoteOptions, open_reader, read_each
+from .sink import ReadMap, choose_sink, in_ram, map_for_reading, memory_file, size_file
 from .tail import MAX_LOCAL_SLACK, Tail, read_tail
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -87,6 +90,23 @@ logger = logging.getLogger("dduf_plus.remote.fetch")
 MERGE_GAP = 256 << 10  # metadata ranges closer than this are read as one request
 PROGRESS_EVERY_S = 0.5
 _HASH_BLOCK = 8 << 20
+TAIL_SPLIT = 4  # the last pieces are chunk_size / TAIL_SPLIT bytes (see RemoteFetch._next_piece)
+TAIL_PIECE_MIN = 1 << 20
+
+
+@dataclass
+class FetchStats:
+    """What the client did with the bytes of one fetch (a counting hook: tests and benchmarks read it)."""
+
+    received: int = 0  # body bytes of the range answers the workers received
+    written: int = 0  # of those, written into ``fd`` (pwrite from the small receive buffer: the one copy)
+    largest_write: int = 0  # the largest block written at once (the receive buffer's size: cache-sized)
+    hashed: int = 0  # bytes hashed (sha256, and the CRC-32 where no index sha256 is checked), all entries
+    read_back: int = 0  # of those, read back from the file into a buffer first (a copy; mapped: 0)
+
+
+class _Stopped(Exception):
+    """abort() stopped the fetch while a worker was receiving: it ends without recording its piece."""
 
 
 class _EntryMismatch(DDUFIntegrityError):
@@ -161,6 +181,9 @@ class RemoteFetch:
         self._threads: list[threading.Thread] = []
         self._saved_at = 0.0
         self._scratch = threading.local()  # each thread's reused buffers (nothing allocated per piece)
+        self._mapped: ReadMap | None = None  # ``fd`` mapped read-only: arrived bytes are hashed in place
+        self.stats = FetchStats()
+        self._write_lock = threading.Lock()
         self._entries = self._make_entries()
         self._starts = [e.header_offset for e in self._entries]
 
@@ -217,6 +240,7 @@ class RemoteFetch:
                 # every page before any byte comes
                 size_file(self.file_fd, self.size, reserve=self.sink != "file" or not in_ram(self.cache.root))
             self.fd = self.file_fd if self.sink == "file" else memory_file(self.url, self.size)
+            self._mapped = map_for_reading(self.fd, self.size)
             if resumed and self.sink == "write-behind":
                 self._load_resumed()
             self._written = Intervals(self._done)
@@ -288,35 +312,61 @@ class RemoteFetch:
             with self._cond:
                 if self._stop or self._error is not None or not self._queue:
                     return
-                start, end = self._queue.popleft()
+                start, end = self._next_piece()
             try:
-                data = self._buffer(end - start)
                 t0 = time.perf_counter()
-                self.reader.read_into(start, data)  # straight from the socket into the reused buffer
-                t1 = time.perf_counter()
-                with self._cond:
-                    if self._stop:  # abort() may be releasing the blocks not written yet
-                        return
-                    self._writing += 1
-                try:
-                    _pwrite_all(self.fd, data, start)
-                except BaseException:
-                    with self._cond:
-                        self._writing -= 1
-                        self._cond.notify_all()
-                    raise
-                self._arrived(start, end, t0, t1)
-                self._entries_touched(start, end, data)  # hashed from the buffer where it is next in line
+                # one range request, its body streamed through a small buffer: each block is written while it
+                # is still in the CPU's cache (a 16 MiB buffer per thread is not, and was copied from memory)
+                read_each(self.reader, start, end - start, self._buffer(RECEIVE_BLOCK), self._write_block)
+                self._arrived(start, end, t0, time.perf_counter())
+                self._entries_touched(start, end)  # hashed in place (mapped), else read back
                 self._save_progress()
+            except _Stopped:
+                return
             except BaseException as e:  # noqa: BLE001 - handed to whoever waits
                 self._fail(e)
                 return
 
+    def _next_piece(self) -> tuple[int, int]:
+        """The next piece to fetch (under ``_cond``). The last ``concurrency`` pieces are cut smaller: pieces in
+        flight finish together, and what arrived behind the first of them is hashed after the last byte came
+        (a backlog of ``concurrency * chunk_size`` bytes at the end); smaller ones leave little behind."""
+        start, end = self._queue.popleft()
+        small = max(self.options.chunk_size // TAIL_SPLIT, TAIL_PIECE_MIN)
+        if end - start > small and sum(b - a for a, b in self._queue) < self.options.concurrency * (end - start):
+            self._queue.appendleft((start + small, end))
+            end = start + small
+        return start, end
+
+    def _write_block(self, at: int, block: memoryview) -> None:
+        """One received block into ``fd`` (``pwrite``: a full disk or memory is an error, never a crash)."""
+        with self._cond:
+            if self._stop:  # abort() may be releasing the blocks not written yet
+                raise _Stopped()
+            self._writing += 1
+        written = 0
+        try:
+            with self._write_lock:  # one writer at a time: the others sleep instead of spinning in the kernel
+                _pwrite_all(self.fd, block, at)
+            written = len(block)
+        except OSError as e:
+            raise DDUFIOError(f"{self.url}: cannot write bytes {at}-{at + len(block) - 1} of the fetched archive "
+                              f"into {self.partial or 'memory'}: {e.strerror or e}") from None
+        finally:
+            with self._cond:
+                self._writing -= 1
+                self.stats.written += written
+                self.stats.largest_write = max(self.stats.largest_write, written)
+                if self._stop:  # abort() waits for the writes in flight (no one else waits for a block)
+                    self._cond.notify_all()
+
     def _arrived(self, start: int, end: int, t0: float, t1: float) -> None:
-        with self._cond:  # written and recorded as done at once (abort() computes the holes)
-            self._writing -= 1
+        with self._cond:  # recorded as done at once (abort() computes the holes)
+            if self._stop:
+                raise _Stopped()
             self.requests += 1
             self.fetched_bytes += end - start
+            self.stats.received += end - start
             self.timeline.append((t0, t1, start, end - start))
             self._done.add(start, end)
             if self.sink == "write-behind":
@@ -373,15 +423,15 @@ class RemoteFetch:
         return self.complete
 
     # --- verification as bytes arrive ----------------------------------------------------------------------------
-    def _entries_touched(self, start: int, end: int, data: memoryview) -> None:
+    def _entries_touched(self, start: int, end: int) -> None:
         i = max(0, bisect_right(self._starts, start) - 1)
         while i < len(self._entries) and self._entries[i].header_offset < end:
             entry = self._entries[i]
             if entry.end > start or entry.offset is None or entry.offset == entry.end:
-                self._advance(entry, start, data)
+                self._advance(entry)
             i += 1
 
-    def _advance(self, entry: _Entry, start: int = 0, data: memoryview | None = None) -> None:
+    def _advance(self, entry: _Entry) -> None:
         """Place ``entry`` once its local header is here, then hash it forward over the bytes that have
         arrived. One thread works on an entry at a time; the others move on (it looks again before it
         lets go)."""
@@ -391,7 +441,7 @@ class RemoteFetch:
             try:
                 if entry.offset is None and not self._place(entry):
                     return
-                self._hash_arrived(entry, start, data)
+                self._hash_arrived(entry)
                 if entry.upto >= entry.end:
                     self._check(entry)
                     return
@@ -422,33 +472,43 @@ class RemoteFetch:
         entry.offset, entry.end, entry.upto = offset, offset + entry.size, offset
         return True
 
-    def _hash_arrived(self, entry: _Entry, start: int, data: memoryview | None) -> None:
-        """Hash ``entry`` from ``upto`` over every byte that has arrived: the piece just received (still in
-        this thread's buffer), else read back from ``fd`` into this thread's reused hash buffer."""
+    def _hash_arrived(self, entry: _Entry) -> None:
+        """Hash ``entry`` from ``upto`` over every byte that has arrived, once: in place in the mapped file
+        (then let go of those pages), else read back from ``fd`` into this thread's hash buffer."""
+        hashed = copied = 0
         while entry.upto < entry.end:
             with self._cond:
                 reach = min(entry.end, self._done.reach(entry.upto))
             if reach <= entry.upto:
-                return
+                break
             while entry.upto < reach:
-                block: memoryview
-                if data is not None and start <= entry.upto < start + len(data):  # no re-read
-                    block = data[entry.upto - start:min(reach, start + len(data)) - start]
-                else:
-                    block = self._read_back(entry.upto, min(_HASH_BLOCK, reach - entry.upto))
+                block, was_copied = self._read_back(entry.upto, min(_HASH_BLOCK, reach - entry.upto))
                 entry.hasher.update(block)  # releases the GIL: other threads receive meanwhile
                 if entry.sha256 is None:  # no sha256 to check: the CRC-32 (damage), and the sha256 is recorded
                     entry.crc = zlib.crc32(block, entry.crc)
+                if was_copied:
+                    copied += len(block)
+                elif self._mapped is not None:
+                    self._mapped.forget(entry.upto, entry.upto + len(block))
                 entry.upto += len(block)
+                hashed += len(block)
+        with self._cond:
+            self.stats.hashed += hashed
+            self.stats.read_back += copied
 
-    def _read_back(self, offset: int, length: int) -> memoryview:
+    def _read_back(self, offset: int, length: int) -> tuple[memoryview, bool]:
+        """Bytes that arrived earlier, to hash: in place in the mapped file (False: not copied), else copied
+        into this thread's hash buffer (True)."""
+        mapped = self._mapped.window(offset, offset + length) if self._mapped is not None else None
+        if mapped is not None:
+            return mapped, False
         buf = getattr(self._scratch, "hash", None)
         if buf is None:
             buf = self._scratch.hash = memoryview(bytearray(_HASH_BLOCK))
         got = os.preadv(self.fd, [buf[:length]], offset)
         if got != length:
             raise DDUFIOError(f"{self.url}: short read of the local copy at byte {offset}")
-        return buf[:length]
+        return buf[:length], True
 
     def _check(self, entry: _Entry) -> None:
         digest = entry.hasher.hexdigest()
@@ -524,6 +584,8 @@ class RemoteFetch:
         for thread in self._threads:
             thread.join()
         self.reader.close()
+        if self._mapped is not None:  # the loader maps the file on its own
+            self._mapped.close()
         self.verified = True
         if self.sink == "file":
             self._complete_file()
@@ -810,5 +872,5 @@ class CacheSource:
         pass  # the fetch owns the file descriptor
 
 
-__all__ = ["CacheSource", "RemoteFetch", "RemoteOptions", "cached_sha256", "fetch_archive", "open_remote",
+__all__ = ["CacheSource", "FetchStats", "RemoteFetch", "RemoteOptions", "cached_sha256", "fetch_archive", "open_remote",
            "wait_cache_writes"]

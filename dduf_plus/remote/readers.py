@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -27,6 +28,9 @@ from ..storage.urls import check_url
 DEFAULT_CONCURRENCY = 16
 DEFAULT_CHUNK_SIZE = 16 << 20
 DEADLINE_RATE = 1e6  # the default deadline grows by one second per MB: a slow link is not a hostile one
+RECEIVE_BLOCK = 1 << 20  # a streamed answer is handed on in blocks this size: they stay in the CPU's cache
+
+Emit = Callable[[int, memoryview], None]  # (file offset, bytes) of each received block, in order
 
 
 @dataclass
@@ -117,10 +121,14 @@ def _extend_deadline(budget: RemoteBudget, size: int, explicit: float | None) ->
 
 class _IntoSource(HTTPSource):
     """An :class:`HTTPSource` whose range reads can land in the caller's buffer: the body is received with
-    ``readinto`` straight into it (no bytes object per socket read, no join, no copy afterwards). Every check
-    of the range client applies unchanged: only where the body's bytes go differs."""
+    ``readinto`` straight into it (no bytes object per socket read, no join), either whole (:meth:`read_into`)
+    or block by block into one small reused buffer, each block handed on while it is still in the CPU's cache
+    (:meth:`read_each`). Every check of the range client applies unchanged: only where the body's bytes go
+    differs."""
 
     _into: memoryview | None = None
+    _emit: Emit | None = None
+    _at = 0
     _filled = False
 
     def read_into(self, offset: int, out: memoryview) -> None:
@@ -136,22 +144,52 @@ class _IntoSource(HTTPSource):
         finally:
             self._into = None
 
+    def read_each(self, offset: int, length: int, buffer: memoryview, emit: Emit) -> None:
+        """The ``length`` bytes at ``offset`` (one range request), received into ``buffer`` and handed to
+        ``emit(file offset, block)`` one full buffer at a time (the last block may be shorter)."""
+        if self.size <= WHOLE_FILE_BELOW:
+            emit(offset, memoryview(self.read_at(offset, length)))
+            return
+        self._into, self._emit, self._at, self._filled = buffer, emit, offset, False
+        try:
+            body = self.read_at(offset, length)
+            if not self._filled:  # answered from bytes the client already holds (the end of the file)
+                emit(offset, memoryview(body))
+            else:
+                self.bytes_read += length  # the streamed body was handed on, not returned
+        finally:
+            self._into, self._emit = None, None
+
     def _read_body(self, response: Any, length: int) -> Any:
         out = self._into
-        if out is None or len(out) != length:
+        if out is None or (self._emit is None and len(out) != length):
             return super()._read_body(response, length)
-        got = 0
+        got, held = 0, 0  # body bytes received; of those, held in ``out`` (streamed: not yet handed on)
+        window = length if self._emit is None else len(out)
         while got < length:
             self._budget.remaining()  # the deadline, between socket reads (a trickle is cut off)
-            n = response.readinto(out[got:min(length, got + HTTP_BODY_CHUNK)])
+            n = response.readinto(out[held:min(window, held + HTTP_BODY_CHUNK, held + length - got)])
             if not n:
                 self.close()
                 if self._expired:
                     raise self._budget.expired()
                 raise HTTPFailure(f"the connection closed after {got} of {length} bytes")
-            got += n
+            got, held = got + n, held + n
+            if self._emit is not None and (held == window or got == length):
+                self._hand_on(got - held, out[:held])
+                held = 0
         self._filled = True
-        return out
+        return out if self._emit is None else out[:0]
+
+    def _hand_on(self, at: int, block: memoryview) -> None:
+        """One received block to the caller; when the caller fails (a full disk, a stop), the answer is left
+        unread, so its connection is closed (no next request reads the rest as a status line)."""
+        assert self._emit is not None
+        try:
+            self._emit(self._at + at, block)
+        except BaseException:
+            self.close()
+            raise
 
 
 class HTTPRanges:
@@ -198,6 +236,9 @@ class HTTPRanges:
 
     def read_into(self, offset: int, out: memoryview) -> None:
         self._source().read_into(offset, out)
+
+    def read_each(self, offset: int, length: int, buffer: memoryview, emit: Emit) -> None:
+        self._source().read_each(offset, length, buffer, emit)
 
     def remaining(self) -> float:
         return self._budget.remaining()
@@ -268,3 +309,12 @@ def open_reader(url: str, options: RemoteOptions, size: int | None = None) -> Ra
             raise DDUFUsageError(f"{url}: storage_options do not apply to http(s) URLs (use headers=)")
         return HTTPRanges(url, options, size)
     return FsspecRanges(url, options, size)
+
+
+def read_each(reader: RangeReader, offset: int, length: int, buffer: memoryview, emit: Emit) -> None:
+    """The ``length`` bytes at ``offset`` handed to ``emit(file offset, block)`` in order: an http(s) answer
+    streamed through ``buffer`` (received in place, block by block); other readers' answers in one block."""
+    if isinstance(reader, HTTPRanges):
+        reader.read_each(offset, length, buffer, emit)
+    else:
+        emit(offset, memoryview(reader.read_at(offset, length)))

@@ -4,6 +4,7 @@ weighs the archive's size against free memory and how much dirty data the kernel
 
 from __future__ import annotations
 
+import mmap
 import os
 from pathlib import Path
 
@@ -105,3 +106,49 @@ def read_meminfo() -> dict[str, int]:
     except OSError:
         pass
     return out
+
+
+class ReadMap:
+    """The fetched archive mapped read-only, so that bytes which arrived earlier are hashed where they are (no
+    copy into a buffer first). Received bytes go in with ``pwrite`` (a full memory or disk is an error, never
+    a SIGBUS); a read through the mapping only sees the file."""
+
+    def __init__(self, fd: int, size: int):
+        self.map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+        self.view: memoryview | None = memoryview(self.map)
+
+    def window(self, start: int, end: int) -> memoryview | None:
+        """Bytes ``[start, end)``, or None once closed."""
+        view = self.view
+        return view[start:end] if view is not None else None
+
+    def forget(self, start: int, end: int) -> None:
+        """Drop this mapping's hold on the whole pages of ``[start, end)`` once hashed (the file's pages stay in
+        the page cache): a fetch without a loader does not keep the archive mapped in its resident set."""
+        first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+        last = end - end % mmap.PAGESIZE
+        if self.view is not None and last > first:
+            try:
+                self.map.madvise(mmap.MADV_DONTNEED, first, last - first)
+            except (OSError, ValueError, AttributeError):
+                pass
+
+    def close(self) -> None:
+        """Unmap (the file and its other mappings stay); a slice still held elsewhere defers it to collection."""
+        view, self.view = self.view, None
+        try:
+            if view is not None:
+                view.release()
+            self.map.close()
+        except BufferError:
+            pass
+
+
+def map_for_reading(fd: int, size: int) -> ReadMap | None:
+    """A :class:`ReadMap` of ``fd``, or None where the platform cannot map it (the bytes are read back)."""
+    if size <= 0 or not hasattr(mmap, "MAP_SHARED"):
+        return None
+    try:
+        return ReadMap(fd, size)
+    except (OSError, ValueError):
+        return None

@@ -1,0 +1,120 @@
+"""What the client does with each fetched byte (:attr:`RemoteFetch.stats`, a counting hook): every entry is
+hashed exactly once, every received byte is written once from a small reused buffer (cache-sized blocks, not
+whole pieces), arrived bytes are hashed in place (no read-back copy) where the file can be mapped, the last
+pieces are cut smaller, and a failing write is a DDUFIOError naming the file. Counts and sizes, never clocks."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import shutil
+import sys
+import threading
+import zipfile
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from servers import FileServer  # noqa: E402
+
+from dduf_plus.errors import DDUFIOError  # noqa: E402
+from dduf_plus.remote import fetch as fetch_module  # noqa: E402
+from dduf_plus.remote import readers  # noqa: E402
+
+CHUNK = 64 << 10
+BLOCK = 16 << 10
+
+
+@pytest.fixture
+def served(packed, tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("DDUF_PLUS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    folder = tmp_path / "www"
+    folder.mkdir()
+    shutil.copyfile(packed["tiny-sd"], folder / "tiny-sd.dduf")
+    # blocks smaller than a piece, so that a piece is streamed through the buffer in several writes
+    monkeypatch.setattr(readers, "RECEIVE_BLOCK", BLOCK)
+    monkeypatch.setattr(fetch_module, "RECEIVE_BLOCK", BLOCK)
+    return folder
+
+
+def fetched(url: str, **options) -> fetch_module.RemoteFetch:
+    opened = fetch_module.open_remote(url, {"chunk_size": CHUNK, "timeout": 2.0, **options}, in_memory=False)
+    assert isinstance(opened, fetch_module.RemoteFetch)
+    opened.finish()
+    return opened
+
+
+def entry_bytes(path: Path) -> int:
+    with zipfile.ZipFile(path) as z:
+        return sum(info.file_size for info in z.infolist())
+
+
+def test_every_entry_is_hashed_once_and_every_byte_written_once_in_small_blocks(served):
+    local = served / "tiny-sd.dduf"
+    with FileServer(served) as srv:
+        done = fetched(srv.url("tiny-sd.dduf"))
+    stats = done.stats
+    assert stats.hashed == entry_bytes(local)  # each entry's bytes once: no second pass for the cache
+    assert stats.read_back == 0  # hashed in place through the mapping, not copied back out of the file
+    assert 0 < stats.received <= local.stat().st_size and stats.received == done.fetched_bytes
+    assert stats.written == stats.received  # one write per received byte
+    assert stats.largest_write == BLOCK  # streamed through the small buffer, not a whole 64 KiB piece at once
+    assert done.final is not None and done.final.read_bytes() == local.read_bytes()
+
+
+def test_without_a_mapping_arrived_bytes_are_read_back_and_still_checked(served, monkeypatch):
+    monkeypatch.setattr(fetch_module, "map_for_reading", lambda fd, size: None)
+    local = served / "tiny-sd.dduf"
+    with FileServer(served) as srv:
+        done = fetched(srv.url("tiny-sd.dduf"), concurrency=8)
+    assert done.stats.hashed == entry_bytes(local)
+    assert 0 < done.stats.read_back <= done.stats.hashed  # pieces that arrived ahead of the hash, copied back
+    with zipfile.ZipFile(local) as z:
+        want = {i.filename: hashlib.sha256(z.read(i)).hexdigest() for i in z.infolist()}
+    assert done.entry_sha256() == want
+
+
+def test_the_last_pieces_are_cut_smaller(served, monkeypatch):
+    monkeypatch.setattr(fetch_module, "TAIL_PIECE_MIN", BLOCK)  # chunk 64 KiB / 4 = 16 KiB tail pieces
+    small = CHUNK // fetch_module.TAIL_SPLIT
+    with FileServer(served) as srv:
+        done = fetched(srv.url("tiny-sd.dduf"), concurrency=4)
+    lengths = [length for _, _, _, length in done.timeline]
+    assert lengths.count(small) >= 4
+    # only the end of the queue is cut: at most one piece per worker's worth of chunk_size pieces
+    assert sum(n for n in lengths if n == small) <= 4 * CHUNK + CHUNK
+    assert sum(n for n in lengths if n == CHUNK) > 4 * CHUNK  # the bulk still goes in whole chunks
+
+
+def test_a_failing_write_is_an_io_error_naming_the_file(served, monkeypatch):
+    real = fetch_module._pwrite_all
+
+    def full(fd, data, offset):
+        if threading.current_thread().name.startswith("dduf-fetch-"):  # the workers' writes, not the tail's
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd, data, offset)
+
+    monkeypatch.setattr(fetch_module, "_pwrite_all", full)
+    with FileServer(served) as srv, pytest.raises(DDUFIOError, match=r"cannot write bytes .*partial.*No space left"):
+        fetch_module.fetch_archive(srv.url("tiny-sd.dduf"), {"chunk_size": CHUNK, "timeout": 2.0})
+
+
+def test_hashed_pages_are_let_go_of_the_mapping(served, monkeypatch):
+    """Every byte hashed in place is handed back (madvise DONTNEED on the read-only mapping): a fetch without a
+    loader does not keep the whole archive mapped."""
+    from dduf_plus.remote import sink
+
+    forgotten: list[int] = []
+    real = sink.ReadMap.forget
+
+    def counting(self, start: int, end: int) -> None:
+        forgotten.append(end - start)
+        real(self, start, end)
+
+    monkeypatch.setattr(sink.ReadMap, "forget", counting)
+    with FileServer(served) as srv:
+        done = fetched(srv.url("tiny-sd.dduf"))
+    assert sum(forgotten) == done.stats.hashed > 0
