@@ -40,6 +40,10 @@ _CANONICAL = {"unet": "model.diffusion_model.", "vae": "first_stage_model.", "cl
 _ALIAS = {"sd3_clip_l": "clip", "sd3_clip_g": "clip"}  # SD3's CLIPs are transformers' layout under their prefix
 _NAMES = {"unet": "LDM UNet", "vae": "LDM VAE", "clip": "CLIP", "open_clip": "OpenCLIP text encoder", "t5": "T5",
           "sd3_transformer": "MMDiT transformer", "flux": "BFL Flux transformer"}
+# a key (after the part's prefix) that a part of each kind has: a part without one is not tried (nothing said)
+_MARKERS = {"unet": ("input_blocks.",), "vae": ("encoder.down.",), "clip": ("text_model.", "encoder.layers."),
+            "open_clip": ("transformer.resblocks.",), "t5": ("encoder.block.",),
+            "sd3_transformer": ("joint_blocks.",), "flux": ("double_blocks.",)}
 _KNOWN = tuple(sorted({c.prefix for f in FAMILIES.values() for c in f.components.values() if c.prefix}))
 _STRAY_SLACK = 16 << 20  # a part may hold this + 1/16 more than the reference (position ids, SD 2's last layer)
 
@@ -73,7 +77,8 @@ def read_parts(header: SafetensorsHeader, config: Mapping[str, Any], count: int,
         for prefix in _prefixes(kind):
             owned = _owned(header, prefix)
             total = sum(t.nbytes for t in owned.values())
-            if not owned or not nbytes <= total <= nbytes + nbytes // 16 + _STRAY_SLACK:
+            marked = any(k.startswith(_MARKERS[kind], len(prefix)) for k in owned)
+            if not marked or not nbytes <= total <= nbytes + nbytes // 16 + _STRAY_SLACK:
                 continue  # plainly not it (nothing said, nothing imported)
             where = _NAMES[kind] + (f" under {prefix}" if prefix else "")
             if len(owned) > 2 * count + 64:  # diffusers' converters scan every key once per block
@@ -85,6 +90,8 @@ def read_parts(header: SafetensorsHeader, config: Mapping[str, Any], count: int,
 def _parts(kind: str, prefix: str, owned: dict[str, TensorInfo], data_start: int, config: Mapping[str, Any],
            where: str) -> Iterator[Part | str]:
     canon = _CANONICAL[kind]
+    if kind == "open_clip" and config.get("architectures") == ["CLIPTextModelWithProjection"]:
+        canon = "conditioner.embedders.1.model."  # SDXL's: diffusers ignores SD 2's projection, not this one
     back = {canon + k[len(prefix):]: k for k in owned}
     try:
         converted = _converted(kind, canon, {c: owned[k] for c, k in back.items()}, config)

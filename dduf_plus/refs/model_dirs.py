@@ -36,7 +36,7 @@ import shutil
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from ..errors import DDUFError, DDUFFormatError
 from ..format import spec
@@ -195,7 +195,7 @@ def _remembered(path: Path, member: str, compute: Callable[[], str]) -> str:
 
 
 # --- parts of files in other layouts (a layout reader's :class:`Part`) ----------------------------------------
-_FORMATS = {1: "B", 2: "H", 4: "I", 8: "Q"}  # element sizes a transpose moves (as unsigned integers: bytes only)
+_FORMATS: dict[int, Literal["B", "H", "I", "Q"]] = {1: "B", 2: "H", 4: "I", 8: "Q"}  # element sizes a transpose moves (as unsigned integers: bytes only)
 
 
 def _itemsize(dtype: str) -> int:
@@ -271,6 +271,10 @@ def part_digest(path: Path, part: Part) -> str:
                     chunk.release()
             h.update(_line(src.info) + t.digest())
     return h.hexdigest()
+
+
+def _hashing(path: Path, part: Part) -> Callable[[], str]:
+    return lambda: part_digest(path, part)
 
 
 def _part_member(part: Part) -> str:
@@ -414,7 +418,7 @@ def _read_parts(path: Path, header: SafetensorsHeader, rec: Mapping[str, Any]) -
             if len(infos) != rec["count"] or layout_digest(infos) != rec["layout"]:
                 why = why or f"{part.layout}: other tensor names, dtypes or shapes than the reference's"
                 continue
-            if _remembered(path, _part_member(part), lambda p=part: part_digest(path, p)) != rec["sha256"]:
+            if _remembered(path, _part_member(part), _hashing(path, part)) != rec["sha256"]:
                 logger.warning("model folder file %s: its %s fits the reference but its tensors' bytes differ: "
                                "skipped", path, part.layout)
                 return f"its {part.layout}: {_DIFFER}"
