@@ -326,3 +326,40 @@ def test_a_readers_ranges_outside_the_file_are_refused(sd15: dict[str, Any], mon
     monkeypatch.setattr(model_dirs, "_READERS", [lying])
     found = model_dirs.find_component("vae", _ref(sd15["archive"], "vae"), [sd15["models"]])
     assert isinstance(found, str) and "a liar: w: its byte ranges" in found
+
+
+def test_sd3_full_checkpoint_gives_transformer_vae_clip_g_and_t5(tmp_path: Path) -> None:
+    """A full SD3 file (Stability's layout: MMDiT under ``model.diffusion_model.``, the LDM VAE, CLIP-G and T5
+    under ``text_encoders.*``) gives four components, each from its own part."""
+    from single_file_ckpt import sd3_checkpoint_from_pipeline
+
+    from dduf_plus import load_dduf
+
+    base = build_tiny_sd3(tmp_path / "sd3", TINY_SD / "tokenizer", PIPELINES / "tiny-dit" / "tokenizer")
+    moved = ("transformer", "vae", "text_encoder_2", "text_encoder_3")
+    archive = _partial(base, tmp_path / "sd3.dduf", moved)
+    expected = _states(load_dduf(archive), moved)
+    models = tmp_path / "models" / "checkpoints"
+    models.mkdir(parents=True)
+    save_file(sd3_checkpoint_from_pipeline(base), models / "sd3_medium_incl_clips_t5.safetensors")
+    for n in moved:
+        shutil.rmtree(base / n)
+    _same(load_dduf(archive, model_dirs=[models.parent]), expected)
+    rows = _rows(archive, [models.parent])
+    assert "MMDiT transformer under model.diffusion_model. layout" in rows["transformer"]["found"]
+    assert "CLIP under text_encoders.clip_g.transformer." in rows["text_encoder_2"]["found"]
+    assert "T5 under text_encoders.t5xxl.transformer. layout" in rows["text_encoder_3"]["found"]
+
+
+def test_a_clip_file_with_position_ids_beside_its_weights(sd15: dict[str, Any]) -> None:
+    """A CLIP-L file as some apps save it, ``text_model.embeddings.position_ids`` beside the weights (the
+    reference has none): one tensor more than the reference, found all the same."""
+    full = load_file(sd15["full"])
+    prefix = "cond_stage_model.transformer."
+    clip = {k.removeprefix(prefix): v for k, v in full.items() if k.startswith(prefix)}
+    clip["text_model.embeddings.position_ids"] = torch.arange(77).unsqueeze(0)
+    (sd15["models"] / "clip").mkdir()
+    save_file(clip, sd15["models"] / "clip" / "clip_l.safetensors")
+    sd15["full"].unlink()
+    found = locate_component("text_encoder", _ref(sd15["archive"], "text_encoder"), model_dirs=[sd15["models"]])
+    assert "clip_l.safetensors (CLIP" in found.source and "layout, renamed in" in found.source
