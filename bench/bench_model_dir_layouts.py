@@ -42,20 +42,25 @@ def _sha256(path: Path) -> float:
 
 def _setup(work: Path) -> tuple[Path, Path, dict[str, Any]]:
     from safetensors.torch import save_file
-    from single_file_ckpt import checkpoint_from_pipeline
+    from single_file_ckpt import _config, _state, clip_to_ldm, unet_to_ldm, vae_to_ldm
 
     from dduf_plus.format.archive import DDUFArchive
     from dduf_plus.packing import pack
 
-    folder = pipeline_folder("sd15")
+    folder = shutil.copytree(pipeline_folder("sd15"), work / "base", copy_function=os.link)  # BASE, to delete
     archive = work / "sd15-partial.dduf"
     pack(folder, archive, exclude=list(PARTS), refs={n: str(folder) for n in PARTS}, quiet=True, fsync=False)
     models = work / "models"
     (models / "checkpoints").mkdir(parents=True)
     full = models / "checkpoints" / "sd15-pruned-fp16.safetensors"
-    save_file(checkpoint_from_pipeline(folder, "v1"), full)
+    # (not checkpoint_from_pipeline: its "+ unet_delta" turns fp16 -0.0 into +0.0, other bytes, rightly refused)
+    save_file({**unet_to_ldm(_state(folder, "unet"), _config(folder, "unet")),
+               **vae_to_ldm(_state(folder, "vae"), _config(folder, "vae")),
+               **clip_to_ldm(_state(folder, "text_encoder"), "cond_stage_model.transformer.")}, full)
     with DDUFArchive(archive) as a:
         refs = {n: dict(a.references[n]) for n in PARTS}
+    for n in PARTS:  # the checkpoint is the only copy
+        shutil.rmtree(folder / n)
     return full, models, refs
 
 

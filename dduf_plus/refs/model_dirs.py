@@ -49,7 +49,7 @@ from .cache import dduf_cache_dir, sha256_file, stat_key, verified_hashes
 logger = logging.getLogger(__name__)
 
 __all__ = ["ENV", "RECORD_KEY", "LayoutReader", "Match", "Part", "Rejected", "Source", "add_layout_reader",
-           "find_component", "part_digest", "search_dirs", "tensor_record", "tensors_digest"]
+           "find_component", "part_digest", "part_problem", "search_dirs", "tensor_record", "tensors_digest"]
 
 ENV = "DDUF_PLUS_MODEL_DIRS"
 RECORD_KEY = "tensors"
