@@ -363,3 +363,15 @@ def test_a_clip_file_with_position_ids_beside_its_weights(sd15: dict[str, Any]) 
     sd15["full"].unlink()
     found = locate_component("text_encoder", _ref(sd15["archive"], "text_encoder"), model_dirs=[sd15["models"]])
     assert "clip_l.safetensors (CLIP" in found.source and "layout, renamed in" in found.source
+
+
+def test_complete_takes_the_parts_of_a_full_checkpoint(sd15: dict[str, Any], tmp_path: Path) -> None:
+    """``dduf complete --model-dir``: the archive made whole from the checkpoint's parts, equal to BASE's."""
+    from dduf_plus import load_dduf
+    from dduf_plus.cli import main
+
+    out = tmp_path / "whole.dduf"
+    assert main(["complete", str(sd15["archive"]), "-o", str(out), "--model-dir", str(sd15["models"]), "-q"]) == 0
+    with DDUFArchive(out) as a:
+        assert not {n for n in a.references if n in SD_PARTS}
+    _same(load_dduf(out), sd15["expected"])
