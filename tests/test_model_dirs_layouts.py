@@ -30,11 +30,11 @@ from single_file_ckpt import (
 )
 
 from conftest import PIPELINES
-from dduf_plus.errors import DDUFReferenceError
+from dduf_plus.errors import DDUFFormatError, DDUFReferenceError
 from dduf_plus.format.archive import DDUFArchive
-from dduf_plus.format.safetensors_header import TensorInfo
+from dduf_plus.format.safetensors_header import TensorInfo, read_file_header
 from dduf_plus.packing import pack
-from dduf_plus.packing.model_dir_layouts import install
+from dduf_plus.packing.model_dir_layouts import install, read_parts
 from dduf_plus.refs import model_dirs
 from dduf_plus.refs.resolve import check_references, locate_component
 
@@ -237,6 +237,7 @@ def test_transformer_from_an_original_file_in_diffusion_models(tmp_path: Path, f
         base = build_tiny_flux(tmp_path / "flux", TINY_SD / "tokenizer", PIPELINES / "tiny-dit" / "tokenizer")
         prefix = "model.diffusion_model." if family == "flux-comfy" else ""
         original = flux_to_bfl(_state(base, "transformer"), prefix)
+        original[prefix + "stray.weight"] = torch.ones(4)  # a key diffusers' converter leaves: ignored, as it does
         layout = "BFL Flux transformer" + (" under model.diffusion_model." if prefix else "") + " layout"
     archive = _partial(base, tmp_path / "t.dduf", ("transformer",))
     expected = _states(load_dduf(archive), ("transformer",))
@@ -326,6 +327,16 @@ def test_a_readers_ranges_outside_the_file_are_refused(sd15: dict[str, Any], mon
     monkeypatch.setattr(model_dirs, "_READERS", [lying])
     found = model_dirs.find_component("vae", _ref(sd15["archive"], "vae"), [sd15["models"]])
     assert isinstance(found, str) and "a liar: w: its byte ranges" in found
+
+    def failing(*_a: Any) -> Iterator[Any]:
+        raise RuntimeError("a reader's bug")
+        yield
+
+    monkeypatch.setattr(model_dirs, "_READERS", [failing])
+    found = model_dirs.find_component("vae", _ref(sd15["archive"], "vae"), [sd15["models"]])
+    assert isinstance(found, str) and "the layout reader failed (RuntimeError: a reader's bug)" in found
+    # a hostile config text names no class the reader knows: nothing tried, nothing raised
+    assert list(read_parts(read_file_header(sd15["full"], "f", DDUFFormatError), {"architectures": 5}, 1, 1)) == []
 
 
 def test_sd3_full_checkpoint_gives_transformer_vae_clip_g_and_t5(tmp_path: Path) -> None:

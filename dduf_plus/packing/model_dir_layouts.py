@@ -72,8 +72,7 @@ def _owned(header: SafetensorsHeader, prefix: str) -> dict[str, TensorInfo]:
 def read_parts(header: SafetensorsHeader, config: Mapping[str, Any], count: int, nbytes: int) -> Iterator[Part | str]:
     """The parts of a file that may be the referenced component (config ``config``, ``count`` tensors of
     ``nbytes`` bytes in all), as :class:`~dduf_plus.refs.model_dirs.Part`, or why one that could fit does not map."""
-    name = config.get("_class_name") or next(iter(config.get("architectures") or []), None)
-    for kind in _BY_CLASS.get(str(name), ()):
+    for kind in _BY_CLASS.get(_class_of(config), ()):
         for prefix in _prefixes(kind):
             owned = _owned(header, prefix)
             total = sum(t.nbytes for t in owned.values())
@@ -87,10 +86,20 @@ def read_parts(header: SafetensorsHeader, config: Mapping[str, Any], count: int,
             yield from _parts(kind, prefix, owned, header.data_start, config, where)
 
 
+def _class_of(config: Mapping[str, Any]) -> str:
+    """The model class a config names: diffusers' ``_class_name``, transformers' first ``architectures`` (the
+    config text comes from an untrusted archive: anything else names none)."""
+    name = config.get("_class_name")
+    arch = config.get("architectures")
+    if not isinstance(name, str) and isinstance(arch, list) and arch:
+        name = arch[0]
+    return name if isinstance(name, str) else ""
+
+
 def _parts(kind: str, prefix: str, owned: dict[str, TensorInfo], data_start: int, config: Mapping[str, Any],
            where: str) -> Iterator[Part | str]:
     canon = _CANONICAL[kind]
-    if kind == "open_clip" and config.get("architectures") == ["CLIPTextModelWithProjection"]:
+    if kind == "open_clip" and _class_of(config) == "CLIPTextModelWithProjection":
         canon = "conditioner.embedders.1.model."  # SDXL's: diffusers ignores SD 2's projection, not this one
     back = {canon + k[len(prefix):]: k for k in owned}
     try:
@@ -127,8 +136,9 @@ def _converted(kind: str, canon: str, infos: dict[str, TensorInfo], config: Mapp
     views = {k: torch.empty(t.shape, dtype=getattr(torch, t.dtype), device="meta") for k, t in infos.items()}
     base_keys = {"text_model.embeddings.token_embedding.weight"} if kind in ("clip", "open_clip") else set()
     out = convert_component(kind, canon, dict(views), config, base_keys)
-    # strays: what a converter leaves unconverted (Flux) or makes that no model holds (position ids)
-    return {k: tuple(v.shape) for k, v in out.items() if not (kind == "flux" and k in infos)
+    # strays: what a converter leaves unconverted (Flux's, with or without the prefix it strips itself) or
+    # makes that no model holds (position ids)
+    return {k: tuple(v.shape) for k, v in out.items() if not (kind == "flux" and (k in infos or canon + k in infos))
             and not k.endswith("position_ids")}
 
 

@@ -404,8 +404,11 @@ def _read_parts(path: Path, header: SafetensorsHeader, rec: Mapping[str, Any]) -
     for reader in _READERS:
         try:
             parts = list(reader(header, config, rec["count"], rec["bytes"]))
-        except DDUFError as e:  # a reader says what it refuses as a DDUFError; anything else is its bug
+        except DDUFError as e:  # a reader says what it refuses as a DDUFError
             parts = [str(e).splitlines()[0]]
+        except Exception as e:  # a reader's bug on a hostile file: a rejected candidate, never a crash
+            logger.debug("layout reader %r failed on %s", reader, path, exc_info=True)
+            parts = [f"the layout reader failed ({type(e).__name__}: {str(e)[:200]})"]
         for part in parts:
             if isinstance(part, str):
                 why = why or part
