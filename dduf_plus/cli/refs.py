@@ -36,7 +36,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Exit 0 when every reference resolves here (or can be downloaded), 1 otherwise."""
     from ..format.archive import DDUFArchive
+    from ..packing.model_dir_layouts import install
     from ..refs.resolve import check_ref_names, check_references, parse_ref_args
+
+    install()  # --model-dir: original layouts and full checkpoints' parts are read too
 
     refs = as_usage(lambda: parse_ref_args(args.ref))
     for spec in refs.values():

@@ -557,8 +557,10 @@ def resolve_component(
     Raises:
         DDUFReferenceError: see :func:`locate_component`.
     """
+    from ..packing.model_dir_layouts import install
     from ..refs.resolve import locate_component
 
+    install()  # model folders: original layouts and full checkpoints' parts are read too
     located = locate_component(name, reference, refs=refs, local_files_only=local_files_only, token=token,
                                revision=revision, cache_dir=cache_dir, verify=verify, model_dirs=model_dirs)
     if located.archive is not None and located.member is not None:

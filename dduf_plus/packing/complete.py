@@ -117,6 +117,9 @@ def _locate_references(references: Mapping[str, Any], *, refs: Mapping[str, Spec
                        cache_dir: str | os.PathLike | None,
                        model_dirs: Sequence[str | os.PathLike] | None = None) -> dict[str, Located]:
     """Every reference resolved and verified against its recorded files, in name order."""
+    from .model_dir_layouts import install
+
+    install()  # model folders: original layouts and full checkpoints' parts are read too
     located: dict[str, Located] = {}
     for name in sorted(references):
         ref = references[name]

@@ -215,7 +215,9 @@ def _component_source(ark: DDUFArchive, name: str, references: Mapping[str, Any]
     if name not in references:
         raise DDUFPackError(f"component {name!r} is neither stored in the archive nor referenced")
     from ..refs.resolve import locate_component
+    from .model_dir_layouts import install
 
+    install()  # model folders: original layouts and full checkpoints' parts are read too
     loc = locate_component(name, references[name], refs=refs, token=token, local_files_only=local_files_only,
                            verify=True, model_dirs=model_dirs)
     if loc.archive is not None and loc.member is not None:

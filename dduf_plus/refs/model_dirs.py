@@ -16,8 +16,13 @@ order), the tensors' digest does. Searching (``load_dduf(model_dirs=...)``, ``DD
 4. a file whose header fits but whose bytes differ is skipped and said.
 
 The match is used as it is, memory-mapped: a view folder holds the recorded config (its text is in the
-record, checked against the recorded sha256) and a link to the file. Files in another layout than the
-reference's diffusers names (an LDM VAE, a full checkpoint's part) are reported as such and not used yet.
+record, checked against the recorded sha256) and a link to the file. A file that is a pure rename of diffusers'
+names (an LDM VAE, a CLIP under ``text_model.``) is found here by its header alone; any other original layout
+(an LDM UNet, OpenCLIP, SD3's MMDiT, BFL's Flux, each component's part of a full checkpoint) is read by a
+*layout reader* the torch floor registers (:func:`add_layout_reader`,
+:mod:`dduf_plus.packing.model_dir_layouts`): it maps each diffusers tensor to byte ranges of the file (or a
+transposed 2-D tensor), header only; the part is hashed from those ranges, remembered, and written once as a
+diffusers-named file into dduf_plus' cache (one tensor at a time), verified after writing.
 Standard library only (no torch)."""
 
 from __future__ import annotations
@@ -28,9 +33,10 @@ import logging
 import mmap
 import os
 import shutil
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from ..errors import DDUFError, DDUFFormatError
 from ..format import spec
@@ -42,8 +48,9 @@ from .cache import dduf_cache_dir, sha256_file, stat_key, verified_hashes
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ENV", "RECORD_KEY", "Match", "Rejected", "find_component", "search_dirs", "tensor_record",
-           "tensors_digest", "verified_digest"]
+__all__ = ["ENV", "RECORD_KEY", "LayoutReader", "Match", "Part", "Rejected", "Source", "add_layout_reader",
+           "find_component", "part_digest", "part_problem", "search_dirs", "tensor_record", "tensors_digest",
+           "verified_digest"]
 
 ENV = "DDUF_PLUS_MODEL_DIRS"
 RECORD_KEY = "tensors"
@@ -58,6 +65,36 @@ _SLICE = 64 << 20
 class Rejected(NamedTuple):
     path: str
     why: str
+
+
+class Source(NamedTuple):
+    """One diffusers tensor of a file in another layout: its name, dtype and shape (``info``: begin 0, end its
+    byte count), and where its bytes lie in the file's data section: ``ranges`` concatenated in order, or with
+    ``rows`` > 0 the one range as a [rows, n] matrix whose transpose the tensor is."""
+
+    info: TensorInfo
+    ranges: tuple[tuple[int, int], ...]
+    rows: int = 0
+
+
+class Part(NamedTuple):
+    """A component found in a file by a layout reader: what it is (for messages) and its diffusers tensors."""
+
+    layout: str  # "LDM UNet under model.diffusion_model.", ...
+    data_start: int  # the file's data section
+    tensors: dict[str, Source]
+
+
+# A layout reader: (the file's header, the reference's config, its tensor count, its byte total) -> the parts
+# it sees in the file (checked here against the record), or why a part that could have fit does not map.
+LayoutReader = Callable[[SafetensorsHeader, Mapping[str, Any], int, int], Iterable["Part | str"]]
+_READERS: list[LayoutReader] = []
+
+
+def add_layout_reader(reader: LayoutReader) -> None:
+    """Register a reader of original layouts (the torch floor's: refs/ imports no torch). Idempotent."""
+    if reader not in _READERS:
+        _READERS.append(reader)
 
 
 class Match(NamedTuple):
@@ -143,15 +180,111 @@ def tensor_record(folder: Path, files: Mapping[str, Any]) -> dict[str, Any]:
 def _remembered_digest(path: Path, header: SafetensorsHeader, layout: str = "") -> str:
     """:func:`tensors_digest` of one file, from dduf_plus' hash memory when the file is unchanged since (a pack
     against the same BASE, a model folder searched again: nothing hashed)."""
-    memo = verified_hashes()
     member = _MEMBER + (f"-{layout}" if layout else "")
+    return _remembered(path, member, lambda: tensors_digest([(path, header)]))
+
+
+def _remembered(path: Path, member: str, compute: Callable[[], str]) -> str:
+    memo = verified_hashes()
     known = memo.lookup(path, member)
     if known is None:
         before = stat_key(path)
-        known = tensors_digest([(path, header)])
+        known = compute()
         if stat_key(path) == before:  # a file written while it was read is not remembered
             memo.remember(path, known, member, key=before)
     return str(known)
+
+
+# --- parts of files in other layouts (a layout reader's :class:`Part`) ----------------------------------------
+_FORMATS: dict[int, Literal["B", "H", "I", "Q"]] = {1: "B", 2: "H", 4: "I", 8: "Q"}  # element sizes a transpose moves (as unsigned integers: bytes only)
+
+
+def _itemsize(dtype: str) -> int:
+    bits = spec.DTYPE_BY_TORCH[dtype].bits
+    if bits % 8 or bits // 8 not in _FORMATS:
+        raise DDUFFormatError(f"{dtype}: packed sub-byte values cannot be read from another layout")
+    return bits // 8
+
+
+def part_problem(part: Part, data_size: int) -> str | None:
+    """Why a reader's part cannot be read from a data section of ``data_size`` bytes (a hostile file or a
+    reader's bug), or None: every range inside the data section, the ranges of each tensor adding up to its
+    shape and dtype, a transpose one 2-D range."""
+    for name, src in part.tensors.items():
+        info = src.info
+        n = 1
+        for d in info.shape:
+            n *= d
+        try:
+            want = n * _itemsize(info.dtype)
+        except (KeyError, DDUFFormatError) as e:
+            return f"{name}: {e}"
+        if any(not 0 <= b <= e <= data_size for b, e in src.ranges) or sum(e - b for b, e in src.ranges) != want:
+            return f"{name}: its byte ranges {list(src.ranges)[:4]} do not lie in the file or do not make {want} bytes"
+        if info.nbytes != want or src.rows < 0 or (src.rows and (len(src.ranges) != 1 or len(info.shape) != 2
+                                                               or info.shape[1] != src.rows)):
+            return f"{name}: a malformed transpose or size"
+    return None
+
+
+def _source_chunks(view: memoryview, start: int, src: Source) -> Iterator[memoryview | bytes]:
+    """The bytes of one diffusers tensor, in slices (a transposed tensor: one of its rows at a time)."""
+    if src.rows:
+        (b, e), = src.ranges
+        flat = view[start + b:start + e].cast(_FORMATS[_itemsize(src.info.dtype)])
+        cols = len(flat) // src.rows  # the file's matrix is [rows, cols]; the tensor's row j is its column j
+        try:
+            for j in range(cols):
+                yield flat[j::cols].tobytes()
+        finally:
+            flat.release()
+        return
+    for b, e in src.ranges:
+        for pos in range(b, e, _SLICE):
+            yield view[start + pos:start + min(e, pos + _SLICE)]
+
+
+@contextmanager
+def _mapped(path: Path) -> Iterator[memoryview]:
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) if size else None
+        view = memoryview(mm) if mm is not None else memoryview(b"")
+        try:
+            yield view
+        finally:
+            view.release()
+            if mm is not None:
+                mm.close()
+
+
+def part_digest(path: Path, part: Part) -> str:
+    """:func:`tensors_digest` of a part: every diffusers tensor hashed from its ranges (the same digest a file in
+    diffusers' names holding those tensors has)."""
+    h = hashlib.sha256(f"dduf-tensors-v{VERSION}\n".encode())
+    with _mapped(path) as view:
+        for name in sorted(part.tensors):
+            src = part.tensors[name]
+            t = hashlib.sha256()
+            for chunk in _source_chunks(view, part.data_start, src):
+                t.update(chunk)
+                if isinstance(chunk, memoryview):
+                    chunk.release()
+            h.update(_line(src.info) + t.digest())
+    return h.hexdigest()
+
+
+def _hashing(path: Path, part: Part) -> Callable[[], str]:
+    return lambda: part_digest(path, part)
+
+
+def _part_member(part: Part) -> str:
+    """The hash memory's key for a part: what it is and exactly where each tensor's bytes come from."""
+    h = hashlib.sha256()
+    for name in sorted(part.tensors):
+        src = part.tensors[name]
+        h.update(f"{_line(src.info).decode()}{src.ranges}{src.rows}\n".encode())
+    return f"{_MEMBER}-part-{h.hexdigest()[:32]}"
 
 
 # --- the search ------------------------------------------------------------------------------------------------
@@ -216,7 +349,10 @@ def find_component(name: str, reference: Mapping[str, Any], dirs: Sequence[Path]
         why = _check(path, rec)
         if isinstance(why, tuple):
             layout, named = why
-            used = path if not layout else _in_diffusers_names(path, named, rec["sha256"])
+            if isinstance(named, Part):
+                used = _part_in_diffusers_names(path, named, rec["sha256"])
+            else:
+                used = path if not layout else _in_diffusers_names(path, named, rec["sha256"])
             shown = str(path) if not layout else f"{path} ({layout} layout, renamed in {used})"
             return Match({weights: used, "config.json": _config_file(config, config_sha)}, shown, rejected)
         if why:
@@ -225,24 +361,73 @@ def find_component(name: str, reference: Mapping[str, Any], dirs: Sequence[Path]
     return f"no file in {', '.join(map(str, dirs))} holds its tensors" + (f" (rejected: {reasons})" if reasons else "")
 
 
-def _check(path: Path, rec: Mapping[str, Any]) -> tuple[str, SafetensorsHeader] | str:
-    """(layout, the file's header in diffusers' naming) when ``path`` holds the recorded tensors; "" when it is
-    plainly another model (not said); else why it was rejected."""
+_DIFFER = "its header fits but its tensors' bytes differ (skipped)"
+
+
+def _check(path: Path, rec: Mapping[str, Any]) -> tuple[str, SafetensorsHeader | Part] | str:
+    """(layout, the file's header in diffusers' naming, or the part of it a layout reader maps) when ``path``
+    holds the recorded tensors; "" when it is plainly another model (not said); else why it was rejected."""
     try:
         header = read_file_header(path, path.name, DDUFFormatError)
     except (OSError, DDUFError) as e:
         return f"not a readable safetensors file ({str(e).splitlines()[0][:120]})"
-    if len(header.tensors) != rec["count"] or sum(t.nbytes for t in header.tensors.values()) != rec["bytes"]:
+    why = ""
+    if len(header.tensors) == rec["count"] and sum(t.nbytes for t in header.tensors.values()) == rec["bytes"]:
+        for layout, named in _layouts(header):  # the torch-free fast path: the names alone
+            if layout_digest(named.tensors.values()) != rec["layout"]:
+                continue
+            if _remembered_digest(path, named, layout) != rec["sha256"]:
+                logger.warning("model folder file %s: its header fits the reference but its tensors' bytes differ: "
+                               "skipped", path)
+                return _DIFFER
+            return layout, named
+        why = "same size, other tensor names, dtypes or shapes (another layout or model)"
+    found = _read_parts(path, header, rec)
+    return found if isinstance(found, tuple) or found else why
+
+
+def _read_parts(path: Path, header: SafetensorsHeader, rec: Mapping[str, Any]) -> tuple[str, Part] | str:
+    """The registered layout readers' parts of the file, checked against the record: the header first (names,
+    dtypes, shapes, ranges), then the bytes, hashed from the ranges (remembered per part)."""
+    if not _READERS:
         return ""
-    for layout, named in _layouts(header):
-        if layout_digest(named.tensors.values()) != rec["layout"]:
-            continue
-        if _remembered_digest(path, named, layout) != rec["sha256"]:
-            logger.warning("model folder file %s: its header fits the reference but its tensors' bytes differ: "
-                           "skipped", path)
-            return "its header fits but its tensors' bytes differ (skipped)"
-        return layout, named
-    return "same size, other tensor names, dtypes or shapes (another layout or model)"
+    try:
+        config = json.loads(rec["config"])
+    except ValueError:
+        return "the reference's config text is not JSON"
+    if not isinstance(config, dict):
+        return "the reference's config text is not a JSON object"
+    why = ""
+    try:
+        data_size = os.path.getsize(path) - header.data_start
+    except OSError as e:
+        return f"not readable ({e})"
+    for reader in _READERS:
+        try:
+            parts = list(reader(header, config, rec["count"], rec["bytes"]))
+        except DDUFError as e:  # a reader says what it refuses as a DDUFError
+            parts = [str(e).splitlines()[0]]
+        except Exception as e:  # a reader's bug on a hostile file: a rejected candidate, never a crash
+            logger.debug("layout reader %r failed on %s", reader, path, exc_info=True)
+            parts = [f"the layout reader failed ({type(e).__name__}: {str(e)[:200]})"]
+        for part in parts:
+            if isinstance(part, str):
+                why = why or part
+                continue
+            bad = part_problem(part, data_size)
+            if bad is not None:
+                why = why or f"{part.layout}: {bad}"
+                continue
+            infos = [src.info for src in part.tensors.values()]
+            if len(infos) != rec["count"] or layout_digest(infos) != rec["layout"]:
+                why = why or f"{part.layout}: other tensor names, dtypes or shapes than the reference's"
+                continue
+            if _remembered(path, _part_member(part), _hashing(path, part)) != rec["sha256"]:
+                logger.warning("model folder file %s: its %s fits the reference but its tensors' bytes differ: "
+                               "skipped", path, part.layout)
+                return f"its {part.layout}: {_DIFFER}"
+            return part.layout, part
+    return why
 
 
 _VAE_PREFIXES = ("first_stage_model.", "vae.")
@@ -310,3 +495,35 @@ def verified_digest(path: Path) -> str | None:
     names) while the file is unchanged since it was hashed, else None: ``dduf complete`` checks by this that
     the file it copied is still the one verified, without hashing it again."""
     return verified_hashes().lookup(path, _MEMBER)
+
+
+def _part_in_diffusers_names(path: Path, part: Part, digest: str) -> Path:
+    """A part of a file in another layout written once into dduf_plus' cache as a file in diffusers' names
+    (named by the tensors' digest, remembered; one tensor's slices at a time, never the part in memory), then
+    verified by hashing what was written."""
+    cache = Confined(dduf_cache_dir())
+    cache.mkdir(cache.path("model-dirs"))
+    out = cache.path("model-dirs", f"{digest}.safetensors")
+    if not out.is_symlink() and out.is_file() and verified_hashes().lookup(out, _MEMBER) == digest:
+        return out
+    # widest elements first: every tensor then starts aligned to its element size (the header is padded to 8)
+    order = sorted(part.tensors.values(), key=lambda s: (-_itemsize(s.info.dtype), s.info.name))
+    records: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    position = 0
+    for src in order:
+        records[src.info.name] = {"dtype": spec.DTYPE_BY_TORCH[src.info.dtype].safetensors,
+                                  "shape": list(src.info.shape), "data_offsets": [position, position + src.info.nbytes]}
+        position += src.info.nbytes
+    raw = json.dumps(records, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with _mapped(path) as view, cache.atomic(out) as f:
+        f.file.write(len(raw).to_bytes(8, "little") + raw)
+        for src in order:
+            for chunk in _source_chunks(view, part.data_start, src):
+                f.file.write(chunk)
+                if isinstance(chunk, memoryview):
+                    chunk.release()
+    header = read_file_header(out, out.name, DDUFFormatError)
+    if _remembered_digest(out, header) != digest:  # the file changed while it was copied
+        raise DDUFFormatError(f"{path}: changed while its {part.layout} was written in diffusers' names")
+    return out
