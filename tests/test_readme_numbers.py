@@ -112,6 +112,15 @@ def remote_per_connection_row(r: dict) -> list[str]:
             f"| {r['ratios']['first_vs_ranged_download_then_load']:.2f}x |"]
 
 
+def model_dirs_row(r: dict) -> list[str]:
+    ours, cache, ratio = r["load_seconds"]["model_dirs"], r["load_seconds"]["hf_cache"], r["ratio_model_dirs_vs_hf_cache"]
+    assert r["vae_layout_in_model_dirs"] == "ldm"
+    return [f"{r['found_bytes'] / 1e9:.1f} GB from app folders",
+            f"| {ours['first']['median']:.2f} / {ours['second']['median']:.2f} s |",
+            f"HF cache {cache['first']['median']:.2f} / {cache['second']['median']:.2f} s",
+            f"| {ratio['first']:.2f}x / {ratio['second']:.2f}x |"]
+
+
 def catalogue_row(r: dict) -> list[str]:
     threads = {run["jobs"]: run for run in r["runs"] if run["mode"] == "api-threads"}
     most = max(threads)
@@ -150,6 +159,7 @@ ROWS: dict[str, tuple[str, Callable[[dict], list[str]], tuple[str, ...]]] = {
     "same, SDXL-shaped; re-basing": ("trainer_partial_sdxl", lambda r: [
         *partial_row(r), f"the complete archive {r['rebase_archive_vs_folder_ratio']:.2f}x"], ()),
     "LoRA archive": ("lora", lora_row, ("SD-1.5",)),
+    "SDXL-shaped partial, ": ("model_dirs_sdxl", model_dirs_row, ("SDXL",)),
     "`load_dduf(URL)`": ("remote", remote_row, ()),
     "same, each connection capped": ("remote_per_connection_ranged", remote_per_connection_row, ()),
     "`validate_many`": ("catalogue", catalogue_row, ()),
