@@ -373,7 +373,7 @@ def test_a_clip_file_with_position_ids_beside_its_weights(sd15: dict[str, Any]) 
     save_file(clip, sd15["models"] / "clip" / "clip_l.safetensors")
     sd15["full"].unlink()
     found = locate_component("text_encoder", _ref(sd15["archive"], "text_encoder"), model_dirs=[sd15["models"]])
-    assert "clip_l.safetensors (CLIP" in found.source and "layout, renamed in" in found.source
+    assert "clip_l.safetensors (CLIP" in found.source and "layout, read in place" in found.source
 
 
 def test_complete_takes_the_parts_of_a_full_checkpoint(sd15: dict[str, Any], tmp_path: Path) -> None:
