@@ -571,5 +571,5 @@ def resolve_component(
     if located.in_place is not None:  # a model-folder part in another layout: views of the user's file
         from .in_place import MappedPartFiles
 
-        return MappedPartFiles(located.folder, name, located.in_place)
+        return MappedPartFiles(FolderComponentFiles(located.folder, name), name, located.in_place)
     return FolderComponentFiles(located.folder, name)

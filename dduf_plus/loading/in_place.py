@@ -28,8 +28,8 @@ from ..errors import DDUFFormatError, DDUFIOError, DDUFLoadError, DDUFReferenceE
 from ..format import spec
 from ..format.archive import tensor_view
 from ..format.safetensors_header import SafetensorsHeader, TensorInfo
+from ..format.weights import select_weights, tensor_files
 from ..refs.model_dirs import InPlace, Source, diffusers_header
-from .files import FolderComponentFiles, choose_weight_files
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -38,11 +38,12 @@ __all__ = ["MappedPartFiles"]
 
 
 class MappedPartFiles:
-    """A model-folder part as a component folder: ``folder`` holds the recorded config (a view folder in
-    dduf_plus' cache), ``in_place`` says where each diffusers tensor lies in the user's file."""
+    """A model-folder part as a component folder: ``config`` is the folder holding the recorded config (a
+    :class:`~dduf_plus.loading.files.FolderComponentFiles` over a view folder in dduf_plus' cache, answering
+    for config.json as any folder does), ``in_place`` says where each diffusers tensor lies in the user's file."""
 
-    def __init__(self, folder: str | os.PathLike, name: str, in_place: InPlace):
-        self._config = FolderComponentFiles(folder, name)  # config.json (and nothing else) as any folder's
+    def __init__(self, config: Any, name: str, in_place: InPlace):
+        self._config = config
         self.name = name
         self.in_place = in_place
         self.description = f"{in_place.path} ({in_place.part.layout}, as {name})"
@@ -72,7 +73,7 @@ class MappedPartFiles:
         return self._config.local_dir(names)
 
     def weight_files(self, variant: str | None = None) -> list[str]:
-        return choose_weight_files(self, variant)
+        return tensor_files(select_weights(self.listdir(), variant))  # one file, never a shard index
 
     def prefetch(self, filenames: Sequence[str]) -> None:
         pass  # one map of the user's file: the kernel's read-ahead on sequential faults
