@@ -10,7 +10,9 @@ text encoder; a full LDM checkpoint of it (2.1 GB) is the only copy. Per repetit
 (nothing hashed: counted), ``copy`` writes the three diffusers-named copies ``dduf complete`` needs (with fsync,
 hashed as written), ``first_load`` is ``load_dduf(partial, model_dirs=...)`` in another fresh cache (parts
 hashed, models built on views of the checkpoint's mapping). The page cache is warm (the checkpoint is read once
-before timing). Writes bench/results/model_dir_layouts.json with its provenance."""
+before timing). ``first_load_via_copy``: the same load, each part first written as a copy and loaded from it
+(the route before parts were used in place, less its second hash of the copy). Writes
+bench/results/model_dir_layouts.json with its provenance."""
 
 from __future__ import annotations
 
@@ -66,6 +68,26 @@ def _setup(work: Path) -> tuple[Path, Path, dict[str, Any]]:
     return full, models, refs
 
 
+def _load_via_copy(archive: Path, models: Path, cache: Path) -> float:
+    """``load_dduf`` as it was before parts were used in place: each part written as a diffusers-named copy
+    (fsync'ed; now hashed as written, one pass: the old route hashed the copy again), loaded from that copy."""
+    from dduf_plus import load_dduf
+    from dduf_plus.refs import resolve
+
+    os.environ["DDUF_PLUS_CACHE"] = str(cache)
+    real = resolve.locate_component
+    resolve.locate_component = lambda *a, **k: resolve.with_files_on_disk(real(*a, **k))  # type: ignore[assignment]
+    try:
+        t = time.perf_counter()
+        pipe = load_dduf(archive, model_dirs=[models])
+        took = time.perf_counter() - t
+    finally:
+        resolve.locate_component = real  # type: ignore[assignment]
+    del pipe
+    shutil.rmtree(cache)
+    return took
+
+
 def _repetition(work: Path, i: int, full: Path, models: Path, refs: dict[str, Any], archive: Path,
                 hashed: list[str]) -> dict[str, Any]:
     from dduf_plus import load_dduf
@@ -94,6 +116,7 @@ def _repetition(work: Path, i: int, full: Path, models: Path, refs: dict[str, An
     del pipe
     shutil.rmtree(work / f"cache{i}")
     shutil.rmtree(work / f"cache{i}-load")
+    timings["first_load_via_copy"] = _load_via_copy(archive, models, work / f"cache{i}-copy")
     return {"anchor_sha256_file": anchor, **timings}
 
 
@@ -120,6 +143,7 @@ def main() -> None:
                   "second_over_anchor": med["second"] / med["anchor_sha256_file"],
                   "copy_over_anchor": med["copy"] / med["anchor_sha256_file"],
                   "first_load_over_anchor": med["first_load"] / med["anchor_sha256_file"],
+                  "first_load_via_copy_over_anchor": med["first_load_via_copy"] / med["anchor_sha256_file"],
                   "before": {"commit": "f3a4b04", "first": 15.377, "first_over_anchor": 7.063, "second": 0.087,
                              "note": "first resolution wrote each part's copy (fsync) and hashed it again"}}
         write_result(RESULTS / "model_dir_layouts.json", result)

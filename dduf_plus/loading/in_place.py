@@ -101,6 +101,9 @@ class MappedPartFiles:
             if not self.in_place.unchanged():
                 raise DDUFReferenceError(f"component {self.name!r}: {where} changed since its tensors were verified "
                                          "(search the model folders again: load again)")
+            # Verified when found (its digest over these ranges) and unchanged in stat since: from here on it is
+            # trusted as any verified folder file is (weights are not hashed as they are mapped). ACCESS_COPY:
+            # a write to a tensor stays in this process, never reaches the user's file.
             with open(where, "rb") as f:
                 self._size = os.fstat(f.fileno()).st_size
                 self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
