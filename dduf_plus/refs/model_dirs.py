@@ -51,8 +51,8 @@ from .cache import dduf_cache_dir, sha256_file, stat_key, verified_hashes
 logger = logging.getLogger(__name__)
 
 __all__ = ["ENV", "RECORD_KEY", "InPlace", "LayoutReader", "Match", "Part", "Rejected", "Source", "add_layout_reader",
-           "diffusers_header", "find_component", "part_copy", "part_digest", "part_problem", "search_dirs", "tensor_record", "tensors_digest",
-           "verified_digest"]
+           "diffusers_header", "find_component", "part_copy", "part_digest", "part_problem", "search_dirs",
+           "tensor_record", "tensors_digest", "verified_digest"]
 
 ENV = "DDUF_PLUS_MODEL_DIRS"
 RECORD_KEY = "tensors"
@@ -377,7 +377,11 @@ def find_component(name: str, reference: Mapping[str, Any], dirs: Sequence[Path]
             if not layout and isinstance(named, SafetensorsHeader):
                 return Match({weights: path, "config.json": config_file}, str(path), rejected)
             part = named if isinstance(named, Part) else _renamed_part(layout, named)
-            in_place = InPlace(path, part, rec["sha256"], weights, stat_key(path))
+            try:
+                in_place = InPlace(path, part, rec["sha256"], weights, stat_key(path))
+            except OSError as e:  # gone since it was hashed
+                rejected.append(Rejected(str(path), f"not readable ({e})"))
+                continue
             return Match({"config.json": config_file}, f"{path} ({layout} layout, read in place)", rejected, in_place)
         if why:
             rejected.append(Rejected(str(path), why))
