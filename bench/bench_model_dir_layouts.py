@@ -1,14 +1,18 @@
 """A partial archive's UNet, VAE and text encoder resolved from ONE full original SD-1.5 checkpoint in an app's
-``models/checkpoints`` (each component's part read through the layout reader: hashed from byte ranges, written
-once in diffusers' names, verified), against an IO anchor measured in the same run: sha256 of the checkpoint file.
+``models/checkpoints`` (each component's part read through the layout reader: hashed from byte ranges, then used
+in place), against an IO anchor measured in the same run: sha256 of the checkpoint file.
 
     python bench/bench_model_dir_layouts.py [--repeat 3]
 
 The SD-1.5-shaped fp16 pipeline (bench/_common.py) is packed as a partial archive referencing its UNet, VAE and
 text encoder; a full LDM checkpoint of it (2.1 GB) is the only copy. Per repetition, with a fresh dduf_plus cache:
-``first`` resolves the three references (every part hashed, its diffusers-named copy written with fsync and
-hashed again), ``second`` resolves them again (nothing hashed: counted). The page cache is warm (the checkpoint
-is read once before timing). Writes bench/results/model_dir_layouts.json with its provenance."""
+``first`` resolves the three references (every part hashed; nothing written), ``second`` resolves them again
+(nothing hashed: counted), ``copy`` writes the three diffusers-named copies ``dduf complete`` needs (with fsync,
+hashed as written), ``first_load`` is ``load_dduf(partial, model_dirs=...)`` in another fresh cache (parts
+hashed, models built on views of the checkpoint's mapping). The page cache is warm (the checkpoint is read once
+before timing). ``first_load_via_copy``: the same load, each part first written as a copy and loaded from it
+(the route before parts were used in place, less its second hash of the copy). Writes
+bench/results/model_dir_layouts.json with its provenance."""
 
 from __future__ import annotations
 
@@ -64,13 +68,64 @@ def _setup(work: Path) -> tuple[Path, Path, dict[str, Any]]:
     return full, models, refs
 
 
+def _load_via_copy(archive: Path, models: Path, cache: Path) -> float:
+    """``load_dduf`` as it was before parts were used in place: each part written as a diffusers-named copy
+    (fsync'ed; now hashed as written, one pass: the old route hashed the copy again), loaded from that copy."""
+    from dduf_plus import load_dduf
+    from dduf_plus.refs import resolve
+
+    os.environ["DDUF_PLUS_CACHE"] = str(cache)
+    real = resolve.locate_component
+    resolve.locate_component = lambda *a, **k: resolve.with_files_on_disk(real(*a, **k))  # type: ignore[assignment]
+    try:
+        t = time.perf_counter()
+        pipe = load_dduf(archive, model_dirs=[models])
+        took = time.perf_counter() - t
+    finally:
+        resolve.locate_component = real  # type: ignore[assignment]
+    del pipe
+    shutil.rmtree(cache)
+    return took
+
+
+def _repetition(work: Path, i: int, full: Path, models: Path, refs: dict[str, Any], archive: Path,
+                hashed: list[str]) -> dict[str, Any]:
+    from dduf_plus import load_dduf
+    from dduf_plus.refs.resolve import locate_component, with_files_on_disk
+
+    os.environ["DDUF_PLUS_CACHE"] = str(work / f"cache{i}")
+    anchor = _sha256(full)  # also warms the page cache
+    timings: dict[str, Any] = {}
+    for label in ("first", "second"):
+        hashed.clear()
+        t = time.perf_counter()
+        located = [locate_component(n, refs[n], model_dirs=[models]) for n in PARTS]
+        timings[label] = time.perf_counter() - t
+        timings[f"{label}_parts_hashed"] = len(hashed)
+    assert all("sd15-pruned-fp16.safetensors" in loc.source for loc in located), [loc.source for loc in located]
+    written = list((work / f"cache{i}").rglob("*.safetensors"))
+    timings["first_weights_written"] = sum(1 for w in written if not w.is_symlink())
+    t = time.perf_counter()
+    for loc in located:
+        with_files_on_disk(loc)
+    timings["copy"] = time.perf_counter() - t
+    os.environ["DDUF_PLUS_CACHE"] = str(work / f"cache{i}-load")
+    t = time.perf_counter()
+    pipe = load_dduf(archive, model_dirs=[models])
+    timings["first_load"] = time.perf_counter() - t
+    del pipe
+    shutil.rmtree(work / f"cache{i}")
+    shutil.rmtree(work / f"cache{i}-load")
+    timings["first_load_via_copy"] = _load_via_copy(archive, models, work / f"cache{i}-copy")
+    return {"anchor_sha256_file": anchor, **timings}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
     from dduf_plus.packing.model_dir_layouts import install
     from dduf_plus.refs import model_dirs
-    from dduf_plus.refs.resolve import locate_component
 
     install()
     WORK.mkdir(parents=True, exist_ok=True)
@@ -80,24 +135,17 @@ def main() -> None:
         hashed: list[str] = []
         real = model_dirs.part_digest
         model_dirs.part_digest = lambda path, part: hashed.append(part.layout) or real(path, part)  # type: ignore[assignment]
-        rows = []
-        for i in range(args.repeat):
-            os.environ["DDUF_PLUS_CACHE"] = str(work / f"cache{i}")
-            anchor = _sha256(full)  # also warms the page cache
-            timings = {}
-            for label in ("first", "second"):
-                hashed.clear()
-                t = time.perf_counter()
-                sources = [locate_component(n, refs[n], model_dirs=[models]).source for n in PARTS]
-                timings[label] = time.perf_counter() - t
-                timings[f"{label}_parts_hashed"] = len(hashed)
-            assert all("sd15-pruned-fp16.safetensors" in s for s in sources), sources
-            rows.append({"anchor_sha256_file": anchor, **timings})
-            shutil.rmtree(work / f"cache{i}")
+        rows = [_repetition(work, i, full, models, refs, work / "sd15-partial.dduf", hashed)
+                for i in range(args.repeat)]
         med = {k: median([r[k] for r in rows]) for k in rows[0]}
         result = {"checkpoint_bytes": full.stat().st_size, "parts": list(PARTS), "repeat": args.repeat, "rows": rows,
                   "median": med, "first_over_anchor": med["first"] / med["anchor_sha256_file"],
-                  "second_over_anchor": med["second"] / med["anchor_sha256_file"]}
+                  "second_over_anchor": med["second"] / med["anchor_sha256_file"],
+                  "copy_over_anchor": med["copy"] / med["anchor_sha256_file"],
+                  "first_load_over_anchor": med["first_load"] / med["anchor_sha256_file"],
+                  "first_load_via_copy_over_anchor": med["first_load_via_copy"] / med["anchor_sha256_file"],
+                  "before": {"commit": "f3a4b04", "first": 15.377, "first_over_anchor": 7.063, "second": 0.087,
+                             "note": "first resolution wrote each part's copy (fsync) and hashed it again"}}
         write_result(RESULTS / "model_dir_layouts.json", result)
         print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in result.items() if k != "rows"})
     finally:

@@ -30,7 +30,7 @@ from single_file_ckpt import (
 )
 
 from conftest import PIPELINES
-from dduf_plus.errors import DDUFFormatError, DDUFReferenceError
+from dduf_plus.errors import DDUFFormatError, DDUFLoadError, DDUFReferenceError
 from dduf_plus.format.archive import DDUFArchive
 from dduf_plus.format.safetensors_header import TensorInfo, read_file_header
 from dduf_plus.packing import pack
@@ -134,6 +134,7 @@ def test_sd15_unet_vae_and_text_encoder_from_one_full_checkpoint(sd15: dict[str,
     pipe = load_dduf(sd15["archive"], model_dirs=[sd15["models"]])
     _same(pipe, sd15["expected"])
     assert (_image(pipe) == sd15["image"]).all()
+    assert _weights_in_cache() == []  # used in place: no copy of any part written into dduf_plus' cache
     assert sorted(h.split(":")[1].split(" (")[0] for h in hashed if ":" in h) == [
         "CLIP under cond_stage_model.transformer.", "LDM UNet under model.diffusion_model.",
         "LDM VAE under first_stage_model."]
@@ -177,6 +178,72 @@ def test_a_changed_or_tampered_checkpoint_is_hashed_again_or_skipped_and_said(
 def _ref(archive: Path, name: str) -> dict[str, Any]:
     with DDUFArchive(archive) as a:
         return dict(a.references[name])
+
+
+def _weights_in_cache() -> list[Path]:
+    """Weights files in dduf_plus' cache (the fixture's), where a renamed copy of a part would be written (not the
+    view folders' links)."""
+    return sorted(p for p in Path(os.environ["DDUF_PLUS_CACHE"]).rglob("*.safetensors") if not p.is_symlink())
+
+
+def test_a_part_is_viewed_in_place_copy_on_write(sd15: dict[str, Any]) -> None:
+    """The UNet part of a full checkpoint: a folder of the recorded config and one virtual weights file, whose
+    tensors are views of the user's file (mapped copy-on-write: writing to one never reaches the file), its header
+    the one the renamed copy has; a file changed since it was verified is refused before it is mapped."""
+    from dduf_plus.loading.files import resolve_component
+    from dduf_plus.loading.in_place import MappedPartFiles
+    from dduf_plus.refs.cache import sha256_file
+
+    full: Path = sd15["full"]
+    before = sha256_file(full)
+    files = resolve_component("unet", _ref(sd15["archive"], "unet"), model_dirs=[sd15["models"]])
+    assert isinstance(files, MappedPartFiles)
+    weights = files.weight_files()
+    assert weights == ["diffusion_pytorch_model.safetensors"]
+    assert files.listdir() == ["config.json", *weights] and files.read_json("config.json")["_class_name"]
+    with pytest.raises(DDUFLoadError, match="never read whole"):
+        files.read_bytes(weights[0])
+    tensors = files.tensors(weights)
+    assert {k: v for k, v in tensors.items()}.keys() == sd15["expected"]["unet"].keys()
+    assert all(torch.equal(tensors[k], v) for k, v in sd15["expected"]["unet"].items())
+    part = files.in_place.part
+    a, b = "conv_in.weight", "conv_in.bias"
+    assert len(part.tensors[a].ranges) == len(part.tensors[b].ranges) == 1
+    # views of one mapping of the user's file: as far apart in memory as their bytes are in the file
+    assert tensors[b].data_ptr() - tensors[a].data_ptr() == part.tensors[b].ranges[0][0] - part.tensors[a].ranges[0][0]
+    tensors[a].add_(1)
+    assert sha256_file(full) == before and _weights_in_cache() == []
+    header = files.safetensors_header(weights[0])
+    assert {n: i.shape for n, i in header.tensors.items()} == {n: tuple(v.shape) for n, v in tensors.items()}
+    os.utime(full, ns=(1, 1))
+    again = resolve_component("unet", _ref(sd15["archive"], "unet"), model_dirs=[sd15["models"]])
+    os.utime(full, ns=(2, 2))  # changed between the search and the load
+    with pytest.raises(DDUFReferenceError, match="changed since its tensors were verified"):
+        again.tensors(weights)
+
+
+def test_the_copy_is_hashed_as_written_and_refused_when_the_file_changed(sd15: dict[str, Any],
+                                                                          hashed: list[str]) -> None:
+    """``InPlace.copy`` (what ``dduf complete`` and export read): written once, its digest from the bytes as they
+    were written (not hashed again), then remembered; a file whose bytes changed since it was verified leaves
+    nothing behind."""
+    loc = locate_component("vae", _ref(sd15["archive"], "vae"), model_dirs=[sd15["models"]])
+    assert loc.in_place is not None and set(loc.files) == {"config.json"}
+    hashed.clear()
+    copy = loc.in_place.copy()
+    assert hashed == [] and model_dirs.verified_digest(copy) == loc.in_place.digest
+    header = read_file_header(copy, copy.name, DDUFFormatError)
+    assert model_dirs.tensors_digest([(copy, header)]) == loc.in_place.digest  # what was remembered is right
+    copy.unlink()
+    full: Path = sd15["full"]
+    data = bytearray(full.read_bytes())
+    src = next(iter(loc.in_place.part.tensors.values()))
+    at = loc.in_place.part.data_start + src.ranges[0][0]
+    data[at] ^= 0xFF
+    full.write_bytes(bytes(data))
+    with pytest.raises(DDUFFormatError, match="changed since its LDM VAE"):
+        loc.in_place.copy()
+    assert _weights_in_cache() == []
 
 
 def test_a_file_changed_while_hashed_is_not_remembered(sd15: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -246,6 +313,7 @@ def test_transformer_from_an_original_file_in_diffusion_models(tmp_path: Path, f
     save_file(original, models / "model.safetensors")
     shutil.rmtree(base / "transformer")
     _same(load_dduf(archive, model_dirs=[models.parent]), expected)
+    assert _weights_in_cache() == []  # swapped halves, fused slices and transposes: from the user's file
     assert layout in _rows(archive, [models.parent])["transformer"]["found"]
 
 
@@ -373,16 +441,21 @@ def test_a_clip_file_with_position_ids_beside_its_weights(sd15: dict[str, Any]) 
     save_file(clip, sd15["models"] / "clip" / "clip_l.safetensors")
     sd15["full"].unlink()
     found = locate_component("text_encoder", _ref(sd15["archive"], "text_encoder"), model_dirs=[sd15["models"]])
-    assert "clip_l.safetensors (CLIP" in found.source and "layout, renamed in" in found.source
+    assert "clip_l.safetensors (CLIP" in found.source and "layout, read in place" in found.source
 
 
-def test_complete_takes_the_parts_of_a_full_checkpoint(sd15: dict[str, Any], tmp_path: Path) -> None:
-    """``dduf complete --model-dir``: the archive made whole from the checkpoint's parts, equal to BASE's."""
+def test_complete_takes_the_parts_of_a_full_checkpoint(sd15: dict[str, Any], tmp_path: Path,
+                                                       hashed: list[str]) -> None:
+    """``dduf complete --model-dir``: the archive made whole from the checkpoint's parts, equal to BASE's; each
+    part's renamed copy is written for it (an entry is copied from a file) and never hashed again."""
     from dduf_plus import load_dduf
     from dduf_plus.cli import main
 
     out = tmp_path / "whole.dduf"
     assert main(["complete", str(sd15["archive"]), "-o", str(out), "--model-dir", str(sd15["models"]), "-q"]) == 0
+    copies = _weights_in_cache()
+    assert len(copies) == len(SD_PARTS)
+    assert not {c.name for c in copies} & set(hashed)  # hashed as written: no second pass over the copy
     with DDUFArchive(out) as a:
         assert not {n for n in a.references if n in SD_PARTS}
     _same(load_dduf(out), sd15["expected"])

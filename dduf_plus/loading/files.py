@@ -551,8 +551,9 @@ def resolve_component(
     model_dirs: Any = None,
 ) -> Any:
     """The referenced component's files as a ``ComponentFiles`` (see :mod:`dduf_plus.loading.files`):
-    ``FolderComponentFiles`` over a folder holding exactly the verified files, or
-    ``ArchiveComponentFiles`` over another ``.dduf``'s component.
+    ``FolderComponentFiles`` over a folder holding exactly the verified files,
+    ``ArchiveComponentFiles`` over another ``.dduf``'s component, or ``MappedPartFiles`` over a part of a file
+    in an app's model folder (another layout, used in place: :mod:`dduf_plus.loading.in_place`).
 
     Raises:
         DDUFReferenceError: see :func:`locate_component`.
@@ -567,4 +568,8 @@ def resolve_component(
         return ArchiveComponentFiles(DDUFArchive(located.archive), located.member)
     if located.folder is None:  # pragma: no cover - a Located is a folder or an archive member
         raise DDUFLoadError(f"component {name!r}: {located.source} resolved to neither a folder nor an archive")
+    if located.in_place is not None:  # a model-folder part in another layout: views of the user's file
+        from .in_place import MappedPartFiles
+
+        return MappedPartFiles(FolderComponentFiles(located.folder, name), name, located.in_place)
     return FolderComponentFiles(located.folder, name)

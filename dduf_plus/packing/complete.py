@@ -24,7 +24,7 @@ from ..format.chat_template import INDEX_KEY, TOKENIZER_CONFIG, fold, is_templat
 from ..format.json_budget import parse_json_entry
 from ..format.pack import EntrySource, PackResult, read_safetensors_head, write_archive
 from ..refs import model_dirs
-from ..refs.resolve import Located, SpecLike, check_ref_names, locate_component
+from ..refs.resolve import Located, SpecLike, check_ref_names, locate_component, with_files_on_disk
 from ..storage.confined import Confined
 from .partial import ORIGINAL_MODEL_INDEX_KEY, canonical_model_index_bytes
 
@@ -126,8 +126,11 @@ def _locate_references(references: Mapping[str, Any], *, refs: Mapping[str, Spec
         if not isinstance(ref, dict) or not ref.get("files"):
             raise DDUFReferenceError(f"component {name!r}: the reference records no files, so there is nothing to "
                                      "verify a copy against; complete it by packing the full pipeline instead")
-        located[name] = locate_component(name, ref, refs=refs, local_files_only=local_files_only, token=token,
-                                         cache_dir=cache_dir, verify=True, model_dirs=model_dirs)
+        # a model-folder part used in place: written here as a file in diffusers' names (the entry is copied
+        # from a file); the copy is hashed as it is written, so it is not hashed again
+        located[name] = with_files_on_disk(locate_component(name, ref, refs=refs, local_files_only=local_files_only,
+                                                            token=token, cache_dir=cache_dir, verify=True,
+                                                            model_dirs=model_dirs))
     return located
 
 

@@ -214,12 +214,13 @@ def _component_source(ark: DDUFArchive, name: str, references: Mapping[str, Any]
         return out, "stored"
     if name not in references:
         raise DDUFPackError(f"component {name!r} is neither stored in the archive nor referenced")
-    from ..refs.resolve import locate_component
+    from ..refs.resolve import locate_component, with_files_on_disk
     from .model_dir_layouts import install
 
     install()  # model folders: original layouts and full checkpoints' parts are read too
     loc = locate_component(name, references[name], refs=refs, token=token, local_files_only=local_files_only,
                            verify=True, model_dirs=model_dirs)
+    loc = with_files_on_disk(loc)  # a model-folder part in another layout: read from its diffusers-named copy
     if loc.archive is not None and loc.member is not None:
         with DDUFArchive(loc.archive) as other:
             configs[name] = _config(other.read_bytes(f"{loc.member}/config.json"), name, str(loc.archive))

@@ -21,8 +21,10 @@ names (an LDM VAE, a CLIP under ``text_model.``) is found here by its header alo
 (an LDM UNet, OpenCLIP, SD3's MMDiT, BFL's Flux, each component's part of a full checkpoint) is read by a
 *layout reader* the torch floor registers (:func:`add_layout_reader`,
 :mod:`dduf_plus.packing.model_dir_layouts`): it maps each diffusers tensor to byte ranges of the file (or a
-transposed 2-D tensor), header only; the part is hashed from those ranges, remembered, and written once as a
-diffusers-named file into dduf_plus' cache (one tensor at a time), verified after writing.
+transposed 2-D tensor), header only; the part is hashed from those ranges and remembered. Either is used in
+place (:class:`InPlace`: the loader views the user's file at those ranges, nothing copied but the few tensors
+whose bytes are not one range); a consumer that needs a real diffusers-named file (``dduf complete``, export)
+calls :meth:`InPlace.copy`, which writes it once into dduf_plus' cache, hashing the bytes as it writes them.
 Standard library only (no torch)."""
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ import json
 import logging
 import mmap
 import os
-import shutil
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -44,13 +45,14 @@ from ..format.original_layout import diffusers_vae_names
 from ..format.safetensors_header import SafetensorsHeader, TensorInfo, read_file_header
 from ..format.weights import classify
 from ..storage.confined import Confined
+from ..storage.signed import StatKey
 from .cache import dduf_cache_dir, sha256_file, stat_key, verified_hashes
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ENV", "RECORD_KEY", "LayoutReader", "Match", "Part", "Rejected", "Source", "add_layout_reader",
-           "find_component", "part_digest", "part_problem", "search_dirs", "tensor_record", "tensors_digest",
-           "verified_digest"]
+__all__ = ["ENV", "RECORD_KEY", "InPlace", "LayoutReader", "Match", "Part", "Rejected", "Source", "add_layout_reader",
+           "diffusers_header", "find_component", "part_copy", "part_digest", "part_problem", "search_dirs",
+           "tensor_record", "tensors_digest", "verified_digest"]
 
 ENV = "DDUF_PLUS_MODEL_DIRS"
 RECORD_KEY = "tensors"
@@ -97,10 +99,32 @@ def add_layout_reader(reader: LayoutReader) -> None:
         _READERS.append(reader)
 
 
+class InPlace(NamedTuple):
+    """A match in another layout, used where it lies: the user's file, the part of it that holds the
+    component's diffusers tensors, and the digest those tensors were verified against."""
+
+    path: Path
+    part: Part
+    digest: str
+    weights: str  # the recorded weights file name the part stands for
+    key: StatKey  # the file's stat when it was matched: a loader refuses it changed since
+
+    def copy(self) -> Path:
+        """The part as a real file in diffusers' names (``dduf complete`` and export copy or read one)."""
+        return part_copy(self.path, self.part, self.digest)
+
+    def unchanged(self) -> bool:
+        try:
+            return stat_key(self.path) == self.key
+        except OSError:
+            return False
+
+
 class Match(NamedTuple):
     files: dict[str, Path]  # recorded file name -> file on disk (the match, and the config written to the cache)
     source: str
     rejected: list[Rejected]
+    in_place: InPlace | None = None  # a part of a file in another layout: ``files`` then holds the config only
 
 
 def search_dirs(given: Iterable[str | os.PathLike] | None = None) -> list[Path]:
@@ -349,12 +373,16 @@ def find_component(name: str, reference: Mapping[str, Any], dirs: Sequence[Path]
         why = _check(path, rec)
         if isinstance(why, tuple):
             layout, named = why
-            if isinstance(named, Part):
-                used = _part_in_diffusers_names(path, named, rec["sha256"])
-            else:
-                used = path if not layout else _in_diffusers_names(path, named, rec["sha256"])
-            shown = str(path) if not layout else f"{path} ({layout} layout, renamed in {used})"
-            return Match({weights: used, "config.json": _config_file(config, config_sha)}, shown, rejected)
+            config_file = _config_file(config, config_sha)
+            if not layout and isinstance(named, SafetensorsHeader):
+                return Match({weights: path, "config.json": config_file}, str(path), rejected)
+            part = named if isinstance(named, Part) else _renamed_part(layout, named)
+            try:
+                in_place = InPlace(path, part, rec["sha256"], weights, stat_key(path))
+            except OSError as e:  # gone since it was hashed
+                rejected.append(Rejected(str(path), f"not readable ({e})"))
+                continue
+            return Match({"config.json": config_file}, f"{path} ({layout} layout, read in place)", rejected, in_place)
         if why:
             rejected.append(Rejected(str(path), why))
     reasons = "; ".join(f"{r.path}: {r.why}" for r in rejected[:5]) + ("; ..." if len(rejected) > 5 else "")
@@ -465,29 +493,10 @@ def _config_file(config: bytes, sha256: str) -> Path:
     return path
 
 
-def _in_diffusers_names(path: Path, named: SafetensorsHeader, digest: str) -> Path:
-    """A file in another layout (an LDM VAE) with its tensors renamed as diffusers names them: the same data
-    section under a new header, written once into dduf_plus' cache (named by the tensors' digest, remembered),
-    then memory-mapped like any file."""
-    cache = Confined(dduf_cache_dir())
-    cache.mkdir(cache.path("model-dirs"))
-    out = cache.path("model-dirs", f"{digest}.safetensors")
-    if not out.is_symlink() and out.is_file() and verified_hashes().lookup(out, _MEMBER) == digest:
-        return out
-    records: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    for t in sorted(named.tensors.values(), key=lambda t: t.begin):
-        records[t.name] = {"dtype": spec.DTYPE_BY_TORCH[t.dtype].safetensors, "shape": list(t.shape),
-                           "data_offsets": [t.begin, t.end]}
-    raw = json.dumps(records, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    with open(path, "rb") as src, cache.atomic(out) as f:
-        f.file.write(len(raw).to_bytes(8, "little") + raw)
-        src.seek(named.data_start)
-        shutil.copyfileobj(src, f.file, 16 << 20)
-    header = read_file_header(out, out.name, DDUFFormatError)
-    if _remembered_digest(out, header) != digest:  # the file changed while it was copied
-        raise DDUFFormatError(f"{path}: changed while its renamed copy was written")
-    return out
+def _renamed_part(layout: str, named: SafetensorsHeader) -> Part:
+    """A file whose tensors are diffusers' renamed (an LDM VAE): a part whose every tensor is one range."""
+    tensors = {t.name: Source(t._replace(begin=0, end=t.nbytes), ((t.begin, t.end),)) for t in named.tensors.values()}
+    return Part(layout, named.data_start, tensors)
 
 
 def verified_digest(path: Path) -> str | None:
@@ -497,33 +506,51 @@ def verified_digest(path: Path) -> str | None:
     return verified_hashes().lookup(path, _MEMBER)
 
 
-def _part_in_diffusers_names(path: Path, part: Part, digest: str) -> Path:
-    """A part of a file in another layout written once into dduf_plus' cache as a file in diffusers' names
-    (named by the tensors' digest, remembered; one tensor's slices at a time, never the part in memory), then
-    verified by hashing what was written."""
+def diffusers_header(part: Part) -> tuple[bytes, SafetensorsHeader]:
+    """The header of ``part`` as a file in diffusers' names (its raw bytes, length prefix included, and parsed):
+    what :func:`part_copy` writes, and what a loader viewing the part in place answers for the virtual file.
+    Widest elements first: every tensor then starts aligned to its element size (the header is padded to 8)."""
+    order = sorted(part.tensors.values(), key=lambda s: (-_itemsize(s.info.dtype), s.info.name))
+    records: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    infos: dict[str, TensorInfo] = {}
+    position = 0
+    for src in order:
+        info = src.info._replace(begin=position, end=position + src.info.nbytes)
+        records[info.name] = {"dtype": spec.DTYPE_BY_TORCH[info.dtype].safetensors, "shape": list(info.shape),
+                              "data_offsets": [info.begin, info.end]}
+        infos[info.name] = info
+        position = info.end
+    raw = json.dumps(records, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw, SafetensorsHeader(len(raw), infos, {"format": "pt"})
+
+
+def part_copy(path: Path, part: Part, digest: str) -> Path:
+    """``part`` of ``path`` written once into dduf_plus' cache as a file in diffusers' names (named by the
+    tensors' digest, remembered; one tensor's slices at a time, never the part in memory). The bytes are hashed
+    as they are written, in the same pass: a file changed since it was verified is refused, nothing kept."""
     cache = Confined(dduf_cache_dir())
     cache.mkdir(cache.path("model-dirs"))
     out = cache.path("model-dirs", f"{digest}.safetensors")
     if not out.is_symlink() and out.is_file() and verified_hashes().lookup(out, _MEMBER) == digest:
         return out
-    # widest elements first: every tensor then starts aligned to its element size (the header is padded to 8)
-    order = sorted(part.tensors.values(), key=lambda s: (-_itemsize(s.info.dtype), s.info.name))
-    records: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    position = 0
-    for src in order:
-        records[src.info.name] = {"dtype": spec.DTYPE_BY_TORCH[src.info.dtype].safetensors,
-                                  "shape": list(src.info.shape), "data_offsets": [position, position + src.info.nbytes]}
-        position += src.info.nbytes
-    raw = json.dumps(records, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
+    raw, header = diffusers_header(part)
+    per: dict[str, bytes] = {}
     with _mapped(path) as view, cache.atomic(out) as f:
-        f.file.write(len(raw).to_bytes(8, "little") + raw)
-        for src in order:
+        f.file.write(raw)
+        for info in sorted(header.tensors.values(), key=lambda t: t.begin):
+            src, t = part.tensors[info.name], hashlib.sha256()
             for chunk in _source_chunks(view, part.data_start, src):
+                t.update(chunk)
                 f.file.write(chunk)
                 if isinstance(chunk, memoryview):
                     chunk.release()
-    header = read_file_header(out, out.name, DDUFFormatError)
-    if _remembered_digest(out, header) != digest:  # the file changed while it was copied
-        raise DDUFFormatError(f"{path}: changed while its {part.layout} was written in diffusers' names")
+            per[info.name] = t.digest()
+        h = hashlib.sha256(f"dduf-tensors-v{VERSION}\n".encode())
+        for name in sorted(per):
+            h.update(_line(part.tensors[name].info) + per[name])
+        if h.hexdigest() != digest:  # raised inside the ``with``: the partial file is removed
+            raise DDUFFormatError(f"{path}: changed since its {part.layout} was verified (its tensors' bytes differ "
+                                  "now); nothing was written")
+    verified_hashes().remember(out, digest, _MEMBER)  # what was written is what was hashed: no second pass
     return out

@@ -43,6 +43,7 @@ from .spec import (  # noqa: F401 (the SPEC names, re-exported: packing and the 
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..format.archive import DDUFArchive
+    from .model_dirs import InPlace
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,9 @@ class Located(NamedTuple):
     member: str | None  # component folder inside ``archive``
     files: dict[str, Path]  # recorded filename -> file on disk (empty for archives)
     verified: bool  # every sha256 checked (now or remembered); False with verify=False or check-only
+    # a model-folder part used in place (refs/model_dirs.py): ``files`` and ``folder`` then hold its config
+    # only, its weights are views of the user's file; :func:`with_files_on_disk` writes them as a real file
+    in_place: InPlace | None = None
 
 
 class _Attempt(NamedTuple):
@@ -445,6 +449,16 @@ def view_folder(component: str, files: Mapping[str, Path]) -> Path:
     return final
 
 
+def with_files_on_disk(loc: Located) -> Located:
+    """``loc`` with every file it stands for a real file on disk: a model-folder part used in place is written
+    once as a file in diffusers' names into dduf_plus' cache (``dduf complete`` copies it, export reads it);
+    anything else is returned as it is."""
+    if loc.in_place is None:
+        return loc
+    files = {**loc.files, loc.in_place.weights: loc.in_place.copy()}
+    return loc._replace(files=files, folder=view_folder(loc.component, files), in_place=None)
+
+
 # --- entry points ----------------------------------------------------------------------------------------
 def _fix_hint(name: str, reference: Mapping[str, Any]) -> str:
     spec = reference_spec(reference)
@@ -528,7 +542,8 @@ def _try(name: str, cand: _Candidate, kind: str, value: Any, recorded: Mapping[s
     if kind == "verified files":  # verified tensor by tensor (refs/model_dirs.py), not by the files' sha256
         for r in value.rejected:
             logger.info("component %r: model folder candidate %s rejected: %s", name, r.path, r.why)
-        return Located(name, cand.how, value.source, view_folder(name, value.files), None, None, value.files, True)
+        return Located(name, cand.how, value.source, view_folder(name, value.files), None, None, value.files, True,
+                       value.in_place)
     if kind == "dduf":
         from ..format.archive import DDUFArchive
 

@@ -1,0 +1,151 @@
+"""A component found in an app's model folder in another layout (an LDM UNet, a full checkpoint's part, BFL's
+Flux transformer, an LDM VAE), loaded from the user's file where it lies: no copy on disk, no copy in memory
+beyond the tensors whose bytes are not one range of the file.
+
+:class:`MappedPartFiles` answers the :class:`~dduf_plus.loading.files.ComponentFiles` protocol as a diffusers
+folder holding the recorded ``config.json`` and ONE virtual weights file under its recorded name: its header is
+the one ``dduf complete`` would write (:func:`dduf_plus.refs.model_dirs.diffusers_header`), its tensors are
+views of the user's file, mapped copy-on-write (``ACCESS_COPY``, as :class:`FolderComponentFiles` maps: nothing
+a model does to its weights reaches the file):
+
+- a tensor that is one contiguous range (a copy, a 1x1 convolution, one slice of a fused qkv) is a view of the
+  mapping at its offset;
+- a tensor made of several ranges (halves swapped) is concatenated, a transposed one is a transposed view made
+  contiguous: only these, small, are copied.
+
+The part was verified tensor by tensor (its digest over the same ranges) when it was found; between that and
+the mapping the file is trusted as any verified folder file is (a loader does not hash weights as it maps
+them), and a file whose stat changed since is refused."""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from ..errors import DDUFFormatError, DDUFIOError, DDUFLoadError, DDUFReferenceError
+from ..format import spec
+from ..format.archive import tensor_view
+from ..format.safetensors_header import SafetensorsHeader, TensorInfo
+from ..format.weights import select_weights, tensor_files
+from ..refs.model_dirs import InPlace, Source, diffusers_header
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+__all__ = ["MappedPartFiles"]
+
+
+class MappedPartFiles:
+    """A model-folder part as a component folder: ``config`` is the folder holding the recorded config (a
+    :class:`~dduf_plus.loading.files.FolderComponentFiles` over a view folder in dduf_plus' cache, answering
+    for config.json as any folder does), ``in_place`` says where each diffusers tensor lies in the user's file."""
+
+    def __init__(self, config: Any, name: str, in_place: InPlace):
+        self._config = config
+        self.name = name
+        self.in_place = in_place
+        self.description = f"{in_place.path} ({in_place.part.layout}, as {name})"
+        self._header: SafetensorsHeader | None = None
+        self._map: mmap.mmap | None = None
+        self._size = 0
+
+    def __repr__(self) -> str:
+        return f"MappedPartFiles({self.description!r})"
+
+    def listdir(self) -> list[str]:
+        return sorted({*self._config.listdir(), self.in_place.weights})
+
+    def _is_weights(self, filename: str) -> bool:
+        return filename == self.in_place.weights
+
+    def read_bytes(self, filename: str) -> bytes:
+        if self._is_weights(filename):
+            raise DDUFLoadError(f"{self.description}: weights ({filename}) are never read whole; they are mapped")
+        return self._config.read_bytes(filename)
+
+    def read_json(self, filename: str) -> Any:
+        return self._config.read_json(filename)
+
+    def local_dir(self, filenames: Iterable[str] | None = None) -> str:
+        names = [f for f in (self._config.listdir() if filenames is None else filenames) if not self._is_weights(f)]
+        return self._config.local_dir(names)
+
+    def weight_files(self, variant: str | None = None) -> list[str]:
+        return tensor_files(select_weights(self.listdir(), variant))  # one file, never a shard index
+
+    def prefetch(self, filenames: Sequence[str]) -> None:
+        pass  # one map of the user's file: the kernel's read-ahead on sequential faults
+
+    def safetensors_header(self, filename: str) -> SafetensorsHeader:
+        """The virtual weights file's header: the one the part's diffusers-named copy would have."""
+        if not self._is_weights(filename):
+            raise DDUFLoadError(f"{self.description} has no weights file {filename!r} (has: {self.in_place.weights})")
+        if self._header is None:
+            self._header = diffusers_header(self.in_place.part)[1]
+        return self._header
+
+    def tensor_infos(self, filenames: Sequence[str]) -> dict[str, tuple[str, int, TensorInfo]]:
+        """{tensor name: (file name, offset in the virtual file, info)}: metadata only, nothing read."""
+        out: dict[str, tuple[str, int, TensorInfo]] = {}
+        for filename in filenames:
+            header = self.safetensors_header(filename)
+            for tname, info in header.tensors.items():
+                out[tname] = (filename, header.data_start + info.begin, info)
+        return out
+
+    def _open(self) -> mmap.mmap:
+        if self._map is None:
+            where = self.in_place.path
+            if not self.in_place.unchanged():
+                raise DDUFReferenceError(f"component {self.name!r}: {where} changed since its tensors were verified "
+                                         "(search the model folders again: load again)")
+            # Verified when found (its digest over these ranges) and unchanged in stat since: from here on it is
+            # trusted as any verified folder file is (weights are not hashed as they are mapped). ACCESS_COPY:
+            # a write to a tensor stays in this process, never reaches the user's file.
+            with open(where, "rb") as f:
+                self._size = os.fstat(f.fileno()).st_size
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        return self._map
+
+    def check_unchanged(self) -> None:
+        """Refuse (:class:`DDUFIOError`) a user's file shorter than when it was mapped: a page past its new end
+        would kill the process with SIGBUS (as :meth:`ArchiveComponentFiles.check_unchanged`)."""
+        if self._map is None:
+            return
+        try:
+            now = os.stat(self.in_place.path).st_size
+        except OSError as e:
+            raise DDUFIOError(f"{self.in_place.path}: cannot check the file while loading {self.name}: {e}") from None
+        if now < self._size:
+            raise DDUFIOError(f"{self.in_place.path}: the file shrank from {self._size} to {now} bytes while "
+                              f"{self.name} was loading; its weights can no longer be read")
+
+    def tensors(self, filenames: Sequence[str]) -> Mapping[str, torch.Tensor]:
+        import torch
+
+        names = self.tensor_infos(filenames)
+        mm = self._open()
+        self.check_unchanged()
+        part = self.in_place.part
+        return {name: _tensor(mm, part.data_start, part.tensors[name], torch) for name in names}
+
+
+def _tensor(mm: mmap.mmap, start: int, src: Source, torch: Any) -> torch.Tensor:
+    """One diffusers tensor from the mapping: a view where its bytes are one range, else a small copy."""
+    info = src.info
+    if src.rows:  # the file holds its transpose: [rows, cols] there, [cols, rows] here
+        (b, e), = src.ranges
+        stored = info._replace(shape=(src.rows, info.shape[0]), begin=0, end=e - b)
+        return tensor_view(mm, start + b, stored, torch).t().contiguous()
+    ranges = [(b, e) for b, e in src.ranges if e > b]
+    if len(ranges) <= 1:
+        b = ranges[0][0] if ranges else 0
+        return tensor_view(mm, start + b, info, torch)
+    dtype = getattr(torch, spec.DTYPE_BY_TORCH[info.dtype].torch, None)
+    if dtype is None:
+        raise DDUFFormatError(f"tensor {info.name}: dtype {info.dtype} is not supported by this torch")
+    pieces = [torch.frombuffer(mm, dtype=torch.uint8, count=e - b, offset=start + b) for b, e in ranges]
+    return torch.cat(pieces).view(dtype).view(info.shape)
+
