@@ -20,8 +20,10 @@ from single_file_ckpt import (
     _config,
     _state,
     build_tiny_flux,
+    build_tiny_sd2,
     build_tiny_sd3,
     build_tiny_sdxl,
+    build_tiny_sdxl_refiner,
     checkpoint_from_pipeline,
     flux_to_bfl,
     open_clip_to_ldm,
@@ -288,6 +290,34 @@ def test_sdxl_bare_unet_and_open_clip_g(tmp_path: Path, hashed: list[str]) -> No
     rows = _rows(archive, [models])
     assert "sdxl_unet.safetensors (LDM UNet layout" in rows["unet"]["found"]
     assert "open_clip_g.safetensors (OpenCLIP text encoder" in rows["text_encoder_2"]["found"]
+
+
+@pytest.mark.parametrize(("family", "build", "parts"), [
+    ("v2", build_tiny_sd2, ("unet", "vae", "text_encoder")),  # OpenCLIP-H under cond_stage_model.model.
+    ("xl_refiner", build_tiny_sdxl_refiner, ("unet", "vae", "text_encoder_2")),  # under conditioner.embedders.0.model.
+])
+def test_sd2_and_sdxl_refiner_parts_from_one_full_checkpoint(tmp_path: Path, hashed: list[str], family: str,
+                                                              build: Any, parts: tuple[str, ...]) -> None:
+    """SD 2.x and the SDXL refiner: the UNet, VAE and OpenCLIP text encoder of one full original checkpoint in
+    models/checkpoints, BASE's copies gone, load equal to BASE; the second load hashes nothing."""
+    from dduf_plus import load_dduf
+
+    base = build(tmp_path / family, TINY_SD / "tokenizer")
+    archive = _partial(base, tmp_path / f"{family}.dduf", parts)
+    expected = _states(load_dduf(archive), parts)
+    models = tmp_path / "models"
+    (models / "checkpoints").mkdir(parents=True)
+    save_file(checkpoint_from_pipeline(base, family), models / "checkpoints" / f"{family}.safetensors")
+    for n in parts:
+        shutil.rmtree(base / n)
+    hashed.clear()  # the pack hashed BASE's files for their digest
+    _same(load_dduf(archive, model_dirs=[models]), expected)
+    assert sorted(h.split(":")[0] for h in hashed) == [f"{family}.safetensors"] * len(parts), hashed
+    rows = _rows(archive, [models])
+    assert all(f"{family}.safetensors (" in rows[n]["found"] for n in parts), rows
+    hashed.clear()
+    _same(load_dduf(archive, model_dirs=[models]), expected)
+    assert hashed == []  # remembered: the second load hashes nothing
 
 
 @pytest.mark.parametrize("family", ["sd3", "flux-bfl", "flux-comfy"])
