@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import shutil
@@ -18,7 +19,7 @@ from dduf_plus import load_dduf
 from dduf_plus.errors import DDUFReferenceError
 from dduf_plus.format.archive import DDUFArchive
 from dduf_plus.format.safetensors_header import read_file_header
-from dduf_plus.packing import tensor_records
+from dduf_plus.packing import reference_source, tensor_records
 from dduf_plus.packing.complete import complete_archive
 from dduf_plus.packing.pack import pack
 from dduf_plus.packing.partial import pack_partial
@@ -130,6 +131,28 @@ def test_an_archive_base_is_hashed_once_per_entry(tmp_path: Path, hf_env: Path, 
     hashed.clear()
     pack_partial(ft, tmp_path / "b.dduf", base=base, quiet=True)
     assert hashed == []
+
+
+def test_an_archive_bases_entries_are_sha256_hashed_once(tmp_path: Path, hf_env: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The entries of a .dduf BASE are compared by sha256 through the verified-hash memory: packing again
+    against the same archive hashes no entry."""
+    base = _base("dduf", tmp_path, hf_env)
+    ft = _finetune(tmp_path)
+    hashed: list[int] = []
+
+    class Counting:
+        @staticmethod
+        def sha256(data: Any = b"") -> Any:
+            hashed.append(len(data))
+            return hashlib.sha256(data)
+
+    monkeypatch.setattr(reference_source, "hashlib", Counting())
+    pack_partial(ft, tmp_path / "a.dduf", base=base, quiet=True)
+    assert sum(hashed) > 1 << 10  # the BASE's entries, weights included
+    hashed.clear()
+    pack_partial(ft, tmp_path / "b.dduf", base=base, quiet=True)
+    assert sum(hashed) == 0
 
 
 def test_an_archive_base_found_in_app_folders_once_it_is_gone(tmp_path: Path, hf_env: Path) -> None:

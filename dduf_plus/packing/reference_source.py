@@ -80,6 +80,36 @@ def region_sha256(region: FileRegion) -> str:
     return known
 
 
+def _archive_records(path: Path, sub: str, variant: str | None) -> tuple[FileRecords, dict[str, Path]] | None:
+    """The records of component ``sub`` of the archive at ``path``: each entry's sha256 through the verified-hash
+    memory (``<archive>#<entry>``, as :func:`region_sha256` keeps it), so packing against the same BASE archive
+    again hashes nothing; small files' git blob id as well."""
+    from ..format.archive import DDUFArchive
+
+    hv = _cache.verified_hashes()
+    with DDUFArchive(path) as archive:
+        if sub not in archive.components or not archive.components[sub].files:
+            return None
+        before = _cache.stat_key(path)
+        records: FileRecords = {}
+        for n in pack_selection(list(archive.components[sub].files), variant):
+            entry = f"{sub}/{n}"
+            view = archive.view(entry)
+            try:
+                sha = hv.lookup(path, entry)
+                if sha is None:
+                    sha = hashlib.sha256(view).hexdigest()
+                    if _cache.stat_key(path) == before:  # an archive written while it was read is not remembered
+                        hv.remember(path, sha, member=entry, key=before)
+                rec: dict[str, Any] = {"size": len(view), "sha256": sha}
+                if not _cache.is_lfs_by_default(n, len(view)):
+                    rec["git_sha1"] = _cache.git_blob_sha1(bytes(view))
+            finally:
+                view.release()
+            records[n] = rec
+        return records, {}
+
+
 def pack_selection(filenames: Sequence[str], variant: str | None) -> list[str]:
     """The files a pack keeps from a component listing: allowed types, the chosen variant's weights."""
     allowed = [f for f in filenames if (f.endswith(spec.ALLOWED_EXTENSIONS) or f == TEMPLATE_FILE)
@@ -201,23 +231,7 @@ class ReferenceSource:
             names = pack_selection(list(records), self.variant)
             return {n: records[n] for n in names}, {}
         if kind == "dduf":
-            from ..format.archive import DDUFArchive
-
-            with DDUFArchive(self.spec.location) as archive:
-                if sub not in archive.components or not archive.components[sub].files:
-                    return None
-                names = pack_selection(list(archive.components[sub].files), self.variant)
-                records = {}  # FileRecords, as declared by the hosted branch above
-                for n in names:
-                    view = archive.view(f"{sub}/{n}")
-                    try:
-                        rec: dict[str, Any] = {"size": len(view), "sha256": hashlib.sha256(view).hexdigest()}
-                        if not _cache.is_lfs_by_default(n, len(view)):
-                            rec["git_sha1"] = _cache.git_blob_sha1(bytes(view))
-                    finally:
-                        view.release()
-                    records[n] = rec
-                return records, {}
+            return _archive_records(Path(self.spec.location), sub, self.variant)
         files = self.hub_files()
         prefix = sub.rstrip("/") + "/"
         records = {p[len(prefix):]: r for p, r in files.items() if p.startswith(prefix) and "/" not in p[len(prefix):]}
