@@ -270,3 +270,16 @@ def count_connects(monkeypatch: Any) -> list[tuple[str, int]]:
 
     monkeypatch.setattr(socket, "create_connection", counting)
     return attempts
+
+
+def served_archive(archive: Path, tmp_path: Path, monkeypatch: Any) -> Path:
+    """A folder ``www`` holding a copy of ``archive``, with a private dduf_plus cache and the Hub online (the
+    remote tests' common setup)."""
+    import shutil
+
+    monkeypatch.setenv("DDUF_PLUS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    folder = tmp_path / "www"
+    folder.mkdir()
+    shutil.copyfile(archive, folder / archive.name)
+    return folder

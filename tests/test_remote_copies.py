@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import shutil
 import sys
 import threading
 import zipfile
@@ -17,7 +16,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from servers import FileServer  # noqa: E402
+from servers import FileServer, served_archive  # noqa: E402
 
 from dduf_plus.errors import DDUFIOError  # noqa: E402
 from dduf_plus.remote import fetch as fetch_module  # noqa: E402
@@ -29,11 +28,7 @@ BLOCK = 16 << 10
 
 @pytest.fixture
 def served(packed, tmp_path, monkeypatch) -> Path:
-    monkeypatch.setenv("DDUF_PLUS_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
-    folder = tmp_path / "www"
-    folder.mkdir()
-    shutil.copyfile(packed["tiny-sd"], folder / "tiny-sd.dduf")
+    folder = served_archive(Path(packed["tiny-sd"]), tmp_path, monkeypatch)
     # blocks smaller than a piece, so that a piece is streamed through the buffer in several writes
     monkeypatch.setattr(readers, "RECEIVE_BLOCK", BLOCK)
     monkeypatch.setattr(fetch_module, "RECEIVE_BLOCK", BLOCK)

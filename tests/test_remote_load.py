@@ -7,7 +7,6 @@ concurrently and components are built while later bytes are still arriving; s3:/
 from __future__ import annotations
 
 import re
-import shutil
 import socket
 import sys
 import threading
@@ -19,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from servers import FileServer, TokenBucket  # noqa: E402
+from servers import FileServer, TokenBucket, served_archive  # noqa: E402
 
 from dduf_plus import load_dduf  # noqa: E402
 from dduf_plus.errors import DDUFError, DDUFIntegrityError, DDUFIOError, DDUFNotFoundError  # noqa: E402
@@ -51,12 +50,7 @@ def same_weights(a, b) -> bool:
 @pytest.fixture
 def served(packed, tmp_path, monkeypatch) -> Path:
     """A folder holding tiny-sd.dduf, a private remote cache, online."""
-    monkeypatch.setenv("DDUF_PLUS_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
-    folder = tmp_path / "www"
-    folder.mkdir()
-    shutil.copyfile(packed["tiny-sd"], folder / "tiny-sd.dduf")
-    return folder
+    return served_archive(Path(packed["tiny-sd"]), tmp_path, monkeypatch)
 
 
 def remote_files(tmp_path: Path) -> list[str]:
