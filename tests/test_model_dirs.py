@@ -233,6 +233,24 @@ def _refs(setup: dict[str, Any]) -> dict[str, Any]:
         return dict(a.references)
 
 
+def _single_file_partial(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, base: Path, checkpoint: dict[str, Any],
+                         name: str, moved: tuple[str, ...]) -> tuple[Path, dict[str, dict[str, Any]]]:
+    """``checkpoint`` saved as NAME.safetensors and packed against BASE (a private dduf_plus cache, no model folders
+    from the environment): the archive and the ``moved`` components' state dicts as it loads them."""
+    from safetensors.torch import save_file
+
+    from dduf_plus import load_dduf
+
+    monkeypatch.setenv("DDUF_PLUS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv(model_dirs.ENV, raising=False)
+    ckpt = tmp_path / f"{name}.safetensors"
+    save_file(checkpoint, ckpt)
+    archive = tmp_path / f"{name}.dduf"
+    pack_single_file(ckpt, archive, base=str(base), quiet=True, fsync=False)
+    pipe = load_dduf(archive)
+    return archive, {n: getattr(pipe, n).state_dict() for n in moved}
+
+
 def test_sdxl_text_encoders_and_vae_from_app_folders(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """SDXL: the VAE (LDM layout, for models/vae) and both text encoders (re-saved, for models/text_encoders) in an
     app's folders, BASE's copies gone: the single-file partial archive loads them by content, equal to BASE's."""
@@ -241,15 +259,11 @@ def test_sdxl_text_encoders_and_vae_from_app_folders(tmp_path: Path, monkeypatch
 
     from dduf_plus import load_dduf
 
-    monkeypatch.setenv("DDUF_PLUS_CACHE", str(tmp_path / "cache"))
-    monkeypatch.delenv(model_dirs.ENV, raising=False)
     base = build_tiny_sdxl(tmp_path / "sdxl", TINY_SD / "tokenizer")
-    ckpt = tmp_path / "xl.safetensors"
-    save_file(checkpoint_from_pipeline(base, "xl_base", unet_delta=0.01, dtype=torch.float32), ckpt)
-    archive = tmp_path / "xl.dduf"
-    pack_single_file(ckpt, archive, base=str(base), quiet=True, fsync=False)
     moved = ("vae", "text_encoder", "text_encoder_2")
-    expected = {n: getattr(load_dduf(archive), n).state_dict() for n in moved}
+    archive, expected = _single_file_partial(
+        tmp_path, monkeypatch, base, checkpoint_from_pipeline(base, "xl_base", unet_delta=0.01, dtype=torch.float32),
+        "xl", moved)
     models = tmp_path / "models"
     (models / "vae").mkdir(parents=True)
     (models / "text_encoders").mkdir()
@@ -268,20 +282,15 @@ def test_sdxl_text_encoders_and_vae_from_app_folders(tmp_path: Path, monkeypatch
 def test_sd3_text_encoders_from_app_folders(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """SD3.5: CLIP-L, CLIP-G and T5 re-saved in models/text_encoders (as ComfyUI users keep them), BASE's copies
     gone: the single-file partial archive finds all three by content."""
-    from safetensors.torch import save_file
     from single_file_ckpt import build_tiny_sd3, sd3_checkpoint_from_pipeline
 
     from dduf_plus import load_dduf
 
-    monkeypatch.setenv("DDUF_PLUS_CACHE", str(tmp_path / "cache"))
-    monkeypatch.delenv(model_dirs.ENV, raising=False)
     base = build_tiny_sd3(tmp_path / "sd3", TINY_SD / "tokenizer", PIPELINES / "tiny-dit" / "tokenizer")
-    ckpt = tmp_path / "sd35.safetensors"
-    save_file(sd3_checkpoint_from_pipeline(base, transformer_delta=0.01, components=("transformer",)), ckpt)
-    archive = tmp_path / "sd35.dduf"
-    pack_single_file(ckpt, archive, base=str(base), quiet=True, fsync=False)
     moved = ("text_encoder", "text_encoder_2", "text_encoder_3")
-    expected = {n: getattr(load_dduf(archive), n).state_dict() for n in moved}
+    archive, expected = _single_file_partial(
+        tmp_path, monkeypatch, base,
+        sd3_checkpoint_from_pipeline(base, transformer_delta=0.01, components=("transformer",)), "sd35", moved)
     models = tmp_path / "models" / "text_encoders"
     models.mkdir(parents=True)
     for n, file in zip(moved, ("clip_l", "clip_g", "t5xxl"), strict=True):
@@ -293,20 +302,14 @@ def test_sd3_text_encoders_from_app_folders(tmp_path: Path, monkeypatch: pytest.
 def test_flux_text_encoders_and_vae_from_app_folders(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Flux: the BFL transformer file packed against BASE; the VAE (diffusers' file, as apps also keep it), CLIP-L
     and T5 (re-saved) in an app's folders, BASE's copies gone: all three found by content."""
-    from safetensors.torch import save_file
     from single_file_ckpt import build_tiny_flux, flux_checkpoint
 
     from dduf_plus import load_dduf
 
-    monkeypatch.setenv("DDUF_PLUS_CACHE", str(tmp_path / "cache"))
-    monkeypatch.delenv(model_dirs.ENV, raising=False)
     base = build_tiny_flux(tmp_path / "flux", TINY_SD / "tokenizer", PIPELINES / "tiny-dit" / "tokenizer")
-    ckpt = tmp_path / "flux1.safetensors"
-    save_file(flux_checkpoint(base, transformer_delta=0.01), ckpt)
-    archive = tmp_path / "flux1.dduf"
-    pack_single_file(ckpt, archive, base=str(base), quiet=True, fsync=False)
     moved = ("vae", "text_encoder", "text_encoder_2")
-    expected = {n: getattr(load_dduf(archive), n).state_dict() for n in moved}
+    archive, expected = _single_file_partial(tmp_path, monkeypatch, base, flux_checkpoint(base, transformer_delta=0.01),
+                                             "flux1", moved)
     models = tmp_path / "models"
     (models / "vae").mkdir(parents=True)
     (models / "text_encoders").mkdir()
