@@ -104,6 +104,8 @@ def test_load_dduf_refuses_dtype_and_refs_typos(partial: Path) -> None:
 
     with pytest.raises(LoadNameError, match=r"torch_dtype=\{\.\.\.\} key unte: not a component .*did you mean unet"):
         load_dduf(partial, torch_dtype={"unte": "float16"})
+    with pytest.raises(LoadNameError, match=r"device_map=\{\.\.\.\} key unte: not a component .*did you mean unet"):
+        load_dduf(partial, device_map={"unte": "cpu", "default": "cpu"})
     with pytest.raises(ReferenceNameError, match=r"refs=\{\.\.\.\} key vea: not a component .*did you mean vae"):
         load_dduf(partial, refs={"vea": str(TINY_SD)})
     with pytest.raises(ReferenceNameError, match="unet: not referenced"):
@@ -115,7 +117,8 @@ def test_load_dduf_accepts_real_names(partial: Path) -> None:
 
     from dduf_plus import load_dduf
 
-    pipe = load_dduf(partial, torch_dtype={"unet": "float32", "default": "auto"}, refs={"vae": str(TINY_SD)})
+    pipe = load_dduf(partial, torch_dtype={"unet": "float32", "default": "auto"}, refs={"vae": str(TINY_SD)},
+                     device_map={"unet": "cpu", "": "cpu"})
     assert pipe.unet.dtype == torch.float32 and pipe.vae is not None
 
 

@@ -18,6 +18,7 @@ import torch
 
 from conftest import PIPELINES
 from dduf_plus import load_dduf, validate
+from dduf_plus.assignments import LoadNameError
 from dduf_plus.cli import main
 from dduf_plus.errors import DDUFLoadError, DDUFPackError, DDUFValidationError
 from dduf_plus.format.archive import DDUFArchive
@@ -232,6 +233,12 @@ def test_multi_adapter(sd_components: dict[str, Any], tmp_path: Path) -> None:
     assert type(loaded.adapter).__name__ == "MultiAdapter" and len(loaded.adapter.adapters) == 2
     with DDUFArchive(archive) as opened:
         assert opened.model_index["adapter_1"] == ["diffusers", "T2IAdapter"]
+    for source in (archive, folder):  # every part takes the list's dtype; a key naming a part is never ignored
+        halves = load_dduf(source, torch_dtype={"adapter": torch.float16})
+        assert [a.dtype for a in halves.adapter.adapters] == [torch.float16, torch.float16] and halves.unet.dtype == torch.float32
+        for kwargs in ({"torch_dtype": {"adapter_1": "float16"}}, {"device_map": {"adapter_1": "cpu"}}):
+            with pytest.raises(LoadNameError, match=r"key adapter_1: a part of list component 'adapter' \(MultiAdapter\).*give 'adapter'"):
+                load_dduf(source, **kwargs)
 
 
 def test_info_lists_the_parts(sd_components: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -396,6 +403,34 @@ def test_component_not_saved(guided_folder: Path, tmp_path: Path, capsys: pytest
     (guided_folder / "unet").rmdir()
     with pytest.raises(DDUFPackError, match="'unet' is named in model_index.json"):
         pack(guided_folder, tmp_path / "no-unet.dduf", quiet=True)
+
+
+def test_component_not_saved_with_base(guided_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """``pack --base``: a fine-tune of that pipeline keeps the changed UNet, references the guider, and neither
+    stores nor references the scheduler save_pretrained did not write; it loads as the fine-tune's folder does."""
+    from safetensors.torch import load_file, save_file
+
+    base = tmp_path / "base"
+    _guided_pipeline().save_pretrained(base)
+    weights = guided_folder / "unet" / "diffusion_pytorch_model.safetensors"
+    tuned = load_file(weights)
+    first = sorted(tuned)[0]
+    tuned[first] = tuned[first] + 1  # the fine-tune: one tensor changed
+    save_file(tuned, weights, metadata={"format": "pt"})
+    archive = tmp_path / "tuned.dduf"
+    assert main(["pack", str(guided_folder), "-o", str(archive), "--base", str(base)]) == 0
+    out = capsys.readouterr().out
+    assert "skipped scheduler/: named in model_index.json, not saved" in out and "skipped guider/: referenced" in out
+    with DDUFArchive(archive) as opened:
+        assert {n.partition("/")[0] for n in opened.entries if "/" in n} == {"unet"}
+        assert sorted(opened.references) == ["guider"]
+    report = validate(archive)
+    assert report.valid and [f.entry for f in report.warnings if f.code == "D008"] == ["scheduler"]
+    reference = TinyGuidedPipeline.from_pretrained(guided_folder)
+    loaded = load_dduf(archive)
+    _same_pipeline(loaded, reference)
+    assert torch.equal(loaded(generator=torch.Generator().manual_seed(0)),
+                       reference(generator=torch.Generator().manual_seed(0)))
 
 
 def test_single_controlnet_is_unchanged(sd_components: dict[str, Any], tmp_path: Path) -> None:

@@ -144,7 +144,8 @@ def load_dduf(
                                     "model_dirs": model_dirs},
                    use_mmap=use_mmap, verify=verify, allow_missing_weights=allow_missing_weights,
                    before_build=functools.partial(gate, fetch) if fetch is not None else None,
-                   build_order=fetch.prioritize if fetch is not None else None)
+                   build_order=fetch.prioritize if fetch is not None else None,
+                   device_keys=_device_keys(device, device_map))
     try:
         pipe = _load(ctx, kwargs)
         apply_adapters(pipe, archive, adapters=adapters, adapter_weights=adapter_weights, fuse_lora=fuse_lora)
@@ -258,6 +259,7 @@ class _Context:
     # constructed while its weights still arrive)
     before_build: Callable[[str, ComponentFiles], ComponentFiles] | None = None
     build_order: Callable[[list[str]], None] | None = None  # a remote fetch: fetch components in this order
+    device_keys: tuple[str, ...] | None = None  # the components a device_map={...} names (checked like dtypes')
 
 
 @dataclass
@@ -305,19 +307,37 @@ def _load(ctx: _Context, kwargs: dict[str, Any]) -> DiffusionPipeline:
 
 
 def _check_names(ctx: _Context) -> None:
-    """Component names in ``torch_dtype={...}`` and ``refs={...}`` are the archive's, never ignored: a typo
-    (``"unte"``) is an error naming it, the closest component and the components."""
+    """Component names in ``torch_dtype={...}``, ``device_map={...}`` and ``refs={...}`` are the archive's, never
+    ignored: a typo (``"unte"``) is an error naming it, the closest component and the components; so is a
+    further part of a list component (``"controlnet_1"``), which is built with the list's dtype and device."""
     from ..assignments import LoadNameError, check_names
 
     components = list(ctx.archive.components)
-    if isinstance(ctx.request, Mapping):
-        check_names(ctx.request, components, what="torch_dtype={...} key", where=ctx.path, error=LoadNameError,
-                    wildcards=("default",))
+    for what, keys, wildcards in (("torch_dtype={...} key", ctx.request, ("default",)),
+                                  ("device_map={...} key", ctx.device_keys, ("default", ""))):
+        if isinstance(keys, (Mapping, tuple)):
+            check_names(keys, components, what=what, where=ctx.path, error=LoadNameError, wildcards=wildcards)
+            _refuse_part_keys(ctx, what, keys)
     if ctx.resolve_options.get("refs"):  # dduf_plus.refs is imported only when there is something to check
         from ..refs.resolve import check_ref_names
 
         check_ref_names(ctx.resolve_options["refs"], components, ctx.archive.references, what="refs={...} key",
                         where=ctx.path)
+
+
+def _refuse_part_keys(ctx: _Context, what: str, keys: Any) -> None:
+    """diffusers builds every part of a Multi-ControlNet / Multi-Adapter with the list's arguments, and a list
+    of parts in several dtypes or on several devices fails at the first step: a key naming a part is refused."""
+    from ..assignments import LoadNameError
+
+    model_index = ctx.archive.model_index
+    owned = {key: owner for key in keys if (owner := part_owner(model_index, str(key))) is not None}
+    if owned:
+        key, owner = next(iter(owned.items()))
+        raise LoadNameError(f"{what} {key}: a part of list component {owner!r} ({model_index[owner][1]}), whose "
+                            f"parts are all built with the list's dtype and device, as diffusers builds them; "
+                            f"give {owner!r} instead", names=list(owned), known=list(ctx.archive.components),
+                            suggestions={k: o for k, o in owned.items()})
 
 
 def _refuse_what_validate_refuses(ctx: _Context) -> None:
@@ -562,6 +582,11 @@ def _device_resolver(device: Any, device_map: Any) -> Callable[[str], torch.devi
         return lambda name: table.get(name, default)
     one = _parse_device(value if value is not None else "cpu")
     return lambda name: one
+
+
+def _device_keys(device: Any, device_map: Any) -> tuple[str, ...] | None:
+    value = device if device is not None else device_map
+    return tuple(str(k) for k in value) if isinstance(value, Mapping) else None
 
 
 def _parse_device(value: Any) -> torch.device:
