@@ -79,8 +79,8 @@ def frame_256m() -> bytes:
 
 def dduf_plus_stream(path: Path, frame: bytes, frame_size: int, frames: int) -> Path:
     """What `dduf compress` writes: header frame, ``frames`` copies of ``frame``, seek table."""
-    header = zst._header_frame(frame_size * frames, frame_size)
-    table = zst._seek_table([(len(header), 0)] + [(len(frame), frame_size)] * frames)
+    header = zst.header_frame(frame_size * frames, frame_size)
+    table = zst.seek_table([(len(header), 0)] + [(len(frame), frame_size)] * frames)
     path.write_bytes(header + frame * frames + table)
     return path
 
