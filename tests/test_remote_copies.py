@@ -20,7 +20,7 @@ from servers import FileServer, served_archive  # noqa: E402
 
 from dduf_plus.errors import DDUFIOError  # noqa: E402
 from dduf_plus.remote import fetch as fetch_module  # noqa: E402
-from dduf_plus.remote import readers, transfer  # noqa: E402
+from dduf_plus.remote import pieces, readers, transfer  # noqa: E402
 from dduf_plus.storage import fd_io  # noqa: E402
 
 CHUNK = 64 << 10
@@ -74,8 +74,8 @@ def test_without_a_mapping_arrived_bytes_are_read_back_and_still_checked(served,
 
 
 def test_the_last_pieces_are_cut_smaller(served, monkeypatch):
-    monkeypatch.setattr(transfer, "TAIL_PIECE_MIN", BLOCK)  # chunk 64 KiB / 4 = 16 KiB tail pieces
-    small = CHUNK // transfer.TAIL_SPLIT
+    monkeypatch.setattr(pieces, "TAIL_PIECE_MIN", BLOCK)  # chunk 64 KiB / 4 = 16 KiB tail pieces
+    small = CHUNK // pieces.TAIL_SPLIT
     with FileServer(served) as srv:
         done = fetched(srv.url("tiny-sd.dduf"), concurrency=4)
     lengths = [length for _, _, _, length in done.timeline]

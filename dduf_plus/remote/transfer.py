@@ -1,13 +1,14 @@
 """One archive being fetched into its local file: :class:`RemoteFetch` (opened by :mod:`.fetch`).
 
-``concurrency`` worker threads read ``chunk_size`` ranges (the last ones cut smaller), metadata first, then in
-the loader's build order; each answer is streamed through a small buffer the thread reuses and written block by
-block with ``pwrite`` while the block is cache-hot, one writer at a time, into ``fd``: the partial cache file,
-or an in-memory file that a writer thread copies into the partial cache file behind the load
-(:mod:`.sink`; :mod:`.cache_writes` tracks that writer). Every entry is placed and hashed as its bytes arrive, in place through
-a read-only mapping (:mod:`.entries` says what it must match). The loader waits on it (:meth:`RemoteFetch.wait_range`,
-:meth:`~RemoteFetch.wait_component`); :meth:`~RemoteFetch.finish` completes the cache file, and
-:meth:`~RemoteFetch.abort` stops, keeping a progress record for a resume unless the archive was refused."""
+``concurrency`` worker threads read ``chunk_size`` ranges in the order :mod:`.pieces` plans (metadata first,
+then the loader's build order, the last pieces cut smaller); each answer is streamed through a small buffer the
+thread reuses and written block by block with ``pwrite`` while the block is cache-hot, one writer at a time,
+into ``fd``: the partial cache file, or an in-memory file that a writer thread copies into the partial cache
+file behind the load (:mod:`.sink` chooses; :mod:`.cache_writes` tracks that writer). Every entry is placed
+and hashed as its bytes arrive, in place through a read-only mapping (:mod:`.entries` says what it must
+match). The loader waits on it (:meth:`RemoteFetch.wait_range`, :meth:`~RemoteFetch.wait_component`);
+:meth:`~RemoteFetch.finish` completes the cache file, and :meth:`~RemoteFetch.abort` stops, keeping a progress
+record for a resume unless the archive was refused."""
 
 from __future__ import annotations
 
@@ -23,16 +24,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import DDUFError, DDUFIOError
-from ..format.open_plan import open_ranges
 from ..sizes import format_size
 from ..storage.confined import Confined
 from ..storage.fd_io import copy_range, pwrite_all
-from ..storage.prefetch_source import MERGE_GAP, coalesce
 from . import partials
 from .cache_records import progress_bytes, read_progress, write_manifest
 from .cache_writes import track_writer, untrack_writer
 from .entries import HASH_BLOCK, Entry, hash_block, make_entries, mismatch, place, public_error, refused
 from .intervals import Intervals
+from .pieces import PieceQueue
 from .readers import RECEIVE_BLOCK, RangeReader, RemoteOptions, read_each
 from .sink import ReadMap, in_ram, map_for_reading, memory_file, size_file
 from .tail import Tail
@@ -40,8 +40,6 @@ from .tail import Tail
 logger = logging.getLogger("dduf_plus.remote.transfer")
 
 PROGRESS_EVERY_S = 0.5
-TAIL_SPLIT = 4  # the last pieces are chunk_size / TAIL_SPLIT bytes (see RemoteFetch._next_piece)
-TAIL_PIECE_MIN = 1 << 20
 
 
 @dataclass
@@ -96,7 +94,7 @@ class RemoteFetch:
         self._discarded = False
         self._writing = 0  # workers inside a pwrite
         self._progress_lock = threading.Lock()  # a save in flight ends before a discard removes the files
-        self._queue: deque[tuple[int, int]] = deque()
+        self._queue = PieceQueue(options.chunk_size, options.concurrency)
         self._threads: list[threading.Thread] = []
         self._saved_at = 0.0
         self._scratch = threading.local()  # each thread's reused buffers (nothing allocated per piece)
@@ -107,23 +105,6 @@ class RemoteFetch:
         self._starts = [e.header_offset for e in self._entries]
 
     # --- setting up ------------------------------------------------------------------------------------------
-    def _metadata_ranges(self) -> list[tuple[int, int]]:
-        """What opening the archive reads (:func:`dduf_plus.format.open_plan.open_ranges`, the one planner), as
-        ``(start, end)`` spans, neighbours closer than :data:`MERGE_GAP` merged into one request (as a remote
-        source's prefetch merges them)."""
-        planned = open_ranges(self.tail.records, self.tail.cd_offset, self.tail.file_records(), small_entries=True)
-        return coalesce(planned, MERGE_GAP)
-
-    def _plan(self) -> None:
-        """Queue what is missing: metadata first, then the rest in archive order, in ``chunk_size`` pieces."""
-        chunk = self.options.chunk_size
-        missing = Intervals([(0, self.tail.start)]).minus(self._done)
-        metadata = Intervals(self._metadata_ranges()).intersect(missing)
-        for span in (metadata, missing.minus(metadata)):
-            for start, end in span:
-                for at in range(start, end, chunk):
-                    self._queue.append((at, min(end, at + chunk)))
-
     def start(self) -> None:
         """Check the disk rules, open the partial file (resuming from the progress record) and, unless the
         bytes land in the cache file itself, the in-memory file; write the tail; start the workers."""
@@ -144,7 +125,7 @@ class RemoteFetch:
                 self._load_resumed()
             self._written = Intervals(self._done)
             self._put(self.tail.fetched_at, memoryview(self.tail.fetched))  # the first guess may reach before the tail
-            self._plan()
+            self._queue.plan(self.tail, self._done)
             for entry in self._entries:  # entries already here (a resume, the tail) are hashed locally
                 self._advance(entry)
         except BaseException as e:
@@ -205,7 +186,7 @@ class RemoteFetch:
             with self._cond:
                 if self._stop or self._error is not None or not self._queue:
                     return
-                start, end = self._next_piece()
+                start, end = self._queue.next()
             try:
                 t0 = time.perf_counter()
                 # one range request, its body streamed through a small buffer: each block is written while it
@@ -219,17 +200,6 @@ class RemoteFetch:
             except BaseException as e:  # noqa: BLE001 - handed to whoever waits
                 self._fail(e)
                 return
-
-    def _next_piece(self) -> tuple[int, int]:
-        """The next piece to fetch (under ``_cond``). The last ``concurrency`` pieces are cut smaller: pieces in
-        flight finish together, and what arrived behind the first of them is hashed after the last byte came
-        (a backlog of ``concurrency * chunk_size`` bytes at the end); smaller ones leave little behind."""
-        start, end = self._queue.popleft()
-        small = max(self.options.chunk_size // TAIL_SPLIT, TAIL_PIECE_MIN)
-        if end - start > small and sum(b - a for a, b in self._queue) < self.options.concurrency * (end - start):
-            self._queue.appendleft((start + small, end))
-            end = start + small
-        return start, end
 
     def _write_block(self, at: int, block: memoryview) -> None:
         """One received block into ``fd`` (``pwrite``: a full disk or memory is an error, never a crash)."""
@@ -429,13 +399,11 @@ class RemoteFetch:
 
     def prioritize(self, components: list[str]) -> None:
         """Fetch the components' entries in this order (the loader's build order), then the rest."""
-        rank: list[tuple[int, int, int]] = []  # (start, end, rank)
+        ranked: list[tuple[int, int, int]] = []  # (start, end, rank)
         for i, name in enumerate(components):
-            rank += [(e.header_offset, e.end, i) for e in self._entries if e.name.startswith(name + "/")]
-        def key(piece: tuple[int, int]) -> tuple[int, int]:
-            return min((r for a, b, r in rank if a < piece[1] and piece[0] < b), default=len(components)), piece[0]
+            ranked += [(e.header_offset, e.end, i) for e in self._entries if e.name.startswith(name + "/")]
         with self._cond:
-            self._queue = deque(sorted(self._queue, key=key))
+            self._queue.prioritize(ranked, len(components))
 
     def wait_component(self, component: str) -> None:
         """Until every entry of ``component``'s folder has arrived and matched: its tensors view only
