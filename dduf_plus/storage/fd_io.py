@@ -1,6 +1,6 @@
-"""Whole writes and copies at offsets of open file descriptors (``pwrite`` and ``sendfile`` may move fewer
-bytes than asked): the one loop the zstd transport (:mod:`.zst`) and the remote fetch
-(:mod:`dduf_plus.remote.transfer`) write through."""
+"""Whole reads, writes and copies at offsets of open file descriptors (``pread``, ``pwrite`` and ``sendfile``
+may move fewer bytes than asked): the one loop each that local sources (:mod:`.source`), the zstd transport
+(:mod:`.zst`) and the remote fetch (:mod:`dduf_plus.remote.transfer`) go through."""
 
 from __future__ import annotations
 
@@ -9,6 +9,20 @@ import os
 from ..errors import DDUFIOError
 
 COPY_BLOCK = 16 << 20  # bytes per sendfile call (or per buffered copy where the kernel cannot)
+
+
+def pread_upto(fd: int, length: int, offset: int) -> bytes:
+    """``length`` bytes at ``offset`` of ``fd``, fewer only where the file ends first (the caller says what that
+    means: a truncated stream, a file that shrank)."""
+    parts = []
+    while length > 0:
+        chunk = os.pread(fd, length, offset)
+        if not chunk:
+            break
+        parts.append(chunk)
+        offset += len(chunk)
+        length -= len(chunk)
+    return parts[0] if len(parts) == 1 else b"".join(parts)  # one read: no copy
 
 
 def pwrite_all(fd: int, data: bytes | bytearray | memoryview, offset: int) -> None:

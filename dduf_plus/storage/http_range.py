@@ -26,12 +26,7 @@ from .http_conn import (  # noqa: F401 (open_connection, proxied: re-exported, t
     shut_down,
 )
 from .hub_env import proxy_for
-from .remote_budget import (  # noqa: F401 (the budget's names, re-exported: sources name them here)
-    BUDGET_SLACK_BYTES,
-    DEFAULT_DEADLINE_S,
-    RemoteBudget,
-    read_timeout,
-)
+from .remote_budget import RemoteBudget, read_timeout
 
 logger = logging.getLogger(__name__)
 

@@ -18,6 +18,7 @@ import struct
 from typing import Any, NamedTuple
 
 from ..errors import DDUFError, DDUFFormatError
+from .fd_io import pread_upto
 
 logger = logging.getLogger(__name__)
 
@@ -128,15 +129,10 @@ def _readseek_table(fd: int, size: int, name: str) -> list[Frame] | None:
 
 def pread_exact(fd: int, length: int, offset: int, name: str) -> bytes:
     """``length`` bytes at ``offset``; fewer (the file ends) is a truncated stream."""
-    parts, want = [], length
-    while want:
-        chunk = os.pread(fd, want, offset)
-        if not chunk:
-            raise DDUFFormatError(f"{name}: truncated zstd stream (read past the end at {offset})")
-        parts.append(chunk)
-        offset += len(chunk)
-        want -= len(chunk)
-    return b"".join(parts)
+    data = pread_upto(fd, length, offset)
+    if len(data) != length:
+        raise DDUFFormatError(f"{name}: truncated zstd stream (read past the end at {offset + len(data)})")
+    return data
 
 
 def is_skippable(magic: int) -> bool:
