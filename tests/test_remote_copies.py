@@ -114,3 +114,34 @@ def test_hashed_pages_are_let_go_of_the_mapping(served, monkeypatch):
     with FileServer(served) as srv:
         done = fetched(srv.url("tiny-sd.dduf"))
     assert sum(forgotten) == done.stats.hashed > 0
+
+
+def _queue_over(size: int, chunk: int, concurrency: int) -> pieces.PieceQueue:
+    """A queue over ``size`` bytes of an archive with no entries (nothing for opening to read first)."""
+    from types import SimpleNamespace
+
+    from dduf_plus.remote.intervals import Intervals
+
+    tail = SimpleNamespace(start=size, records=[], cd_offset=size, file_records=lambda: {})
+    queue = pieces.PieceQueue(chunk, concurrency)
+    queue.plan(tail, Intervals())
+    return queue
+
+
+def test_pieces_follow_the_build_order_then_the_archive_order() -> None:
+    queue = _queue_over(100, 10, 1)
+    queue.prioritize([(55, 75, 0), (0, 5, 1)], last=2)  # a component at 55-75 first, then one at 0-5
+    order = [queue.next() for _ in range(len(queue))]
+    assert order[:4] == [(50, 60), (60, 70), (70, 80), (0, 10)]
+    assert order[4:] == [(10, 20), (20, 30), (30, 40), (40, 50), (80, 90), (90, 100)]
+
+
+def test_only_the_last_pieces_are_cut_smaller(monkeypatch) -> None:
+    monkeypatch.setattr(pieces, "TAIL_PIECE_MIN", 1)
+    queue = _queue_over(100, 8, 2)  # small pieces: 8 // TAIL_SPLIT = 2 bytes
+    handed = [queue.next() for _ in range(100) if len(queue)]
+    assert sum(b - a for a, b in handed) == 100 and not len(queue)
+    lengths = [b - a for a, b in handed]
+    first_cut = lengths.index(2)
+    assert all(n == 8 for n in lengths[:first_cut]) and all(n <= 8 for n in lengths[first_cut:])
+    assert sum(lengths[first_cut:]) <= 2 * 8 + 8  # the cut only begins within a worker's chunk of the end
