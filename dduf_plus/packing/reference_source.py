@@ -20,7 +20,7 @@ from ..format.structure import component_specs
 from ..format.weights import classify, select_weights, variants
 from ..refs import cache as _cache
 from ..refs.resolve import Spec
-from ..remote.hub import HubSourceNotFoundError, hub_unreachable
+from ..remote.hub import HubSourceNotFoundError, cache_only, hub_unreachable
 from ..storage.hub_env import is_offline
 from .identity import ComponentBytes, ComponentCopy, component_difference
 
@@ -153,7 +153,7 @@ class ReferenceSource:
         if self._hub is not None:
             return self._hub
         problems: list[str] = []
-        if not (self.local_files_only or is_offline() or hub_unreachable()):
+        if not cache_only(self.local_files_only):
             try:
                 return self._files_from_hub()
             except Exception as e:  # network, auth, not found: say so; the cache may still know it
@@ -163,7 +163,7 @@ class ReferenceSource:
             return found
         rev = self.spec.revision
         problems.append(f"{self.spec.location}" + (f"@{rev}" if rev else "") + " is not in the Hugging Face cache")
-        if why := (not (self.local_files_only or is_offline()) and hub_unreachable()):
+        if why := (not is_offline(self.local_files_only) and hub_unreachable()):
             problems.append(f"the Hub cannot be reached ({why})")
         raise HubSourceNotFoundError(f"cannot read the file list of {self.spec}: " + "; ".join(problems),
                                      self.spec.location)

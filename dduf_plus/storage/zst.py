@@ -111,11 +111,12 @@ def _same_file(a: Path, b: Path) -> bool:
         return False
 
 
-def open_input(src: Path) -> tuple[int, int]:
+def open_input(src: Path, name: str | None = None) -> tuple[int, int]:
+    """``src`` opened for reading, and its size; an error names it as ``name`` (the path the user gave)."""
     try:
         fd = os.open(src, os.O_RDONLY | getattr(os, "O_BINARY", 0))
     except OSError as e:
-        raise io_error(f"cannot open {src}: {e.strerror}", e, src) from None
+        raise io_error(f"cannot open {name or src}: {e.strerror}", e, name or src) from None
     return fd, os.fstat(fd).st_size
 
 
@@ -325,7 +326,7 @@ def decompress_into(src: Path, fd_out: int, out_dir: Path, *, budget: Decompress
     output file and removes it when this raises (see :func:`decompress`)."""
     zstd = zstd_module()
     name = name or str(src)
-    fd_in, size = open_input(src)
+    fd_in, size = open_input(src, name)
     try:
         layout = read_layout(fd_in, size, name)
         announced: int | None
