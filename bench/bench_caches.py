@@ -66,8 +66,8 @@ def bomb(path: Path) -> Path:
     if not path.exists():
         cobj = zstandard.ZstdCompressor(level=1, write_checksum=True).compressobj(size=256 * MiB)
         frame = b"".join([cobj.compress(bytes(8 * MiB)) for _ in range(32)] + [cobj.flush()])
-        header = zst._header_frame(8 * 256 * MiB, 256 * MiB)
-        table = zst._seek_table([(len(header), 0)] + [(len(frame), 256 * MiB)] * 8)
+        header = zst.header_frame(8 * 256 * MiB, 256 * MiB)
+        table = zst.seek_table([(len(header), 0)] + [(len(frame), 256 * MiB)] * 8)
         path.write_bytes(header + frame * 8 + table)
     return path
 

@@ -186,7 +186,7 @@ def test_local_dir_refuses_a_tokenizer_file_over_max_local_file(tmp_path: Path, 
     with DDUFArchive(archive_path) as archive:
         component = files_mod.ArchiveComponentFiles(archive, "tokenizer")
         monkeypatch.setattr(component, "read_bytes", lambda name: read.append(name) or archive.read_bytes(f"tokenizer/{name}"))
-        with pytest.raises(DDUFLoadError, match=r"tokenizer.*vocab\.json is 4008 bytes.*at most 0 MiB"):
+        with pytest.raises(DDUFLoadError, match=r"tokenizer.*vocab\.json is 4008 bytes.*at most 1\.0 KiB"):
             component.local_dir()
         assert "vocab.json" not in read  # refused on its recorded size, never read
         folder = Path(component.local_dir(["tokenizer_config.json"]))

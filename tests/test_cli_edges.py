@@ -320,3 +320,17 @@ def test_relative_outputs_in_a_subfolder(tmp_path: Path) -> None:
         assert done.returncode == 0, (argv, done.stderr)
     assert (tmp_path / "w" / "a.dduf").read_bytes() == (tmp_path / "w" / "b.dduf").read_bytes()
     assert (tmp_path / "w" / "u" / "model_index.json").is_file() and not (tmp_path / "w" / "w").exists()
+
+
+def test_a_missing_path_offers_the_hub_reading_only_for_a_repo_id(tmp_path, monkeypatch):
+    """``--base models/sd15`` where ./models exists: the path is missing, and the message says how to mean the
+    Hub repo instead, but only when the text is a repo id (the one test, remote.hub.is_repo_id)."""
+    from dduf_plus.cli._common import path_like_missing
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models").mkdir()
+    with pytest.raises(DDUFNotFoundError, match=r"does not exist \(to mean the Hub repo models/sd15, run from"):
+        path_like_missing("models/sd15@main", "--base")
+    with pytest.raises(DDUFNotFoundError) as caught:
+        path_like_missing("models/sd 15", "--base")  # a space: no repo is named so
+    assert "does not exist" in str(caught.value) and "Hub repo" not in str(caught.value)

@@ -21,7 +21,7 @@ import pytest
 from servers import FileServer
 
 from dduf_plus.errors import DDUFError, DDUFUsageError
-from dduf_plus.storage import http_range
+from dduf_plus.storage import http_conn
 from dduf_plus.storage.http_range import HTTPSource
 from dduf_plus.storage.hub_env import ca_bundle, proxy_for
 
@@ -97,7 +97,7 @@ class ProxyStub(http.server.ThreadingHTTPServer):
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     for name in PROXY_VARS:
         monkeypatch.delenv(name, raising=False)
-    http_range._TLS.clear()
+    http_conn._TLS.clear()
     return monkeypatch
 
 
@@ -165,4 +165,4 @@ def test_an_empty_ca_variable_never_turns_verification_off(clean_env) -> None:
     """``CURL_CA_BUNDLE=""`` is how requests users switch verification off; here it is simply unset."""
     clean_env.setenv("CURL_CA_BUNDLE", "")
     assert ca_bundle() == (None, None)
-    assert http_range._tls_context().verify_mode == ssl.CERT_REQUIRED
+    assert http_conn.tls_context().verify_mode == ssl.CERT_REQUIRED

@@ -24,8 +24,9 @@ from dduf_plus import load_dduf  # noqa: E402
 from dduf_plus.errors import DDUFError, DDUFIntegrityError, DDUFIOError, DDUFNotFoundError  # noqa: E402
 from dduf_plus.format.archive import DDUFArchive  # noqa: E402
 from dduf_plus.remote import fetch as fetch_module  # noqa: E402
-from dduf_plus.remote import sink  # noqa: E402
+from dduf_plus.remote import sink, transfer  # noqa: E402
 from dduf_plus.remote.fetch import fetch_archive  # noqa: E402
+from dduf_plus.storage import fd_io  # noqa: E402
 
 SMALL = {"chunk_size": 64 << 10, "timeout": 1.0}  # many pieces from a 1.3 MB archive; stalls cut off fast
 
@@ -259,15 +260,15 @@ def test_write_behind_load_does_not_wait_for_the_disk(served, packed, tmp_path, 
     """A disk slower than the link: the load returns from memory while the cache file is still being written;
     the file completes behind it, and the next load uses it (one request)."""
     monkeypatch.setattr(sink, "WRITE_BEHIND_MIN", 0)  # tiny-sd is served from memory too
-    for module in (sink, fetch_module):  # wherever pytest's tmp_path lives
+    for module in (sink, transfer):  # wherever pytest's tmp_path lives
         monkeypatch.setattr(module, "in_ram", lambda folder: False)
-    slow_disk, copy = __import__("threading").Event(), fetch_module._copy_range
+    slow_disk, copy = __import__("threading").Event(), fd_io.copy_range
 
     def slow_copy(src, dst, start, end):
         slow_disk.wait(10)  # the disk has not written anything yet
         copy(src, dst, start, end)
 
-    monkeypatch.setattr(fetch_module, "_copy_range", slow_copy)
+    monkeypatch.setattr(transfer, "copy_range", slow_copy)
     with FileServer(served) as srv:
         pipe = load_dduf(srv.url("tiny-sd.dduf"), torch_dtype=torch.float32, remote={**SMALL, "memory_max": 1 << 30})
         assert any(n.endswith(".partial") for n in remote_files(tmp_path))  # nothing written yet: loaded anyway
@@ -294,7 +295,7 @@ def test_a_mismatching_entry_reaches_the_caller_as_a_public_integrity_error() ->
     """The fetch's private mismatch kind (it only decides what a resume keeps) is never what a caller catches
     or what an error line names."""
     from dduf_plus.errors import DDUFIntegrityError
-    from dduf_plus.remote import fetch
+    from dduf_plus.remote import entries
 
-    raised = fetch._reraise(fetch._EntryMismatch("u: entry 'unet/x' does not match its sha256"))
+    raised = entries.public_error(entries.EntryMismatch("u: entry 'unet/x' does not match its sha256"))
     assert type(raised) is DDUFIntegrityError and "unet/x" in str(raised)

@@ -79,8 +79,8 @@ def frame_256m() -> bytes:
 
 def dduf_plus_stream(path: Path, frame: bytes, frame_size: int, frames: int) -> Path:
     """What `dduf compress` writes: header frame, ``frames`` copies of ``frame``, seek table."""
-    header = zst._header_frame(frame_size * frames, frame_size)
-    table = zst._seek_table([(len(header), 0)] + [(len(frame), frame_size)] * frames)
+    header = zst.header_frame(frame_size * frames, frame_size)
+    table = zst.seek_table([(len(header), 0)] + [(len(frame), frame_size)] * frames)
     path.write_bytes(header + frame * frames + table)
     return path
 
@@ -554,3 +554,29 @@ def test_a_planted_verified_hash_is_not_believed(tmp_path: Path) -> None:
         assert hv.sha256(data) == hashlib.sha256(b"x" * 100).hexdigest()
     assert VerifiedHashes(refs / "verified.json").lookup(data) == hashlib.sha256(b"x" * 100).hexdigest()
     assert (refs / signed.SECRET_NAME).stat().st_mode & 0o077 == 0
+
+
+def test_a_digest_computed_while_the_file_changed_is_never_remembered(tmp_path: Path) -> None:
+    """The memo's one trust rule (VerifiedHashes.remembered): a digest is kept only when the file's stat after
+    computing it is the stat from before (or from when the caller mapped it, ``since``)."""
+    from dduf_plus.refs.cache import VerifiedHashes, stat_key
+
+    refs = tmp_path / "refs"
+    refs.mkdir()
+    data = tmp_path / "data.bin"
+    data.write_bytes(b"x" * 100)
+    hv = VerifiedHashes(refs / "verified.json")
+
+    def rewritten_meanwhile() -> str:
+        data.write_bytes(b"y" * 200)  # a writer while the digest is computed
+        return "d" * 64
+
+    assert hv.remembered(data, rewritten_meanwhile, "entry") == "d" * 64
+    assert hv.lookup(data, "entry") is None
+    mapped_at = stat_key(data)
+    data.write_bytes(b"z" * 300)  # changed after the caller mapped it, before the digest of the mapping
+    assert hv.remembered(data, lambda: "e" * 64, "entry", since=mapped_at) == "e" * 64
+    assert hv.lookup(data, "entry") is None
+    assert hv.remembered(data, lambda: "f" * 64, "entry") == "f" * 64  # unchanged throughout: kept
+    assert hv.remembered(data, lambda: "never computed", "entry") == "f" * 64
+    assert VerifiedHashes(refs / "verified.json").lookup(data, "entry") == "f" * 64

@@ -121,6 +121,19 @@ def test_broken_streams_are_z021(multi_frame, tmp_path, cache):
     assert not list((cache / "zst").glob("*.dduf"))  # nothing half-written was left in the cache
 
 
+def test_a_stream_is_named_as_the_caller_named_it(multi_frame, tmp_path, cache, monkeypatch):
+    """Every finding of a broken or over-budget stream names the path as given (relative here), never the
+    resolved one: the decompression reports under that name, so nothing rewrites a message afterwards."""
+    broken = _broken(multi_frame, tmp_path)
+    monkeypatch.chdir(tmp_path)
+    for path in (broken["truncated-half"], broken["corrupted-frame"], multi_frame):
+        given = os.path.relpath(path)
+        report = validate(given, max_decompressed=1 << 10 if path == multi_frame else None)
+        assert report.codes in (["Z021"], ["Z022"]), report
+        message = report.errors[0].message
+        assert message.startswith(given + ":") and str(tmp_path) not in message, message
+
+
 def test_broken_streams_exit_1_with_json(multi_frame, tmp_path, capsys):
     broken = _broken(multi_frame, tmp_path)
     rc, out, err = run_cli(capsys, "--json", "--verify", *map(str, broken.values()), str(multi_frame))

@@ -232,7 +232,9 @@ def path_like_missing(spec: str, what: str) -> None:
     head = text.split("@", 1)[0].split(":", 1)[0]
     first = head.split("/", 1)[0]
     if "/" in head and first and os.path.isdir(first) and not os.path.exists(head):
-        hint = f" (to mean the Hub repo {head}, run from a folder without ./{first})" if head.count("/") == 1 else ""
+        from ..remote.hub import is_repo_id
+
+        hint = f" (to mean the Hub repo {head}, run from a folder without ./{first})" if is_repo_id(head) else ""
         raise DDUFNotFoundError(f"{what} {text}: {os.path.abspath(head)} does not exist{hint}", head)
 
 

@@ -27,7 +27,6 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 from ..errors import DDUFError, DDUFFormatError, DDUFIOError
@@ -263,14 +262,13 @@ def _validate_zst(source: str | os.PathLike, verify: bool, strict: bool, max_dec
         zst.zstd_module()
     except DDUFError as e:  # zstandard missing or broken: the message says `pip install zstandard`
         return failed("Z021", str(e))
-    resolved = str(Path(name).resolve())
     with ExitStack() as stack:
         try:
             archive = stack.enter_context(validation_archive(name, max_decompressed=max_decompressed))
         except zst.DecompressionBudgetError as e:  # a bomb, or no room for a genuine archive: Z022
-            return failed("Z022", str(e).replace(resolved, name))
+            return failed("Z022", str(e))  # the stream is named as the caller named it
         except DDUFFormatError as e:  # truncated, corrupted (DDUFIntegrityError), not zstd, bad seek table
-            return failed("Z021", str(e).replace(resolved, name))
+            return failed("Z021", str(e))
         except OSError as e:  # the temporary folder cannot be written (disk full, read-only): exit 2
             raise DDUFError(f"{name}: cannot decompress into a temporary folder ({tempfile.gettempdir()}, "
                             f"$TMPDIR): {e}") from None

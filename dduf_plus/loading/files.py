@@ -29,6 +29,7 @@ from ..format.safetensors_header import SafetensorsHeader, TensorInfo, checked, 
 from ..format.tokenizer_budget import applies as tokenizer_applies
 from ..format.tokenizer_budget import tokenizer_problem
 from ..format.weights import classify, select_weights, tensor_files
+from ..sizes import format_size
 from ..storage import cache_dirs
 from ..storage.cache_dirs import CACHE_ENV
 from ..storage.confined import Confined, plain_name
@@ -294,7 +295,7 @@ def small_files(files: ComponentFiles, filenames: Iterable[str] | None,
             _check_tokenizer_file(out[name], f"{files.name}/{name}", files.description)
         if size > MAX_LOCAL_FILE:
             raise DDUFLoadError(f"{files.description}: {name} is {size} bytes; a tokenizer/processor file written "
-                                f"to the cache may be at most {MAX_LOCAL_FILE >> 20} MiB")
+                                f"to the cache may be at most {format_size(MAX_LOCAL_FILE, binary=True)}")
     return out
 
 

@@ -77,6 +77,7 @@ from ..format.safetensors_header import SafetensorsHeader, TensorInfo, parse_hea
 from ..format.structure import component_specs
 from ..format.weights import classify
 from ..torchkit.meta_model import ConstructionBudgetError, StoredTensors, is_diffusers_model, meta_model
+from .reference_source import region_sha256
 
 logger = logging.getLogger(__name__)
 
@@ -341,24 +342,6 @@ def _file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _region_sha256(region: FileRegion) -> str:
-    """sha256 of an archive's entry (what a converted entry records as its source), checked against the sha256
-    that archive's index records for it."""
-    digest = hashlib.sha256()
-    with open(region.path, "rb") as f:
-        done = 0
-        while done < region.length:
-            chunk = os.pread(f.fileno(), min(16 << 20, region.length - done), region.offset + done)
-            if not chunk:
-                raise DDUFPackError(f"{region}: the file ends inside the entry (it changed)")
-            digest.update(chunk)
-            done += len(chunk)
-    if region.sha256 is not None and digest.hexdigest() != region.sha256:
-        raise DDUFPackError(f"{region}: H002: sha256 of its bytes differs from its dduf_plus index's (damaged or "
-                            "changed); nothing is written")
-    return digest.hexdigest()
-
-
 # --- components --------------------------------------------------------------------------------------
 
 
@@ -560,7 +543,7 @@ def _converted_source(source: EntrySource, header: SafetensorsHeader,
     def chunks() -> Iterator[Any]:
         return _tensor_chunks(path, header, planned, head, entry, base)
 
-    sha = _region_sha256(file) if isinstance(file, FileRegion) else _file_sha256(file)
+    sha = region_sha256(file) if isinstance(file, FileRegion) else _file_sha256(file)  # H002 checked there
     return EntrySource(entry, size=size, chunks=chunks, header=new_header, source_sha256=sha), planned
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
@@ -20,7 +21,7 @@ from ..format.structure import component_specs
 from ..format.weights import classify, select_weights, variants
 from ..refs import cache as _cache
 from ..refs.resolve import Spec
-from ..remote.hub import HubSourceNotFoundError, hub_unreachable
+from ..remote.hub import HubSourceNotFoundError, cache_only, hub_unreachable
 from ..storage.hub_env import is_offline
 from .identity import ComponentBytes, ComponentCopy, component_difference
 
@@ -59,10 +60,7 @@ def _git_sha1(file: LocalFile) -> str:
 def region_sha256(region: FileRegion) -> str:
     """sha256 of an archive's entry, through the verified-hash memory (``<archive>#<entry>``), checked against
     the sha256 that archive's index records (H002: a copy that is not what its archive says is never recorded)."""
-    hv = _cache.verified_hashes()
-    known = hv.lookup(region.path, region.member)
-    if known is None:
-        before = _cache.stat_key(region.path)
+    def hashed() -> str:
         digest, done = hashlib.sha256(), 0
         with open(region.path, "rb") as f:
             while done < region.length:
@@ -71,13 +69,17 @@ def region_sha256(region: FileRegion) -> str:
                     raise DDUFPackError(f"{region}: the file ends inside the entry (it changed)")
                 digest.update(chunk)
                 done += len(chunk)
-        known = digest.hexdigest()
-        if _cache.stat_key(region.path) == before:
-            hv.remember(region.path, known, member=region.member, key=before)
+        return digest.hexdigest()
+
+    known = _cache.verified_hashes().remembered(region.path, hashed, region.member)
     if region.sha256 is not None and known != region.sha256:
         raise DDUFPackError(f"{region}: H002: sha256 of its bytes differs from its dduf_plus index's (damaged or "
                             "changed)")
     return known
+
+
+def _hex_sha256(data: memoryview) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 def _archive_records(path: Path, sub: str, variant: str | None) -> tuple[FileRecords, dict[str, Path]] | None:
@@ -95,12 +97,8 @@ def _archive_records(path: Path, sub: str, variant: str | None) -> tuple[FileRec
         for n in pack_selection(list(archive.components[sub].files), variant):
             entry = f"{sub}/{n}"
             view = archive.view(entry)
-            try:
-                sha = hv.lookup(path, entry)
-                if sha is None:
-                    sha = hashlib.sha256(view).hexdigest()
-                    if _cache.stat_key(path) == before:  # an archive written while it was read is not remembered
-                        hv.remember(path, sha, member=entry, key=before)
+            try:  # mapped at open: an archive written since then is not remembered
+                sha = hv.remembered(path, partial(_hex_sha256, view), entry, since=before)
                 rec: dict[str, Any] = {"size": len(view), "sha256": sha}
                 if not _cache.is_lfs_by_default(n, len(view)):
                     rec["git_sha1"] = _cache.git_blob_sha1(bytes(view))
@@ -153,7 +151,7 @@ class ReferenceSource:
         if self._hub is not None:
             return self._hub
         problems: list[str] = []
-        if not (self.local_files_only or is_offline() or hub_unreachable()):
+        if not cache_only(self.local_files_only):
             try:
                 return self._files_from_hub()
             except Exception as e:  # network, auth, not found: say so; the cache may still know it
@@ -163,7 +161,7 @@ class ReferenceSource:
             return found
         rev = self.spec.revision
         problems.append(f"{self.spec.location}" + (f"@{rev}" if rev else "") + " is not in the Hugging Face cache")
-        if why := (not (self.local_files_only or is_offline()) and hub_unreachable()):
+        if why := (not is_offline(self.local_files_only) and hub_unreachable()):
             problems.append(f"the Hub cannot be reached ({why})")
         raise HubSourceNotFoundError(f"cannot read the file list of {self.spec}: " + "; ".join(problems),
                                      self.spec.location)

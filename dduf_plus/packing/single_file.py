@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 from ..errors import DDUFPackError
 from ..format.pack import EntrySource, FolderPlan, PackResult, write_archive
 from ..format.structure import component_specs
+from ..format.weights import weights_name
 from .mapped_views import mapped
 from .partial import make_references, model_index_with
 from .single_file_base import Base, BaseTensors, base_tensors, check_base, open_base, read_base_json
@@ -59,10 +60,6 @@ __all__ = ["FAMILIES", "describe_checkpoint", "detect_architecture", "is_single_
 _HOSTED = "not compared: BASE is hosted, comparing would download its weights"
 
 
-def _weights_name(library: str | None) -> str:
-    return "model.safetensors" if library == "transformers" else "diffusion_pytorch_model.safetensors"
-
-
 def _component(job: Job, base: Base, theirs: BaseTensors,
                where: str) -> tuple[list[EntrySource], str, str | None]:
     """Convert one component; its entry sources when it differs from BASE (none when identical), a line
@@ -74,7 +71,7 @@ def _component(job: Job, base: Base, theirs: BaseTensors,
         dropped = fit(job.name, converted, theirs, where)
         why = _HOSTED if base.hosted else identical(converted, theirs, mm)
         library = component_specs(base.model_index)[job.name][0]
-        entry = f"{job.name}/{_weights_name(library)}"
+        entry = f"{job.name}/{weights_name(library)}"
         head, header, planned, size = file_header(converted, entry)
         nbytes = sum(t.numel() * t.element_size() for t in converted.values())
         variant = identical_variant(job.name, converted, base, mm) if why not in (None, _HOSTED) else None

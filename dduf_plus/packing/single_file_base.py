@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..errors import DDUFError, DDUFNotFoundError, DDUFPackError
 from ..format import spec
@@ -16,6 +16,9 @@ from ..format.structure import component_specs, model_index_object
 from ..format.weights import classify, select_weights, variants
 from .single_file_layout import FAMILIES, Family
 
+if TYPE_CHECKING:  # pragma: no cover
+    from ..format.archive import DDUFArchive
+
 __all__ = ["Base", "BaseTensors", "base_tensors", "base_variants", "check_base", "open_base", "read_base_json"]
 
 
@@ -24,7 +27,7 @@ class Base(NamedTuple):
     spec: str  # what the references name: the folder, the repo id[@revision], the archive
     model_index: dict[str, Any]
     model_index_bytes: bytes
-    archive: Any = None  # an open DDUFArchive when BASE is a .dduf
+    archive: DDUFArchive | None = None  # open when BASE is a .dduf
     hosted: bool = False  # BASE is a hosted .dduf (a URL): configs and headers by range reads, weights not compared
 
     def files(self, name: str) -> list[str]:

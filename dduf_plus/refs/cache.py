@@ -12,7 +12,7 @@ import logging
 import os
 import re
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -155,13 +155,21 @@ class VerifiedHashes:
 
     def sha256(self, path: str | os.PathLike) -> str:
         """sha256 of a file, hashing it only if it changed (or was never seen) since it was last hashed."""
-        known = self.lookup(path)
+        return self.remembered(path, lambda: sha256_file(path))
+
+    def remembered(self, path: str | os.PathLike, compute: Callable[[], str], member: str | None = None, *,
+                   since: StatKey | None = None) -> str:
+        """The digest remembered for ``path`` (or ``member`` of archive ``path``) while the file is unchanged,
+        else ``compute()``, remembered only if the file's stat is still what it was before (``since``: when the
+        bytes were mapped or opened earlier): a file written while it was read is never remembered. The one
+        trust rule of the memo, for every digest kept in it."""
+        known = self.lookup(path, member)
         if known is not None:
             return known
-        before = stat_key(path)
-        digest = sha256_file(path)
-        if stat_key(path) == before:  # a file written while we read it is not remembered
-            self.remember(path, digest, key=before)
+        before = since or stat_key(path)
+        digest = compute()
+        if stat_key(path) == before:
+            self.remember(path, digest, member, key=before)
         return digest
 
     def save(self) -> None:

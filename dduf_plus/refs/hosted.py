@@ -14,12 +14,15 @@ import hashlib
 import logging
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import DDUFError, DDUFIntegrityError, DDUFReferenceError
 from ..storage.cache_dirs import cache_dir
 from ..storage.confined import Confined, plain_name
 from . import cache as _cache
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..format.archive import DDUFArchive
 
 logger = logging.getLogger("dduf_plus.refs.hosted")
 
@@ -73,7 +76,7 @@ def fetch_component(url: str, member: str, component: str, recorded: Mapping[str
     return out
 
 
-def _fetch_entry(archive: Any, url: str, member: str, component: str, fname: str,
+def _fetch_entry(archive: DDUFArchive, url: str, member: str, component: str, fname: str,
                  rec: Mapping[str, Any]) -> Path:
     name = f"{member}/{fname}"
     where = f"component {component!r}, file {fname} (entry {name} of {url})"

@@ -1,6 +1,7 @@
 """What the remote cache remembers of a URL and of a fetched archive: the per-URL record (size, where the tail
 starts, the key) that lets a second load read exactly the tail in one request, the ``<key>.sha256.json``
-manifest of every entry's checked sha256, and a range reader over a cached file (:mod:`.fetch` writes them;
+manifest of every entry's checked sha256, the ``<key>.progress.json`` record of an interrupted fetch's byte
+ranges, and a range reader over a cached file (:mod:`.fetch` and :mod:`.transfer` write them;
 ``local_files_only`` loads find the file through them)."""
 
 from __future__ import annotations
@@ -44,6 +45,24 @@ def write_manifest(cache: Confined, tail: Tail, url: str, size: int, digests: di
     record = {"key": tail.key, "size": size, "shared": tail.shared, "url": None if tail.shared else url,
               "sha256": dict(sorted(digests.items()))}
     cache.write_bytes(manifest_path(cache, tail.key), json.dumps(record, indent=1).encode())
+
+
+def progress_bytes(url: str, size: int, key: str, spans: list[list[int]]) -> bytes:
+    """The progress record of a fetch of ``size`` bytes under ``key``: the byte ranges already in its partial
+    file (a resume hashes them locally instead of fetching them again)."""
+    return json.dumps({"url": url, "size": size, "key": key, "done": spans}).encode()
+
+
+def read_progress(path: Path, size: int, key: str) -> list[tuple[int, int]]:
+    """The byte ranges the progress record at ``path`` lists, when it is this archive's (same size and key:
+    for an archive whose key is bound to its URL, the same URL); none when it is not, or is unreadable."""
+    try:
+        record = json.loads(path.read_text())
+        if record.get("size") != size or record.get("key") != key:
+            return []
+        return [(int(a), int(b)) for a, b in record.get("done", []) if 0 <= int(a) < int(b) <= size]
+    except (OSError, ValueError, TypeError, AttributeError):
+        return []
 
 
 def cached_sha256(path: str | os.PathLike) -> dict[str, str] | None:

@@ -1,7 +1,9 @@
-"""Fetch a remote archive (``https://``, ``s3://``, ``gs://``, ``hf://``...) into a local cache file, with
-concurrent range reads, verifying every entry as its bytes arrive.
+"""The front door of remote archives (``https://``, ``s3://``, ``gs://``, ``hf://``...): :func:`open_remote`
+gives the complete cached file, the offline answer from the cache, or a started :class:`RemoteFetch`
+(:mod:`.transfer`) filling the local file with concurrent range reads, verifying every entry as its bytes
+arrive (:mod:`.entries`); :func:`fetch_archive` waits for it; :class:`CacheSource` reads a fetch in progress.
 
-Steps:
+Steps (the modules doing each):
 
 1. the **tail** (end records, central directory, dduf_plus index) in one or two range requests, checked
    by the validator's ZIP rules and proven to account for the whole file (:mod:`.tail`) before anything is
@@ -14,18 +16,20 @@ Steps:
    safetensors headers: what opening the archive reads), then the rest in the loader's build order. The
    bytes land in the partial file (cache on tmpfs, or an archive over ``memory_max``), else in an in-memory
    file that the loader maps and a writer thread copies into the partial file behind the load (a disk
-   slower than the link does not hold the load up); ``cache=False``: in memory only, nothing on disk;
+   slower than the link does not hold the load up); ``cache=False``: in memory only, nothing on disk
+   (:mod:`.transfer`, :mod:`.sink`, :mod:`.cache_writes`);
 4. every entry (the central directory lists them all) is placed by its local header and hashed once as its
    bytes arrive, in order, in place through a read-only mapping of the file (:class:`FetchStats` counts
    it): checked against the index's sha256, else against its CRC-32 (damage only: a CRC-32 is forged
    with 4 bytes, which is why such an archive's key is bound to its URL), and its sha256 is recorded
-   either way; a component is built only once all of its entries have arrived and matched;
+   either way; a component is built only once all of its entries have arrived and matched (:mod:`.entries`);
 5. a progress record ``<key>.progress.json`` (completed byte ranges, written atomically, at most every
    half second) lets an interrupted fetch resume: the ranges it lists are re-hashed locally, never
    re-fetched, unless their entry does not match; a refused archive leaves no partial, a kept one holds
-   only the bytes that arrived and counts against ``$DDUF_PLUS_REMOTE_PARTIALS_MAX``;
+   only the bytes that arrived and counts against ``$DDUF_PLUS_REMOTE_PARTIALS_MAX`` (:mod:`.partials`);
 6. once everything has arrived and matched, ``<key>.sha256.json`` (the URL when the key is bound to it,
-   every entry's sha256) is written and the partial file is renamed to ``<key>.dduf`` (atomic).
+   every entry's sha256) is written and the partial file is renamed to ``<key>.dduf`` (atomic,
+   :mod:`.cache_records`).
 
 Second load: a small record per URL (``urls/<sha256 of the URL>.json``: size, where the tail starts, the
 key) lets it read exactly the tail in **one** request with no size probe; equal key: no other request.
@@ -38,712 +42,33 @@ ignores ``Range``, reports another size, stalls (``timeout``), trickles (``deadl
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
-import struct
-import sys
-import threading
-import time
-import zlib
-from bisect import bisect_right
-from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ..errors import (
-    DDUFError,
-    DDUFFormatError,
-    DDUFIntegrityError,
-    DDUFIOError,
-    DDUFNotFoundError,
-    DDUFUsageError,
-)
-from ..format import spec
-from ..format.open_plan import open_ranges
+from ..errors import DDUFError, DDUFNotFoundError, DDUFUsageError
 from ..storage.confined import Confined
 from ..storage.hub_env import is_offline
-from . import partials
 
-# cached_sha256, manifest_path, url_record: re-exported (callers name them here)
+# cached_sha256, manifest_path, url_record, wait_cache_writes, FetchStats: re-exported (callers name them here)
 from .cache_records import (  # noqa: F401
     LocalRanges,
     cached_sha256,
     manifest_path,
     read_record,
     url_record,
-    write_manifest,
     write_record,
 )
-from .intervals import Intervals
-from .readers import RECEIVE_BLOCK, RangeReader, RemoteOptions, open_reader, read_each
-from .sink import ReadMap, choose_sink, in_ram, map_for_reading, memory_file, size_file
-from .tail import MAX_LOCAL_SLACK, Tail, read_tail
-
-if TYPE_CHECKING:  # pragma: no cover
-    from ..format.zipfmt import ZipEntry
+from .cache_writes import wait_cache_writes
+from .readers import RangeReader, RemoteOptions, open_reader
+from .sink import choose_sink
+from .tail import Tail, read_tail
+from .transfer import FetchStats, RemoteFetch
 
 logger = logging.getLogger("dduf_plus.remote.fetch")
 
-MERGE_GAP = 256 << 10  # metadata ranges closer than this are read as one request
-PROGRESS_EVERY_S = 0.5
-_HASH_BLOCK = 8 << 20
-TAIL_SPLIT = 4  # the last pieces are chunk_size / TAIL_SPLIT bytes (see RemoteFetch._next_piece)
-TAIL_PIECE_MIN = 1 << 20
 
-
-@dataclass
-class FetchStats:
-    """What the client did with the bytes of one fetch (a counting hook: tests and benchmarks read it)."""
-
-    received: int = 0  # body bytes of the range answers the workers received
-    written: int = 0  # of those, written into ``fd`` (pwrite from the small receive buffer: the one copy)
-    largest_write: int = 0  # the largest block written at once (the receive buffer's size: cache-sized)
-    hashed: int = 0  # bytes hashed (sha256, and the CRC-32 where no index sha256 is checked), all entries
-    read_back: int = 0  # of those, read back from the file into a buffer first (a copy; mapped: 0)
-
-
-class _Stopped(Exception):
-    """abort() stopped the fetch while a worker was receiving: it ends without recording its piece."""
-
-
-class _EntryMismatch(DDUFIntegrityError):
-    """An entry's bytes do not match its hash: this transfer went wrong (a resume fetches the entry again);
-    the archive itself is not refused for it."""
-
-
-class _Entry:
-    """One central directory entry being verified as its bytes arrive: placed once its local header is
-    here, then hashed in order up to ``upto``. ``sha256`` is the index's (checked), else None (the CRC-32
-    is checked and the sha256 recorded)."""
-
-    def __init__(self, record: ZipEntry, sha256: str | None, index_offset: int | None):
-        self.name, self.size, self.crc32, self.header_offset = record.name, record.size, record.crc32, record.header_offset
-        self.name_bytes = record.name.encode("utf-8")
-        self.head_end = record.header_offset + spec.LOCAL_HEADER_SIZE + len(self.name_bytes)
-        self.offset: int | None = None  # the first data byte, once the local header has arrived
-        self.end = self.head_end + MAX_LOCAL_SLACK + record.size  # an upper bound until then
-        self.upto = self.end
-        self.sha256, self.index_offset = sha256, index_offset
-        self.hasher = hashlib.sha256()
-        self.crc = 0
-        self.digest: str | None = None
-        self.ok = False
-        self.lock = threading.Lock()
-
-
-def _refused(error: BaseException | None) -> bool:
-    """The archive itself is refused (its tail, its structure once opened, a local header): nothing of it is
-    worth keeping. A mismatching entry, an I/O error or an interrupt keeps the partial for a resume."""
-    return isinstance(error, DDUFFormatError) and not isinstance(error, _EntryMismatch)
-
-
-class RemoteFetch:
-    """One archive being fetched (or already complete) in the remote cache.
-
-    ``fd`` is what the archive maps: the partial cache file (``sink="file"``) or an in-memory file
-    (``"write-behind"``: written to the partial cache file behind the load; ``"memory"``: ``cache=False``,
-    nothing on disk). While ``verified`` is False background threads fill it: :meth:`wait_range` blocks
-    until bytes have arrived, :meth:`wait_entries` / :meth:`wait_component` until entries have arrived *and
-    matched*, :meth:`finish` until all has (and, with a cache file, the file is complete or being completed
-    behind the load), :meth:`abort` stops (keeping the progress for a resume unless the archive was
-    refused)."""
-
-    def __init__(self, url: str, options: RemoteOptions, cache: Confined | None, tail: Tail, reader: RangeReader,
-                 sink: str = "file"):
-        self.url, self.options, self.cache, self.tail, self.reader = url, options, cache, tail, reader
-        self.sink = sink if cache is not None else "memory"
-        self.size = reader.size
-        self.final = cache.path(f"{tail.key}.dduf") if cache is not None else None
-        self.partial = cache.path(f"{tail.key}.dduf.partial") if cache is not None else None
-        self.progress_path = cache.path(f"{tail.key}.progress.json") if cache is not None else None
-        self.complete = False  # the cache file is complete (renamed)
-        self.verified = False  # every byte has arrived and matched
-        self.path = self.partial
-        self.fd = -1  # what the archive maps (the partial file, or the in-memory file)
-        self.file_fd = -1  # the partial cache file (-1: none, cache=False)
-        self.fetched_bytes = 0
-        self.requests = 0
-        self.timeline: list[tuple[float, float, int, int]] = []  # (start, end, offset, length) per request
-        self._cond = threading.Condition()
-        self._done = Intervals()  # bytes that have arrived in ``fd``
-        self._written = Intervals()  # bytes in the cache file (write-behind: behind ``_done``)
-        self._to_write: deque[tuple[int, int]] = deque()
-        self._writer: threading.Thread | None = None
-        self._error: BaseException | None = None
-        self._stop = False
-        self._discarded = False
-        self._writing = 0  # workers inside a pwrite
-        self._progress_lock = threading.Lock()  # a save in flight ends before a discard removes the files
-        self._queue: deque[tuple[int, int]] = deque()
-        self._threads: list[threading.Thread] = []
-        self._saved_at = 0.0
-        self._scratch = threading.local()  # each thread's reused buffers (nothing allocated per piece)
-        self._mapped: ReadMap | None = None  # ``fd`` mapped read-only: arrived bytes are hashed in place
-        self.stats = FetchStats()
-        self._write_lock = threading.Lock()
-        self._entries = self._make_entries()
-        self._starts = [e.header_offset for e in self._entries]
-
-    # --- setting up ------------------------------------------------------------------------------------------
-    def _make_entries(self) -> list[_Entry]:
-        """Every central directory entry, with what the index says of it (checked against the directory)."""
-        files = self.tail.file_records()
-        out = []
-        for record in self.tail.records:
-            info = files.get(record.name)
-            info = info if isinstance(info, dict) else {}
-            offset, size = info.get("offset"), info.get("size", record.size)
-            if size != record.size or not (offset is None or isinstance(offset, int)):
-                raise DDUFIntegrityError(f"{self.url}: the index and the central directory disagree about entry "
-                                         f"{record.name!r} (I002)")
-            out.append(_Entry(record, self.tail.indexed_sha256(record.name), offset))
-        return sorted(out, key=lambda e: e.header_offset)
-
-    def _metadata_ranges(self) -> list[tuple[int, int]]:
-        """What opening the archive reads (:func:`dduf_plus.format.open_plan.open_ranges`, the one planner), as
-        ``(start, end)`` spans, neighbours closer than :data:`MERGE_GAP` merged into one request."""
-        planned = open_ranges(self.tail.records, self.tail.cd_offset, self.tail.file_records(), small_entries=True)
-        merged: list[tuple[int, int]] = []
-        for start, length in sorted(planned):
-            end = start + length
-            if merged and start - merged[-1][1] <= MERGE_GAP:
-                merged[-1] = (merged[-1][0], max(merged[-1][1], end))
-            else:
-                merged.append((start, end))
-        return merged
-
-    def _plan(self) -> None:
-        """Queue what is missing: metadata first, then the rest in archive order, in ``chunk_size`` pieces."""
-        chunk = self.options.chunk_size
-        missing = Intervals([(0, self.tail.start)]).minus(self._done)
-        metadata = Intervals(self._metadata_ranges()).intersect(missing)
-        for span in (metadata, missing.minus(metadata)):
-            for start, end in span:
-                for at in range(start, end, chunk):
-                    self._queue.append((at, min(end, at + chunk)))
-
-    def start(self) -> None:
-        """Check the disk rules, open the partial file (resuming from the progress record) and, unless the
-        bytes land in the cache file itself, the in-memory file; write the tail; start the workers."""
-        if self.cache is not None and self.partial is not None:
-            partials.enforce_budget(self.cache, active=self.partial)
-            partials.check_room(self.url, self.cache.root, self.size, self.partial)
-            flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-            self.cache.check(self.partial)
-            self.file_fd = os.open(self.partial, flags, 0o644)
-        try:
-            resumed = self._resume() if self.file_fd >= 0 else False
-            if self.file_fd >= 0 and self.cache is not None:  # on tmpfs, reserving would allocate (and zero)
-                # every page before any byte comes
-                size_file(self.file_fd, self.size, reserve=self.sink != "file" or not in_ram(self.cache.root))
-            self.fd = self.file_fd if self.sink == "file" else memory_file(self.url, self.size)
-            self._mapped = map_for_reading(self.fd, self.size)
-            if resumed and self.sink == "write-behind":
-                self._load_resumed()
-            self._written = Intervals(self._done)
-            self._put(self.tail.fetched_at, memoryview(self.tail.fetched))  # the first guess may reach before the tail
-            self._plan()
-            for entry in self._entries:  # entries already here (a resume, the tail) are hashed locally
-                self._advance(entry)
-        except BaseException as e:
-            self._close_files()
-            if _refused(e) and self.cache is not None and self.partial is not None:
-                partials.discard(self.cache, self.partial)
-            raise
-        if resumed:
-            logger.info("%s: resuming, %d of %d bytes already here", self.url, self._done.total(), self.size)
-        self._start_threads()
-
-    def _start_threads(self) -> None:
-        for i in range(min(self.options.concurrency, max(1, len(self._queue)))):
-            thread = threading.Thread(target=self._work, name=f"dduf-fetch-{i}", daemon=True)
-            thread.start()
-            self._threads.append(thread)
-        if self.sink == "write-behind":
-            # Not a daemon: the interpreter lets it finish the cache file (a disk write, no network) at exit.
-            self._writer = threading.Thread(target=self._write_behind, name="dduf-cache-writer")
-            with _WRITING_LOCK:
-                _WRITING[str(self.final)] = self._writer
-            self._writer.start()
-
-    def _resume(self) -> bool:
-        """Take over the ranges a progress record lists, when it is this archive's (same key: for an archive
-        whose key is bound to its URL, the same URL)."""
-        assert self.progress_path is not None
-        try:
-            record = json.loads(self.progress_path.read_text())
-            if (record.get("size") != self.size or record.get("key") != self.tail.key
-                    or os.fstat(self.file_fd).st_size != self.size):
-                return False
-            done = [(int(a), int(b)) for a, b in record.get("done", []) if 0 <= int(a) < int(b) <= self.size]
-        except (OSError, ValueError, TypeError, AttributeError):
-            return False
-        self._done = Intervals(done)
-        return bool(done)
-
-    def _load_resumed(self) -> None:
-        """The ranges a resume takes over, copied from the partial file into memory (by the kernel)."""
-        for start, end in self._done:
-            _copy_range(self.file_fd, self.fd, start, end)
-
-    def _put(self, offset: int, data: memoryview) -> None:
-        """Bytes that did not come through a worker (the tail): into ``fd``, arrived, queued for the file."""
-        _pwrite_all(self.fd, data, offset)
-        with self._cond:
-            self._done.add(offset, offset + len(data))
-            if self.sink == "write-behind":
-                self._to_write.append((offset, offset + len(data)))
-            elif self.sink == "file":
-                self._written.add(offset, offset + len(data))
-
-    # --- the workers ---------------------------------------------------------------------------------------------
-    def _buffer(self, size: int) -> memoryview:
-        """This thread's receive buffer (allocated once, reused for every piece)."""
-        buf = getattr(self._scratch, "receive", None)
-        if buf is None or len(buf) < size:
-            buf = self._scratch.receive = memoryview(bytearray(size))
-        return buf[:size]
-
-    def _work(self) -> None:
-        while True:
-            with self._cond:
-                if self._stop or self._error is not None or not self._queue:
-                    return
-                start, end = self._next_piece()
-            try:
-                t0 = time.perf_counter()
-                # one range request, its body streamed through a small buffer: each block is written while it
-                # is still in the CPU's cache (a 16 MiB buffer per thread is not, and was copied from memory)
-                read_each(self.reader, start, end - start, self._buffer(RECEIVE_BLOCK), self._write_block)
-                self._arrived(start, end, t0, time.perf_counter())
-                self._entries_touched(start, end)  # hashed in place (mapped), else read back
-                self._save_progress()
-            except _Stopped:
-                return
-            except BaseException as e:  # noqa: BLE001 - handed to whoever waits
-                self._fail(e)
-                return
-
-    def _next_piece(self) -> tuple[int, int]:
-        """The next piece to fetch (under ``_cond``). The last ``concurrency`` pieces are cut smaller: pieces in
-        flight finish together, and what arrived behind the first of them is hashed after the last byte came
-        (a backlog of ``concurrency * chunk_size`` bytes at the end); smaller ones leave little behind."""
-        start, end = self._queue.popleft()
-        small = max(self.options.chunk_size // TAIL_SPLIT, TAIL_PIECE_MIN)
-        if end - start > small and sum(b - a for a, b in self._queue) < self.options.concurrency * (end - start):
-            self._queue.appendleft((start + small, end))
-            end = start + small
-        return start, end
-
-    def _write_block(self, at: int, block: memoryview) -> None:
-        """One received block into ``fd`` (``pwrite``: a full disk or memory is an error, never a crash)."""
-        with self._cond:
-            if self._stop:  # abort() may be releasing the blocks not written yet
-                raise _Stopped()
-            self._writing += 1
-        written = 0
-        try:
-            with self._write_lock:  # one writer at a time: the others sleep instead of spinning in the kernel
-                _pwrite_all(self.fd, block, at)
-            written = len(block)
-        except OSError as e:
-            raise DDUFIOError(f"{self.url}: cannot write bytes {at}-{at + len(block) - 1} of the fetched archive "
-                              f"into {self.partial or 'memory'}: {e.strerror or e}") from None
-        finally:
-            with self._cond:
-                self._writing -= 1
-                self.stats.written += written
-                self.stats.largest_write = max(self.stats.largest_write, written)
-                if self._stop:  # abort() waits for the writes in flight (no one else waits for a block)
-                    self._cond.notify_all()
-
-    def _arrived(self, start: int, end: int, t0: float, t1: float) -> None:
-        with self._cond:  # recorded as done at once (abort() computes the holes)
-            if self._stop:
-                raise _Stopped()
-            self.requests += 1
-            self.fetched_bytes += end - start
-            self.stats.received += end - start
-            self.timeline.append((t0, t1, start, end - start))
-            self._done.add(start, end)
-            if self.sink == "write-behind":
-                self._to_write.append((start, end))
-            elif self.sink == "file":
-                self._written.add(start, end)
-            self._cond.notify_all()
-
-    def _fail(self, error: BaseException) -> None:
-        with self._cond:
-            if self._error is None:
-                self._error = error
-            self._cond.notify_all()
-
-    # --- the cache file behind the load (write-behind) -------------------------------------------------------------
-    def _write_behind(self) -> None:
-        """Copy what has arrived into the partial cache file (the kernel copies, at the disk's pace), then
-        complete it once everything has arrived and matched. A failure here costs the cache, never the load."""
-        try:
-            while True:
-                with self._cond:
-                    while not self._to_write and not self._stop and self._error is None and not self._all_ok():
-                        self._cond.wait(1.0)
-                    if self._stop or self._error is not None:
-                        return
-                    if not self._to_write:  # everything arrived, matched and written
-                        break
-                    start, end = self._to_write.popleft()
-                _copy_range(self.fd, self.file_fd, start, end)
-                with self._cond:
-                    if self._error is not None:  # perhaps a mismatching entry's bytes: not recorded
-                        return
-                    self._written.add(start, end)
-                self._save_progress()
-            self._complete_file()
-        except BaseException as e:  # noqa: BLE001 - the pipeline does not need the cache file
-            logger.warning("%s: the remote cache file %s could not be written (%s: %s); the loaded pipeline is "
-                           "not affected, the next load fetches what is missing", self.url, self.partial,
-                           type(e).__name__, e)
-            self._save_progress(force=True)
-            self._close_file()
-        finally:
-            with _WRITING_LOCK:
-                if _WRITING.get(str(self.final)) is threading.current_thread():
-                    del _WRITING[str(self.final)]
-
-    def _all_ok(self) -> bool:
-        return self._done.covers(0, self.size) and all(e.ok for e in self._entries)
-
-    def wait_written(self, timeout: float | None = None) -> bool:
-        """Until the write-behind has completed the cache file (or stopped). Returns whether it is complete."""
-        if self._writer is not None:
-            self._writer.join(timeout)
-        return self.complete
-
-    # --- verification as bytes arrive ----------------------------------------------------------------------------
-    def _entries_touched(self, start: int, end: int) -> None:
-        i = max(0, bisect_right(self._starts, start) - 1)
-        while i < len(self._entries) and self._entries[i].header_offset < end:
-            entry = self._entries[i]
-            if entry.end > start or entry.offset is None or entry.offset == entry.end:
-                self._advance(entry)
-            i += 1
-
-    def _advance(self, entry: _Entry) -> None:
-        """Place ``entry`` once its local header is here, then hash it forward over the bytes that have
-        arrived. One thread works on an entry at a time; the others move on (it looks again before it
-        lets go)."""
-        while not entry.ok:
-            if not entry.lock.acquire(blocking=False):
-                return
-            try:
-                if entry.offset is None and not self._place(entry):
-                    return
-                self._hash_arrived(entry)
-                if entry.upto >= entry.end:
-                    self._check(entry)
-                    return
-            finally:
-                entry.lock.release()
-            with self._cond:
-                if self._done.reach(entry.upto) <= entry.upto:
-                    return
-
-    def _place(self, entry: _Entry) -> bool:
-        """Read ``entry``'s local header (once it has arrived): where its data starts, checked against the
-        central directory's name and, where the index records one, the index's offset."""
-        with self._cond:
-            if not self._done.covers(entry.header_offset, entry.head_end):
-                return False
-        head = os.pread(self.fd, entry.head_end - entry.header_offset, entry.header_offset)
-        fields = struct.unpack_from(spec.LOCAL_HEADER_FMT, head) if len(head) >= spec.LOCAL_HEADER_SIZE else None
-        where = f"{self.url}: entry {entry.name!r}"
-        if (fields is None or fields[0] != spec.SIG_LOCAL or fields[9] != len(entry.name_bytes)
-                or head[spec.LOCAL_HEADER_SIZE:] != entry.name_bytes):
-            raise DDUFIntegrityError(f"{where}: no local header naming it at byte {entry.header_offset} (Z014)")
-        offset = entry.head_end + fields[10]
-        if offset + entry.size > self.tail.cd_offset:
-            raise DDUFIntegrityError(f"{where}: its data runs into the central directory (Z017)")
-        if entry.index_offset is not None and entry.index_offset != offset:
-            raise DDUFIntegrityError(f"{where}: the index places its data at {entry.index_offset}, its local "
-                                     f"header at {offset} (I002)")
-        entry.offset, entry.end, entry.upto = offset, offset + entry.size, offset
-        return True
-
-    def _hash_arrived(self, entry: _Entry) -> None:
-        """Hash ``entry`` from ``upto`` over every byte that has arrived, once: in place in the mapped file
-        (then let go of those pages), else read back from ``fd`` into this thread's hash buffer."""
-        hashed = copied = 0
-        while entry.upto < entry.end:
-            with self._cond:
-                reach = min(entry.end, self._done.reach(entry.upto))
-            if reach <= entry.upto:
-                break
-            while entry.upto < reach:
-                block, was_copied = self._read_back(entry.upto, min(_HASH_BLOCK, reach - entry.upto))
-                entry.hasher.update(block)  # releases the GIL: other threads receive meanwhile
-                if entry.sha256 is None:  # no sha256 to check: the CRC-32 (damage), and the sha256 is recorded
-                    entry.crc = zlib.crc32(block, entry.crc)
-                if was_copied:
-                    copied += len(block)
-                elif self._mapped is not None:
-                    self._mapped.forget(entry.upto, entry.upto + len(block))
-                entry.upto += len(block)
-                hashed += len(block)
-        with self._cond:
-            self.stats.hashed += hashed
-            self.stats.read_back += copied
-
-    def _read_back(self, offset: int, length: int) -> tuple[memoryview, bool]:
-        """Bytes that arrived earlier, to hash: in place in the mapped file (False: not copied), else copied
-        into this thread's hash buffer (True)."""
-        mapped = self._mapped.window(offset, offset + length) if self._mapped is not None else None
-        if mapped is not None:
-            return mapped, False
-        buf = getattr(self._scratch, "hash", None)
-        if buf is None:
-            buf = self._scratch.hash = memoryview(bytearray(_HASH_BLOCK))
-        got = os.preadv(self.fd, [buf[:length]], offset)
-        if got != length:
-            raise DDUFIOError(f"{self.url}: short read of the local copy at byte {offset}")
-        return buf[:length], True
-
-    def _check(self, entry: _Entry) -> None:
-        digest = entry.hasher.hexdigest()
-        good = digest == entry.sha256 if entry.sha256 is not None else entry.crc == entry.crc32
-        if not good:
-            what = "sha256 in the index" if entry.sha256 is not None else "CRC-32 in the central directory"
-            error = _EntryMismatch(f"{self.url}: entry {entry.name!r} (bytes {entry.offset}-{entry.end - 1}) does not "
-                                   f"match its {what}: the server sent other bytes than the archive records")
-            with self._cond:  # at once: the writer records nothing of it as written after this
-                for spans in (self._done, self._written):  # a resume fetches it again
-                    spans.remove(entry.offset or entry.header_offset, entry.end)
-                self._error = self._error or error
-                self._cond.notify_all()
-            return
-        with self._cond:
-            entry.digest, entry.ok = digest, True
-            self._cond.notify_all()
-
-    # --- waiting ---------------------------------------------------------------------------------------------------
-    def _wait(self, ready: Any, what: str) -> None:
-        with self._cond:
-            while not ready():
-                if self._error is not None:
-                    raise _reraise(self._error)
-                if not any(t.is_alive() for t in self._threads) and not ready():
-                    raise DDUFIOError(f"{self.url}: the fetch stopped before {what} arrived")
-                try:
-                    left = self.reader.remaining()
-                except DDUFError as e:
-                    self._error = e
-                    raise
-                self._cond.wait(min(left, 1.0))
-
-    def wait_range(self, offset: int, length: int) -> None:
-        """Until bytes ``[offset, offset + length)`` have arrived (not yet checked: opening reads headers)."""
-        self._wait(lambda: self._done.covers(offset, offset + length), f"bytes {offset}-{offset + length - 1}")
-
-    def wait_entries(self, names: list[str] | None = None) -> None:
-        """Until every named entry (all when None) has arrived and matched its hash."""
-        wanted = [e for e in self._entries if names is None or e.name in names]
-        self._wait(lambda: all(e.ok for e in wanted), f"entries {', '.join(e.name for e in wanted[:3])}")
-
-    def prioritize(self, components: list[str]) -> None:
-        """Fetch the components' entries in this order (the loader's build order), then the rest."""
-        rank: list[tuple[int, int, int]] = []  # (start, end, rank)
-        for i, name in enumerate(components):
-            rank += [(e.header_offset, e.end, i) for e in self._entries if e.name.startswith(name + "/")]
-        def key(piece: tuple[int, int]) -> tuple[int, int]:
-            return min((r for a, b, r in rank if a < piece[1] and piece[0] < b), default=len(components)), piece[0]
-        with self._cond:
-            self._queue = deque(sorted(self._queue, key=key))
-
-    def wait_component(self, component: str) -> None:
-        """Until every entry of ``component``'s folder has arrived and matched: its tensors view only
-        checked bytes (an archive without an index too: its entries come from the central directory)."""
-        if not self.verified:
-            prefix = component + "/"
-            self.wait_entries([e.name for e in self._entries if e.name.startswith(prefix)])
-
-    def entry_sha256(self) -> dict[str, str]:
-        """{entry: sha256} of the entries checked so far (every entry once :meth:`finish` returned)."""
-        with self._cond:
-            return {e.name: e.digest for e in self._entries if e.ok and e.digest is not None}
-
-    # --- ending ---------------------------------------------------------------------------------------------------------
-    def finish(self) -> Path | None:
-        """Wait until everything has arrived and matched. ``sink="file"``: record every entry's sha256 and
-        rename the file complete; ``"write-behind"``: the writer does that once the disk has caught up (see
-        :meth:`wait_written`); ``"memory"``: nothing is kept (None)."""
-        if self.verified:
-            return self.final
-        self._wait(self._all_ok, "the archive")
-        for thread in self._threads:
-            thread.join()
-        self.reader.close()
-        if self._mapped is not None:  # the loader maps the file on its own
-            self._mapped.close()
-        self.verified = True
-        if self.sink == "file":
-            self._complete_file()
-        elif self.sink == "write-behind" and not self.complete:
-            with self._cond:
-                behind = self.size - self._written.total()
-            if behind:
-                logger.info("%s: loaded from memory; %d MB are still being written to the remote cache %s",
-                            self.url, behind >> 20, self.partial)
-        logger.info("%s: fetched %d bytes in %d requests", self.url, self.fetched_bytes, self.requests)
-        return self.final
-
-    def _complete_file(self) -> None:
-        """Every entry's sha256 recorded, the partial file renamed complete, the progress record removed."""
-        assert self.cache is not None and self.partial is not None and self.final is not None
-        write_manifest(self.cache, self.tail, self.url, self.size, self.entry_sha256())
-        try:
-            self.cache.replace(self.partial, self.final)
-        except FileNotFoundError:  # another process fetching the same archive finished first
-            if not self.final.is_file():
-                raise DDUFIOError(f"{self.url}: the partial cache file {self.partial} vanished") from None
-        if self.progress_path is not None:
-            self.cache.unlink(self.progress_path)
-        self.complete, self.path = True, self.final
-        if self.sink == "file":
-            self._close_files()
-        else:
-            self._close_file()
-
-    def _close_file(self) -> None:
-        with self._cond:
-            fd, self.file_fd = self.file_fd, -1
-        if fd >= 0:
-            os.close(fd)
-
-    def abort(self, error: BaseException | None = None) -> None:
-        """Stop the workers (their requests end within the timeout). ``error`` (default: the exception
-        being handled) says why: a refused archive leaves nothing; otherwise the progress is kept for a
-        resume, the blocks nothing was written to are released, and the kept partials' budget applies."""
-        error = error if error is not None else sys.exc_info()[1]
-        with self._cond:
-            self._stop = True
-            already = self._discarded
-            self._discarded = already or _refused(error)
-            self._cond.notify_all()
-            while self._writing:  # a write in flight lands before the unwritten blocks are computed
-                self._cond.wait(0.1)
-        if self._writer is not None:
-            self._writer.join()  # its copy in flight ends (one piece); it keeps its progress
-        if self.complete or already or self.cache is None or self.partial is None:
-            self.reader.close()
-            return
-        if self._discarded:
-            self._discard()
-            self._close_files()
-            return
-        self._save_progress(force=True)
-        with self._cond:
-            holes = list(Intervals([(0, self.size)]).minus(self._written))
-        if self.file_fd >= 0:
-            partials.release_unwritten(self.file_fd, holes)
-        self._close_files()
-        if not partials.enforce_budget(self.cache, keep=self.partial):
-            self._discard()  # again, under the lock: a worker may have saved meanwhile
-
-    def _save_progress(self, force: bool = False) -> None:
-        if self.cache is None or self.progress_path is None:
-            return
-        now = time.monotonic()
-        with self._progress_lock:
-            with self._cond:
-                if self._discarded or self.complete or (not force and now - self._saved_at < PROGRESS_EVERY_S):
-                    return
-                self._saved_at = now
-                record = {"url": self.url, "size": self.size, "key": self.tail.key, "done": self._written.spans()}
-            try:
-                self.cache.write_bytes(self.progress_path, json.dumps(record).encode())
-            except OSError as e:
-                logger.warning("%s: cannot save the fetch progress: %s", self.url, e)
-
-    def _discard(self) -> None:
-        with self._cond:
-            self._discarded = True
-        with self._progress_lock:
-            if self.cache is not None and self.partial is not None:
-                partials.discard(self.cache, self.partial)
-
-    def _close_files(self) -> None:
-        """Close the partial file (unless the writer still uses it); the archive's own fd (in memory) is
-        closed when this fetch is collected: mappings taken from it stay valid."""
-        self.reader.close()
-        if any(t.is_alive() for t in self._threads) or (self._writer is not None and self._writer.is_alive()):
-            return
-        with self._cond:
-            fd, self.file_fd = self.file_fd, -1
-            if self.fd == fd:
-                self.fd = -1
-        if fd >= 0:
-            os.close(fd)
-
-    def __del__(self) -> None:
-        fds = {getattr(self, "file_fd", -1)} | ({getattr(self, "fd", -1)} if getattr(self, "sink", "") != "file" else set())
-        for fd in fds - {-1}:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-
-
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    while data:
-        written = os.pwrite(fd, data, offset)
-        data, offset = data[written:], offset + written
-
-
-def _copy_range(src: int, dst: int, start: int, end: int) -> None:
-    """Bytes ``[start, end)`` of ``src`` to the same place in ``dst``, copied by the kernel where it can."""
-    at = start
-    while at < end:
-        n = min(end - at, 16 << 20)
-        try:
-            os.lseek(dst, at, os.SEEK_SET)
-            sent = os.sendfile(dst, src, at, n)
-        except OSError:
-            sent = 0
-        if sent <= 0:  # no sendfile between these two: through a buffer
-            data = os.pread(src, n, at)
-            if len(data) != n:
-                raise DDUFIOError(f"short read at byte {at} while copying the fetched archive")
-            _pwrite_all(dst, memoryview(data), at)
-            sent = n
-        at += sent
-
-
-# Cache files being written behind a load in this process: {final path: writer thread}. A second load of the
-# same archive waits for its writer (a disk write) instead of fetching the missing part again.
-_WRITING: dict[str, threading.Thread] = {}
-_WRITING_LOCK = threading.Lock()
-
-
-def wait_cache_writes(final: Path | None = None, timeout: float | None = None) -> float:
-    """Until the cache files being written behind loads in this process (``final`` only, when given) are
-    complete or stopped; returns the seconds waited."""
-    started = time.perf_counter()
-    with _WRITING_LOCK:
-        writers = [t for path, t in _WRITING.items() if final is None or path == str(final)]
-    for writer in writers:
-        writer.join(timeout)
-    return time.perf_counter() - started
-
-
-def _reraise(error: BaseException) -> BaseException:
-    if isinstance(error, _EntryMismatch):  # the private kind only steers the resume; callers see the public one
-        return DDUFIntegrityError(str(error))
-    return error if isinstance(error, DDUFError) else DDUFIOError(f"fetch failed: {type(error).__name__}: {error}")
-
-
-# --- the front door ------------------------------------------------------------------------------------------------------
 def _offline_hit(cache: Confined, url: str, record: dict[str, Any]) -> Path | None:
     """The cached file the URL's record names, if its own tail gives the recorded key again for this URL: a
     record written by an older dduf_plus (whose keys did not cover the URL) or pointing at another archive
@@ -777,14 +102,14 @@ def open_remote(url: str, options: RemoteOptions | dict[str, Any] | None = None,
     """
     options = RemoteOptions.of(options)
     if not options.cache:  # keep nothing: no cache folder is read or written
-        if local_files_only or is_offline():
+        if is_offline(local_files_only):
             raise DDUFNotFoundError(f"{url}: remote cache=False fetches the archive, which local_files_only/"
                                     "HF_HUB_OFFLINE forbids", url)
         reader, tail = _read_with_hint(url, options, {})
         return _started(RemoteFetch(url, options, None, tail, reader, "memory"), reader)
     cache = Confined(options.folder())
     record = read_record(cache, url)
-    if local_files_only or is_offline():
+    if is_offline(local_files_only):
         known = _offline_hit(cache, url, record)
         if known is not None:
             return known

@@ -97,7 +97,7 @@ def split_revision(source: str) -> tuple[str, str | None]:
 
 
 
-def _offline(local_files_only: bool) -> bool:
+def cache_only(local_files_only: bool) -> bool:
     """Work from the cache only: asked to (``local_files_only``, ``HF_HUB_OFFLINE``), or the Hub cannot be
     reached (:func:`hub_unreachable`), so huggingface_hub's retries (5, about 23 s) are never spent."""
     return is_offline(local_files_only) or hub_unreachable() is not None
@@ -259,7 +259,7 @@ def list_repo_files(repo_id: str, *, revision: str | None = None, token: str | b
                     cache_dir: str | os.PathLike | None = None, local_files_only: bool = False) -> list[str]:
     """The files of a repo: from the Hub (one ``model_info`` call), or offline from the cached snapshot
     (what has been downloaded of it)."""
-    if _offline(local_files_only):
+    if cache_only(local_files_only):
         snap = _snapshot(repo_id, revision, cache_dir)
         if snap is None:
             raise DDUFNotFoundError(f"the Hub repo {_where(repo_id, revision)} is not in the Hugging Face cache and "
@@ -295,7 +295,7 @@ def hub_archive(repo_id: str, dduf_file: str | None = None, *, revision: str | N
         if len(archives) != 1:
             where = _where(repo_id, revision)
             if not archives:
-                cached = " cached" if _offline(local_files_only) else ""
+                cached = " cached" if cache_only(local_files_only) else ""
                 raise DDUFUsageError(f"{where} holds no{cached} .dduf file ({len(files)} files: "
                                      f"{', '.join(files[:8])}{', ...' if len(files) > 8 else ''}); "
                                      "is it a diffusers folder? `dduf pack " + where + " -o X.dduf` packs it")
@@ -306,7 +306,7 @@ def hub_archive(repo_id: str, dduf_file: str | None = None, *, revision: str | N
         raise DDUFUsageError(f"dduf_file={dduf_file!r}: not a .dduf file name")
     from huggingface_hub import hf_hub_download
 
-    offline = _offline(local_files_only)
+    offline = cache_only(local_files_only)
     why = _offline_reason(local_files_only) if offline else ""
     with _bars(quiet):  # quiet=None: bars on a terminal only
         path = _hub_call(f"{repo_id}/{dduf_file}", repo_id, revision, lambda: hf_hub_download(
@@ -360,7 +360,7 @@ def hub_folder_for_pack(repo_id: str, *, revision: str | None = None, variant: s
     from huggingface_hub import hf_hub_download, snapshot_download
 
     _check_args(repo_id, revision)
-    offline = _offline(local_files_only)
+    offline = cache_only(local_files_only)
     why = _offline_reason(local_files_only) if offline else ""
     where = _where(repo_id, revision)
     try:
@@ -395,7 +395,7 @@ def hub_folder_for_pack(repo_id: str, *, revision: str | None = None, variant: s
     return Path(folder)
 
 
-__all__ = ["hub_archive", "hub_folder_for_pack", "hub_repo_of", "is_repo_id", "list_repo_files", "pack_selection", "split_revision"]
+__all__ = ["cache_only", "hub_archive", "hub_folder_for_pack", "hub_repo_of", "is_repo_id", "list_repo_files", "pack_selection", "split_revision"]
 
 
 def _as_path(folder: str | os.PathLike | None) -> Path | None:

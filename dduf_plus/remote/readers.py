@@ -13,15 +13,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ..errors import DDUFError, DDUFIOError, DDUFNotFoundError, DDUFUsageError
-from ..storage.http_range import (
-    DEFAULT_DEADLINE_S,
-    HTTP_BODY_CHUNK,
-    WHOLE_FILE_BELOW,
-    HTTPFailure,
-    HTTPSource,
-    RemoteBudget,
-    short_text,
-)
+from ..storage.http_range import HTTP_BODY_CHUNK, WHOLE_FILE_BELOW, HTTPFailure, HTTPSource, short_text
+from ..storage.remote_budget import DEFAULT_DEADLINE_S, RemoteBudget
 from ..storage.source import ByteSource, check_length
 from ..storage.urls import check_url
 

@@ -1,4 +1,4 @@
-"""Where a fetched archive's bytes land (:mod:`.fetch`): straight in the cache file, or in an in-memory file the
+"""Where a fetched archive's bytes land (:mod:`.transfer`): straight in the cache file, or in an in-memory file the
 loader maps while a writer thread copies it into the cache file behind the load, or in memory only. The choice
 weighs the archive's size against free memory and how much dirty data the kernel takes before writers wait."""
 

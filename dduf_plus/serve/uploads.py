@@ -25,6 +25,8 @@ from typing import Any
 import anyio.to_thread
 from python_multipart.multipart import MultipartParser, parse_options_header
 
+from ..sizes import format_size
+
 FLUSH_BYTES = 1 << 20
 MAX_FIELD = 8 << 10  # a form field (url, verify, strict): short text
 MAX_PART_HEADERS = 8 << 10  # the headers of one multipart part (Content-Disposition, Content-Type)
@@ -267,7 +269,8 @@ class _Spool:
 
 def _write_all(fd: int, data: bytes, folder: Path, reserve: int) -> None:
     if reserve and shutil.disk_usage(folder).free - len(data) < reserve:  # every ~1 MiB: a statvfs, microseconds
-        raise NoSpace(f"not enough free disk space for this upload now (the app keeps {reserve >> 20} MiB free)")
+        raise NoSpace(f"not enough free disk space for this upload now (the app keeps "
+                      f"{format_size(reserve, binary=True)} free)")
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]

@@ -1,5 +1,7 @@
-"""The budgets of a remote source and our own http(s) range client (deadlines, byte accounting, redirects
-and range support are ours to decide, not a library's)."""
+"""Our own http(s) range client (:class:`HTTPSource`, :func:`get_document`): deadlines, byte accounting,
+redirects and range support are ours to decide, not a library's. Every byte an answer brings is counted
+against the source's :class:`~.remote_budget.RemoteBudget`; connections (TLS, proxies) come from
+:mod:`.http_conn`."""
 
 from __future__ import annotations
 
@@ -7,109 +9,33 @@ import functools
 import http.client
 import io
 import logging
-import os
 import select
 import socket
 import ssl
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import urljoin, urlsplit
 
 from ..errors import DDUFError, DDUFIOError, DDUFNotFoundError, DDUFUsageError
-from .hub_env import Proxy, ca_bundle, proxy_for
+from .http_conn import (  # noqa: F401 (open_connection, proxied: re-exported, the server's checks name them here)
+    open_connection,
+    origin,
+    proxied,
+    shut_down,
+)
+from .hub_env import proxy_for
+from .remote_budget import RemoteBudget, read_timeout
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_DEADLINE_S = 300.0
-BUDGET_SLACK_BYTES = 16 << 20
 MAX_REDIRECTS = 5
-DEFAULT_READ_TIMEOUT_S = 10.0
 HTTP_BODY_CHUNK = 1 << 20
 # What one answer may bring besides the bytes asked for: the status line and headers (of a redirect, a 1xx or
 # the 206), and chunked framing. Every byte received from the socket counts; past this the answer is refused.
 HEADER_ALLOWANCE = 64 << 10
 FRAMING_ALLOWANCE = 64  # chunked framing: one byte per 64 of the range (real chunks are KBs: < 0.2 %)
-
-
-# --- budgets shared by the remote sources ----------------------------------------------------------------
-
-
-def _env_number(name: str, default: float | None) -> float | None:
-    text = os.environ.get(name, "").strip()
-    if not text:
-        return default
-    try:
-        value = float(text)
-    except ValueError:
-        raise DDUFUsageError(f"{name}={text!r} is not a number") from None
-    if value <= 0:
-        raise DDUFUsageError(f"{name}={text!r} must be positive")
-    return value
-
-
-def _read_timeout() -> float:
-    """huggingface_hub's download timeout (``HF_HUB_DOWNLOAD_TIMEOUT``) for connecting and for each read."""
-    try:
-        value = float(os.environ.get("HF_HUB_DOWNLOAD_TIMEOUT", DEFAULT_READ_TIMEOUT_S))
-    except ValueError:
-        return DEFAULT_READ_TIMEOUT_S
-    return value if value > 0 else DEFAULT_READ_TIMEOUT_S
-
-
-class RemoteBudget:
-    """The deadline and byte budget of one remote source; every request asks it first."""
-
-    def __init__(self, name: str, deadline: float | None, max_bytes: int | None):
-        self.name = name
-        self.deadline_s = float(deadline) if deadline is not None else _env_number("DDUF_REMOTE_DEADLINE",
-                                                                                   DEFAULT_DEADLINE_S)
-        env_bytes = _env_number("DDUF_REMOTE_MAX_BYTES", None)
-        self.fixed_max_bytes = int(max_bytes) if max_bytes is not None else (int(env_bytes) if env_bytes else None)
-        if self.deadline_s is None or self.deadline_s <= 0:
-            raise DDUFUsageError(f"{name}: the deadline must be a positive number of seconds")
-        if self.fixed_max_bytes is not None and self.fixed_max_bytes <= 0:
-            raise DDUFUsageError(f"{name}: the byte budget must be positive")
-        self.ends_at = time.monotonic() + self.deadline_s
-        self.max_bytes = self.fixed_max_bytes  # None until the size is known
-        self.fetched = 0
-        self._lock = threading.Lock()  # several connections may share one budget (remote.fetch)
-
-    def sized(self, size: int) -> None:
-        if self.fixed_max_bytes is None:
-            self.max_bytes = 2 * size + BUDGET_SLACK_BYTES
-
-    def affords(self, length: int) -> bool:
-        """Whether ``length`` more bytes fit the byte budget."""
-        with self._lock:
-            return self.max_bytes is None or self.fetched + length <= self.max_bytes
-
-    def remaining(self) -> float:
-        left = self.ends_at - time.monotonic()
-        if left <= 0:
-            raise self.expired()
-        return left
-
-    def expired(self) -> DDUFIOError:
-        return DDUFIOError(f"{self.name}: took longer than its deadline of {self.deadline_s:g} s "
-                           "(deadline=, DDUF_REMOTE_DEADLINE)")
-
-    def settle(self, reserved: int, received: int) -> None:
-        """A request that reserved ``reserved`` bytes (:meth:`spend`) received ``received`` from the socket
-        (headers included): the budget counts what was received."""
-        with self._lock:
-            self.fetched += received - reserved
-
-    def spend(self, length: int) -> None:
-        """Refuse, before it is requested, a read that would go over the byte budget."""
-        with self._lock:
-            if self.max_bytes is not None and self.fetched + length > self.max_bytes:
-                raise DDUFIOError(f"{self.name}: reading {length} more bytes would exceed the byte budget of "
-                                  f"{self.max_bytes} bytes ({self.fetched} fetched; max_bytes=, "
-                                  "DDUF_REMOTE_MAX_BYTES)")
-            self.fetched += length
 
 
 # --- http(s): our own range client, so deadlines, redirects and range support are ours to decide -------------
@@ -190,11 +116,6 @@ class _MeteredResponse(http.client.HTTPResponse):
         fp.close()
 
 
-def _origin(parts: Any) -> tuple[str, str, int]:
-    scheme = parts.scheme.lower()
-    return scheme, (parts.hostname or "").lower(), parts.port or (443 if scheme == "https" else 80)
-
-
 # Files up to this size are read whole by the first read (one request instead of one per header: validating
 # a 16 KB archive took ~30 round trips); larger ones by exact ranges.
 WHOLE_FILE_BELOW = 512 << 10
@@ -230,10 +151,10 @@ class HTTPSource:
             raise DDUFUsageError(f"{url}: not an http(s) URL with a host")
         if parts.username or parts.password:
             raise DDUFUsageError(f"{url}: credentials in the URL are not supported; pass headers= instead")
-        self._origin = _origin(parts)
+        self._origin = origin(parts)
         self._url = url
         self._headers = {"User-Agent": "dduf_plus", "Accept-Encoding": "identity", **(headers or {})}
-        self._timeout = float(timeout) if timeout else _read_timeout()
+        self._timeout = float(timeout) if timeout else read_timeout()
         self._budget = budget if budget is not None else RemoteBudget(url, deadline, max_bytes)
         self._lock = threading.Lock()  # one connection: one request at a time
         self._conn: http.client.HTTPConnection | None = None
@@ -457,7 +378,7 @@ class HTTPSource:
             if not location:
                 raise HTTPFailure(f"HTTP {status} redirect without a Location")
             target = urljoin(url, location.strip())
-            if _origin(urlsplit(target)) != self._origin:
+            if origin(urlsplit(target)) != self._origin:
                 raise HTTPFailure(f"HTTP {status} redirects to another origin ({short_text(target)}); only "
                                    "same-origin redirects are followed")
             return target
@@ -566,17 +487,7 @@ class HTTPSource:
 
     def _expire(self, conn: http.client.HTTPConnection) -> None:
         self._expired = True
-        _shut_down(conn)
-
-
-def _shut_down(conn: http.client.HTTPConnection) -> None:
-    """Shut the connection's socket down under whatever read is blocked on it (a deadline passed)."""
-    sock = conn.sock
-    if sock is not None:
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        shut_down(conn)
 
 
 def get_document(url: str, *, max_bytes: int, deadline: float, timeout: float | None = None,
@@ -589,8 +500,8 @@ def get_document(url: str, *, max_bytes: int, deadline: float, timeout: float | 
     down under a trickling server), each read waits at most ``timeout``. No redirects. ``check(conn)`` runs
     once connected (a peer-address policy). Every failure is a :class:`DDUFIOError` naming the URL."""
     parts = urlsplit(url)
-    scheme, host, port = _origin(parts)
-    wait = min(float(timeout) if timeout else _read_timeout(), deadline)
+    scheme, host, port = origin(parts)
+    wait = min(float(timeout) if timeout else read_timeout(), deadline)
     conn = open_connection(scheme, host, port, wait)
     tally = _Tally(HEADER_ALLOWANCE + max_bytes + max_bytes // FRAMING_ALLOWANCE)
     conn.response_class = functools.partial(_MeteredResponse, tally=tally)  # type: ignore[assignment]
@@ -598,7 +509,7 @@ def get_document(url: str, *, max_bytes: int, deadline: float, timeout: float | 
 
     def expire() -> None:
         expired.set()
-        _shut_down(conn)
+        shut_down(conn)
 
     watchdog = threading.Timer(deadline, expire)
     watchdog.daemon = True
@@ -626,61 +537,6 @@ def get_document(url: str, *, max_bytes: int, deadline: float, timeout: float | 
     finally:
         watchdog.cancel()
         conn.close()
-
-
-_TLS: dict[tuple[str | None, str | None], ssl.SSLContext] = {}
-_PROXIED: weakref.WeakSet[http.client.HTTPConnection] = weakref.WeakSet()
-
-
-def _tls_context() -> ssl.SSLContext:
-    """The CA bundle huggingface_hub users set (``REQUESTS_CA_BUNDLE``, ``CURL_CA_BUNDLE``, ``SSL_CERT_FILE``,
-    ``SSL_CERT_DIR``: :func:`~.hub_env.ca_bundle`), else the system's store, built once per setting; certificates
-    are always verified."""
-    where = ca_bundle()
-    if where not in _TLS:
-        try:
-            _TLS[where] = ssl.create_default_context(cafile=where[0], capath=where[1])
-        except (OSError, ssl.SSLError) as e:
-            raise DDUFUsageError(f"cannot read the CA bundle {where[0] or where[1]} (REQUESTS_CA_BUNDLE, "
-                                 f"CURL_CA_BUNDLE, SSL_CERT_FILE or SSL_CERT_DIR): {e}") from None
-    return _TLS[where]
-
-
-class _ViaProxy(http.client.HTTPConnection):
-    """Plain http through a forward proxy: absolute-form request targets, the proxy's credentials on each."""
-
-    def __init__(self, proxy: Proxy, origin: str, timeout: float):
-        super().__init__(proxy.host, proxy.port, timeout=timeout)
-        self.origin, self.proxy_headers = origin, proxy.headers
-
-    def putrequest(self, method: str, url: str, skip_host: bool = False, skip_accept_encoding: bool = False) -> None:
-        super().putrequest(method, self.origin + url if url.startswith("/") else url, skip_host, skip_accept_encoding)
-        for name, value in self.proxy_headers.items():
-            self.putheader(name, value)
-
-
-def open_connection(scheme: str, host: str, port: int, timeout: float) -> http.client.HTTPConnection:
-    """A connection to ``scheme://host:port`` (not yet connected), through the proxy the environment names
-    (:func:`~.hub_env.proxy_for`: ``HTTPS_PROXY``, ``HTTP_PROXY``, ``ALL_PROXY``, ``NO_PROXY``): https by a
-    ``CONNECT`` tunnel (TLS and its certificate check stay end to end), http by absolute-form requests."""
-    proxy = proxy_for(scheme, host)
-    if proxy is None:
-        if scheme == "https":
-            return http.client.HTTPSConnection(host, port, timeout=timeout, context=_tls_context())
-        return http.client.HTTPConnection(host, port, timeout=timeout)
-    conn: http.client.HTTPConnection
-    if scheme == "https":
-        conn = http.client.HTTPSConnection(proxy.host, proxy.port, timeout=timeout, context=_tls_context())
-        conn.set_tunnel(host, port, headers=proxy.headers)
-    else:
-        conn = _ViaProxy(proxy, f"http://{host}:{port}", timeout)
-    _PROXIED.add(conn)
-    return conn
-
-
-def proxied(conn: http.client.HTTPConnection) -> bool:
-    """Whether ``conn`` goes through a proxy (then its peer address is the proxy's, not the server's)."""
-    return conn in _PROXIED
 
 
 def short_text(text: object, limit: int = 120) -> str:

@@ -32,7 +32,9 @@ from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
 from ..errors import DDUFError, DDUFIOError, DDUFNotFoundError, DDUFUsageError, io_error
-from .http_range import DEFAULT_DEADLINE_S, HTTPSource, RemoteBudget, short_text
+from .fd_io import pread_upto
+from .http_range import HTTPSource, short_text
+from .remote_budget import DEFAULT_DEADLINE_S, RemoteBudget
 from .urls import ALLOWED_URL_SCHEMES, check_url, is_url
 
 __all__ = ["ALLOWED_URL_SCHEMES", "DEFAULT_DEADLINE_S", "ByteSource", "BytesSource", "FsspecSource", "HTTPSource",
@@ -79,19 +81,14 @@ class LocalSource:
     def read_at(self, offset: int, length: int) -> bytes:
         if offset < 0 or length < 0 or offset + length > self.size:
             raise DDUFError(f"{self.name}: read of {length} bytes at {offset} is outside the file")
-        parts = []
-        while length > 0:
-            try:
-                chunk = os.pread(self.fd, length, offset)
-            except OSError as e:
-                raise DDUFIOError(f"{self.name}: read failed at {offset}: {e.strerror}") from None
-            if not chunk:
-                raise DDUFIOError(f"{self.name}: file shrank while reading")
-            parts.append(chunk)
-            offset += len(chunk)
-            length -= len(chunk)
-            self.bytes_read += len(chunk)
-        return b"".join(parts) if len(parts) != 1 else parts[0]
+        try:
+            data = pread_upto(self.fd, length, offset)
+        except OSError as e:
+            raise DDUFIOError(f"{self.name}: read failed at {offset}: {e.strerror}") from None
+        self.bytes_read += len(data)
+        if len(data) != length:
+            raise DDUFIOError(f"{self.name}: file shrank while reading")
+        return data
 
     def close(self) -> None:
         if self.fd >= 0:

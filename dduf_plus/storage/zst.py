@@ -2,13 +2,8 @@
 
 A DDUF archive is STORED (uncompressed) so that it can be memory-mapped; for transfer and storage a
 zstd stream is smaller. The stream this module writes is plain zstd that any ``zstd -d`` decodes, laid out
-so that it can be decompressed in parallel and checked for truncation:
-
-    [header]  skippable frame (magic 0x184D2A50): b"DDUF+ZST", version, total size, frame size
-    [frame]*  independent zstd frames, one per ``frame_size`` bytes of input, each with its content size
-              and XXH64 content checksum (the decoder verifies it)
-    [table]   zstd "seekable format" seek table (skippable frame 0x184D2A5E + footer, magic 0x8F92EAB1):
-              compressed and decompressed size of every frame above (the header frame included, as 0 bytes)
+(:mod:`.zst_layout`: a header frame, independent frames, a seek table) so that it can be decompressed in
+parallel and checked for truncation.
 
 Because frames are independent and the table gives each one's offsets, :func:`decompress` hands frames to
 a thread pool that ``pwrite``s them into a preallocated file. Memory is constant: a few MiB of buffers and
@@ -29,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import os
-import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -41,7 +35,8 @@ from typing import Any, NamedTuple
 from ..errors import DDUFError, DDUFFormatError, DDUFIntegrityError, DDUFUsageError, io_error
 from .cache_dirs import CACHE_ENV  # noqa: F401 (re-exported: tests and zst_cache name it here)
 from .confined import Confined
-from .progress import progress_bar
+from .fd_io import pwrite_all
+from .progress import progress_bar  # huggingface_hub's tqdm, silent off a TTY
 from .zst_budget import (  # noqa: F401 (the budget's names, re-exported: callers and tests name them here)
     DEFAULT_MAX_BYTES,
     DISK_RESERVE,
@@ -56,7 +51,18 @@ from .zst_budget import (  # noqa: F401 (the budget's names, re-exported: caller
     free_bytes,
     no_space,
     over_budget,
-)  # huggingface_hub's tqdm, silent off a TTY
+)
+from .zst_layout import (  # noqa: F401 (HEADER_FRAME_SIZE, StreamLayout, zstd_module: re-exported)
+    HEADER_FRAME_SIZE,
+    MAX_FRAMES,
+    Frame,
+    StreamLayout,
+    header_frame,
+    read_layout,
+    seek_table,
+    walk_frames,
+    zstd_module,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -66,30 +72,6 @@ DEFAULT_FRAME_SIZE = 256 * MiB
 IO_CHUNK = 8 * MiB  # read/write buffer per thread
 LONG_WINDOW_LOG = 27  # 128 MiB: the largest window `zstd -d` accepts without --long (ZSTD_WINDOWLOG_LIMIT_DEFAULT)
 
-SKIPPABLE_HEADER_MAGIC = 0x184D2A50
-SKIPPABLE_SEEK_TABLE_MAGIC = 0x184D2A5E
-SEEKABLE_MAGIC = 0x8F92EAB1
-SEEK_FOOTER_SIZE = 9  # u32 number of frames, u8 descriptor, u32 magic
-SEEK_ENTRY = struct.Struct("<II")  # compressed size, decompressed size (no per-entry checksum: frames carry one)
-HEADER_TAG = b"DDUF+ZST"
-HEADER_PAYLOAD = struct.Struct("<8sIQQ")  # tag, version, total decompressed size, frame size
-HEADER_VERSION = 1
-HEADER_FRAME_SIZE = 8 + HEADER_PAYLOAD.size
-MAX_FRAMES = 1 << 20  # bound what we trust from a seek table before allocating for it
-
-
-
-class Frame(NamedTuple):
-    offset: int  # in the compressed file
-    compressed_size: int
-    output_offset: int  # in the decompressed archive
-    size: int  # decompressed bytes
-
-
-class StreamLayout(NamedTuple):
-    total_size: int | None  # from the header frame; None for foreign streams
-    frame_size: int | None
-    frames: list[Frame] | None  # None when the stream has no seek table
 
 
 class ZstResult(NamedTuple):
@@ -108,37 +90,10 @@ def is_zst(path: str | os.PathLike) -> bool:
     return os.fspath(path).endswith(".zst")
 
 
-def zstd_module() -> Any:
-    try:
-        import zstandard
-    except ImportError:  # a declared dependency; only a broken install gets here
-        raise DDUFError("the zstandard package is needed for .zst archives: pip install zstandard") from None
-    return zstandard
-
-
 def _threads(threads: int | None) -> int:
     if threads is None or threads < 1:
         return os.cpu_count() or 1
     return threads
-
-
-def _pread_exact(fd: int, length: int, offset: int, name: str) -> bytes:
-    parts, want = [], length
-    while want:
-        chunk = os.pread(fd, want, offset)
-        if not chunk:
-            raise DDUFFormatError(f"{name}: truncated zstd stream (read past the end at {offset})")
-        parts.append(chunk)
-        offset += len(chunk)
-        want -= len(chunk)
-    return b"".join(parts)
-
-
-def _pwrite_all(fd: int, data: Any, offset: int) -> None:
-    view = memoryview(data).cast("B")
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
 
 
 @contextmanager
@@ -156,11 +111,12 @@ def _same_file(a: Path, b: Path) -> bool:
         return False
 
 
-def open_input(src: Path) -> tuple[int, int]:
+def open_input(src: Path, name: str | None = None) -> tuple[int, int]:
+    """``src`` opened for reading, and its size; an error names it as ``name`` (the path the user gave)."""
     try:
         fd = os.open(src, os.O_RDONLY | getattr(os, "O_BINARY", 0))
     except OSError as e:
-        raise io_error(f"cannot open {src}: {e.strerror}", e, src) from None
+        raise io_error(f"cannot open {name or src}: {e.strerror}", e, name or src) from None
     return fd, os.fstat(fd).st_size
 
 
@@ -169,17 +125,6 @@ def _progress(total: int, desc: str, quiet: bool) -> Any:
 
 
 # --- compress ----------------------------------------------------------------------------------------
-
-
-def _header_frame(total: int, frame_size: int) -> bytes:
-    payload = HEADER_PAYLOAD.pack(HEADER_TAG, HEADER_VERSION, total, frame_size)
-    return struct.pack("<II", SKIPPABLE_HEADER_MAGIC, len(payload)) + payload
-
-
-def _seek_table(entries: list[tuple[int, int]]) -> bytes:
-    body = b"".join(SEEK_ENTRY.pack(c, d) for c, d in entries)
-    footer = struct.pack("<IBI", len(entries), 0, SEEKABLE_MAGIC)
-    return struct.pack("<II", SKIPPABLE_SEEK_TABLE_MAGIC, len(body) + len(footer)) + body + footer
 
 
 def compress(
@@ -244,8 +189,8 @@ def _compressor(zstd: Any, level: int, threads: int, long: bool) -> Any:
 def _write_stream(cctx: Any, fd_in: int, fd_out: int, total: int, frame_size: int, bar: Any,
                   src: Path) -> tuple[int, int]:
     """Header frame, one frame per ``frame_size`` input bytes, seek table: (bytes written, data frames)."""
-    header = _header_frame(total, frame_size)
-    _pwrite_all(fd_out, header, 0)
+    header = header_frame(total, frame_size)
+    pwrite_all(fd_out, header, 0)
     position = len(header)
     entries = [(len(header), 0)]
     buffer = bytearray(IO_CHUNK)
@@ -254,8 +199,8 @@ def _write_stream(cctx: Any, fd_in: int, fd_out: int, total: int, frame_size: in
         written = _write_frame(cctx, fd_in, fd_out, frame_start, frame_len, position, buffer, bar, src)
         position += written
         entries.append((written, frame_len))
-    table = _seek_table(entries)
-    _pwrite_all(fd_out, table, position)
+    table = seek_table(entries)
+    pwrite_all(fd_out, table, position)
     position += len(table)
     os.ftruncate(fd_out, position)
     return position, len(entries) - 1
@@ -274,70 +219,16 @@ def _write_frame(cctx: Any, fd_in: int, fd_out: int, frame_start: int, frame_len
         if n <= 0:
             raise DDUFError(f"{src}: file shrank while compressing")
         out = cobj.compress(memoryview(buffer)[:n])
-        _pwrite_all(fd_out, out, position + written)
+        pwrite_all(fd_out, out, position + written)
         written += len(out)
         done += n
         bar.update(n)
     out = cobj.flush(zstd.COMPRESSOBJ_FLUSH_FINISH)
-    _pwrite_all(fd_out, out, position + written)
+    pwrite_all(fd_out, out, position + written)
     return written + len(out)
 
 
 # --- layout ------------------------------------------------------------------------------------------
-
-
-def read_layout(fd: int, size: int, name: str = "<stream>") -> StreamLayout:
-    """Parse the header frame and seek table of a stream, checking every number against the file size.
-
-    Raises:
-        DDUFFormatError: a dduf_plus stream whose seek table is missing (truncated) or inconsistent.
-    """
-    zstd = zstd_module()
-    total = frame_size = None
-    if size >= HEADER_FRAME_SIZE:
-        head = os.pread(fd, HEADER_FRAME_SIZE, 0)
-        magic, length = struct.unpack_from("<II", head)
-        if magic == SKIPPABLE_HEADER_MAGIC and length == HEADER_PAYLOAD.size and head[8:16] == HEADER_TAG:
-            _tag, version, total, frame_size = HEADER_PAYLOAD.unpack_from(head, 8)
-            if version > HEADER_VERSION:
-                logger.info("%s: zstd header version %d is newer than this reader's; decoding anyway", name, version)
-    magic = int.from_bytes(os.pread(fd, 4, 0), "little") if size >= 4 else None
-    if magic != zstd.MAGIC_NUMBER and (magic is None or not _is_skippable(magic)):
-        raise DDUFFormatError(f"{name}: not a zstd stream (bad magic number)")
-    frames = _read_seek_table(fd, size, name)
-    if frames is None:
-        if total is not None:
-            raise DDUFFormatError(f"{name}: truncated zstd stream (its seek table is missing)")
-        return StreamLayout(None, None, None)
-    decoded = sum(f.size for f in frames)
-    if total is not None and decoded != total:
-        raise DDUFFormatError(f"{name}: seek table covers {decoded} bytes, header announces {total}")
-    return StreamLayout(total if total is not None else decoded, frame_size, frames)
-
-
-def _read_seek_table(fd: int, size: int, name: str) -> list[Frame] | None:
-    if size < SEEK_FOOTER_SIZE + 8:
-        return None
-    count, descriptor, magic = struct.unpack("<IBI", os.pread(fd, SEEK_FOOTER_SIZE, size - SEEK_FOOTER_SIZE))
-    if magic != SEEKABLE_MAGIC:
-        return None
-    entry_size = SEEK_ENTRY.size + (4 if descriptor & 0x80 else 0)
-    table_size = 8 + count * entry_size + SEEK_FOOTER_SIZE
-    if descriptor & 0x7C or count > MAX_FRAMES or table_size > size:
-        raise DDUFFormatError(f"{name}: malformed zstd seek table ({count} frames, descriptor {descriptor:#x})")
-    raw = _pread_exact(fd, table_size, size - table_size, name)
-    magic, length = struct.unpack_from("<II", raw)
-    if magic != SKIPPABLE_SEEK_TABLE_MAGIC or length != table_size - 8:
-        raise DDUFFormatError(f"{name}: zstd seek table frame header is inconsistent")
-    frames, offset, out_offset = [], 0, 0
-    for i in range(count):
-        csize, dsize = SEEK_ENTRY.unpack_from(raw, 8 + i * entry_size)
-        frames.append(Frame(offset, csize, out_offset, dsize))
-        offset += csize
-        out_offset += dsize
-    if offset != size - table_size:
-        raise DDUFFormatError(f"{name}: seek table frames cover {offset} bytes, stream has {size - table_size}")
-    return frames
 
 
 # --- decompress --------------------------------------------------------------------------------------
@@ -382,7 +273,7 @@ def _decode_into(reader: Any, fd_out: int, out_offset: int, limit: int | None, b
         n = reader.readinto(view[:want])
         if not n:
             return written
-        _pwrite_all(fd_out, view[:n], out_offset + written)
+        pwrite_all(fd_out, view[:n], out_offset + written)
         written += n
         progress(n)
 
@@ -435,12 +326,12 @@ def decompress_into(src: Path, fd_out: int, out_dir: Path, *, budget: Decompress
     output file and removes it when this raises (see :func:`decompress`)."""
     zstd = zstd_module()
     name = name or str(src)
-    fd_in, size = open_input(src)
+    fd_in, size = open_input(src, name)
     try:
         layout = read_layout(fd_in, size, name)
         announced: int | None
         if layout.frames is None:
-            walked = _walk_frames(zstd, fd_in, size, name)
+            walked = walk_frames(zstd, fd_in, size, name)
             sizes = [content for _offset, _length, content in walked]
             announced = None if None in sizes else sum(s or 0 for s in sizes)
         else:
@@ -534,55 +425,3 @@ def _decompress_sequential(zstd: Any, fd_in: int, size: int, fd_out: int, progre
         return _decode_into(reader, fd_out, 0, cutoff, bytearray(IO_CHUNK), progress)
     except zstd.ZstdError as e:
         raise _zstd_failure(name, "stream", e) from None
-
-
-def _is_skippable(magic: int) -> bool:
-    return magic & 0xFFFFFFF0 == 0x184D2A50
-
-
-def _walk_frames(zstd: Any, fd: int, size: int, name: str) -> list[tuple[int, int, int | None]]:
-    """(offset, compressed size, content size or None) of every frame, found from frame and block headers
-    alone (3 bytes read per block of up to 128 KiB): proves the stream is not truncated, and sums what it
-    will decode to, without decoding it.
-
-    Raises:
-        DDUFFormatError: a frame or block runs past the end of the file, or a header is malformed.
-    """
-    frames: list[tuple[int, int, int | None]] = []
-    offset = 0
-    while offset < size:
-        if len(frames) >= MAX_FRAMES:
-            raise DDUFFormatError(f"{name}: more than {MAX_FRAMES} zstd frames")
-        head = os.pread(fd, 18, offset)  # 18: the largest zstd frame header
-        if len(head) < 8:
-            raise DDUFFormatError(f"{name}: truncated zstd stream (partial frame header at {offset})")
-        magic = int.from_bytes(head[:4], "little")
-        content: int | None = 0
-        if _is_skippable(magic):
-            length = 8 + int.from_bytes(head[4:8], "little")
-        elif magic == zstd.MAGIC_NUMBER:
-            try:
-                length = zstd.frame_header_size(head)
-                params = zstd.get_frame_parameters(head)
-            except zstd.ZstdError as e:
-                raise DDUFFormatError(f"{name}: malformed zstd frame header at {offset} ({e})") from None
-            content = None if params.content_size == zstd.CONTENTSIZE_UNKNOWN else params.content_size
-            while True:
-                block = os.pread(fd, 3, offset + length)
-                if len(block) < 3:
-                    raise DDUFFormatError(f"{name}: truncated zstd stream (frame at {offset} is incomplete)")
-                bits = int.from_bytes(block, "little")
-                last, kind, block_size = bits & 1, (bits >> 1) & 3, bits >> 3
-                if kind == 3:
-                    raise DDUFFormatError(f"{name}: malformed zstd block at {offset + length}")
-                length += 3 + (1 if kind == 1 else block_size)  # RLE blocks hold one byte
-                if last:
-                    break
-            length += 4 if params.has_checksum else 0
-        else:
-            raise DDUFFormatError(f"{name}: bytes at {offset} are not a zstd frame")
-        if offset + length > size:
-            raise DDUFFormatError(f"{name}: truncated zstd stream (frame at {offset} runs past the end)")
-        frames.append((offset, length, content))
-        offset += length
-    return frames
