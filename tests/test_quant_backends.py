@@ -24,8 +24,9 @@ from bnb_shapes import CPU_PATHS, assert_every_4bit_layer_repacks, require_cpu_p
 
 from dduf_plus import load_dduf  # noqa: E402
 from dduf_plus.errors import DDUFError, DDUFLoadError, DDUFValidationError  # noqa: E402
-from dduf_plus.format import quant_rules  # noqa: E402
+from dduf_plus.format import quant_bnb, quant_rules  # noqa: E402
 from dduf_plus.format.archive import DDUFArchive  # noqa: E402
+from dduf_plus.format.quantization import QuantError  # noqa: E402
 from dduf_plus.format.validate import validate  # noqa: E402
 from dduf_plus.loading.files import ArchiveComponentFiles  # noqa: E402
 from dduf_plus.packing.pack import pack  # noqa: E402
@@ -312,9 +313,9 @@ def test_bitsandbytes_parts_and_scheme_are_checked(bnb_folder: Path) -> None:
     if four_bit:  # the config says fp4, the quant states say nf4
         other = {**config, "quantization_config": {**config["quantization_config"], "bnb_4bit_quant_type": "fp4"}}
         assert [f.code for f in quant_rules.findings_for("unet", other, [header])] == ["Q004"]
-        with pytest.raises(quant_rules.QuantError, match="Q005|over"):
-            quant_rules.parse_quant_state(b"{" * 5000, "x")
-        assert quant_rules.parse_quant_state(b'{"quant_type": "nf4", "blocksize": 64, "shape": [32, 32]}', "x")
+        with pytest.raises(QuantError, match="Q005|over"):
+            quant_bnb.parse_quant_state(b"{" * 5000, "x")
+        assert quant_bnb.parse_quant_state(b'{"quant_type": "nf4", "blocksize": 64, "shape": [32, 32]}', "x")
 
 
 def test_a_backend_without_a_loader_is_a_clear_error(tmp_path: Path) -> None:

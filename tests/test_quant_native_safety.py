@@ -34,7 +34,8 @@ import torch  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from dduf_plus.format import quant_rules  # noqa: E402
+from dduf_plus.format import quant_bnb, quant_sdnq  # noqa: E402
+from dduf_plus.format.quantization import QuantError  # noqa: E402
 from dduf_plus.format.validate import validate  # noqa: E402
 from dduf_plus.packing.pack import pack  # noqa: E402
 
@@ -302,7 +303,7 @@ def test_unfit_4bit_layers_stay_off_the_avx512_bf16_repack(built: Callable[[str]
         unet = load_dduf(archive).unet
     layers = {name: m for name, m in unet.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
     unfit = {n for n, m in layers.items()
-             if quant_rules.bnb_cpu_repack_problem(m.weight.quant_state.shape, m.weight.quant_state.blocksize)}
+             if quant_bnb.bnb_cpu_repack_problem(m.weight.quant_state.shape, m.weight.quant_state.blocksize)}
     assert unfit and len(unfit) < len(layers)  # tiny-sd has both kinds (ff.net.2 [32, 128] fits)
     assert {n for n, m in layers.items() if not m.support_avx512bf16_for_cpu} == unfit
     assert any(f"Q009: {len(unfit)} bitsandbytes 4-bit layers kept on the plain CPU path" in r.getMessage()
@@ -326,7 +327,7 @@ def test_unfit_4bit_layers_stay_off_the_avx512_bf16_repack(built: Callable[[str]
     assert torch.isfinite(out).all()
     fit_shapes = {tuple(m.weight.quant_state.shape) for n, m in layers.items() if n not in unfit}
     assert repacked and set(repacked) <= fit_shapes
-    assert not {s for s in repacked if quant_rules.bnb_cpu_repack_problem(s, 64)}
+    assert not {s for s in repacked if quant_bnb.bnb_cpu_repack_problem(s, 64)}
 
 
 def copy_state(state: Any) -> Any:
@@ -404,11 +405,11 @@ def test_sdnq_wildcard_patterns_are_capped() -> None:
     """SDNQ matches every parameter name against each '*' pattern with re.match on a pattern string: past the re
     module's cache (512) every call compiles again. 8,000 such patterns made a tiny UNet's load take 81 s here
     (0.31 s without; 19 s on a quieter machine); 256 take 0.36 s. Past 256: Q005, validate and loader alike."""
-    cap = quant_rules.MAX_SDNQ_WILDCARD_PATTERNS
+    cap = quant_sdnq.MAX_SDNQ_WILDCARD_PATTERNS
     names = [f"block{i}.attn" for i in range(4000)]  # plain names stay cheap (string compares): still allowed
-    quant_rules.check_sdnq_config({"modules_to_not_convert": names + [f"x{i}.*.proj" for i in range(cap)]})
-    with pytest.raises(quant_rules.QuantError, match=r"257 module patterns with '\*'") as refused:
-        quant_rules.check_sdnq_config({"modules_to_not_convert": [f"x{i}.*.proj" for i in range(cap)],
+    quant_sdnq.check_sdnq_config({"modules_to_not_convert": names + [f"x{i}.*.proj" for i in range(cap)]})
+    with pytest.raises(QuantError, match=r"257 module patterns with '\*'") as refused:
+        quant_sdnq.check_sdnq_config({"modules_to_not_convert": [f"x{i}.*.proj" for i in range(cap)],
                                        "modules_to_not_use_matmul": ["y.*"]})
     assert refused.value.code == "Q005"
 

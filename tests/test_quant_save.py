@@ -165,11 +165,11 @@ def test_torchao_parts_are_streamed_from_the_live_tensors(pipelines_dir: Path, m
 
 def _repack_for_cpu(unet: Any) -> list[Any]:
     """What a CPU forward does to each 4-bit layer on an AVX512-BF16 machine (bitsandbytes' own function): every
-    layer of bnb_sd's unet fits it (tests/bnb_shapes.py), as quant_rules.bnb_cpu_repack_problem agrees."""
+    layer of bnb_sd's unet fits it (tests/bnb_shapes.py), as quant_bnb.bnb_cpu_repack_problem agrees."""
     from bitsandbytes.functional import _convert_weight_packed_for_cpu
     from bnb_shapes import four_bit_layers
 
-    from dduf_plus.format.quant_rules import bnb_cpu_repack_problem
+    from dduf_plus.format.quant_bnb import bnb_cpu_repack_problem
 
     repacked = four_bit_layers(unet)
     for module in repacked:

@@ -26,7 +26,7 @@ import torch  # noqa: E402
 
 from dduf_plus import load_dduf  # noqa: E402
 from dduf_plus.errors import DDUFError, DDUFLoadError  # noqa: E402
-from dduf_plus.format import quant_rules  # noqa: E402
+from dduf_plus.format import quant_sdnq  # noqa: E402
 from dduf_plus.format.archive import DDUFArchive  # noqa: E402
 from dduf_plus.format.validate import validate  # noqa: E402
 from dduf_plus.loading.files import ArchiveComponentFiles  # noqa: E402
@@ -204,11 +204,11 @@ def test_sdnq_dtype_names_are_sdnqs() -> None:
     """The torch-free reading of weights_dtype names agrees with sdnq's own table for every name it accepts."""
     common = pytest.importorskip("sdnq.common")
     for name, row in common.dtype_dict.items():
-        assert quant_rules.sdnq_dtype(name) == quant_rules.SDNQDtype(
+        assert quant_sdnq.sdnq_dtype(name) == quant_sdnq.SDNQDtype(
             str(row["storage_dtype"]).removeprefix("torch."), row["num_bits"], row["is_packed"], row["is_unsigned"],
             row["is_integer"]), name
     for name in ("int0", "int64", "float9_e9m9fn", "fp99", "int8 ", "float8_e4m3fn_x"):
-        assert quant_rules.sdnq_dtype(name) is None, name
+        assert quant_sdnq.sdnq_dtype(name) is None, name
 
 
 # --- hostile quantization metadata: refused by code, by validate and by load_dduf alike ------------------------------
@@ -252,7 +252,7 @@ def _skipped_but_quantized(header: dict[str, Any], qc: dict[str, Any]) -> None:
 
 
 def _too_many_patterns(header: dict[str, Any], qc: dict[str, Any]) -> None:
-    qc["modules_to_not_convert"] += [f"block{i}.weight" for i in range(quant_rules.MAX_SDNQ_PATTERNS)]
+    qc["modules_to_not_convert"] += [f"block{i}.weight" for i in range(quant_sdnq.MAX_SDNQ_PATTERNS)]
 
 
 def _regex_pattern(header: dict[str, Any], qc: dict[str, Any]) -> None:

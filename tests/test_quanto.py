@@ -187,7 +187,7 @@ def test_diffusers_quanto_config_loads_zero_copy(tmp_path):
     model.save_pretrained(tmp_path / "transformer")
     files = FolderComponentFiles(tmp_path / "transformer")
     config = files.read_json("config.json")
-    assert quant.quantization_method(config) == "quanto"
+    assert quant.backend_of(config) == "quanto"
     reloaded = quant.load_with_diffusers_quantizer(PixArtTransformer2DModel, config, files)
     inputs = _transformer_inputs(torch.bfloat16)
     with torch.no_grad():

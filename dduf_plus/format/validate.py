@@ -454,11 +454,10 @@ def quantization_findings(archive: DDUFArchive, read: Callable[[Entry], bytes],
 
 
 def _quanto_alignment(archive: DDUFArchive, name: str, config: Any) -> list[Finding]:
-    """Q008: an optimum-quanto component's int8 weights the loader will copy (quant_rules.quanto_unaligned)."""
-    from .quant_rules import quanto_unaligned, unaligned_finding
-    from .quantization import QMAP_NAME, quantization_method
+    """Q008: an optimum-quanto component's int8 weights the loader will copy (quantization.quanto_unaligned)."""
+    from .quantization import QMAP_NAME, backend_of, quanto_unaligned, unaligned_finding
 
-    method = quantization_method(config) if isinstance(config, dict) else None
+    method = backend_of(config) if isinstance(config, dict) else None
     if f"{name}/{QMAP_NAME}" not in archive.entries and method != "quanto":
         return []
     weights = [w for w in archive.weight_files(name) if w in archive.headers] if name in archive.components else []

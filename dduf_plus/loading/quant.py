@@ -34,8 +34,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..errors import DDUFLoadError
-from ..format.quant_rules import QUANTO_ALIGNMENT
-from ..format.quantization import QMAP_NAME, quantization_method, quanto_index_record  # noqa: F401 (re-exported)
+from ..format.quantization import QMAP_NAME, QUANTO_ALIGNMENT, backend_of, quanto_index_record  # noqa: F401 (re-exported)
 from ..torchkit.backend_import import import_backend
 from ..torchkit.meta_model import construction_budget, is_diffusers_model
 from ..torchkit.quanto_state import aligned_order, quanto_state, save_quanto_component  # noqa: F401 (re-exported)
@@ -237,7 +236,7 @@ def _realign_int8(state: dict[str, Any], where: str) -> None:
     scales' dtype after loading, after a ``dtype=`` cast, or after the caller's own ``model.to(torch.bfloat16)``
     (deciding from the stored scales' dtype, as this did, let fp16 scales loaded as bf16 through: SIGSEGV on the
     first forward). So every misaligned int8 payload is copied, whatever the dtypes: the same list
-    ``dduf validate`` reports as Q008 (format.quant_rules.quanto_unaligned). A file written in aligned_order()
+    ``dduf validate`` reports as Q008 (format.quantization.quanto_unaligned). A file written in aligned_order()
     order (save_quanto_component does) needs no copy."""
     import torch
 
@@ -300,7 +299,7 @@ def load_with_diffusers_quantizer(
         DDUFLoadError: the quantizer's library is missing or refuses this machine (the message says which).
     """
     where = str(getattr(files, "description", None) or getattr(files, "name", "component"))
-    method = quantization_method(config)
+    method = backend_of(config)
     if method is None:
         raise DDUFLoadError(f"{where}: config.json has no quantization_config.quant_method")
     if method == "quanto":

@@ -26,14 +26,10 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..errors import DDUFLoadError
-from ..format.quant_rules import (
-    QuantError,
-    analyse,
-    backend_of,
-    bnb_groups,
-    torchao_descriptions,
-    torchao_groups,
-)
+from ..format.quant_bnb import bnb_groups
+from ..format.quant_rules import analyse
+from ..format.quant_torchao import torchao_descriptions, torchao_groups
+from ..format.quantization import QuantError, backend_of
 from ..format.safetensors_header import SafetensorsHeader, TensorInfo
 from ..torchkit.backend_import import import_backend
 from .files import ComponentFiles
@@ -44,7 +40,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 logger = logging.getLogger(__name__)
 
-# backend (as format.quant_rules.backend_of names it) -> (module to import, pip command)
+# backend (as format.quantization.backend_of names it) -> (module to import, pip command)
 BACKENDS = {
     "torchao": ("torchao", "pip install 'dduf_plus[quant]'  (or: pip install 'torchao>=0.16')"),
 }
@@ -260,10 +256,10 @@ def _check_bnb_shape(module: Any, name: str, parts: Mapping[str, str], state: Ma
                      where: str) -> dict[str, Any] | None:
     """The stored weight checked before bitsandbytes sees it. 4-bit: the packed quant_state parsed and fitted to
     the tensors bitsandbytes will be given, as ``dduf validate`` fits them (Q003 / Q005 / Q007, one function:
-    format.quant_rules.check_quant_state); returned parsed. Then Q006: the layer's shape is what the stored
+    format.quant_bnb.check_quant_state); returned parsed. Then Q006: the layer's shape is what the stored
     weight holds (4-bit: the quant_state's shape; 8-bit: the int8 matrix), else bitsandbytes would dequantize
     into another shape than the layer computes with."""
-    from ..format.quant_rules import check_quant_state, parse_quant_state
+    from ..format.quant_bnb import check_quant_state, parse_quant_state
 
     layer = [int(module.out_features), int(module.in_features)]
     parsed = None
@@ -294,7 +290,7 @@ def _set_bnb_weight(module: Any, parts: Mapping[str, str], state: dict[str, Any]
     """One layer's weight, as diffusers' ``create_quantized_param`` makes it, over the stored views (the parts
     are taken out of ``state``; ``parsed``: its checked 4-bit quant state). True when it is a 4-bit weight
     bitsandbytes' AVX512-BF16 CPU path cannot repack (then the layer is kept on the plain path)."""
-    from ..format.quant_rules import bnb_cpu_repack_problem
+    from ..format.quant_bnb import bnb_cpu_repack_problem
 
     data = state.pop(parts["data"])
     if parsed is not None:  # 4-bit

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..errors import DDUFLoadError
-from ..format.quant_rules import SDNQ_PARTS
+from ..format.quant_sdnq import SDNQ_PARTS
 from .files import ComponentFiles
 from .quant_backends import checked_quantizer, preprocess_model, register_quantizer, require_backend
 from .quant_model import check_state_keys, empty_model, finish_model, torch_dtype

@@ -166,6 +166,8 @@ def quantize_component(component: str, class_spec: Any, sources: list[EntrySourc
                        dtype: Any) -> tuple[list[EntrySource], dict[str, Any] | None]:
     """One component quantized: (its new sources: config.json, the weights entry, its other files; index record)."""
     from ..format import quant_rules
+    from ..format.quantization import backend_of
+    from ..format.quantization import quantization_config as stored_quantization
     from ..torchkit.quant_state import backend_state
     from ..torchkit.tensor_stream import tensor_source
 
@@ -174,9 +176,9 @@ def quantize_component(component: str, class_spec: Any, sources: list[EntrySourc
     if config_source is None or config_source.file is None or not weights:
         raise DDUFPackError(f"--quantize {component}: it has no config.json and safetensors weights to quantize")
     config = json.loads(config_source.read_bytes())
-    if quant_rules.quantization_config(config) is not None:
+    if stored_quantization(config) is not None:
         raise DDUFPackError(f"--quantize {component}: it is already quantized "
-                            f"({quant_rules.backend_of(config)}); pack it as it is")
+                            f"({backend_of(config)}); pack it as it is")
     model = quantized_model(component, class_spec, config, weights, scheme, dtype)
     state, metadata = backend_state(component, model)
     stored = classify(weights[0].name.rsplit("/", 1)[-1])  # fp16 of unet/diffusion_pytorch_model.fp16.safetensors

@@ -18,8 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import DDUFPackError
 from ..format import spec
-from ..format.quant_rules import QUANTO_ALIGNMENT
-from ..format.quantization import QMAP_NAME
+from ..format.quantization import QMAP_NAME, QUANTO_ALIGNMENT
 from ..format.weights import weights_name as default_weights_name
 from ..storage.confined import Confined
 from .backend_import import import_backend
