@@ -5,14 +5,16 @@ from the Hugging Face cache snapshot holding its diffusers shards.
 
 The pipeline is FLUX.1-shaped at the real transformer width (3072, diffusers' BFL converter assumes it) with
 ``--double`` / ``--single`` blocks (1 + 1: about 1.0 GB in bf16; FLUX.1-dev has 19 + 38, 23.8 GB), the text
-encoders and VAE tiny. Its transformer is saved in 3 shards with their index (as the diffusers repo holds it),
+encoders and VAE tiny. Its transformer is saved in 3-4 shards with their index (as the diffusers repo holds it),
 the pipeline put in a Hugging Face cache layout, and a partial archive packed against that snapshot with the
 transformer referenced (its reference records the digest of every shard's tensors). Then, each load in a fresh
 process (imports before the clock) with a fresh dduf_plus cache per repetition:
 
 * ``hf_cache``: the reference resolves from the snapshot (the 3 shards' sha256, then the shards loaded);
 * ``model_dirs``: the snapshot has no transformer; ComfyUI's ``models/unet/flux1-dev.safetensors`` (BFL layout:
-  fused q/k/v and ``linear1``, swapped final adaLN) is found by its tensors' digest and loaded in place.
+  fused q/k/v and ``linear1``, swapped final adaLN) is found by its tensors' digest and loaded in place;
+* ``model_dirs_diffusers``: the same with ONE file in diffusers' names instead (read from its header alone: no
+  layout reader, so no diffusers converter imported).
 
 ``first``: a fresh dduf_plus cache (hashing), ``second``: remembered (nothing hashed). ``resolve``: the reference
 located and verified (``locate_component``); the totals add ``load_dduf``. The page cache is warm. The pack's
@@ -73,7 +75,7 @@ def _build(root: Path, double: int, single: int) -> Path:
     size = sum(f.stat().st_size for f in (base / "transformer").glob("*.safetensors"))
     model = FluxTransformer2DModel.from_pretrained(base / "transformer", torch_dtype=torch.bfloat16)
     shutil.rmtree(base / "transformer")
-    model.save_pretrained(base / "transformer", max_shard_size=f"{size // 3 + (1 << 20)}B")
+    model.save_pretrained(base / "transformer", max_shard_size=f"{(size // 3 >> 10) + 1024}KB")
     return base
 
 
@@ -133,11 +135,15 @@ def _stats(values: list[float]) -> dict[str, object]:
     return {"median": round(median(values), 3), "runs": [round(x, 3) for x in values]}
 
 
-def _measure(work: Path, archive: Path, models: Path, repeat: int) -> dict[str, dict[str, list[float]]]:
+CASES = ("hf_cache", "model_dirs", "model_dirs_diffusers")
+
+
+def _measure(work: Path, archive: Path, repeat: int) -> dict[str, dict[str, list[float]]]:
     rows: dict[str, dict[str, list[float]]] = {c: {"first": [], "second": [], "resolve_first": [],
-                                                   "resolve_second": []} for c in ("hf_cache", "model_dirs")}
+                                                   "resolve_second": []} for c in CASES}
     for i in range(repeat):
-        for case, hf, dirs in (("hf_cache", work / "hf", []), ("model_dirs", work / "hf-without", [str(models)])):
+        for case, hf, dirs in (("hf_cache", work / "hf", []), ("model_dirs", work / "hf-without", [str(work / "models")]),
+                               ("model_dirs_diffusers", work / "hf-without", [str(work / "models-diffusers")])):
             env = {**os.environ, "HF_HUB_CACHE": str(hf), "HF_HUB_OFFLINE": "1",
                    "DDUF_PLUS_CACHE": str(work / f"cache-{case}-{i}"), "OMP_NUM_THREADS": "1"}
             env.pop("DDUF_PLUS_MODEL_DIRS", None)
@@ -172,12 +178,14 @@ def main() -> int:
         models = work / "models"
         (models / "unet").mkdir(parents=True)
         save_file(flux_to_bfl(_state(src, "transformer")), models / "unet" / "flux1-dev.safetensors")
+        (work / "models-diffusers" / "diffusion_models").mkdir(parents=True)
+        save_file(_state(src, "transformer"), work / "models-diffusers" / "diffusion_models" / "flux1-dev.safetensors")
         hashing: dict[str, list[float]] = {"files_sha256": [], "tensors_digest": []}
-        _warm([src, models, archive])
+        _warm([src, models, work / "models-diffusers", archive])
         for i in range(args.repeat):
             for k, v in _hash_once(shards, work / f"hash-cache-{i}").items():
                 hashing[k].append(v)
-        rows = _measure(work, archive, models, args.repeat)
+        rows = _measure(work, archive, args.repeat)
         result = {
             "shape": f"FLUX.1 width 3072, {args.double} double + {args.single} single blocks, bf16",
             "repeat": args.repeat, "shards": len(shards),
@@ -185,12 +193,13 @@ def main() -> int:
             "app_file": "models/unet/flux1-dev.safetensors (BFL layout)",
             "hash_seconds": {k: _stats(v) for k, v in hashing.items()},
             "load_seconds": {c: {k: _stats(v) for k, v in r.items()} for c, r in rows.items()},
-            "ratio_model_dirs_vs_hf_cache": {k: round(median(rows["model_dirs"][k]) / median(rows["hf_cache"][k]), 2)
-                                             for k in rows["hf_cache"]},
+            "ratio_vs_hf_cache": {c: {k: round(median(rows[c][k]) / median(rows["hf_cache"][k]), 2)
+                                      for k in rows["hf_cache"]} for c in CASES[1:]},
             "note": "one process per load, imports before the clock, page cache warm; resolve: the reference "
                     "located and verified; first/second: that plus load_dduf; first: a fresh dduf_plus cache "
-                    "(HF cache: the shards' sha256; model folders: the BFL file's part hashed from its ranges), "
-                    "second: remembered (nothing hashed)",
+                    "(HF cache: the shards' sha256; model folders: the BFL file's part hashed from its ranges, or the "
+                    "diffusers-named file's tensors), second: remembered (nothing hashed); the BFL case imports "
+                    "diffusers' single-file converter in every process (about 2.2 s here)",
         }
     finally:
         shutil.rmtree(work, ignore_errors=True)

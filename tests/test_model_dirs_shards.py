@@ -175,6 +175,34 @@ def test_a_sharded_reference_records_its_tensors_digest_from_every_base_kind(bas
     assert hashed == []  # each shard set's digest is remembered by every shard's stat
 
 
+def test_a_hub_base_elsewhere_records_from_the_identical_local_shards(base: Path, tmp_path: Path,
+                                                                      hf_env: Path) -> None:
+    """BASE's bytes elsewhere (a Hub repo compared by file hashes): the local copy's shards and index, as files
+    or as entries of an archive, give the same digest; one shard with other bytes gives none."""
+    from dduf_plus.format.pack import FileRegion
+    from dduf_plus.packing import tensor_records
+    from dduf_plus.packing.reference_source import hash_local_files
+    from dduf_plus.refs.spec import parse_spec
+
+    sub = base / "text_encoder_2"
+    local: dict[str, Any] = {f.name: f for f in sub.iterdir()}
+    files = hash_local_files(local)
+    spec = parse_spec("org/not-cached")
+    want = tensor_records.reference_tensors(spec, "text_encoder_2", files, None, local)[model_dirs.RECORD_KEY]
+    single = tmp_path / "t5.safetensors"
+    save_file(_t5(base), single)
+    assert want["sha256"] == model_dirs.tensors_digest([(single, _header(single))])
+    archive = pack(base, tmp_path / "in.dduf", quiet=True, fsync=False)[0].path
+    with DDUFArchive(archive) as a:
+        regions = {f: FileRegion(archive, a.entry(f"text_encoder_2/{f}").offset, a.entry(f"text_encoder_2/{f}").length,
+                                 f"text_encoder_2/{f}") for f in local}
+    got = tensor_records.reference_tensors(spec, "text_encoder_2", hash_local_files(regions), None, regions)
+    assert got[model_dirs.RECORD_KEY] == want
+    shard = next(f for f in files if f.endswith("-of-00002.safetensors"))
+    other = {**files, shard: {**files[shard], "sha256": "0" * 64}}
+    assert tensor_records.reference_tensors(spec, "text_encoder_2", other, None, local) == {}
+
+
 def _header(path: Path) -> Any:
     from dduf_plus.format.safetensors_header import read_file_header
 
@@ -320,7 +348,7 @@ def test_the_bfl_flux_file_stands_for_the_sharded_transformer(real_width: Path, 
                                                               hashed: list[str]) -> None:
     """FLUX.1's transformer in 3 shards (the diffusers repo) found as ComfyUI's ONE file in BFL layout (bare in
     ``models/unet``, or under ``model.diffusion_model.``): loaded in place, equal tensor for tensor; the second
-    load hashes nothing."""
+    load hashes nothing; ``complete`` writes the part once as one diffusers-named file."""
     from dduf_plus import load_dduf
 
     base = Path(shutil.copytree(real_width, tmp_path / "base", copy_function=os.link))
@@ -337,6 +365,15 @@ def test_the_bfl_flux_file_stands_for_the_sharded_transformer(real_width: Path, 
     hashed.clear()
     _same(load_dduf(archive, model_dirs=[models.parent]), expected)
     assert hashed == []
+    if layout == "bfl":  # complete: the BFL part written once as a diffusers-named file (hashed as written)
+        from dduf_plus.packing.complete import complete_archive
+
+        complete_archive(archive, tmp_path / "whole.dduf", model_dirs=[models.parent], quiet=True)
+        assert len(_weights_in_cache()) == 1 and hashed == []
+        with DDUFArchive(tmp_path / "whole.dduf") as a:
+            assert [n for n in a.entries if n.startswith("transformer/")] == [
+                "transformer/config.json", "transformer/diffusion_pytorch_model.safetensors"]
+        _same(load_dduf(tmp_path / "whole.dduf"), expected)
 
 
 # --- complete and export ---------------------------------------------------------------------------------------

@@ -210,9 +210,10 @@ class WeightFiles(NamedTuple):
 
 def recorded_weights(files: Iterable[object]) -> WeightFiles | None:
     """The weights among a reference's ``files`` (names): one safetensors file, or shards of one stem and variant
-    with their one index; None for anything else (several variants, a stray index, no weights)."""
+    with their one index; None for anything else (several variants, a stray index, no weights, a name that is
+    not a plain file name: they come from untrusted listings and archives)."""
     weights = [(f, w) for f in files if isinstance(f, str) and (w := classify(f)) is not None]
-    if len({w.variant for _f, w in weights}) != 1:
+    if len({w.variant for _f, w in weights}) != 1 or any(name_problem(f) is not None for f, _w in weights):
         return None
     indexes = [f for f, w in weights if w.is_index]
     tensors = tuple(sorted(f for f, w in weights if not w.is_index))
