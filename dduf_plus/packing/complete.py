@@ -190,9 +190,9 @@ def _written_files(files: Mapping[str, Any], loc: Located) -> dict[str, str | No
     the shards cannot be cut again as they were, their index is not recorded."""
     out = {f: (r.get("sha256") or None if isinstance(r, dict) else None) for f, r in files.items()}
     found = model_dirs.recorded_weights(files)
-    if loc.how != MODEL_FOLDER or found is None or found.index is None or found.loaded_as not in loc.files:
+    if loc.how != MODEL_FOLDER or found is None or found.shard_index is None or found.loaded_as not in loc.files:
         return out
-    for f in (*found.shards, found.index):
+    for f in (*found.shards, found.shard_index):
         out.pop(f, None)
     return {**out, found.loaded_as: ""}
 
@@ -233,7 +233,7 @@ def _by_content(name: str, fname: str, loc: Located, reference: Mapping[str, Any
         return "changed after its tensors were verified"
     found = model_dirs.recorded_weights(reference.get("files") or {})
     instead = (f" (one file in place of its {len(found.shards)} shards and index)"
-               if found is not None and found.index is not None and fname == found.loaded_as else "")
+               if found is not None and found.shard_index is not None and fname == found.loaded_as else "")
     logger.warning("component %r: %s written from %s%s: the same tensors as the reference (verified by their "
                    "digest) in other bytes than it recorded; the archive's index records their sha256 %s",
                    name, fname, loc.source, instead, got)

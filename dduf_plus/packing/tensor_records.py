@@ -81,7 +81,7 @@ def _hf_cache_record(repo: str, revision: str | None, sub: str, files: Mapping[s
     for cache in _cache.hf_cache_dirs(None):
         snap = _cache.snapshot_dir(cache, repo, revision)
         folder = snap / sub if snap is not None else None
-        if folder is not None and found and all((folder / f).is_file() for f in (*found.shards, found.index, CONFIG)
+        if folder is not None and found and all((folder / f).is_file() for f in (*found.shards, found.shard_index, CONFIG)
                                                  if f is not None):
             return tensor_record(folder, files)
     return {}
@@ -93,7 +93,7 @@ def _local_record(files: Mapping[str, Any], local: Mapping[str, LocalFile]) -> d
     found = _weights(files)
     if found is None:
         return {}
-    names = [*found.shards, *([found.index] if found.index else []), CONFIG]
+    names = [*found.shards, *([found.shard_index] if found.shard_index else []), CONFIG]
     if any(f not in local for f in names):
         return {}
     mine = {f: local[f] for f in names}
@@ -141,13 +141,13 @@ def _entry_record(path: Path, sub: str, config: bytes, files: Mapping[str, Any])
         if any(h is None for h in headers.values()):
             return {}
         at = {s: archive.entry(f"{sub}/{s}").offset for s in found.shards}
-        if found.index is not None:
-            entry = f"{sub}/{found.index}"
+        if found.shard_index is not None:
+            entry = f"{sub}/{found.shard_index}"
             if entry not in archive.entries:
                 return {}
             if archive.entry(entry).length > SHARD_INDEX_JSON_BUDGET.bytes:
                 raise DDUFPackError(f"{path}: {entry} is over its JSON budget (D013)", code="D013")
-            check_shard_index(f"{path}: {sub}", found.index, archive.read_bytes(entry),
+            check_shard_index(f"{path}: {sub}", found.shard_index, archive.read_bytes(entry),
                               {s: h for s, h in headers.items() if h is not None})
     checked = {s: h for s, h in headers.items() if h is not None}
     return make_record(_entry_digest(path, sub, found, checked, at), checked.values(), text)
@@ -158,7 +158,7 @@ def _entry_digest(path: Path, sub: str, found: WeightFiles, headers: Mapping[str
     """:func:`tensors_digest` of the safetensors files (one, or shards) stored at bytes ``at`` of ``path``,
     remembered per (archive, entry, stat)."""
     memo = _cache.verified_hashes()
-    member = f"{sub}/{found.index or found.shards[0]}#{_MEMBER}"
+    member = f"{sub}/{found.shard_index or found.shards[0]}#{_MEMBER}"
     known = memo.lookup(path, member)
     if known is not None:
         return known

@@ -195,14 +195,14 @@ def tensors_digest(files: Sequence[tuple[Path, SafetensorsHeader]]) -> str:
 class WeightFiles(NamedTuple):
     """The safetensors weights a reference records: one file, or shards and their index."""
 
-    shards: tuple[str, ...]  # sorted; the one file when ``index`` is None
-    index: str | None = None
+    shards: tuple[str, ...]  # sorted; the one file when ``shard_index`` is None
+    shard_index: str | None = None  # the shards' index file
 
     @property
     def loaded_as(self) -> str:
         """The one file the component is read as when found in one file: the shards' name without their
         numbers (``diffusion_pytorch_model.safetensors`` for ``diffusion_pytorch_model-0000N-of-00003...``)."""
-        w = classify(self.index) if self.index is not None else None
+        w = classify(self.shard_index) if self.shard_index is not None else None
         if w is None:
             return self.shards[0]
         return f"{w.stem}.{w.variant}.safetensors" if w.variant else f"{w.stem}.safetensors"
@@ -280,16 +280,16 @@ def tensor_record(folder: Path, files: Mapping[str, Any]) -> dict[str, Any]:
         return {}
     raw = b""
     try:
-        if found.index is not None:
-            if (folder / found.index).stat().st_size > SHARD_INDEX_JSON_BUDGET.bytes:
-                raise _shard_error(str(folder), found.index, "is over its JSON budget", "D013")
-            raw = (folder / found.index).read_bytes()
+        if found.shard_index is not None:
+            if (folder / found.shard_index).stat().st_size > SHARD_INDEX_JSON_BUDGET.bytes:
+                raise _shard_error(str(folder), found.shard_index, "is over its JSON budget", "D013")
+            raw = (folder / found.shard_index).read_bytes()
         headers = {s: read_file_header(folder / s, s, DDUFFormatError) for s in found.shards}
         text = config.read_bytes().decode("utf-8")
     except (OSError, UnicodeDecodeError, DDUFFormatError):
         return {}
-    if found.index is not None:
-        check_shard_index(str(folder), found.index, raw, headers)
+    if found.shard_index is not None:
+        check_shard_index(str(folder), found.shard_index, raw, headers)
     digest = remembered_shards_digest([(folder / s, headers[s]) for s in found.shards])
     return make_record(digest, headers.values(), text)
 
@@ -480,7 +480,7 @@ def find_component(name: str, reference: Mapping[str, Any], dirs: Sequence[Path]
         if isinstance(why, tuple):
             layout, named = why
             config_file = _config_file(config, config_sha)
-            if not layout and isinstance(named, SafetensorsHeader) and weights.index is None:
+            if not layout and isinstance(named, SafetensorsHeader) and weights.shard_index is None:
                 return Match({weights.loaded_as: path, "config.json": config_file}, str(path), rejected)
             part = named if isinstance(named, Part) else _renamed_part(layout or WHOLE_FILE, named)
             try:
