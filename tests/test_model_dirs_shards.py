@@ -155,10 +155,11 @@ def test_a_sharded_reference_records_its_tensors_digest_from_every_base_kind(bas
     the same tensors has (layout-independent across shards); packing again hashes nothing."""
     from hfcache import cached
 
-    single = tmp_path / "t5.safetensors"
-    save_file(_t5(base), single)
-    want = {n: model_dirs.tensors_digest([(p, h)]) for n, (p, h) in {
-        "text_encoder_2": (single, _header(single))}.items()}
+    want = {}
+    for name in SHARDED:  # each component's tensors in ONE file
+        single = tmp_path / f"{name}.safetensors"
+        save_file(_state(base, name), single)
+        want[name] = model_dirs.tensors_digest([(single, _header(single))])
     base_dduf = pack(base, tmp_path / "base.dduf", quiet=True, fsync=False)[0].path
     cached(hf_env, base, "org/flux-sharded")
     records = {}
@@ -169,7 +170,7 @@ def test_a_sharded_reference_records_its_tensors_digest_from_every_base_kind(bas
     for kind, recs in records.items():
         assert all(isinstance(recs[n], dict) for n in SHARDED), kind
         assert recs == records["folder"], kind
-    assert records["folder"]["text_encoder_2"]["sha256"] == want["text_encoder_2"]
+    assert {n: records["folder"][n]["sha256"] for n in SHARDED} == want
     hashed.clear()
     _partial(base, tmp_path / "again.dduf")
     assert hashed == []  # each shard set's digest is remembered by every shard's stat
