@@ -101,7 +101,7 @@ def complete_archive(
         others: list[DDUFArchive] = []  # archives the references resolve into, open while writing
         try:
             for name, loc in located.items():
-                sources.extend(_referenced_sources(name, loc, references[name]["files"], others))
+                sources.extend(_referenced_sources(name, loc, _written_files(references[name]["files"], loc), others))
             extra = _extra_components(archive, references)
             result = write_archive(output, model_index, model_index_bytes, sources, extra_components=extra or None,
                                    quiet=quiet)
@@ -183,6 +183,20 @@ def _extra_components(archive: DDUFArchive, references: Mapping[str, Any]) -> di
     return {n: e for n, e in extra.items() if e}
 
 
+def _written_files(files: Mapping[str, Any], loc: Located) -> dict[str, str | None]:
+    """The files a referenced component is written as, with the sha256 each must have (None: none recorded;
+    "": checked by its tensors' digest): the recorded ones; for a sharded component found as one file in a model
+    folder, that one file (under the shards' name without their numbers) in place of its shards and index:
+    the shards cannot be cut again as they were, their index is not recorded."""
+    out = {f: (r.get("sha256") or None if isinstance(r, dict) else None) for f, r in files.items()}
+    found = model_dirs.recorded_weights(files)
+    if loc.how != MODEL_FOLDER or found is None or found.shard_index is None or found.loaded_as not in loc.files:
+        return out
+    for f in (*found.shards, found.shard_index):
+        out.pop(f, None)
+    return {**out, found.loaded_as: ""}
+
+
 def _check_copied(result: PackResult, references: Mapping[str, Any], located: Mapping[str, Located],
                   output: str | os.PathLike) -> None:
     """The writer hashed every byte it copied: a file that changed after it was verified is caught here,
@@ -192,18 +206,19 @@ def _check_copied(result: PackResult, references: Mapping[str, Any], located: Ma
     written = result.index["files"]
     for name in references:
         folded = result.index["components"].get(name, {}).get(INDEX_KEY, {}).get("files", {})
-        for fname, rec in references[name]["files"].items():
+        for fname, want in _written_files(references[name]["files"], located[name]).items():
             got_rec = folded.get(fname) or written.get(f"{name}/{fname}", {})  # a template: its fold record
             got = got_rec.get("source_sha256") or got_rec.get("sha256")  # folded tokenizer_config: the original's
-            if not rec.get("sha256") or got == rec["sha256"]:
+            if want is None or got == want:
                 continue
             why = _by_content(name, fname, located[name], references[name], got)
             if why is None:
                 continue
             out = Path(output).absolute()  # a relative path would be taken relative to the Confined root
             Confined(out.parent).unlink(out)
+            recorded = want or "as its tensors' digest"
             raise DDUFReferenceError(f"component {name!r}: {fname} from {located[name].source} {why} "
-                                     f"(sha256 {got}, recorded {rec['sha256']}); nothing was written")
+                                     f"(sha256 {got}, recorded {recorded}); nothing was written")
 
 
 def _by_content(name: str, fname: str, loc: Located, reference: Mapping[str, Any], got: str) -> str | None:
@@ -216,7 +231,10 @@ def _by_content(name: str, fname: str, loc: Located, reference: Mapping[str, Any
     digest = record.get("sha256") if isinstance(record, dict) else None
     if digest is None or model_dirs.verified_digest(loc.files[fname]) != digest:
         return "changed after its tensors were verified"
-    logger.warning("component %r: %s written from %s: the same tensors as the reference (verified by their "
+    found = model_dirs.recorded_weights(reference.get("files") or {})
+    instead = (f" (one file in place of its {len(found.shards)} shards and index)"
+               if found is not None and found.shard_index is not None and fname == found.loaded_as else "")
+    logger.warning("component %r: %s written from %s%s: the same tensors as the reference (verified by their "
                    "digest) in other bytes than it recorded; the archive's index records their sha256 %s",
-                   name, fname, loc.source, got)
+                   name, fname, loc.source, instead, got)
     return None

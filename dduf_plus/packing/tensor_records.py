@@ -16,12 +16,21 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ..errors import DDUFError
+from ..errors import DDUFError, DDUFPackError
+from ..format.json_budget import SHARD_INDEX_JSON_BUDGET
 from ..format.pack import FileRegion, LocalFile
 from ..format.safetensors_header import SafetensorsHeader
-from ..format.weights import classify
 from ..refs import cache as _cache
-from ..refs.model_dirs import MAX_CONFIG, RECORD_KEY, VERSION, layout_digest, tensor_record, tensors_digest
+from ..refs.model_dirs import (
+    MAX_CONFIG,
+    VERSION,
+    WeightFiles,
+    check_shard_index,
+    make_record,
+    recorded_weights,
+    tensor_record,
+    tensors_digest,
+)
 from ..refs.resolve import Spec
 from .reference_source import hash_local_files
 
@@ -33,19 +42,20 @@ CONFIG = "config.json"
 _MEMBER = f"tensors-v{VERSION}"  # beside an archive entry's name in the hash memory (its sha256 is the entry's)
 
 
-def _weights_name(files: Mapping[str, Any]) -> str | None:
-    """The one safetensors weights file a record is made for (as :func:`tensor_record` picks it), else None."""
-    weights = [f for f in files if f.endswith(".safetensors") and classify(f) is not None]
-    return weights[0] if len(weights) == 1 and CONFIG in files else None
+def _weights(files: Mapping[str, Any]) -> WeightFiles | None:
+    """The safetensors weights a record is made for (one file, or shards and their index: as
+    :func:`tensor_record` picks them), else None."""
+    return recorded_weights(files) if CONFIG in files else None
 
 
 def reference_tensors(src: Spec | None, sub: str, files: Mapping[str, Any], revision: str | None,
                       local: Mapping[str, LocalFile] | None = None) -> dict[str, Any]:
     """``{"tensors": record}`` for a reference to ``src``'s ``sub`` recording ``files``, or {} where there is
-    nothing to record (no single safetensors file and config, a source whose bytes are not at hand and no
+    nothing to record (no safetensors weights and config, a source whose bytes are not at hand and no
     local copy with the recorded bytes). Never raises for a source that cannot be read: the reference then
-    resolves as before, by its files' sha256 only."""
-    if src is None or _weights_name(files) is None:
+    resolves as before, by its files' sha256 only. A hostile shard index (D011, D013) is refused:
+    :class:`DDUFPackError`."""
+    if src is None or _weights(files) is None:
         return {}
     try:
         if src.kind == "folder":
@@ -56,6 +66,8 @@ def reference_tensors(src: Spec | None, sub: str, files: Mapping[str, Any], revi
                 return found
         if src.kind == "dduf":
             return archive_tensor_record(Path(src.location), sub, files)
+    except DDUFPackError:  # the BASE's shard index says other shards than it has: never recorded silently
+        raise
     except (OSError, DDUFError) as e:  # the reference still resolves by its files' hashes
         logger.info("%s: no tensor digest recorded (%s)", sub, str(e).splitlines()[0][:200])
         return {}
@@ -65,11 +77,12 @@ def reference_tensors(src: Spec | None, sub: str, files: Mapping[str, Any], revi
 def _hf_cache_record(repo: str, revision: str | None, sub: str, files: Mapping[str, Any]) -> dict[str, Any]:
     """From the snapshot of ``repo`` at ``revision`` in the Hugging Face cache, when its files are there (they are
     what pack compared with; nothing is downloaded for this)."""
-    weights = _weights_name(files)
+    found = _weights(files)
     for cache in _cache.hf_cache_dirs(None):
         snap = _cache.snapshot_dir(cache, repo, revision)
         folder = snap / sub if snap is not None else None
-        if folder is not None and weights and (folder / weights).is_file() and (folder / CONFIG).is_file():
+        if folder is not None and found and all((folder / f).is_file() for f in (*found.shards, found.shard_index, CONFIG)
+                                                 if f is not None):
             return tensor_record(folder, files)
     return {}
 
@@ -77,68 +90,83 @@ def _hf_cache_record(repo: str, revision: str | None, sub: str, files: Mapping[s
 def _local_record(files: Mapping[str, Any], local: Mapping[str, LocalFile]) -> dict[str, Any]:
     """From the local copy when it holds the recorded bytes (sha256 as the reference records them: the files the
     pack found identical to the source's; their hashes are remembered, so nothing is hashed twice)."""
-    weights = _weights_name(files)
-    if weights is None or weights not in local or CONFIG not in local:
+    found = _weights(files)
+    if found is None:
         return {}
-    mine = {f: local[f] for f in (weights, CONFIG)}
+    names = [*found.shards, *([found.shard_index] if found.shard_index else []), CONFIG]
+    if any(f not in local for f in names):
+        return {}
+    mine = {f: local[f] for f in names}
     got = hash_local_files(mine)
     if any(not files[f].get("sha256") or got[f]["sha256"] != files[f]["sha256"] for f in mine):
         return {}
-    w, c = mine[weights], mine[CONFIG]
-    if isinstance(w, Path) and isinstance(c, Path):
-        return tensor_record(w.parent, files) if c == w.parent / CONFIG else {}
-    if isinstance(w, FileRegion) and isinstance(c, FileRegion) and w.path == c.path:
-        return _entry_record(w.path, w.member, c.read_bytes(), files)
+    c = mine[CONFIG]
+    if all(isinstance(w, Path) for w in mine.values()) and isinstance(c, Path):
+        return tensor_record(c.parent, files) if all(w == c.parent / f for f, w in mine.items()) else {}
+    if all(isinstance(w, FileRegion) for w in mine.values()) and isinstance(c, FileRegion):
+        sub = c.member.rpartition("/")[0]
+        same = all(isinstance(w, FileRegion) and w.path == c.path and w.member == f"{sub}/{f}" for f, w in mine.items())
+        return _entry_record(c.path, sub, c.read_bytes(), files) if same else {}
     return {}
 
 
 def archive_tensor_record(path: Path, sub: str, files: Mapping[str, Any]) -> dict[str, Any]:
-    """From a ``.dduf`` archive's ``sub/`` entries: its safetensors header (parsed and checked when the archive
+    """From a ``.dduf`` archive's ``sub/`` entries: its safetensors headers (parsed and checked when the archive
     was opened) and its tensors hashed from the mapped file."""
     from ..format.archive import DDUFArchive
 
-    weights = _weights_name(files)
-    if weights is None:
+    if _weights(files) is None:
         return {}
     with DDUFArchive(path) as archive:
         config = archive.read_bytes(f"{sub}/{CONFIG}") if archive.entry(f"{sub}/{CONFIG}").length <= MAX_CONFIG else b""
-    return _entry_record(path, f"{sub}/{weights}", config, files) if config else {}
+    return _entry_record(path, sub, config, files) if config else {}
 
 
-def _entry_record(path: Path, entry: str, config: bytes, files: Mapping[str, Any]) -> dict[str, Any]:
-    """The record of weights entry ``entry`` of archive ``path`` and the component's config bytes ``config``
-    (which must be the recorded config.json: the record carries its text for the search to rebuild it)."""
+def _entry_record(path: Path, sub: str, config: bytes, files: Mapping[str, Any]) -> dict[str, Any]:
+    """The record of the weights entries (one, or shards and their index) of ``sub/`` in archive ``path`` and
+    the component's config bytes ``config`` (which must be the recorded config.json: the record carries its
+    text for the search to rebuild it)."""
     from ..format.archive import DDUFArchive
 
+    found = _weights(files)
     recorded = files.get(CONFIG, {}).get("sha256")
-    if len(config) > MAX_CONFIG or (recorded and hashlib.sha256(config).hexdigest() != recorded):
+    if found is None or len(config) > MAX_CONFIG or (recorded and hashlib.sha256(config).hexdigest() != recorded):
         return {}
     try:
         text = config.decode("utf-8")
     except UnicodeDecodeError:
         return {}
     with DDUFArchive(path) as archive:
-        header = archive.headers.get(entry)
-        if header is None:
+        headers = {s: archive.headers.get(f"{sub}/{s}") for s in found.shards}
+        if any(h is None for h in headers.values()):
             return {}
-        at = archive.entry(entry).offset
-    return {RECORD_KEY: {"version": VERSION, "sha256": _entry_digest(path, entry, header, at),
-                         "layout": layout_digest(header.tensors.values()), "count": len(header.tensors),
-                         "bytes": sum(t.nbytes for t in header.tensors.values()), "config": text}}
+        at = {s: archive.entry(f"{sub}/{s}").offset for s in found.shards}
+        if found.shard_index is not None:
+            entry = f"{sub}/{found.shard_index}"
+            if entry not in archive.entries:
+                return {}
+            if archive.entry(entry).length > SHARD_INDEX_JSON_BUDGET.bytes:
+                raise DDUFPackError(f"{path}: {entry} is over its JSON budget (D013)", code="D013")
+            check_shard_index(f"{path}: {sub}", found.shard_index, archive.read_bytes(entry),
+                              {s: h for s, h in headers.items() if h is not None})
+    checked = {s: h for s, h in headers.items() if h is not None}
+    return make_record(_entry_digest(path, sub, found, checked, at), checked.values(), text)
 
 
-def _entry_digest(path: Path, entry: str, header: SafetensorsHeader, at: int) -> str:
-    """:func:`tensors_digest` of the safetensors file stored at byte ``at`` of ``path``, remembered per (archive,
-    entry, stat)."""
-    memo, member = _cache.verified_hashes(), f"{entry}#{_MEMBER}"
+def _entry_digest(path: Path, sub: str, found: WeightFiles, headers: Mapping[str, SafetensorsHeader],
+                  at: Mapping[str, int]) -> str:
+    """:func:`tensors_digest` of the safetensors files (one, or shards) stored at bytes ``at`` of ``path``,
+    remembered per (archive, entry, stat)."""
+    memo = _cache.verified_hashes()
+    member = f"{sub}/{found.shard_index or found.shards[0]}#{_MEMBER}"
     known = memo.lookup(path, member)
     if known is not None:
         return known
     before = _cache.stat_key(path)
     # tensors_digest reads tensor t at header.data_start + t.begin of the file it is given: an entry at byte
     # ``at`` of the archive is that same file shifted by ``at`` (data_start is 8 + header_length)
-    shifted = header._replace(header_length=at + header.header_length)
-    digest = tensors_digest([(path, shifted)])
+    shifted = [(path, h._replace(header_length=at[s] + h.header_length)) for s, h in sorted(headers.items())]
+    digest = tensors_digest(shifted)
     if _cache.stat_key(path) == before:  # an archive written while it was read is not remembered
         memo.remember(path, digest, member, key=before)
     return digest

@@ -39,19 +39,21 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
-from ..errors import DDUFError, DDUFFormatError
+from ..errors import DDUFError, DDUFFormatError, DDUFPackError
 from ..format import spec
+from ..format.json_budget import SHARD_INDEX_JSON_BUDGET, parse_json_entry
 from ..format.original_layout import diffusers_vae_names
 from ..format.safetensors_header import SafetensorsHeader, TensorInfo, read_file_header
 from ..format.weights import classify
-from ..storage.confined import Confined
+from ..storage.confined import Confined, name_problem
 from ..storage.signed import StatKey
 from .cache import dduf_cache_dir, sha256_file, stat_key, verified_hashes
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ENV", "RECORD_KEY", "InPlace", "LayoutReader", "Match", "Part", "Rejected", "Source", "add_layout_reader",
-           "diffusers_header", "find_component", "part_copy", "part_digest", "part_problem", "search_dirs",
+__all__ = ["ENV", "RECORD_KEY", "InPlace", "LayoutReader", "Match", "Part", "Rejected", "Source", "WeightFiles",
+           "add_layout_reader", "check_shard_index", "diffusers_header", "find_component", "make_record", "part_copy",
+           "part_digest", "part_problem", "recorded_weights", "remembered_shards_digest", "search_dirs",
            "tensor_record", "tensors_digest", "verified_digest"]
 
 ENV = "DDUF_PLUS_MODEL_DIRS"
@@ -62,6 +64,7 @@ MAX_FILES = 20_000  # directory entries looked at, over all folders
 MAX_CONFIG = 256 << 10  # the recorded config text
 _MEMBER = f"tensors-v{VERSION}"  # the hash memory's key for a file's tensor digest (beside its sha256)
 _SLICE = 64 << 20
+WHOLE_FILE = "diffusers"  # the layout of a file found for a sharded reference: read as it is
 
 
 class Rejected(NamedTuple):
@@ -110,7 +113,12 @@ class InPlace(NamedTuple):
     key: StatKey  # the file's stat when it was matched: a loader refuses it changed since
 
     def copy(self) -> Path:
-        """The part as a real file in diffusers' names (``dduf complete`` and export copy or read one)."""
+        """The part as a real file in diffusers' names (``dduf complete`` and export copy or read one): a file
+        already in diffusers' names (one file found for a sharded reference) is its own copy."""
+        if self.part.layout == WHOLE_FILE:
+            if not self.unchanged():
+                raise DDUFFormatError(f"{self.path}: changed since its tensors were verified; nothing was written")
+            return self.path
         return part_copy(self.path, self.part, self.digest)
 
     def unchanged(self) -> bool:
@@ -184,21 +192,117 @@ def tensors_digest(files: Sequence[tuple[Path, SafetensorsHeader]]) -> str:
     return h.hexdigest()
 
 
+class WeightFiles(NamedTuple):
+    """The safetensors weights a reference records: one file, or shards and their index."""
+
+    shards: tuple[str, ...]  # sorted; the one file when ``shard_index`` is None
+    shard_index: str | None = None  # the shards' index file
+
+    @property
+    def loaded_as(self) -> str:
+        """The one file the component is read as when found in one file: the shards' name without their
+        numbers (``diffusion_pytorch_model.safetensors`` for ``diffusion_pytorch_model-0000N-of-00003...``)."""
+        w = classify(self.shard_index) if self.shard_index is not None else None
+        if w is None:
+            return self.shards[0]
+        return f"{w.stem}.{w.variant}.safetensors" if w.variant else f"{w.stem}.safetensors"
+
+
+def recorded_weights(files: Iterable[object]) -> WeightFiles | None:
+    """The weights among a reference's ``files`` (names): one safetensors file, or shards of one stem and variant
+    with their one index; None for anything else (several variants, a stray index, no weights, a name that is
+    not a plain file name: they come from untrusted listings and archives)."""
+    weights = [(f, w) for f in files if isinstance(f, str) and (w := classify(f)) is not None]
+    if len({w.variant for _f, w in weights}) != 1 or any(name_problem(f) is not None for f, _w in weights):
+        return None
+    indexes = [f for f, w in weights if w.is_index]
+    tensors = tuple(sorted(f for f, w in weights if not w.is_index))
+    if not indexes:
+        return WeightFiles(tensors) if len(tensors) == 1 else None
+    stems = {w.stem for _f, w in weights}
+    if len(indexes) != 1 or not tensors or len(stems) != 1 or not all(w.sharded for _f, w in weights):
+        return None
+    found = WeightFiles(tensors, indexes[0])
+    return found if name_problem(found.loaded_as) is None else None
+
+
+def _shard_error(where: str, index: str, why: str, code: str = "D011") -> DDUFPackError:
+    return DDUFPackError(f"{where}: shard index {index!r} {why} ({code})", code=code)
+
+
+def check_shard_index(where: str, index: str, raw: bytes, headers: Mapping[str, SafetensorsHeader]) -> None:
+    """Refuse (:class:`DDUFPackError`, D011 / D013) a shard index that does not say exactly where each of the
+    shards' tensors lies: over its JSON budget, no ``weight_map``, naming a file that is not one of ``headers``'
+    shards (a path, a missing shard), a shard it does not name, a tensor in two shards or in another shard than
+    it says, a tensor no shard holds. ``where`` names the component (the index and shards are untrusted)."""
+    value, code, why = parse_json_entry(raw, index, budget=SHARD_INDEX_JSON_BUDGET)
+    if code is not None:
+        raise _shard_error(where, index, str(why), code)
+    weight_map = value.get("weight_map") if isinstance(value, dict) else None
+    if not isinstance(weight_map, dict):
+        raise _shard_error(where, index, "has no 'weight_map' object")
+    named = set()
+    for shard in weight_map.values():
+        if not isinstance(shard, str) or shard not in headers:
+            shown = ", ".join(sorted(headers)[:4]) + (", ..." if len(headers) > 4 else "")
+            raise _shard_error(where, index, f"names {shard!r}, which is not one of the component's shards ({shown})")
+        named.add(shard)
+    if set(headers) - named:
+        raise _shard_error(where, index, f"does not name {sorted(set(headers) - named)[0]!r}, a shard beside it")
+    seen: dict[str, str] = {}
+    for shard in sorted(headers):
+        for tensor in headers[shard].tensors:
+            if tensor in seen:
+                raise _shard_error(where, index, f"is beside tensor {tensor!r} in two shards ({seen[tensor]}, {shard})")
+            if weight_map.get(tensor) != shard:
+                raise _shard_error(where, index, f"puts tensor {tensor!r} in {weight_map.get(tensor)!r}; it is in "
+                                                 f"{shard}")
+            seen[tensor] = shard
+    if len(seen) != len(weight_map):
+        missing = sorted(set(weight_map) - set(seen))[0]
+        raise _shard_error(where, index, f"names tensor {missing!r}, which no shard holds")
+
+
+def make_record(digest: str, headers: Iterable[SafetensorsHeader], config: str) -> dict[str, Any]:
+    """``{"tensors": record}`` of a component whose (every shard's) headers are ``headers``."""
+    infos = [t for header in headers for t in header.tensors.values()]
+    return {RECORD_KEY: {"version": VERSION, "sha256": digest, "layout": layout_digest(infos), "count": len(infos),
+                         "bytes": sum(t.nbytes for t in infos), "config": config}}
+
+
 def tensor_record(folder: Path, files: Mapping[str, Any]) -> dict[str, Any]:
     """The ``tensors`` field of a reference to the component in ``folder`` recording ``files``: {} when it has
-    no single-file safetensors weights or its config is not small text (nothing to match then)."""
-    weights = [f for f in files if f.endswith(".safetensors") and classify(f) is not None]
+    no safetensors weights (one file, or shards and their index) or its config is not small text (nothing to
+    match then). A hostile shard index is refused (:func:`check_shard_index`)."""
+    found = recorded_weights(files)
     config = folder / "config.json"
-    if len(weights) != 1 or "config.json" not in files or not config.is_file() or config.stat().st_size > MAX_CONFIG:
+    if found is None or "config.json" not in files or not config.is_file() or config.stat().st_size > MAX_CONFIG:
         return {}
+    raw = b""
     try:
-        header = read_file_header(folder / weights[0], weights[0], DDUFFormatError)
+        if found.shard_index is not None:
+            if (folder / found.shard_index).stat().st_size > SHARD_INDEX_JSON_BUDGET.bytes:
+                raise _shard_error(str(folder), found.shard_index, "is over its JSON budget", "D013")
+            raw = (folder / found.shard_index).read_bytes()
+        headers = {s: read_file_header(folder / s, s, DDUFFormatError) for s in found.shards}
         text = config.read_bytes().decode("utf-8")
-    except (OSError, UnicodeDecodeError, DDUFError):
+    except (OSError, UnicodeDecodeError, DDUFFormatError):
         return {}
-    return {RECORD_KEY: {"version": VERSION, "sha256": _remembered_digest(folder / weights[0], header),
-                         "layout": layout_digest(header.tensors.values()), "count": len(header.tensors),
-                         "bytes": sum(t.nbytes for t in header.tensors.values()), "config": text}}
+    if found.shard_index is not None:
+        check_shard_index(str(folder), found.shard_index, raw, headers)
+    digest = remembered_shards_digest([(folder / s, headers[s]) for s in found.shards])
+    return make_record(digest, headers.values(), text)
+
+
+def remembered_shards_digest(files: Sequence[tuple[Path, SafetensorsHeader]]) -> str:
+    """:func:`tensors_digest` of a component's files (one, or its shards), from dduf_plus' hash memory when
+    every file is unchanged since: kept under the first file, keyed by every file's path and stat."""
+    if len(files) == 1:
+        return _remembered_digest(*files[0])
+    h = hashlib.sha256()
+    for path, _header in files:
+        h.update(f"{os.path.abspath(path)}\0{tuple(stat_key(path))}\n".encode())
+    return _remembered(files[0][0], f"{_MEMBER}-shards-{h.hexdigest()[:32]}", lambda: tensors_digest(files))
 
 
 def _remembered_digest(path: Path, header: SafetensorsHeader, layout: str = "") -> str:
@@ -345,25 +449,27 @@ def _walk(dirs: Sequence[Path]) -> Iterator[Path]:
                 yield Path(e.path)
 
 
-def _recorded_weights(reference: Mapping[str, Any]) -> tuple[str, str] | None:
+def _recorded_weights(reference: Mapping[str, Any]) -> tuple[WeightFiles, str] | None:
     files = reference.get("files")
     if not isinstance(files, dict):
         return None
-    weights = [f for f in files if isinstance(f, str) and f.endswith(".safetensors")]
+    found = recorded_weights(files)
     config = files.get("config.json")
-    if len(weights) != 1 or not isinstance(config, dict) or not isinstance(config.get("sha256"), str):
+    if found is None or not isinstance(config, dict) or not isinstance(config.get("sha256"), str):
         return None
-    return weights[0], config["sha256"]
+    return found, config["sha256"]
 
 
 def find_component(name: str, reference: Mapping[str, Any], dirs: Sequence[Path]) -> Match | str:
-    """A file in ``dirs`` holding exactly the referenced tensors, or why none (with the rejected candidates)."""
+    """A file in ``dirs`` holding exactly the referenced tensors, or why none (with the rejected candidates).
+    A sharded reference is matched by one file holding all its shards' tensors: it is read in place, as the
+    one file the shards' name stands for (:attr:`WeightFiles.loaded_as`)."""
     rec = _record(reference)
     recorded = _recorded_weights(reference)
     if isinstance(rec, str):
         return rec
     if recorded is None:
-        return "the reference is not one weights file and a config (sharded components are not matched yet)"
+        return "the reference is not one weights file (or shards and their index) and a config"
     weights, config_sha = recorded
     config = rec["config"].encode("utf-8")
     if hashlib.sha256(config).hexdigest() != config_sha:
@@ -374,15 +480,16 @@ def find_component(name: str, reference: Mapping[str, Any], dirs: Sequence[Path]
         if isinstance(why, tuple):
             layout, named = why
             config_file = _config_file(config, config_sha)
-            if not layout and isinstance(named, SafetensorsHeader):
-                return Match({weights: path, "config.json": config_file}, str(path), rejected)
-            part = named if isinstance(named, Part) else _renamed_part(layout, named)
+            if not layout and isinstance(named, SafetensorsHeader) and weights.shard_index is None:
+                return Match({weights.loaded_as: path, "config.json": config_file}, str(path), rejected)
+            part = named if isinstance(named, Part) else _renamed_part(layout or WHOLE_FILE, named)
             try:
-                in_place = InPlace(path, part, rec["sha256"], weights, stat_key(path))
+                in_place = InPlace(path, part, rec["sha256"], weights.loaded_as, stat_key(path))
             except OSError as e:  # gone since it was hashed
                 rejected.append(Rejected(str(path), f"not readable ({e})"))
                 continue
-            return Match({"config.json": config_file}, f"{path} ({layout} layout, read in place)", rejected, in_place)
+            return Match({"config.json": config_file}, f"{path} ({part.layout} layout, read in place)", rejected,
+                         in_place)
         if why:
             rejected.append(Rejected(str(path), why))
     reasons = "; ".join(f"{r.path}: {r.why}" for r in rejected[:5]) + ("; ..." if len(rejected) > 5 else "")

@@ -1,0 +1,212 @@
+"""A sharded Flux transformer referenced by a partial archive: resolved and loaded from ComfyUI's one BFL file vs
+from the Hugging Face cache snapshot holding its diffusers shards.
+
+    python bench/bench_model_dirs_shards.py [--repeat 3] [--double 1] [--single 1]
+
+The pipeline is FLUX.1-shaped at the real transformer width (3072, diffusers' BFL converter assumes it) with
+``--double`` / ``--single`` blocks (1 + 1: about 1.0 GB in bf16; FLUX.1-dev has 19 + 38, 23.8 GB), the text
+encoders and VAE tiny. Its transformer is saved in 3-4 shards with their index (as the diffusers repo holds it),
+the pipeline put in a Hugging Face cache layout, and a partial archive packed against that snapshot with the
+transformer referenced (its reference records the digest of every shard's tensors). Then, each load in a fresh
+process (imports before the clock) with a fresh dduf_plus cache per repetition:
+
+* ``hf_cache``: the reference resolves from the snapshot (the 3 shards' sha256, then the shards loaded);
+* ``model_dirs``: the snapshot has no transformer; ComfyUI's ``models/unet/flux1-dev.safetensors`` (BFL layout:
+  fused q/k/v and ``linear1``, swapped final adaLN) is found by its tensors' digest and loaded in place;
+* ``model_dirs_diffusers``: the same with ONE file in diffusers' names instead (read from its header alone: no
+  layout reader, so no diffusers converter imported).
+
+``first``: a fresh dduf_plus cache (hashing), ``second``: remembered (nothing hashed). ``resolve``: the reference
+located and verified (``locate_component``); the totals add ``load_dduf``. The page cache is warm. The pack's
+cost of the digest over the shards is timed too (files' sha256 vs tensors' digest of the 3 shards). Writes
+bench/results/model_dirs_shards.json with its provenance."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import RESULTS, ROOT, WORK, median, write_result  # noqa: E402
+
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+COMMIT = "0" * 39 + "2"
+LOAD = """
+import os, sys, time, json
+import torch
+torch.set_num_threads(1)
+import diffusers, transformers
+from dduf_plus import load_dduf
+from dduf_plus.format.archive import DDUFArchive
+from dduf_plus.refs.resolve import locate_component
+from dduf_plus.packing.model_dir_layouts import install
+install()
+dirs = json.loads(sys.argv[2])
+t = time.perf_counter()
+with DDUFArchive(sys.argv[1]) as a:
+    refs = a.references
+for name, ref in refs.items():
+    locate_component(name, ref, model_dirs=dirs or None)
+resolved = time.perf_counter() - t
+pipe = load_dduf(sys.argv[1], model_dirs=dirs or None)
+print(json.dumps({"seconds": time.perf_counter() - t, "resolve": resolved}))
+"""
+
+
+def _build(root: Path, double: int, single: int) -> Path:
+    """The Flux-shaped pipeline with its transformer in 3 shards (bf16)."""
+    import torch
+    from diffusers import FluxTransformer2DModel
+    from single_file_ckpt import FLUX_TRANSFORMER, build_tiny_flux
+
+    tokenizers = ROOT / "fixtures" / "pipelines"
+    config = {**FLUX_TRANSFORMER, "num_layers": double, "num_single_layers": single}
+    base = build_tiny_flux(root / "flux", tokenizers / "tiny-sd" / "tokenizer", tokenizers / "tiny-dit" / "tokenizer",
+                           transformer_config=config)
+    size = sum(f.stat().st_size for f in (base / "transformer").glob("*.safetensors"))
+    model = FluxTransformer2DModel.from_pretrained(base / "transformer", torch_dtype=torch.bfloat16)
+    shutil.rmtree(base / "transformer")
+    model.save_pretrained(base / "transformer", max_shard_size=f"{(size // 3 >> 10) + 1024}KB")
+    return base
+
+
+def _snapshot(cache: Path, src: Path, skip: tuple[str, ...] = ()) -> Path:
+    repo = cache / "models--bench--flux-sharded"
+    snap = repo / "snapshots" / COMMIT
+    for path in sorted(src.rglob("*")):
+        rel = path.relative_to(src)
+        if rel.parts[0] in skip:
+            continue
+        target = snap / rel
+        if path.is_dir():
+            target.mkdir(parents=True, exist_ok=True)
+        else:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.link(path, target)
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / "main").write_text(COMMIT)
+    return snap
+
+
+def _load(archive: Path, env: dict[str, str], dirs: list[str]) -> tuple[float, float]:
+    out = subprocess.run([sys.executable, "-c", LOAD, str(archive), json.dumps(dirs)], env=env, check=False,
+                         capture_output=True, text=True)
+    if out.returncode:
+        raise SystemExit(f"load failed ({'model folders' if dirs else 'HF cache'}):\n{out.stderr[-4000:]}")
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    return float(got["resolve"]), float(got["seconds"])
+
+
+def _warm(paths: list[Path]) -> None:
+    for p in paths:
+        for f in ([p] if p.is_file() else sorted(p.rglob("*.safetensors"))):
+            with open(f, "rb") as fh:
+                while fh.read(64 << 20):
+                    pass
+
+
+def _hash_once(shards: list[Path], cache: Path) -> dict[str, float]:
+    """Seconds for the shards' files' sha256 (what every reference records) and for their tensors' digest (what
+    the record adds), each with a fresh dduf_plus cache."""
+    from dduf_plus.format.safetensors_header import read_file_header
+    from dduf_plus.refs.cache import sha256_file
+    from dduf_plus.refs.model_dirs import tensors_digest
+
+    os.environ["DDUF_PLUS_CACHE"] = str(cache)
+    t = time.perf_counter()
+    for f in shards:
+        sha256_file(f)
+    sha = time.perf_counter() - t
+    t = time.perf_counter()
+    tensors_digest([(f, read_file_header(f, f.name, ValueError)) for f in shards])
+    return {"files_sha256": sha, "tensors_digest": time.perf_counter() - t}
+
+
+def _stats(values: list[float]) -> dict[str, object]:
+    return {"median": round(median(values), 3), "runs": [round(x, 3) for x in values]}
+
+
+CASES = ("hf_cache", "model_dirs", "model_dirs_diffusers")
+
+
+def _measure(work: Path, archive: Path, repeat: int) -> dict[str, dict[str, list[float]]]:
+    rows: dict[str, dict[str, list[float]]] = {c: {"first": [], "second": [], "resolve_first": [],
+                                                   "resolve_second": []} for c in CASES}
+    for i in range(repeat):
+        for case, hf, dirs in (("hf_cache", work / "hf", []), ("model_dirs", work / "hf-without", [str(work / "models")]),
+                               ("model_dirs_diffusers", work / "hf-without", [str(work / "models-diffusers")])):
+            env = {**os.environ, "HF_HUB_CACHE": str(hf), "HF_HUB_OFFLINE": "1",
+                   "DDUF_PLUS_CACHE": str(work / f"cache-{case}-{i}"), "OMP_NUM_THREADS": "1"}
+            env.pop("DDUF_PLUS_MODEL_DIRS", None)
+            for which in ("first", "second"):
+                resolve, total = _load(archive, env, dirs)
+                rows[case][which].append(total)
+                rows[case][f"resolve_{which}"].append(resolve)
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--double", type=int, default=1)
+    parser.add_argument("--single", type=int, default=1)
+    args = parser.parse_args()
+    from safetensors.torch import save_file
+    from single_file_ckpt import _state, flux_to_bfl
+
+    from dduf_plus.packing import pack
+
+    WORK.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="model-dirs-shards-", dir=WORK))
+    try:
+        src = _build(work / "src", args.double, args.single)
+        shards = sorted((src / "transformer").glob("*-of-*.safetensors"))
+        full = _snapshot(work / "hf", src)
+        _snapshot(work / "hf-without", src, skip=("transformer",))
+        archive = work / "partial.dduf"
+        os.environ["DDUF_PLUS_CACHE"] = str(work / "pack-cache")
+        pack(full, archive, exclude=["transformer"], refs={"transformer": str(full)}, quiet=True, fsync=False)
+        models = work / "models"
+        (models / "unet").mkdir(parents=True)
+        save_file(flux_to_bfl(_state(src, "transformer")), models / "unet" / "flux1-dev.safetensors")
+        (work / "models-diffusers" / "diffusion_models").mkdir(parents=True)
+        save_file(_state(src, "transformer"), work / "models-diffusers" / "diffusion_models" / "flux1-dev.safetensors")
+        hashing: dict[str, list[float]] = {"files_sha256": [], "tensors_digest": []}
+        _warm([src, models, work / "models-diffusers", archive])
+        for i in range(args.repeat):
+            for k, v in _hash_once(shards, work / f"hash-cache-{i}").items():
+                hashing[k].append(v)
+        rows = _measure(work, archive, args.repeat)
+        result = {
+            "shape": f"FLUX.1 width 3072, {args.double} double + {args.single} single blocks, bf16",
+            "repeat": args.repeat, "shards": len(shards),
+            "transformer_bytes": sum(f.stat().st_size for f in shards),
+            "app_file": "models/unet/flux1-dev.safetensors (BFL layout)",
+            "hash_seconds": {k: _stats(v) for k, v in hashing.items()},
+            "load_seconds": {c: {k: _stats(v) for k, v in r.items()} for c, r in rows.items()},
+            "ratio_vs_hf_cache": {c: {k: round(median(rows[c][k]) / median(rows["hf_cache"][k]), 2)
+                                      for k in rows["hf_cache"]} for c in CASES[1:]},
+            "note": "one process per load, imports before the clock, page cache warm; resolve: the reference "
+                    "located and verified; first/second: that plus load_dduf; first: a fresh dduf_plus cache "
+                    "(HF cache: the shards' sha256; model folders: the BFL file's part hashed from its ranges, or the "
+                    "diffusers-named file's tensors), second: remembered (nothing hashed); the BFL case imports "
+                    "diffusers' single-file converter in every process (about 2.2 s here)",
+        }
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    write_result(RESULTS / "model_dirs_shards.json", result)
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
