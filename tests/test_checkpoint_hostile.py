@@ -100,8 +100,7 @@ def test_checkpoint_mutants_in_a_model_folder_end_in_matches_or_reasons(sf_bases
     for number in range(MUTANTS):
         inp = m.generate_single_file(bases, 0, number)
         ckpt.write_bytes(inp.data)
-        o = m.run_target("sf-model-dirs", lambda: m.single_file_targets(ckpt, inp.base_path, work / "o")
-                         ["sf-model-dirs"](), 60)
+        o = m.run_target("sf-model-dirs", m.single_file_targets(ckpt, inp.base_path, work / "o")["sf-model-dirs"], 60)
         if o.bad:
             findings.append(f"input {number} ({inp.mutations}): {o.label}\n{o.detail}")
     assert not findings, "\n\n".join(findings[:3])
