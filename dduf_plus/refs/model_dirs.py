@@ -10,7 +10,8 @@ order), the tensors' digest does. Searching (``load_dduf(model_dirs=...)``, ``DD
 1. the folders are walked within budgets (depth, files; symlinked folders are not followed, a symlinked file
    only when it resolves to a regular file) for ``.safetensors`` files;
 2. each header is read with the format layer's budgets, and only a file whose tensor count, byte total and
-   layout digest fit the reference is hashed (tensor by tensor, from a map of the file);
+   layout digest fit the reference is hashed (tensor by tensor, by positioned reads: never a map, which a
+   concurrent truncation turns into SIGBUS);
 3. a verified file is remembered by (path, size, mtime, inode) in dduf_plus' hash memory, so a second load
    hashes nothing; a changed file is hashed again;
 4. a file whose header fits but whose bytes differ is skipped and said.
