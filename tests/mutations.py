@@ -1271,7 +1271,7 @@ def model_dir_references(base: Path, work: Path) -> dict[str, dict[str, Any]]:
                             if (folder / w).is_file()), None)
             shards = sorted(folder.glob("*-of-*.safetensors"))
             if weights is None and shards:
-                merged = work / f"merged-{base.name}-{folder.name}"
+                merged = work / f"merged-{os.getpid()}-{base.name}-{folder.name}"  # one per process (parallel workers)
                 merged.mkdir(parents=True, exist_ok=True)
                 shutil.copy(folder / "config.json", merged / "config.json")
                 weights = shards[0].name.split("-0")[0] + ".safetensors"
