@@ -301,3 +301,16 @@ def test_a_transposed_tensor_is_gathered_in_blocks_not_one_column_at_a_time(
         assert b"".join(chunks) == want
         if slice_bytes > rows * cols * 2:
             assert len(chunks) == min(cols, 1 if rows <= cols else cols)
+
+
+def test_read_file_header_takes_regular_files_only(tmp_path: Path) -> None:
+    """A folder named like a weights file (an app's half-extracted download): 0.9.0 raised IsADirectoryError (an
+    OSError, not a DDUFError) from every caller; now the one DDUFError, naming the path."""
+    from dduf_plus.errors import DDUFFormatError, DDUFPackError
+
+    folder = tmp_path / "model.safetensors"
+    folder.mkdir()
+    with pytest.raises(DDUFFormatError, match=r"not a regular file .*model\.safetensors"):
+        model_dirs.read_file_header(folder, folder.name)
+    with pytest.raises(DDUFPackError, match="not a regular file"):
+        model_dirs.read_file_header(folder, folder.name, DDUFPackError)
