@@ -1250,9 +1250,72 @@ def _sf_python(call: Callable[[], Any]) -> None:
     json.dumps(call(), default=str)
 
 
+_MODEL_DIR_REFERENCES: dict[str, dict[str, dict[str, Any]]] = {}
+
+
+def model_dir_references(base: Path, work: Path) -> dict[str, dict[str, Any]]:
+    """BASE's weighted components as references recording their tensors, as ``dduf pack`` records them: what
+    the model-folder search looks for in a (mutated) checkpoint put in an app's folder. A sharded component
+    (tiny-sd's UNet) is merged into one file under ``work`` first (the search matches one-file components).
+    Computed once per BASE."""
+    import hashlib
+
+    from safetensors.torch import load_file, save_file
+
+    from dduf_plus.refs.model_dirs import tensor_record
+
+    if str(base) not in _MODEL_DIR_REFERENCES:
+        out: dict[str, dict[str, Any]] = {}
+        for folder in sorted(p for p in base.iterdir() if (p / "config.json").is_file()):
+            weights = next((w for w in ("diffusion_pytorch_model.safetensors", "model.safetensors")
+                            if (folder / w).is_file()), None)
+            shards = sorted(folder.glob("*-of-*.safetensors"))
+            if weights is None and shards:
+                merged = work / f"merged-{os.getpid()}-{base.name}-{folder.name}"  # one per process (parallel workers)
+                merged.mkdir(parents=True, exist_ok=True)
+                shutil.copy(folder / "config.json", merged / "config.json")
+                weights = shards[0].name.split("-0")[0] + ".safetensors"
+                save_file({k: v for s in shards for k, v in load_file(s).items()}, merged / weights)
+                folder = merged
+            if weights is None:
+                continue
+            files = {f: {"sha256": hashlib.sha256((folder / f).read_bytes()).hexdigest(),
+                         "size": (folder / f).stat().st_size} for f in (weights, "config.json")}
+            if record := tensor_record(folder, files):
+                out[folder.name.rsplit("-", 1)[-1]] = {"files": files, **record}
+        _MODEL_DIR_REFERENCES[str(base)] = out
+    return _MODEL_DIR_REFERENCES[str(base)]
+
+
+def _sf_model_dirs(ckpt: Path, base: Path) -> Outcome | None:
+    """The checkpoint in an app's model folder (a link to it), searched for each of BASE's components with the
+    layout readers (header, conversion on meta tensors, ranges, hashing); a part found is loaded in place (its
+    tensors viewed from the file). A search answers a match or a reason, never raises."""
+    from dduf_plus.loading.files import FolderComponentFiles
+    from dduf_plus.loading.in_place import MappedPartFiles
+    from dduf_plus.packing.model_dir_layouts import install
+    from dduf_plus.refs import model_dirs
+
+    install()
+    folder = ckpt.parent / f"{ckpt.stem}-models"
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir()
+    os.symlink(ckpt, folder / "checkpoint.safetensors")
+    for name, reference in model_dir_references(base, ckpt.parent).items():
+        found = model_dirs.find_component(name, reference, [folder])
+        if not isinstance(found, (str, model_dirs.Match)):
+            return Outcome("sf-model-dirs", "finding", "not-a-match-or-reason", 0, repr(found)[:2000])
+        if isinstance(found, model_dirs.Match) and found.in_place is not None:
+            files = MappedPartFiles(FolderComponentFiles(found.files["config.json"].parent, name), name,
+                                    found.in_place)
+            files.tensors(files.weight_files())
+    return None
+
+
 def single_file_targets(ckpt: Path, base: Path, out: Path) -> dict[str, Callable[[], Outcome | None]]:
     """What runs on a checkpoint: ``describe_checkpoint`` and ``dduf info CKPT`` (header only), then
-    ``plan_single_file`` / ``dduf info CKPT --base`` and ``dduf pack CKPT --base`` (conversion, comparison)."""
+    ``plan_single_file`` / ``dduf info CKPT --base`` and ``dduf pack CKPT --base`` (conversion, comparison), and
+    the model-folder search for BASE's components in it (``load_dduf(model_dirs=...)`` of a partial archive)."""
     from dduf_plus.packing.single_file import describe_checkpoint, plan_single_file
 
     return {
@@ -1261,6 +1324,7 @@ def single_file_targets(ckpt: Path, base: Path, out: Path) -> dict[str, Callable
         "sf-plan": lambda: _sf_python(lambda: plan_single_file(ckpt, str(base))),
         "sf-info-base": lambda: _cli(["info", str(ckpt), "--base", str(base)], human=True),
         "sf-pack": lambda: _cli(["pack", str(ckpt), "--base", str(base), "-o", str(out), "-q"], human=True),
+        "sf-model-dirs": lambda: _sf_model_dirs(ckpt, base),
     }
 
 
@@ -1269,7 +1333,7 @@ def run_single_file_targets(ckpt: Path, base: Path, out: Path, *, limit_s: float
     conversion targets are skipped when the header-only one refused the file (they read the same header)."""
     outcomes: list[Outcome] = []
     for target, run in single_file_targets(ckpt, base, out).items():
-        if target != "sf-describe" and target != "sf-info" and outcomes and outcomes[0].status == "error":
+        if target not in ("sf-describe", "sf-info", "sf-model-dirs") and outcomes and outcomes[0].status == "error":
             continue
         outcomes.append(run_target(target, run, limit_s))
         if out.exists():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import struct
 from collections.abc import Callable
 from itertools import chain, compress, repeat
@@ -263,8 +264,13 @@ def checked(header: SafetensorsHeader | None, problems: list[Finding], where: st
 def read_file_header(path: str | os.PathLike, entry: str, error: type[Exception] | None = None) -> SafetensorsHeader:
     """The checked header of the safetensors file at ``path`` (``entry``: its name in findings); reads the
     header only (positioned reads), never the tensor data."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    st = os.fstat(fd)  # opened without blocking: a FIFO, device or folder in a file's place is refused, not read
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise (error or DDUFFormatError)(f"not a regular file (a FIFO, a device, a folder): {os.fspath(path)}")
+    with open(fd, "rb") as f:
+        size = st.st_size
 
         def read_at(offset: int, length: int) -> bytes:
             f.seek(offset)

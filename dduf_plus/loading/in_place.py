@@ -30,6 +30,7 @@ from ..format.archive import tensor_view
 from ..format.safetensors_header import SafetensorsHeader, TensorInfo
 from ..format.weights import select_weights, tensor_files
 from ..refs.model_dirs import InPlace, Source, diffusers_header
+from ..storage.signed import StatKey
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -98,15 +99,22 @@ class MappedPartFiles:
     def _open(self) -> mmap.mmap:
         if self._map is None:
             where = self.in_place.path
-            if not self.in_place.unchanged():
-                raise DDUFReferenceError(f"component {self.name!r}: {where} changed since its tensors were verified "
-                                         "(search the model folders again: load again)")
             # Verified when found (its digest over these ranges) and unchanged in stat since: from here on it is
-            # trusted as any verified folder file is (weights are not hashed as they are mapped). ACCESS_COPY:
-            # a write to a tensor stays in this process, never reaches the user's file.
-            with open(where, "rb") as f:
-                self._size = os.fstat(f.fileno()).st_size
-                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            # trusted as any verified folder file is (weights are not hashed as they are mapped). The stat is the
+            # opened descriptor's (a file replaced after a check by path would be mapped unverified); no blocking
+            # open (a FIFO put in its place). ACCESS_COPY: a write to a tensor never reaches the user's file.
+            try:
+                fd = os.open(where, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+                try:
+                    st = os.fstat(fd)
+                    if StatKey.of(st) != self.in_place.key:
+                        raise DDUFReferenceError(f"component {self.name!r}: {where} changed since its tensors were "
+                                                 "verified (search the model folders again: load again)")
+                    self._size, self._map = st.st_size, mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+                finally:
+                    os.close(fd)
+            except (OSError, ValueError) as e:  # gone, unreadable, or a file system that cannot map files
+                raise DDUFIOError(f"component {self.name!r}: {where} cannot be mapped: {e}") from None
         return self._map
 
     def check_unchanged(self) -> None:
