@@ -132,7 +132,7 @@ def _hash_once(src: Path, moved: tuple[str, ...], cache: Path) -> dict[str, floa
 
     from dduf_plus.format.safetensors_header import read_file_header
     from dduf_plus.refs.cache import sha256_file
-    from dduf_plus.refs.model_dirs import tensors_digest
+    from dduf_plus.refs.tensor_digest import tensors_digest
 
     os.environ["DDUF_PLUS_CACHE"] = str(cache)
     files = [f for n in moved for f in sorted((src / n).glob("*.safetensors"))]

@@ -119,7 +119,7 @@ def _hash_once(shards: list[Path], cache: Path) -> dict[str, float]:
     the record adds), each with a fresh dduf_plus cache."""
     from dduf_plus.format.safetensors_header import read_file_header
     from dduf_plus.refs.cache import sha256_file
-    from dduf_plus.refs.model_dirs import tensors_digest
+    from dduf_plus.refs.tensor_digest import tensors_digest
 
     os.environ["DDUF_PLUS_CACHE"] = str(cache)
     t = time.perf_counter()

@@ -1262,7 +1262,7 @@ def model_dir_references(base: Path, work: Path) -> dict[str, dict[str, Any]]:
 
     from safetensors.torch import load_file, save_file
 
-    from dduf_plus.refs.model_dirs import tensor_record
+    from dduf_plus.refs.tensor_digest import tensor_record
 
     if str(base) not in _MODEL_DIR_REFERENCES:
         out: dict[str, dict[str, Any]] = {}

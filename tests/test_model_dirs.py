@@ -18,7 +18,7 @@ from conftest import PIPELINES
 from dduf_plus.errors import DDUFReferenceError
 from dduf_plus.format.archive import DDUFArchive
 from dduf_plus.packing.single_file import pack_single_file
-from dduf_plus.refs import model_dirs
+from dduf_plus.refs import model_dirs, tensor_digest
 from dduf_plus.refs.resolve import check_references, locate_component
 
 TINY_SD = PIPELINES / "tiny-sd"
@@ -75,18 +75,18 @@ def test_pipeline_loads_from_app_folders_and_second_load_hashes_nothing(setup: d
 
     with DDUFArchive(setup["archive"]) as a:
         refs = a.references
-    assert all(model_dirs.RECORD_KEY in refs[n] for n in MOVED)  # the digest is recorded at pack time
-    assert model_dirs.RECORD_KEY not in refs["scheduler"]  # no weights: nothing to find by content
+    assert all(tensor_digest.RECORD_KEY in refs[n] for n in MOVED)  # the digest is recorded at pack time
+    assert tensor_digest.RECORD_KEY not in refs["scheduler"]  # no weights: nothing to find by content
     with pytest.raises(DDUFReferenceError):
         load_dduf(setup["archive"])  # BASE's copies are gone
     hashed: list[Path] = []
-    real = model_dirs.tensors_digest
+    real = tensor_digest.tensors_digest
 
     def counting(files: Any) -> str:
         hashed.extend(p for p, _h in files)
         return real(files)
 
-    monkeypatch.setattr(model_dirs, "tensors_digest", counting)
+    monkeypatch.setattr(tensor_digest, "tensors_digest", counting)
     _same(load_dduf(setup["archive"], model_dirs=[setup["models"]]), setup["expected"])
     assert sorted(p.name for p in hashed) == ["clip_l.safetensors", "sd15_vae.safetensors"]
     hashed.clear()
@@ -132,7 +132,7 @@ def test_refs_says_where_and_older_archives_resolve_as_before(setup: dict[str, A
     out = capsys.readouterr().out
     assert "-> model folder: " in out and "clip_l.safetensors" in out and "model folder: model folder" not in out
     # an archive written before the digest: model folders do not apply, and it says so
-    old = {n: {k: v for k, v in r.items() if k != model_dirs.RECORD_KEY} for n, r in _refs(setup).items()}
+    old = {n: {k: v for k, v in r.items() if k != tensor_digest.RECORD_KEY} for n, r in _refs(setup).items()}
     with pytest.raises(DDUFReferenceError, match="records no tensor digest"):
         locate_component("vae", old["vae"], model_dirs=[setup["models"]])
     assert locate_component("scheduler", old["scheduler"]).how == "recorded folder"
@@ -142,9 +142,9 @@ def test_hostile_records_and_folders(setup: dict[str, Any], tmp_path: Path) -> N
     """A malformed digest record is refused as such; a config text that is not the recorded config.json is
     refused; a symlinked folder is not followed."""
     ref = _refs(setup)["vae"]
-    bad = {**ref, model_dirs.RECORD_KEY: {"version": 1, "sha256": "x"}}
+    bad = {**ref, tensor_digest.RECORD_KEY: {"version": 1, "sha256": "x"}}
     assert model_dirs.find_component("vae", bad, [setup["models"]]) == "the reference's tensor digest record is malformed"
-    other = {**ref, model_dirs.RECORD_KEY: {**ref[model_dirs.RECORD_KEY], "config": "{}"}}
+    other = {**ref, tensor_digest.RECORD_KEY: {**ref[tensor_digest.RECORD_KEY], "config": "{}"}}
     assert "does not match the recorded config.json" in str(model_dirs.find_component("vae", other, [setup["models"]]))
     linked = tmp_path / "linked"
     linked.mkdir()
@@ -179,8 +179,8 @@ def test_an_ldm_vae_in_models_vae_is_found_renamed(setup: dict[str, Any], monkey
     assert "encoder.mid.attn_1.q.weight" in ldm and ldm["encoder.mid.attn_1.q.weight"].ndim == 4
     save_file(ldm, setup["models"] / "vae" / "vae-ft-mse.safetensors")
     hashed: list[Path] = []
-    real = model_dirs.tensors_digest
-    monkeypatch.setattr(model_dirs, "tensors_digest", lambda files: hashed.extend(p for p, _h in files) or real(files))
+    real = tensor_digest.tensors_digest
+    monkeypatch.setattr(tensor_digest, "tensors_digest", lambda files: hashed.extend(p for p, _h in files) or real(files))
     _same(load_dduf(setup["archive"], model_dirs=[setup["models"]]), setup["expected"])
     assert "vae-ft-mse.safetensors" in [p.name for p in hashed]
     hashed.clear()

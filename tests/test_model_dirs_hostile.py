@@ -21,7 +21,7 @@ import pytest
 from conftest import PIPELINES
 from dduf_plus.errors import DDUFIOError, DDUFReferenceError
 from dduf_plus.format.safetensors_header import TensorInfo
-from dduf_plus.refs import model_dirs
+from dduf_plus.refs import model_dirs, tensor_digest
 
 TINY_SD = PIPELINES / "tiny-sd"
 WEIGHTS = "diffusion_pytorch_model.safetensors"
@@ -31,7 +31,7 @@ WEIGHTS = "diffusion_pytorch_model.safetensors"
 _SETUP = """
 import hashlib, os, shutil, sys
 from pathlib import Path
-from dduf_plus.refs import model_dirs
+from dduf_plus.refs import model_dirs, tensor_digest
 
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 
@@ -43,7 +43,7 @@ def vae_reference(tmp, tiny):
     models = Path(tmp) / "models"
     models.mkdir()
     shutil.copy(folder / WEIGHTS, models / "vae.safetensors")
-    return {"files": files, **model_dirs.tensor_record(folder, files)}, models
+    return {"files": files, **tensor_digest.tensor_record(folder, files)}, models
 """
 
 
@@ -111,7 +111,7 @@ def test_a_file_truncated_while_it_is_hashed_is_rejected_not_a_sigbus(tmp_path: 
                 return self.h.digest()
             def hexdigest(self):
                 return self.h.hexdigest()
-        model_dirs.hashlib = types.SimpleNamespace(sha256=Truncating)
+        tensor_digest.hashlib = types.SimpleNamespace(sha256=Truncating)
         print(model_dirs.find_component("vae", ref, [models]))
     """)
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
@@ -276,7 +276,7 @@ def test_hashing_by_reads_gives_the_digest_archives_record(tmp_path: Path) -> No
         t = header.tensors[name]
         data = raw[header.data_start + t.begin:header.data_start + t.end]
         h.update(f"{name}\0{t.dtype}\0{','.join(map(str, t.shape))}\0".encode() + hashlib.sha256(data).digest())
-    assert model_dirs.tensors_digest([(path, header)]) == h.hexdigest() == ref[model_dirs.RECORD_KEY]["sha256"]
+    assert tensor_digest.tensors_digest([(path, header)]) == h.hexdigest() == ref[tensor_digest.RECORD_KEY]["sha256"]
 
 
 @pytest.mark.parametrize("rows, cols", [(3, 1000), (1000, 3), (7, 7), (1, 1)])
@@ -295,8 +295,8 @@ def test_a_transposed_tensor_is_gathered_in_blocks_not_one_column_at_a_time(
     src = model_dirs.Source(info, ((0, rows * cols * 2),), rows=rows)
     want = bytes(matrix.t().contiguous().view(torch.uint8).flatten().tolist())
     for slice_bytes in (4 << 20, 6):  # one block; blocks of a few columns (edges inside the matrix)
-        monkeypatch.setattr(model_dirs, "_SLICE", slice_bytes)
-        with model_dirs._mapped(path) as reads:
+        monkeypatch.setattr(model_dirs, "SLICE", slice_bytes)
+        with tensor_digest.open_reads(path) as reads:
             chunks = [bytes(c) for c in model_dirs._source_chunks(reads, 8, src)]
         assert b"".join(chunks) == want
         if slice_bytes > rows * cols * 2:

@@ -37,7 +37,7 @@ from dduf_plus.format.archive import DDUFArchive
 from dduf_plus.format.safetensors_header import TensorInfo, read_file_header
 from dduf_plus.packing import pack
 from dduf_plus.packing.model_dir_layouts import install, read_parts
-from dduf_plus.refs import model_dirs
+from dduf_plus.refs import model_dirs, tensor_digest
 from dduf_plus.refs.resolve import check_references, locate_component
 
 TINY_SD = PIPELINES / "tiny-sd"
@@ -55,7 +55,7 @@ def _cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 def hashed(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The files hashed (whole files and parts of files), in order."""
     seen: list[str] = []
-    whole, part = model_dirs.tensors_digest, model_dirs.part_digest
+    whole, part = tensor_digest.tensors_digest, model_dirs.part_digest
 
     def count_whole(files: Any) -> str:
         seen.extend(p.name for p, _h in files)
@@ -65,7 +65,7 @@ def hashed(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         seen.append(f"{path.name}:{p.layout}")
         return part(path, p)
 
-    monkeypatch.setattr(model_dirs, "tensors_digest", count_whole)
+    monkeypatch.setattr(tensor_digest, "tensors_digest", count_whole)
     monkeypatch.setattr(model_dirs, "part_digest", count_part)
     return seen
 
@@ -235,7 +235,7 @@ def test_the_copy_is_hashed_as_written_and_refused_when_the_file_changed(sd15: d
     copy = loc.in_place.copy()
     assert hashed == [] and model_dirs.verified_digest(copy) == loc.in_place.digest
     header = read_file_header(copy, copy.name, DDUFFormatError)
-    assert model_dirs.tensors_digest([(copy, header)]) == loc.in_place.digest  # what was remembered is right
+    assert tensor_digest.tensors_digest([(copy, header)]) == loc.in_place.digest  # what was remembered is right
     copy.unlink()
     full: Path = sd15["full"]
     data = bytearray(full.read_bytes())

@@ -24,7 +24,7 @@ from dduf_plus.packing.complete import complete_archive
 from dduf_plus.packing.pack import pack
 from dduf_plus.packing.partial import pack_partial
 from dduf_plus.packing.reference_source import hash_local_files
-from dduf_plus.refs import model_dirs
+from dduf_plus.refs import model_dirs, tensor_digest
 from dduf_plus.refs.resolve import parse_spec
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,7 +33,7 @@ WEIGHTS = {"vae": "diffusion_pytorch_model.safetensors", "text_encoder": "model.
 
 
 def _digest(path: Path) -> str:
-    return model_dirs.tensors_digest([(path, read_file_header(path, path.name, ValueError))])
+    return tensor_digest.tensors_digest([(path, read_file_header(path, path.name, ValueError))])
 
 
 def _finetune(tmp_path: Path) -> Path:
@@ -83,10 +83,10 @@ def test_every_base_records_the_tensors_digest(kind: str, how: str, tmp_path: Pa
         refs = a.references
     assert {"vae", "text_encoder"} <= set(refs)
     for name, weights in WEIGHTS.items():
-        rec = refs[name][model_dirs.RECORD_KEY]
+        rec = refs[name][tensor_digest.RECORD_KEY]
         assert rec["sha256"] == _digest(TINY_SD / name / weights), (kind, name)
         assert json.loads(rec["config"]) == json.loads((TINY_SD / name / "config.json").read_text())
-    assert model_dirs.RECORD_KEY not in refs["scheduler"]
+    assert tensor_digest.RECORD_KEY not in refs["scheduler"]
 
 
 def test_a_hub_base_not_on_this_machine_records_from_the_identical_local_copy(tmp_path: Path, hf_env: Path) -> None:
@@ -97,7 +97,7 @@ def test_a_hub_base_not_on_this_machine_records_from_the_identical_local_copy(tm
     local = {f: sub / f for f in ("config.json", WEIGHTS["vae"])}
     files = hash_local_files(local)
     spec = parse_spec("org/not-cached")
-    rec = tensor_records.reference_tensors(spec, "vae", files, None, local)[model_dirs.RECORD_KEY]
+    rec = tensor_records.reference_tensors(spec, "vae", files, None, local)[tensor_digest.RECORD_KEY]
     assert rec["sha256"] == _digest(TINY_SD / "vae" / WEIGHTS["vae"])
     assert tensor_records.reference_tensors(spec, "vae", files, None, None) == {}
     other = {**files, WEIGHTS["vae"]: {**files[WEIGHTS["vae"]], "sha256": "0" * 64}}
@@ -116,7 +116,7 @@ def test_an_archive_repacked_against_a_hub_base_elsewhere_records_from_its_entri
                  for f in ("config.json", WEIGHTS["vae"])}
     files = hash_local_files(local)
     found = tensor_records.reference_tensors(parse_spec("org/not-cached"), "vae", files, None, local)
-    assert found[model_dirs.RECORD_KEY]["sha256"] == _digest(TINY_SD / "vae" / WEIGHTS["vae"])
+    assert found[tensor_digest.RECORD_KEY]["sha256"] == _digest(TINY_SD / "vae" / WEIGHTS["vae"])
 
 
 def test_an_archive_base_is_hashed_once_per_entry(tmp_path: Path, hf_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -124,7 +124,7 @@ def test_an_archive_base_is_hashed_once_per_entry(tmp_path: Path, hf_env: Path, 
     base = _base("dduf", tmp_path, hf_env)
     ft = _finetune(tmp_path)
     hashed: list[Path] = []
-    real = model_dirs.tensors_digest
+    real = tensor_digest.tensors_digest
     monkeypatch.setattr(tensor_records, "tensors_digest", lambda files: hashed.extend(p for p, _h in files) or real(files))
     pack_partial(ft, tmp_path / "a.dduf", base=base, quiet=True)
     assert len(hashed) == 2  # the VAE's and the text encoder's entries, once each

@@ -24,7 +24,7 @@ from dduf_plus.errors import DDUFError, DDUFReferenceError
 from dduf_plus.format.archive import DDUFArchive
 from dduf_plus.packing import pack
 from dduf_plus.packing.model_dir_layouts import install
-from dduf_plus.refs import model_dirs
+from dduf_plus.refs import model_dirs, tensor_digest
 from dduf_plus.refs.resolve import check_references
 
 SHARDED = ("transformer", "text_encoder_2")
@@ -81,7 +81,7 @@ def real_width(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def hashed(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The files whose tensors are hashed (whole files and parts of files), in order."""
     seen: list[str] = []
-    whole, part = model_dirs.tensors_digest, model_dirs.part_digest
+    whole, part = tensor_digest.tensors_digest, model_dirs.part_digest
 
     def count_whole(files: Any) -> str:
         seen.extend(p.name for p, _h in files)
@@ -91,7 +91,7 @@ def hashed(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         seen.append(f"{path.name}:{p.layout}")
         return part(path, p)
 
-    monkeypatch.setattr(model_dirs, "tensors_digest", count_whole)
+    monkeypatch.setattr(tensor_digest, "tensors_digest", count_whole)
     monkeypatch.setattr(model_dirs, "part_digest", count_part)
     return seen
 
@@ -159,14 +159,14 @@ def test_a_sharded_reference_records_its_tensors_digest_from_every_base_kind(bas
     for name in SHARDED:  # each component's tensors in ONE file
         single = tmp_path / f"{name}.safetensors"
         save_file(_state(base, name), single)
-        want[name] = model_dirs.tensors_digest([(single, _header(single))])
+        want[name] = tensor_digest.tensors_digest([(single, _header(single))])
     base_dduf = pack(base, tmp_path / "base.dduf", quiet=True, fsync=False)[0].path
     cached(hf_env, base, "org/flux-sharded")
     records = {}
     for kind, spec in (("folder", str(base)), ("dduf", str(base_dduf)), ("hub", "org/flux-sharded")):
         out = tmp_path / f"{kind}.dduf"
         pack(base, out, exclude=list(SHARDED), refs={n: spec for n in SHARDED}, quiet=True, fsync=False)
-        records[kind] = {n: r.get(model_dirs.RECORD_KEY) for n, r in _refs(out).items()}
+        records[kind] = {n: r.get(tensor_digest.RECORD_KEY) for n, r in _refs(out).items()}
     for kind, recs in records.items():
         assert all(isinstance(recs[n], dict) for n in SHARDED), kind
         assert recs == records["folder"], kind
@@ -189,16 +189,16 @@ def test_a_hub_base_elsewhere_records_from_the_identical_local_shards(base: Path
     local: dict[str, Any] = {f.name: f for f in sub.iterdir()}
     files = hash_local_files(local)
     spec = parse_spec("org/not-cached")
-    want = tensor_records.reference_tensors(spec, "text_encoder_2", files, None, local)[model_dirs.RECORD_KEY]
+    want = tensor_records.reference_tensors(spec, "text_encoder_2", files, None, local)[tensor_digest.RECORD_KEY]
     single = tmp_path / "t5.safetensors"
     save_file(_t5(base), single)
-    assert want["sha256"] == model_dirs.tensors_digest([(single, _header(single))])
+    assert want["sha256"] == tensor_digest.tensors_digest([(single, _header(single))])
     archive = pack(base, tmp_path / "in.dduf", quiet=True, fsync=False)[0].path
     with DDUFArchive(archive) as a:
         regions = {f: FileRegion(archive, a.entry(f"text_encoder_2/{f}").offset, a.entry(f"text_encoder_2/{f}").length,
                                  f"text_encoder_2/{f}") for f in local}
     got = tensor_records.reference_tensors(spec, "text_encoder_2", hash_local_files(regions), None, regions)
-    assert got[model_dirs.RECORD_KEY] == want
+    assert got[tensor_digest.RECORD_KEY] == want
     shard = next(f for f in files if f.endswith("-of-00002.safetensors"))
     other = {**files, shard: {**files[shard], "sha256": "0" * 64}}
     assert tensor_records.reference_tensors(spec, "text_encoder_2", other, None, local) == {}
@@ -263,7 +263,7 @@ def test_the_shard_index_rules() -> None:
 
     shards = {"m-00001-of-00002.safetensors": header("a", "b"), "m-00002-of-00002.safetensors": header("c")}
     good = {"a": "m-00001-of-00002.safetensors", "b": "m-00001-of-00002.safetensors", "c": "m-00002-of-00002.safetensors"}
-    model_dirs.check_shard_index("vae", "m.safetensors.index.json", json.dumps({"weight_map": good}).encode(), shards)
+    tensor_digest.check_shard_index("vae", "m.safetensors.index.json", json.dumps({"weight_map": good}).encode(), shards)
     bad = {"in two shards": (good, {**shards, "m-00002-of-00002.safetensors": header("c", "a")}),
            "in another shard than it says": ({**good, "c": "m-00001-of-00002.safetensors"}, shards),
            "no shard holds": ({**good, "d": "m-00002-of-00002.safetensors"}, shards),
@@ -271,11 +271,11 @@ def test_the_shard_index_rules() -> None:
            "not a dict": ([], shards)}
     for what, (weight_map, headers) in bad.items():
         with pytest.raises(DDUFPackError) as err:
-            model_dirs.check_shard_index("vae", "m.safetensors.index.json",
+            tensor_digest.check_shard_index("vae", "m.safetensors.index.json",
                                          json.dumps({"weight_map": weight_map}).encode(), headers)
         assert err.value.code == "D011" and str(err.value).startswith("vae: shard index"), what
     with pytest.raises(DDUFPackError) as err:
-        model_dirs.check_shard_index("vae", "m.safetensors.index.json", b"[" * 100_000, shards)
+        tensor_digest.check_shard_index("vae", "m.safetensors.index.json", b"[" * 100_000, shards)
     assert err.value.code == "D013"
 
 
@@ -294,7 +294,7 @@ def test_a_flux_lora_archive_loads_its_sharded_base_from_comfyui_files(base: Pat
     lora = diffusers_lora(base, tmp_path / "l", {"transformer": FLUX_TARGETS}, dtype=torch.bfloat16)
     archive = tmp_path / "lora.dduf"
     pack_lora([f"flux_style={lora}"], archive, base=str(base), quiet=True)
-    assert all(isinstance(_refs(archive)[n].get(model_dirs.RECORD_KEY), dict) for n in SHARDED)
+    assert all(isinstance(_refs(archive)[n].get(tensor_digest.RECORD_KEY), dict) for n in SHARDED)
     theirs = DiffusionPipeline.from_pretrained(base, torch_dtype=torch.float32)
     theirs.load_lora_weights(str(lora.parent), weight_name=lora.name, adapter_name="flux_style")
     want = _image(theirs)

@@ -23,7 +23,7 @@ from ..format.archive import DDUFArchive
 from ..format.chat_template import INDEX_KEY, TOKENIZER_CONFIG, fold, is_template_name, restore_plan
 from ..format.json_budget import parse_json_entry
 from ..format.pack import EntrySource, PackResult, read_safetensors_head, write_archive
-from ..refs import model_dirs
+from ..refs import model_dirs, tensor_digest
 from ..refs.resolve import Located, SpecLike, check_ref_names, locate_component, with_files_on_disk
 from ..storage.confined import Confined
 from .partial import ORIGINAL_MODEL_INDEX_KEY, canonical_model_index_bytes
@@ -189,7 +189,7 @@ def _written_files(files: Mapping[str, Any], loc: Located) -> dict[str, str | No
     folder, that one file (under the shards' name without their numbers) in place of its shards and index:
     the shards cannot be cut again as they were, their index is not recorded."""
     out = {f: (r.get("sha256") or None if isinstance(r, dict) else None) for f, r in files.items()}
-    found = model_dirs.recorded_weights(files)
+    found = tensor_digest.recorded_weights(files)
     if loc.how != MODEL_FOLDER or found is None or found.shard_index is None or found.loaded_as not in loc.files:
         return out
     for f in (*found.shards, found.shard_index):
@@ -227,11 +227,11 @@ def _by_content(name: str, fname: str, loc: Located, reference: Mapping[str, Any
     the copy is refused."""
     if loc.how != MODEL_FOLDER or not fname.endswith(".safetensors") or fname not in loc.files:
         return "changed while it was copied"
-    record = reference.get(model_dirs.RECORD_KEY)
+    record = reference.get(tensor_digest.RECORD_KEY)
     digest = record.get("sha256") if isinstance(record, dict) else None
     if digest is None or model_dirs.verified_digest(loc.files[fname]) != digest:
         return "changed after its tensors were verified"
-    found = model_dirs.recorded_weights(reference.get("files") or {})
+    found = tensor_digest.recorded_weights(reference.get("files") or {})
     instead = (f" (one file in place of its {len(found.shards)} shards and index)"
                if found is not None and found.shard_index is not None and fname == found.loaded_as else "")
     logger.warning("component %r: %s written from %s%s: the same tensors as the reference (verified by their "

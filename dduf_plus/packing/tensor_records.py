@@ -21,17 +21,18 @@ from ..format.json_budget import SHARD_INDEX_JSON_BUDGET
 from ..format.pack import FileRegion, LocalFile
 from ..format.safetensors_header import SafetensorsHeader
 from ..refs import cache as _cache
-from ..refs.model_dirs import (
+from ..refs.resolve import Spec
+from ..refs.tensor_digest import (
     MAX_CONFIG,
-    VERSION,
+    MEMBER,
     WeightFiles,
     check_shard_index,
     make_record,
     recorded_weights,
+    remembered,
     tensor_record,
     tensors_digest,
 )
-from ..refs.resolve import Spec
 from .reference_source import hash_local_files
 
 logger = logging.getLogger(__name__)
@@ -39,7 +40,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["reference_tensors", "archive_tensor_record"]
 
 CONFIG = "config.json"
-_MEMBER = f"tensors-v{VERSION}"  # beside an archive entry's name in the hash memory (its sha256 is the entry's)
 
 
 def _weights(files: Mapping[str, Any]) -> WeightFiles | None:
@@ -157,16 +157,8 @@ def _entry_digest(path: Path, sub: str, found: WeightFiles, headers: Mapping[str
                   at: Mapping[str, int]) -> str:
     """:func:`tensors_digest` of the safetensors files (one, or shards) stored at bytes ``at`` of ``path``,
     remembered per (archive, entry, stat)."""
-    memo = _cache.verified_hashes()
-    member = f"{sub}/{found.shard_index or found.shards[0]}#{_MEMBER}"
-    known = memo.lookup(path, member)
-    if known is not None:
-        return known
-    before = _cache.stat_key(path)
+    member = f"{sub}/{found.shard_index or found.shards[0]}#{MEMBER}"
     # tensors_digest reads tensor t at header.data_start + t.begin of the file it is given: an entry at byte
     # ``at`` of the archive is that same file shifted by ``at`` (data_start is 8 + header_length)
     shifted = [(path, h._replace(header_length=at[s] + h.header_length)) for s, h in sorted(headers.items())]
-    digest = tensors_digest(shifted)
-    if _cache.stat_key(path) == before:  # an archive written while it was read is not remembered
-        memo.remember(path, digest, member, key=before)
-    return digest
+    return remembered(path, member, lambda: tensors_digest(shifted))

@@ -35,37 +35,42 @@ import itertools
 import json
 import logging
 import os
-import stat
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
-from ..errors import DDUFError, DDUFFormatError, DDUFIOError, DDUFPackError
+from ..errors import DDUFError, DDUFFormatError, DDUFIOError
 from ..format import spec
-from ..format.json_budget import SHARD_INDEX_JSON_BUDGET, parse_json_entry
 from ..format.original_layout import diffusers_vae_names
 from ..format.safetensors_header import SafetensorsHeader, TensorInfo, read_file_header
-from ..format.weights import classify
-from ..storage.confined import Confined, name_problem
+from ..storage.confined import Confined
 from ..storage.signed import StatKey
 from .cache import dduf_cache_dir, sha256_file, stat_key, verified_hashes
+from .tensor_digest import (
+    MAX_CONFIG,
+    MEMBER,
+    RECORD_KEY,
+    SLICE,
+    VERSION,
+    FileReads,
+    WeightFiles,
+    digest_line,
+    layout_digest,
+    open_reads,
+    recorded_weights,
+    remembered,
+    remembered_digest,
+)
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ENV", "RECORD_KEY", "InPlace", "LayoutReader", "Match", "Part", "Rejected", "Source", "WeightFiles",
-           "add_layout_reader", "check_shard_index", "diffusers_header", "find_component", "make_record", "part_copy",
-           "part_digest", "part_problem", "recorded_weights", "remembered_shards_digest", "search_dirs",
-           "tensor_record", "tensors_digest", "verified_digest"]
+__all__ = ["ENV", "InPlace", "LayoutReader", "Match", "Part", "Rejected", "Source", "add_layout_reader",
+           "diffusers_header", "find_component", "part_copy", "part_digest", "part_problem", "search_dirs",
+           "verified_digest"]
 
 ENV = "DDUF_PLUS_MODEL_DIRS"
-RECORD_KEY = "tensors"
-VERSION = 1
 MAX_DEPTH = 8  # ComfyUI: models/<kind>/<maker>/<file>: a few levels
 MAX_FILES = 20_000  # directory entries looked at, over all folders
-MAX_CONFIG = 256 << 10  # the recorded config text
-_MEMBER = f"tensors-v{VERSION}"  # the hash memory's key for a file's tensor digest (beside its sha256)
-_SLICE = 4 << 20  # read and hashed per slice: one buffer, cache-sized (256 MB: 1.13x the old map's time, not 1.6x)
 WHOLE_FILE = "diffusers"  # the layout of a file found for a sharded reference: read as it is
 
 
@@ -148,173 +153,6 @@ def search_dirs(given: Iterable[str | os.PathLike] | None = None) -> list[Path]:
     return out
 
 
-# --- the digest ----------------------------------------------------------------------------------------------
-def _line(info: TensorInfo) -> bytes:
-    return f"{info.name}\0{info.dtype}\0{','.join(map(str, info.shape))}\0".encode()
-
-
-def layout_digest(tensors: Iterable[TensorInfo]) -> str:
-    """sha256 over the tensors' (name, dtype, shape), sorted by name: what a header alone can be checked for."""
-    h = hashlib.sha256(f"dduf-tensors-layout-v{VERSION}\n".encode())
-    for info in sorted(tensors, key=lambda t: t.name):
-        h.update(_line(info))
-    return h.hexdigest()
-
-
-def _tensor_sha(view: _Reads, start: int, info: TensorInfo) -> bytes:
-    h = hashlib.sha256()
-    begin, end = start + info.begin, start + info.end
-    for pos in range(begin, end, _SLICE):
-        h.update(view[pos:min(end, pos + _SLICE)])
-    return h.digest()
-
-
-def tensors_digest(files: Sequence[tuple[Path, SafetensorsHeader]]) -> str:
-    """sha256 over every tensor's (name, dtype, shape, sha256 of its bytes), sorted by name, of ``files``
-    (a component's shards): the same for the same tensors in any file layout, order or metadata."""
-    per: dict[str, tuple[TensorInfo, bytes]] = {}
-    for path, header in files:
-        with _mapped(path) as view:
-            for info in header.tensors.values():
-                per[info.name] = (info, _tensor_sha(view, header.data_start, info))
-    h = hashlib.sha256(f"dduf-tensors-v{VERSION}\n".encode())
-    for name in sorted(per):
-        info, digest = per[name]
-        h.update(_line(info) + digest)
-    return h.hexdigest()
-
-
-class WeightFiles(NamedTuple):
-    """The safetensors weights a reference records: one file, or shards and their index."""
-
-    shards: tuple[str, ...]  # sorted; the one file when ``shard_index`` is None
-    shard_index: str | None = None  # the shards' index file
-
-    @property
-    def loaded_as(self) -> str:
-        """The one file the component is read as when found in one file: the shards' name without their
-        numbers (``diffusion_pytorch_model.safetensors`` for ``diffusion_pytorch_model-0000N-of-00003...``)."""
-        w = classify(self.shard_index) if self.shard_index is not None else None
-        if w is None:
-            return self.shards[0]
-        return f"{w.stem}.{w.variant}.safetensors" if w.variant else f"{w.stem}.safetensors"
-
-
-def recorded_weights(files: Iterable[object]) -> WeightFiles | None:
-    """The weights among a reference's ``files`` (names): one safetensors file, or shards of one stem and variant
-    with their one index; None for anything else (several variants, a stray index, no weights, a name that is
-    not a plain file name: they come from untrusted listings and archives)."""
-    weights = [(f, w) for f in files if isinstance(f, str) and (w := classify(f)) is not None]
-    if len({w.variant for _f, w in weights}) != 1 or any(name_problem(f) is not None for f, _w in weights):
-        return None
-    indexes = [f for f, w in weights if w.is_index]
-    tensors = tuple(sorted(f for f, w in weights if not w.is_index))
-    if not indexes:
-        return WeightFiles(tensors) if len(tensors) == 1 else None
-    stems = {w.stem for _f, w in weights}
-    if len(indexes) != 1 or not tensors or len(stems) != 1 or not all(w.sharded for _f, w in weights):
-        return None
-    found = WeightFiles(tensors, indexes[0])
-    return found if name_problem(found.loaded_as) is None else None
-
-
-def _shard_error(where: str, index: str, why: str, code: str = "D011") -> DDUFPackError:
-    return DDUFPackError(f"{where}: shard index {index!r} {why} ({code})", code=code)
-
-
-def check_shard_index(where: str, index: str, raw: bytes, headers: Mapping[str, SafetensorsHeader]) -> None:
-    """Refuse (:class:`DDUFPackError`, D011 / D013) a shard index that does not say exactly where each of the
-    shards' tensors lies: over its JSON budget, no ``weight_map``, naming a file that is not one of ``headers``'
-    shards (a path, a missing shard), a shard it does not name, a tensor in two shards or in another shard than
-    it says, a tensor no shard holds. ``where`` names the component (the index and shards are untrusted)."""
-    value, code, why = parse_json_entry(raw, index, budget=SHARD_INDEX_JSON_BUDGET)
-    if code is not None:
-        raise _shard_error(where, index, str(why), code)
-    weight_map = value.get("weight_map") if isinstance(value, dict) else None
-    if not isinstance(weight_map, dict):
-        raise _shard_error(where, index, "has no 'weight_map' object")
-    named = set()
-    for shard in weight_map.values():
-        if not isinstance(shard, str) or shard not in headers:
-            shown = ", ".join(sorted(headers)[:4]) + (", ..." if len(headers) > 4 else "")
-            raise _shard_error(where, index, f"names {shard!r}, which is not one of the component's shards ({shown})")
-        named.add(shard)
-    if set(headers) - named:
-        raise _shard_error(where, index, f"does not name {sorted(set(headers) - named)[0]!r}, a shard beside it")
-    seen: dict[str, str] = {}
-    for shard in sorted(headers):
-        for tensor in headers[shard].tensors:
-            if tensor in seen:
-                raise _shard_error(where, index, f"is beside tensor {tensor!r} in two shards ({seen[tensor]}, {shard})")
-            if weight_map.get(tensor) != shard:
-                raise _shard_error(where, index, f"puts tensor {tensor!r} in {weight_map.get(tensor)!r}; it is in "
-                                                 f"{shard}")
-            seen[tensor] = shard
-    if len(seen) != len(weight_map):
-        missing = sorted(set(weight_map) - set(seen))[0]
-        raise _shard_error(where, index, f"names tensor {missing!r}, which no shard holds")
-
-
-def make_record(digest: str, headers: Iterable[SafetensorsHeader], config: str) -> dict[str, Any]:
-    """``{"tensors": record}`` of a component whose (every shard's) headers are ``headers``."""
-    infos = [t for header in headers for t in header.tensors.values()]
-    return {RECORD_KEY: {"version": VERSION, "sha256": digest, "layout": layout_digest(infos), "count": len(infos),
-                         "bytes": sum(t.nbytes for t in infos), "config": config}}
-
-
-def tensor_record(folder: Path, files: Mapping[str, Any]) -> dict[str, Any]:
-    """The ``tensors`` field of a reference to the component in ``folder`` recording ``files``: {} when it has
-    no safetensors weights (one file, or shards and their index) or its config is not small text (nothing to
-    match then). A hostile shard index is refused (:func:`check_shard_index`)."""
-    found = recorded_weights(files)
-    config = folder / "config.json"
-    if found is None or "config.json" not in files or not config.is_file() or config.stat().st_size > MAX_CONFIG:
-        return {}
-    raw = b""
-    try:
-        if found.shard_index is not None:
-            if (folder / found.shard_index).stat().st_size > SHARD_INDEX_JSON_BUDGET.bytes:
-                raise _shard_error(str(folder), found.shard_index, "is over its JSON budget", "D013")
-            raw = (folder / found.shard_index).read_bytes()
-        headers = {s: read_file_header(folder / s, s, DDUFFormatError) for s in found.shards}
-        text = config.read_bytes().decode("utf-8")
-    except (OSError, UnicodeDecodeError, DDUFFormatError):
-        return {}
-    if found.shard_index is not None:
-        check_shard_index(str(folder), found.shard_index, raw, headers)
-    digest = remembered_shards_digest([(folder / s, headers[s]) for s in found.shards])
-    return make_record(digest, headers.values(), text)
-
-
-def remembered_shards_digest(files: Sequence[tuple[Path, SafetensorsHeader]]) -> str:
-    """:func:`tensors_digest` of a component's files (one, or its shards), from dduf_plus' hash memory when
-    every file is unchanged since: kept under the first file, keyed by every file's path and stat."""
-    if len(files) == 1:
-        return _remembered_digest(*files[0])
-    h = hashlib.sha256()
-    for path, _header in files:
-        h.update(f"{os.path.abspath(path)}\0{tuple(stat_key(path))}\n".encode())
-    return _remembered(files[0][0], f"{_MEMBER}-shards-{h.hexdigest()[:32]}", lambda: tensors_digest(files))
-
-
-def _remembered_digest(path: Path, header: SafetensorsHeader, layout: str = "") -> str:
-    """:func:`tensors_digest` of one file, from dduf_plus' hash memory when the file is unchanged since (a pack
-    against the same BASE, a model folder searched again: nothing hashed)."""
-    member = _MEMBER + (f"-{layout}" if layout else "")
-    return _remembered(path, member, lambda: tensors_digest([(path, header)]))
-
-
-def _remembered(path: Path, member: str, compute: Callable[[], str]) -> str:
-    memo = verified_hashes()
-    known = memo.lookup(path, member)
-    if known is None:
-        before = stat_key(path)
-        known = compute()
-        if stat_key(path) == before:  # a file written while it was read is not remembered
-            memo.remember(path, known, member, key=before)
-    return str(known)
-
-
 # --- parts of files in other layouts (a layout reader's :class:`Part`) ----------------------------------------
 _FORMATS: dict[int, Literal["B", "H", "I", "Q"]] = {1: "B", 2: "H", 4: "I", 8: "Q"}  # element sizes a transpose moves (as unsigned integers: bytes only)
 
@@ -347,7 +185,7 @@ def part_problem(part: Part, data_size: int) -> str | None:
     return None
 
 
-def _source_chunks(view: _Reads, start: int, src: Source) -> Iterator[memoryview | bytes]:
+def _source_chunks(view: FileReads, start: int, src: Source) -> Iterator[memoryview | bytes]:
     """The bytes of one diffusers tensor, in slices (a transposed tensor: a block of its rows at a time)."""
     if src.rows:
         (b, e), = src.ranges
@@ -359,7 +197,7 @@ def _source_chunks(view: _Reads, start: int, src: Source) -> Iterator[memoryview
                 for j in range(cols):
                     yield flat[j::cols].tobytes()
                 return
-            step = max(1, _SLICE // (rows * flat.itemsize))  # columns per block
+            step = max(1, SLICE // (rows * flat.itemsize))  # columns per block
             for j0 in range(0, cols, step):
                 n = min(step, cols - j0)
                 block = memoryview(bytearray(n * rows * flat.itemsize)).cast(fmt)
@@ -370,47 +208,15 @@ def _source_chunks(view: _Reads, start: int, src: Source) -> Iterator[memoryview
             flat.release()
         return
     for b, e in src.ranges:
-        for pos in range(b, e, _SLICE):
-            yield view[start + pos:start + min(e, pos + _SLICE)]
-
-
-class _Reads:
-    """A file's bytes by positioned reads (``reads[a:b]``, valid until the next read), for hashing and copying:
-    never a map, whose pages past a concurrent truncation kill the process (SIGBUS); a short read is an error
-    naming the file. Slices up to :data:`_SLICE` reuse one buffer (no page faults on fresh memory per slice)."""
-
-    def __init__(self, path: Path, fd: int):
-        self.path, self.fd, self.buffer = path, fd, bytearray()
-
-    def __getitem__(self, span: slice) -> memoryview:
-        want = span.stop - span.start
-        if want > len(self.buffer):
-            self.buffer = bytearray(want) if want > _SLICE else bytearray(_SLICE)
-        view, got = memoryview(self.buffer)[:want], 0
-        while got < want and (n := os.preadv(self.fd, [view[got:]], span.start + got)):
-            got += n
-        if got < want:
-            raise DDUFIOError(f"{self.path}: the file changed while it was read (it ends before byte {span.stop})")
-        return view
-
-
-@contextmanager
-def _mapped(path: Path) -> Iterator[_Reads]:
-    """``path`` opened for :class:`_Reads`: without blocking (a FIFO put in its place) and only a regular file."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise DDUFIOError(f"{path}: not a regular file")
-        yield _Reads(path, fd)
-    finally:
-        os.close(fd)
+        for pos in range(b, e, SLICE):
+            yield view[start + pos:start + min(e, pos + SLICE)]
 
 
 def part_digest(path: Path, part: Part) -> str:
     """:func:`tensors_digest` of a part: every diffusers tensor hashed from its ranges (the same digest a file in
     diffusers' names holding those tensors has)."""
     h = hashlib.sha256(f"dduf-tensors-v{VERSION}\n".encode())
-    with _mapped(path) as view:
+    with open_reads(path) as view:
         for name in sorted(part.tensors):
             src = part.tensors[name]
             t = hashlib.sha256()
@@ -418,7 +224,7 @@ def part_digest(path: Path, part: Part) -> str:
                 t.update(chunk)
                 if isinstance(chunk, memoryview):
                     chunk.release()
-            h.update(_line(src.info) + t.digest())
+            h.update(digest_line(src.info) + t.digest())
     return h.hexdigest()
 
 
@@ -431,8 +237,8 @@ def _part_member(part: Part) -> str:
     h = hashlib.sha256()
     for name in sorted(part.tensors):
         src = part.tensors[name]
-        h.update(f"{_line(src.info).decode()}{src.ranges}{src.rows}\n".encode())
-    return f"{_MEMBER}-part-{h.hexdigest()[:32]}"
+        h.update(f"{digest_line(src.info).decode()}{src.ranges}{src.rows}\n".encode())
+    return f"{MEMBER}-part-{h.hexdigest()[:32]}"
 
 
 # --- the search ------------------------------------------------------------------------------------------------
@@ -540,7 +346,7 @@ def _check(path: Path, rec: Mapping[str, Any]) -> tuple[str, SafetensorsHeader |
         for layout, named in _layouts(header):  # the torch-free fast path: the names alone
             if layout_digest(named.tensors.values()) != rec["layout"]:
                 continue
-            if _remembered_digest(path, named, layout) != rec["sha256"]:
+            if remembered_digest(path, named, layout) != rec["sha256"]:
                 logger.warning("model folder file %s: its header fits the reference but its tensors' bytes differ: "
                                "skipped", path)
                 return _DIFFER
@@ -586,7 +392,7 @@ def _read_parts(path: Path, header: SafetensorsHeader, rec: Mapping[str, Any]) -
             if len(infos) != rec["count"] or layout_digest(infos) != rec["layout"]:
                 why = why or f"{part.layout}: other tensor names, dtypes or shapes than the reference's"
                 continue
-            if _remembered(path, _part_member(part), _hashing(path, part)) != rec["sha256"]:
+            if remembered(path, _part_member(part), _hashing(path, part)) != rec["sha256"]:
                 logger.warning("model folder file %s: its %s fits the reference but its tensors' bytes differ: "
                                "skipped", path, part.layout)
                 return f"its {part.layout}: {_DIFFER}"
@@ -639,7 +445,7 @@ def verified_digest(path: Path) -> str | None:
     """The tensors' digest remembered for ``path`` (a file as :func:`find_component` matched it, in diffusers'
     names) while the file is unchanged since it was hashed, else None: ``dduf complete`` checks by this that
     the file it copied is still the one verified, without hashing it again."""
-    return verified_hashes().lookup(path, _MEMBER)
+    return verified_hashes().lookup(path, MEMBER)
 
 
 def diffusers_header(part: Part) -> tuple[bytes, SafetensorsHeader]:
@@ -668,11 +474,11 @@ def part_copy(path: Path, part: Part, digest: str) -> Path:
     cache = Confined(dduf_cache_dir())
     cache.mkdir(cache.path("model-dirs"))
     out = cache.path("model-dirs", f"{digest}.safetensors")
-    if not out.is_symlink() and out.is_file() and verified_hashes().lookup(out, _MEMBER) == digest:
+    if not out.is_symlink() and out.is_file() and verified_hashes().lookup(out, MEMBER) == digest:
         return out
     raw, header = diffusers_header(part)
     per: dict[str, bytes] = {}
-    with _mapped(path) as view, cache.atomic(out) as f:
+    with open_reads(path) as view, cache.atomic(out) as f:
         f.file.write(raw)
         for info in sorted(header.tensors.values(), key=lambda t: t.begin):
             src, t = part.tensors[info.name], hashlib.sha256()
@@ -684,9 +490,9 @@ def part_copy(path: Path, part: Part, digest: str) -> Path:
             per[info.name] = t.digest()
         h = hashlib.sha256(f"dduf-tensors-v{VERSION}\n".encode())
         for name in sorted(per):
-            h.update(_line(part.tensors[name].info) + per[name])
+            h.update(digest_line(part.tensors[name].info) + per[name])
         if h.hexdigest() != digest:  # raised inside the ``with``: the partial file is removed
             raise DDUFFormatError(f"{path}: changed since its {part.layout} was verified (its tensors' bytes differ "
                                   "now); nothing was written")
-    verified_hashes().remember(out, digest, _MEMBER)  # what was written is what was hashed: no second pass
+    verified_hashes().remember(out, digest, MEMBER)  # what was written is what was hashed: no second pass
     return out
