@@ -343,7 +343,6 @@ def test_a_single_file_with_one_tensor_changed_is_refused(base: Path, tmp_path: 
     assert "text_encoder_2" in message and "t5xxl_fp16.safetensors" in message and "bytes differ" in message
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["bfl", "comfy"])
 def test_the_bfl_flux_file_stands_for_the_sharded_transformer(real_width: Path, tmp_path: Path, layout: str,
                                                               hashed: list[str]) -> None:
