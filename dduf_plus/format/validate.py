@@ -43,6 +43,7 @@ from .references import SHA256
 from .structure import component_specs, parse_json
 from .tokenizer_budget import applies as tokenizer_applies
 from .tokenizer_budget import budget_findings
+from .weights import shard_map
 
 # Structural validation parses what the loader parses itself (configs, shard indexes, generation_config.json,
 # quanto_qmap.json) and every other JSON entry up to this size; bigger ones only with ``verify``, else their
@@ -480,11 +481,11 @@ def _tensor_reader(archive: DDUFArchive, weights: list[str],
 
 
 def _check_shard_index(name: str, value: Any, entries: dict[str, Entry]) -> list[Finding]:
-    weight_map = value.get("weight_map") if isinstance(value, dict) else None
-    if not isinstance(weight_map, dict):
-        return [finding("D011", name, "sharded-weights index has no 'weight_map' object")]
+    weight_map = shard_map(value)
+    if weight_map is None:
+        return [finding("D011", name, "sharded-weights index has no 'weight_map' object of file names")]
     folder = name.rsplit("/", 1)[0] + "/" if "/" in name else ""
-    missing = sorted({f for f in weight_map.values() if not isinstance(f, str) or folder + f not in entries}, key=repr)
+    missing = sorted({f for f in weight_map.values() if folder + f not in entries})
     if missing:
         shown = ", ".join(repr(f) for f in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         return [finding("D011", name, f"weight_map names {shown}, missing from {folder or 'the archive root'}")]

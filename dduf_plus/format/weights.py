@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 # stem[.variant][-NNNNN-of-NNNNN].safetensors   (diffusers also writes stem.variant-NNNNN-of-NNNNN)
 _WEIGHT = re.compile(r"^(?P<stem>[^.]+?)(?:\.(?P<variant>[A-Za-z0-9_]+))?(?P<shard>-\d{5}-of-\d{5})?\.safetensors$")
@@ -74,3 +74,13 @@ def select_weights(filenames: Iterable[str], variant: str | None = None) -> list
 
 def tensor_files(selected: Iterable[str]) -> list[str]:
     return [f for f in selected if f.endswith(".safetensors")]
+
+
+def shard_map(index: Any) -> dict[str, str] | None:
+    """A parsed shard index's ``weight_map`` ({tensor: shard file}) when it is one (an object of strings), else
+    None: what every reader of a shard index (validate's D011, the loader, a reference's digest) takes from it."""
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        return None
+    return weight_map
+

@@ -28,7 +28,7 @@ from ..format.json_budget import json_budget_problem, over_size, read_json
 from ..format.safetensors_header import SafetensorsHeader, TensorInfo, checked, read_safetensors_header
 from ..format.tokenizer_budget import applies as tokenizer_applies
 from ..format.tokenizer_budget import tokenizer_problem
-from ..format.weights import classify, select_weights, tensor_files
+from ..format.weights import classify, select_weights, shard_map, tensor_files
 from ..sizes import format_size
 from ..storage import cache_dirs
 from ..storage.cache_dirs import CACHE_ENV
@@ -82,8 +82,8 @@ def choose_weight_files(files: ComponentFiles, variant: str | None) -> list[str]
     shards: set[str] = set()
     for index_name in indexes:
         index = files.read_json(index_name)
-        weight_map = index.get("weight_map") if isinstance(index, dict) else None
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        weight_map = shard_map(index)
+        if weight_map is None:
             raise DDUFLoadError(f"{files.description}: {index_name} has no valid 'weight_map' (D011)", code="D011")
         shards.update(weight_map.values())
     missing = sorted(shards - set(listing))

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 from ..errors import DDUFFormatError, DDUFIOError, DDUFPackError
 from ..format.json_budget import SHARD_INDEX_JSON_BUDGET, parse_json_entry
 from ..format.safetensors_header import SafetensorsHeader, TensorInfo, read_file_header
-from ..format.weights import classify
+from ..format.weights import classify, shard_map
 from ..storage.confined import name_problem
 from .cache import stat_key, verified_hashes
 
@@ -118,12 +118,12 @@ def check_shard_index(where: str, index: str, raw: bytes, headers: Mapping[str, 
     value, code, why = parse_json_entry(raw, index, budget=SHARD_INDEX_JSON_BUDGET)
     if code is not None:
         raise _shard_error(where, index, str(why), code)
-    weight_map = value.get("weight_map") if isinstance(value, dict) else None
-    if not isinstance(weight_map, dict):
-        raise _shard_error(where, index, "has no 'weight_map' object")
+    weight_map = shard_map(value)
+    if weight_map is None:
+        raise _shard_error(where, index, "has no 'weight_map' object of file names")
     named = set()
     for shard in weight_map.values():
-        if not isinstance(shard, str) or shard not in headers:
+        if shard not in headers:
             shown = ", ".join(sorted(headers)[:4]) + (", ..." if len(headers) > 4 else "")
             raise _shard_error(where, index, f"names {shard!r}, which is not one of the component's shards ({shown})")
         named.add(shard)
