@@ -51,7 +51,7 @@ class GatedFiles:
         return self._files.local_dir(filenames)
 
 
-def gate(fetch: Arrivals, component: str, files: Any) -> Any:
+def gate(fetch: Arrivals, component: str, files: ComponentFiles) -> ComponentFiles:
     """``files`` (one component's :class:`~dduf_plus.loading.files.ComponentFiles`) gated on ``fetch``; as they
     are once everything has matched, or for a referenced component (it is not in this archive)."""
     if fetch.verified or not hasattr(files, "archive"):
