@@ -194,7 +194,7 @@ def test_a_tampered_map_is_ignored_and_the_readers_run(sd15: dict[str, Any], rea
 
 def test_a_changed_file_never_uses_its_old_map(sd15: dict[str, Any], reads: list[str]) -> None:
     full: Path = sd15["full"]
-    _find(sd15, "vae")
+    first = _find(sd15, "vae")
     old = _map_of(sd15, "vae")
     before = os.stat(full)
     try:
@@ -203,7 +203,8 @@ def test_a_changed_file_never_uses_its_old_map(sd15: dict[str, Any], reads: list
         reads.clear()
         found = _find(sd15, "vae")
         assert reads == ["reader", "hashed LDM VAE under first_stage_model."]  # read and hashed again
-        assert found.in_place is not None and found.in_place.key == stat_key(full)
+        assert found.in_place is not None and first.in_place is not None and found.in_place.key == stat_key(full)
+        assert found.in_place.part == first.in_place.part and found.in_place.digest == first.in_place.digest
         assert _map_of(sd15, "vae") != old
     finally:
         os.utime(full, ns=(before.st_atime_ns, before.st_mtime_ns))
@@ -225,7 +226,8 @@ def test_an_oversized_or_malformed_map_is_ignored(sd15: dict[str, Any], reads: l
     for bad in (lambda r: r["tensors"][0].__setitem__(2, ["4"]), lambda r: r["tensors"][0][3][0].__setitem__(0, True),
                 lambda r: r["tensors"][0][3][0].__setitem__(0, -8), lambda r: r["tensors"][0].__setitem__(1, "int4"),
                 lambda r: r["tensors"].append(r["tensors"][0]), lambda r: r.update(tensors=[]),
-                lambda r: r["tensors"][0].__setitem__(3, [[0, 1]] * 65), lambda r: r.update(data_start="8")):
+                lambda r: r["tensors"][0].__setitem__(3, [[0, 1]] * 65), lambda r: r.update(data_start="8"),
+                lambda r: r.update(layout="LDM UNet\n[fake log line]")):
         path.write_bytes(good)
         _resign(path, bad)
         assert signer.read(path, part_memo.MAX_MAP_BYTES) is not None  # signed: refused for what it says

@@ -125,6 +125,8 @@ def _str(value: Any, most: int) -> str:
 def _parsed(data: Mapping[str, Any]) -> PartMap:
     """The map's part, every field's type and bound checked (what is in range is checked by the caller)."""
     layout, start, rows = _str(data["layout"], MAX_NAME), _int(data["data_start"], 8), data["tensors"]
+    if not layout.isprintable():  # it is said in messages and logs
+        raise ValueError("a layout name with control characters")
     if not isinstance(rows, list) or not 0 < len(rows) <= MAX_TENSORS:
         raise ValueError("no tensor list, or too many tensors")
     tensors: dict[str, tuple[TensorInfo, Ranges, int]] = {}
