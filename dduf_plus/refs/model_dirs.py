@@ -13,7 +13,8 @@ order), the tensors' digest does. Searching (``load_dduf(model_dirs=...)``, ``DD
    layout digest fit the reference is hashed (tensor by tensor, by positioned reads: never a map, which a
    concurrent truncation turns into SIGBUS);
 3. a verified file is remembered by (path, size, mtime, inode) in dduf_plus' hash memory, so a second load
-   hashes nothing; a changed file is hashed again;
+   hashes nothing; a changed file is hashed again; a part a layout reader found is remembered with its map
+   (:mod:`.part_memo`), so a second process runs no reader either;
 4. a file whose header fits but whose bytes differ is skipped and said.
 
 The match is used as it is, memory-mapped: a view folder holds the recorded config (its text is in the
@@ -45,6 +46,7 @@ from ..format.original_layout import diffusers_vae_names
 from ..format.safetensors_header import SafetensorsHeader, TensorInfo, read_file_header
 from ..storage.confined import Confined
 from ..storage.signed import StatKey
+from . import part_memo
 from .cache import dduf_cache_dir, sha256_file, stat_key, verified_hashes
 from .tensor_digest import (
     MAX_CONFIG,
@@ -369,9 +371,13 @@ def _read_parts(path: Path, header: SafetensorsHeader, rec: Mapping[str, Any]) -
         return "the reference's config text is not a JSON object"
     why = ""
     try:
-        data_size = os.path.getsize(path) - header.data_start
+        key = stat_key(path)
     except OSError as e:
         return f"not readable ({e})"
+    data_size = key.size - header.data_start
+    known = _remembered_part(path, key, header, rec, data_size)
+    if known is not None:  # found before: no reader runs (nothing of diffusers imported), nothing hashed
+        return known.layout, known
     for reader in _READERS:
         try:
             parts = list(reader(header, config, rec["count"], rec["bytes"]))
@@ -396,8 +402,35 @@ def _read_parts(path: Path, header: SafetensorsHeader, rec: Mapping[str, Any]) -
                 logger.warning("model folder file %s: its %s fits the reference but its tensors' bytes differ: "
                                "skipped", path, part.layout)
                 return f"its {part.layout}: {_DIFFER}"
+            _keep_part(path, key, rec, part)
             return part.layout, part
     return why
+
+
+def _remembered_part(path: Path, key: StatKey, header: SafetensorsHeader, rec: Mapping[str, Any],
+                     data_size: int) -> Part | None:
+    """The part a layout reader found in ``path`` for ``rec`` before, from its remembered map
+    (:mod:`.part_memo`), when it still holds: the file unchanged (``key``), the map's ranges inside the data
+    section and making the recorded layout, and the hash memory holding the recorded digest for exactly those
+    ranges of this file. Else None (the readers run): a map is untrusted, the digest memo is what vouches."""
+    found = part_memo.recall(path, key, rec)
+    if found is None or found.data_start != header.data_start:
+        return None
+    part = Part(found.layout, found.data_start, {n: Source(*t) for n, t in found.tensors.items()})
+    infos = [src.info for src in part.tensors.values()]
+    if part_problem(part, data_size) is not None or len(infos) != rec["count"] or layout_digest(infos) != rec["layout"]:
+        return None
+    return part if verified_hashes().lookup(path, _part_member(part)) == rec["sha256"] else None
+
+
+def _keep_part(path: Path, key: StatKey, rec: Mapping[str, Any], part: Part) -> None:
+    """Remember where ``part``'s tensors lie (its map) once the hash memory holds its digest at ``key``: a file
+    changed while it was hashed (its digest not remembered) keeps no map."""
+    try:
+        if verified_hashes().lookup(path, _part_member(part)) == rec["sha256"] and stat_key(path) == key:
+            part_memo.keep(path, key, rec, part)
+    except OSError:  # gone since: nothing to remember
+        pass
 
 
 _VAE_PREFIXES = ("first_stage_model.", "vae.")
