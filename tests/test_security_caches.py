@@ -546,9 +546,10 @@ def test_a_planted_verified_hash_is_not_believed(tmp_path: Path) -> None:
     lie = "0" * 64
     refs.mkdir()
     record = [key.size, key.mtime_ns, key.inode, key.device, lie]
+    deep = "[" * 100_000 + "]" * 100_000  # parsed past the interpreter's depth: RecursionError, not ValueError
     for planted in ({"version": 2, "entries": {str(data.resolve()): record}},  # the old unsigned format
-                    {"v": VERIFIED_VERSION, "entries": {str(data.resolve()): record}, "mac": "0" * 64}):
-        (refs / "verified.json").write_text(json.dumps(planted))
+                    {"v": VERIFIED_VERSION, "entries": {str(data.resolve()): record}, "mac": "0" * 64}, deep):
+        (refs / "verified.json").write_text(planted if isinstance(planted, str) else json.dumps(planted))
         hv = VerifiedHashes(refs / "verified.json")
         assert hv.lookup(data) is None
         assert hv.sha256(data) == hashlib.sha256(b"x" * 100).hexdigest()

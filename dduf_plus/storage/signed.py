@@ -98,7 +98,7 @@ class Signer:
             with open(path, "rb") as f:
                 raw = f.read(max_bytes + 1)
             record = json.loads(raw) if len(raw) <= max_bytes else None
-        except (OSError, ValueError, DDUFPathError):
+        except (OSError, ValueError, RecursionError, DDUFPathError):  # RecursionError: JSON nested past the interpreter
             return None
         if not isinstance(record, dict):
             return None
