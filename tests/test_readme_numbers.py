@@ -121,6 +121,16 @@ def model_dirs_row(r: dict) -> list[str]:
             f"| {ratio['first']:.2f}x / {ratio['second']:.2f}x |"]
 
 
+def model_dirs_shards_row(r: dict) -> list[str]:
+    ours, cache = r["load_seconds"]["model_dirs"], r["load_seconds"]["hf_cache"]
+    ratio = r["ratio_vs_hf_cache"]["model_dirs"]
+    assert "BFL" in r["app_file"]
+    return [f"({r['transformer_bytes'] / 1e9:.2f} GB in {r['shards']} shards)",
+            f"| {ours['first']['median']:.2f} / {ours['second']['median']:.2f} s |",
+            f"HF cache {cache['first']['median']:.2f} / {cache['second']['median']:.2f} s",
+            f"| {ratio['first']:.2f}x / {ratio['second']:.2f}x |"]
+
+
 def catalogue_row(r: dict) -> list[str]:
     threads = {run["jobs"]: run for run in r["runs"] if run["mode"] == "api-threads"}
     most = max(threads)
@@ -160,6 +170,7 @@ ROWS: dict[str, tuple[str, Callable[[dict], list[str]], tuple[str, ...]]] = {
         *partial_row(r), f"the complete archive {r['rebase_archive_vs_folder_ratio']:.2f}x"], ()),
     "LoRA archive": ("lora", lora_row, ("SD-1.5",)),
     "SDXL-shaped partial, ": ("model_dirs_sdxl", model_dirs_row, ("SDXL",)),
+    "Flux-shaped sharded transformer": ("model_dirs_shards", model_dirs_shards_row, ()),
     "`load_dduf(URL)`": ("remote", remote_row, ()),
     "same, each connection capped": ("remote_per_connection_ranged", remote_per_connection_row, ()),
     "`validate_many`": ("catalogue", catalogue_row, ()),
