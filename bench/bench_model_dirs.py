@@ -24,59 +24,18 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import RESULTS, ROOT, WORK, median, pipeline_folder, write_result  # noqa: E402
+from model_dirs_common import hf_snapshot, load_once, stats, warm  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
 
 COMMIT = "0" * 39 + "1"
 MOVED = {"sd15": ("vae", "text_encoder"), "sdxl": ("vae", "text_encoder", "text_encoder_2")}
-LOAD = """
-import os, sys, time, json
-import torch
-torch.set_num_threads(1)
-import diffusers, transformers
-from dduf_plus import load_dduf
-from dduf_plus.format.archive import DDUFArchive
-from dduf_plus.refs.resolve import locate_component
-dirs = json.loads(sys.argv[2])
-t = time.perf_counter()
-with DDUFArchive(sys.argv[1]) as a:
-    refs = a.references
-for name, ref in refs.items():
-    locate_component(name, ref, model_dirs=dirs or None)
-resolved = time.perf_counter() - t
-pipe = load_dduf(sys.argv[1], model_dirs=dirs or None)
-print(json.dumps({"seconds": time.perf_counter() - t, "resolve": resolved}))
-"""
-
-
-def _link_tree(src: Path, dst: Path, skip: tuple[str, ...] = ()) -> None:
-    """A hard-linked copy of ``src`` (no bytes copied), leaving out the top-level folders in ``skip``."""
-    for path in sorted(src.rglob("*")):
-        rel = path.relative_to(src)
-        if rel.parts[0] in skip or rel.name.startswith("."):
-            continue
-        target = dst / rel
-        if path.is_dir():
-            target.mkdir(parents=True, exist_ok=True)
-        else:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            os.link(path, target)
-
-
-def _snapshot(cache: Path, src: Path, skip: tuple[str, ...] = ()) -> Path:
-    repo = cache / "models--bench--pipeline"
-    snap = repo / "snapshots" / COMMIT
-    _link_tree(src, snap, skip)
-    (repo / "refs").mkdir(parents=True, exist_ok=True)
-    (repo / "refs" / "main").write_text(COMMIT)
-    return snap
 
 
 def _resave(src: Path, dst: Path) -> None:
@@ -84,24 +43,6 @@ def _resave(src: Path, dst: Path) -> None:
 
     state = load_file(src)
     save_file(dict(reversed(list(state.items()))), dst, metadata={"saved_by": "an app"})
-
-
-def _load(archive: Path, env: dict[str, str], dirs: list[str]) -> tuple[float, float]:
-    """(seconds to resolve every reference, seconds to resolve and load) in a fresh process."""
-    out = subprocess.run([sys.executable, "-c", LOAD, str(archive), json.dumps(dirs)], env=env, check=False,
-                         capture_output=True, text=True)
-    if out.returncode:
-        raise SystemExit(f"load failed ({'model folders' if dirs else 'HF cache'}):\n{out.stderr[-4000:]}")
-    got = json.loads(out.stdout.strip().splitlines()[-1])
-    return float(got["resolve"]), float(got["seconds"])
-
-
-def _warm(paths: list[Path]) -> None:
-    for p in paths:
-        for f in ([p] if p.is_file() else sorted(p.rglob("*.safetensors"))):
-            with open(f, "rb") as fh:
-                while fh.read(64 << 20):
-                    pass
 
 
 def _pack(full: Path, archive: Path, referenced: list[str], cache: Path, digest: bool) -> float:
@@ -171,12 +112,12 @@ def main() -> int:
     moved = MOVED[args.shape]
     work = Path(tempfile.mkdtemp(prefix="model-dirs-", dir=WORK))
     try:
-        full = _snapshot(work / "hf", src)
-        _snapshot(work / "hf-without", src, skip=moved)
+        full = hf_snapshot(work / "hf", src, "bench/pipeline", COMMIT)
+        hf_snapshot(work / "hf-without", src, "bench/pipeline", COMMIT, skip=moved)
         archive = work / "partial.dduf"
         names = json.loads((src / "model_index.json").read_text())
         referenced = [n for n, v in names.items() if isinstance(v, list) and n != "unet" and v[0] is not None]
-        _warm([src])
+        warm([src])
         # the archive the loads use is the last one packed: with the digest
         pack_seconds: dict[str, list[float]] = {"without_digest": [], "with_digest": []}
         for i in range(args.repeat):
@@ -189,7 +130,7 @@ def main() -> int:
                 hashing[k].append(v)
         models = work / "models"
         _app_folders(src, full, archive, models, moved, ldm_vae=args.shape == "sdxl")
-        _warm([src, models, archive])
+        warm([src, models, archive])
         rows: dict[str, dict[str, list[float]]] = {c: {"first": [], "second": [], "resolve_first": [],
                                                        "resolve_second": []} for c in ("hf_cache", "model_dirs")}
         for i in range(args.repeat):
@@ -198,7 +139,7 @@ def main() -> int:
                        "DDUF_PLUS_CACHE": str(work / f"cache-{case}-{i}"), "OMP_NUM_THREADS": "1"}
                 env.pop("DDUF_PLUS_MODEL_DIRS", None)
                 for which in ("first", "second"):
-                    resolve, total = _load(archive, env, dirs)
+                    resolve, total = load_once(archive, env, dirs)
                     rows[case][which].append(total)
                     rows[case][f"resolve_{which}"].append(resolve)
         referenced_bytes = sum(f.stat().st_size for n in moved for f in (src / n).glob("*.safetensors"))
@@ -206,15 +147,12 @@ def main() -> int:
             "shape": args.shape, "repeat": args.repeat, "archive_bytes": archive.stat().st_size,
             "found_in_model_dirs": list(moved), "found_bytes": referenced_bytes,
             "vae_layout_in_model_dirs": "ldm" if args.shape == "sdxl" else "diffusers",
-            "pack_seconds": {k: {"median": round(median(v), 3), "runs": [round(x, 3) for x in v]}
-                             for k, v in pack_seconds.items()},
+            "pack_seconds": {k: stats(v) for k, v in pack_seconds.items()},
             "ratio_pack_with_vs_without_digest": round(median(pack_seconds["with_digest"])
                                                        / median(pack_seconds["without_digest"]), 2),
-            "hash_seconds": {k: {"median": round(median(v), 3), "runs": [round(x, 3) for x in v]}
-                             for k, v in hashing.items()},
+            "hash_seconds": {k: stats(v) for k, v in hashing.items()},
             "ratio_digest_vs_files_sha256": round(median(hashing["tensors_digest"]) / median(hashing["files_sha256"]), 2),
-            "load_seconds": {c: {k: {"median": round(median(v), 3), "runs": [round(x, 3) for x in v]}
-                                 for k, v in r.items()} for c, r in rows.items()},
+            "load_seconds": {c: {k: stats(v) for k, v in r.items()} for c, r in rows.items()},
             "ratio_model_dirs_vs_hf_cache": {k: round(median(rows["model_dirs"][k]) / median(rows["hf_cache"][k]), 2)
                                              for k in rows["hf_cache"]},
             "note": "one process per load, imports before the clock; resolve: every reference located (and verified) "

@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,31 +34,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import RESULTS, ROOT, WORK, median, write_result  # noqa: E402
+from model_dirs_common import hf_snapshot, load_once, stats, warm  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 COMMIT = "0" * 39 + "2"
-LOAD = """
-import os, sys, time, json
-import torch
-torch.set_num_threads(1)
-import diffusers, transformers
-from dduf_plus import load_dduf
-from dduf_plus.format.archive import DDUFArchive
-from dduf_plus.refs.resolve import locate_component
-from dduf_plus.packing.model_dir_layouts import install
-install()
-dirs = json.loads(sys.argv[2])
-t = time.perf_counter()
-with DDUFArchive(sys.argv[1]) as a:
-    refs = a.references
-for name, ref in refs.items():
-    locate_component(name, ref, model_dirs=dirs or None)
-resolved = time.perf_counter() - t
-pipe = load_dduf(sys.argv[1], model_dirs=dirs or None)
-print(json.dumps({"seconds": time.perf_counter() - t, "resolve": resolved}))
-"""
 
 
 def _build(root: Path, double: int, single: int) -> Path:
@@ -79,41 +59,6 @@ def _build(root: Path, double: int, single: int) -> Path:
     return base
 
 
-def _snapshot(cache: Path, src: Path, skip: tuple[str, ...] = ()) -> Path:
-    repo = cache / "models--bench--flux-sharded"
-    snap = repo / "snapshots" / COMMIT
-    for path in sorted(src.rglob("*")):
-        rel = path.relative_to(src)
-        if rel.parts[0] in skip:
-            continue
-        target = snap / rel
-        if path.is_dir():
-            target.mkdir(parents=True, exist_ok=True)
-        else:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            os.link(path, target)
-    (repo / "refs").mkdir(parents=True, exist_ok=True)
-    (repo / "refs" / "main").write_text(COMMIT)
-    return snap
-
-
-def _load(archive: Path, env: dict[str, str], dirs: list[str]) -> tuple[float, float]:
-    out = subprocess.run([sys.executable, "-c", LOAD, str(archive), json.dumps(dirs)], env=env, check=False,
-                         capture_output=True, text=True)
-    if out.returncode:
-        raise SystemExit(f"load failed ({'model folders' if dirs else 'HF cache'}):\n{out.stderr[-4000:]}")
-    got = json.loads(out.stdout.strip().splitlines()[-1])
-    return float(got["resolve"]), float(got["seconds"])
-
-
-def _warm(paths: list[Path]) -> None:
-    for p in paths:
-        for f in ([p] if p.is_file() else sorted(p.rglob("*.safetensors"))):
-            with open(f, "rb") as fh:
-                while fh.read(64 << 20):
-                    pass
-
-
 def _hash_once(shards: list[Path], cache: Path) -> dict[str, float]:
     """Seconds for the shards' files' sha256 (what every reference records) and for their tensors' digest (what
     the record adds), each with a fresh dduf_plus cache."""
@@ -131,10 +76,6 @@ def _hash_once(shards: list[Path], cache: Path) -> dict[str, float]:
     return {"files_sha256": sha, "tensors_digest": time.perf_counter() - t}
 
 
-def _stats(values: list[float]) -> dict[str, object]:
-    return {"median": round(median(values), 3), "runs": [round(x, 3) for x in values]}
-
-
 CASES = ("hf_cache", "model_dirs", "model_dirs_diffusers")
 
 
@@ -148,7 +89,7 @@ def _measure(work: Path, archive: Path, repeat: int) -> dict[str, dict[str, list
                    "DDUF_PLUS_CACHE": str(work / f"cache-{case}-{i}"), "OMP_NUM_THREADS": "1"}
             env.pop("DDUF_PLUS_MODEL_DIRS", None)
             for which in ("first", "second"):
-                resolve, total = _load(archive, env, dirs)
+                resolve, total = load_once(archive, env, dirs)
                 rows[case][which].append(total)
                 rows[case][f"resolve_{which}"].append(resolve)
     return rows
@@ -170,8 +111,8 @@ def main() -> int:
     try:
         src = _build(work / "src", args.double, args.single)
         shards = sorted((src / "transformer").glob("*-of-*.safetensors"))
-        full = _snapshot(work / "hf", src)
-        _snapshot(work / "hf-without", src, skip=("transformer",))
+        full = hf_snapshot(work / "hf", src, "bench/flux-sharded", COMMIT)
+        hf_snapshot(work / "hf-without", src, "bench/flux-sharded", COMMIT, skip=("transformer",))
         archive = work / "partial.dduf"
         os.environ["DDUF_PLUS_CACHE"] = str(work / "pack-cache")
         pack(full, archive, exclude=["transformer"], refs={"transformer": str(full)}, quiet=True, fsync=False)
@@ -181,7 +122,7 @@ def main() -> int:
         (work / "models-diffusers" / "diffusion_models").mkdir(parents=True)
         save_file(_state(src, "transformer"), work / "models-diffusers" / "diffusion_models" / "flux1-dev.safetensors")
         hashing: dict[str, list[float]] = {"files_sha256": [], "tensors_digest": []}
-        _warm([src, models, work / "models-diffusers", archive])
+        warm([src, models, work / "models-diffusers", archive])
         for i in range(args.repeat):
             for k, v in _hash_once(shards, work / f"hash-cache-{i}").items():
                 hashing[k].append(v)
@@ -191,8 +132,8 @@ def main() -> int:
             "repeat": args.repeat, "shards": len(shards),
             "transformer_bytes": sum(f.stat().st_size for f in shards),
             "app_file": "models/unet/flux1-dev.safetensors (BFL layout)",
-            "hash_seconds": {k: _stats(v) for k, v in hashing.items()},
-            "load_seconds": {c: {k: _stats(v) for k, v in r.items()} for c, r in rows.items()},
+            "hash_seconds": {k: stats(v) for k, v in hashing.items()},
+            "load_seconds": {c: {k: stats(v) for k, v in r.items()} for c, r in rows.items()},
             "ratio_vs_hf_cache": {c: {k: round(median(rows[c][k]) / median(rows["hf_cache"][k]), 2)
                                       for k in rows["hf_cache"]} for c in CASES[1:]},
             "note": "one process per load, imports before the clock, page cache warm; resolve: the reference "

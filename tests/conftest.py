@@ -120,3 +120,36 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if is_slow(item.nodeid, prefixes):
             item.add_marker(pytest.mark.slow)
+
+
+# --- app model folders (tests/test_model_dirs_*.py: `pytestmark = pytest.mark.usefixtures("app_cache")`) -----
+@pytest.fixture
+def app_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fresh dduf_plus cache (hash memory, part maps), no DDUF_PLUS_MODEL_DIRS, the layout readers registered."""
+    from dduf_plus.packing.model_dir_layouts import install
+    from dduf_plus.refs import model_dirs
+
+    monkeypatch.setenv("DDUF_PLUS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv(model_dirs.ENV, raising=False)
+    install()
+
+
+@pytest.fixture
+def hashed(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The files whose tensors are hashed (whole files, and parts of files as ``name:layout``), in order."""
+    from dduf_plus.refs import model_dirs, tensor_digest
+
+    seen: list[str] = []
+    whole, part = tensor_digest.tensors_digest, model_dirs.part_digest
+
+    def count_whole(files: list[tuple[Path, object]]) -> str:
+        seen.extend(p.name for p, _h in files)
+        return whole(files)  # type: ignore[arg-type]
+
+    def count_part(path: Path, p: model_dirs.Part) -> str:
+        seen.append(f"{path.name}:{p.layout}")
+        return part(path, p)
+
+    monkeypatch.setattr(tensor_digest, "tensors_digest", count_whole)
+    monkeypatch.setattr(model_dirs, "part_digest", count_part)
+    return seen

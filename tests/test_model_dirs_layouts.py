@@ -36,38 +36,16 @@ from dduf_plus.errors import DDUFFormatError, DDUFLoadError, DDUFReferenceError
 from dduf_plus.format.archive import DDUFArchive
 from dduf_plus.format.safetensors_header import TensorInfo, read_file_header
 from dduf_plus.packing import pack
-from dduf_plus.packing.model_dir_layouts import install, read_parts
+from dduf_plus.packing.model_dir_layouts import read_parts
 from dduf_plus.refs import model_dirs, tensor_digest
 from dduf_plus.refs.resolve import check_references, locate_component
+
+pytestmark = pytest.mark.usefixtures("app_cache")
 
 TINY_SD = PIPELINES / "tiny-sd"
 SD_PARTS = ("unet", "vae", "text_encoder")
 
 
-@pytest.fixture(autouse=True)
-def _cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("DDUF_PLUS_CACHE", str(tmp_path / "cache"))
-    monkeypatch.delenv(model_dirs.ENV, raising=False)
-    install()
-
-
-@pytest.fixture
-def hashed(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The files hashed (whole files and parts of files), in order."""
-    seen: list[str] = []
-    whole, part = tensor_digest.tensors_digest, model_dirs.part_digest
-
-    def count_whole(files: Any) -> str:
-        seen.extend(p.name for p, _h in files)
-        return whole(files)
-
-    def count_part(path: Path, p: Any) -> str:
-        seen.append(f"{path.name}:{p.layout}")
-        return part(path, p)
-
-    monkeypatch.setattr(tensor_digest, "tensors_digest", count_whole)
-    monkeypatch.setattr(model_dirs, "part_digest", count_part)
-    return seen
 
 
 def _fp32_base(out: Path) -> Path:

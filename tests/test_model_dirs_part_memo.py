@@ -26,9 +26,10 @@ from conftest import PIPELINES
 from dduf_plus.format.archive import DDUFArchive
 from dduf_plus.format.safetensors_header import TensorInfo
 from dduf_plus.packing import pack
-from dduf_plus.packing.model_dir_layouts import install
 from dduf_plus.refs import model_dirs, part_memo
 from dduf_plus.refs.cache import dduf_cache_dir, stat_key, verified_hashes
+
+pytestmark = pytest.mark.usefixtures("app_cache")
 
 PARTS = ("unet", "vae", "text_encoder")
 CONVERTER = "diffusers.loaders.single_file_utils"  # what the layout reader imports (diffusers' converter)
@@ -53,12 +54,6 @@ def sd15(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         refs = {n: dict(a.references[n]) for n in PARTS}
     return {"root": root, "archive": archive, "models": models, "full": full, "refs": refs}
 
-
-@pytest.fixture(autouse=True)
-def _cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("DDUF_PLUS_CACHE", str(tmp_path / "cache"))
-    monkeypatch.delenv(model_dirs.ENV, raising=False)
-    install()
 
 
 @pytest.fixture

@@ -23,20 +23,15 @@ from conftest import PIPELINES
 from dduf_plus.errors import DDUFError, DDUFReferenceError
 from dduf_plus.format.archive import DDUFArchive
 from dduf_plus.packing import pack
-from dduf_plus.packing.model_dir_layouts import install
-from dduf_plus.refs import model_dirs, tensor_digest
+from dduf_plus.refs import tensor_digest
 from dduf_plus.refs.resolve import check_references
+
+pytestmark = pytest.mark.usefixtures("app_cache")
 
 SHARDED = ("transformer", "text_encoder_2")
 T5_PREFIX = "text_encoders.t5xxl.transformer."
 KW = {"num_inference_steps": 2, "output_type": "np", "height": 32, "width": 32, "guidance_scale": 3.5}
 
-
-@pytest.fixture(autouse=True)
-def _cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("DDUF_PLUS_CACHE", str(tmp_path / "cache"))
-    monkeypatch.delenv(model_dirs.ENV, raising=False)
-    install()
 
 
 @pytest.fixture(scope="module")
@@ -76,24 +71,6 @@ def real_width(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert len(list((base / "transformer").glob("*-of-00003.safetensors"))) == 3
     return base
 
-
-@pytest.fixture
-def hashed(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The files whose tensors are hashed (whole files and parts of files), in order."""
-    seen: list[str] = []
-    whole, part = tensor_digest.tensors_digest, model_dirs.part_digest
-
-    def count_whole(files: Any) -> str:
-        seen.extend(p.name for p, _h in files)
-        return whole(files)
-
-    def count_part(path: Path, p: Any) -> str:
-        seen.append(f"{path.name}:{p.layout}")
-        return part(path, p)
-
-    monkeypatch.setattr(tensor_digest, "tensors_digest", count_whole)
-    monkeypatch.setattr(model_dirs, "part_digest", count_part)
-    return seen
 
 
 def _t5(base: Path, prefix: str = "") -> dict[str, torch.Tensor]:

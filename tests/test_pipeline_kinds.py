@@ -381,6 +381,17 @@ def test_guider_config_copy_must_match(guided_folder: Path, tmp_path: Path) -> N
         pack(guided_folder, tmp_path / "refused.dduf", quiet=True)
 
 
+def _loads_without_the_scheduler_folder(archive: Path, folder: Path) -> None:
+    """Valid, D008 said for the scheduler save_pretrained did not write, and loads as diffusers loads ``folder``."""
+    report = validate(archive)
+    assert report.valid and [f.entry for f in report.warnings if f.code == "D008"] == ["scheduler"]
+    reference = TinyGuidedPipeline.from_pretrained(folder)
+    loaded = load_dduf(archive)
+    _same_pipeline(loaded, reference)
+    assert torch.equal(loaded(generator=torch.Generator().manual_seed(0)),
+                       reference(generator=torch.Generator().manual_seed(0)))
+
+
 def test_component_not_saved(guided_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """``scheduler`` is named in model_index.json but save_pretrained wrote no folder: diffusers loads the
     folder (the pipeline makes its default), so pack stores the rest and says why; a missing required
@@ -391,13 +402,7 @@ def test_component_not_saved(guided_folder: Path, tmp_path: Path, capsys: pytest
     assert main(["pack", str(guided_folder), "-o", str(archive)]) == 0
     out = capsys.readouterr().out
     assert "scheduler/" in out and "from_pretrained passes model_index.json's value" in out
-    report = validate(archive)
-    assert report.valid and [f.entry for f in report.warnings if f.code == "D008"] == ["scheduler"]
-    reference = TinyGuidedPipeline.from_pretrained(guided_folder)
-    loaded = load_dduf(archive)
-    _same_pipeline(loaded, reference)
-    assert torch.equal(loaded(generator=torch.Generator().manual_seed(0)),
-                       reference(generator=torch.Generator().manual_seed(0)))
+    _loads_without_the_scheduler_folder(archive, guided_folder)
     for item in (guided_folder / "unet").iterdir():
         item.unlink()
     (guided_folder / "unet").rmdir()
@@ -424,13 +429,7 @@ def test_component_not_saved_with_base(guided_folder: Path, tmp_path: Path, caps
     with DDUFArchive(archive) as opened:
         assert {n.partition("/")[0] for n in opened.entries if "/" in n} == {"unet"}
         assert sorted(opened.references) == ["guider"]
-    report = validate(archive)
-    assert report.valid and [f.entry for f in report.warnings if f.code == "D008"] == ["scheduler"]
-    reference = TinyGuidedPipeline.from_pretrained(guided_folder)
-    loaded = load_dduf(archive)
-    _same_pipeline(loaded, reference)
-    assert torch.equal(loaded(generator=torch.Generator().manual_seed(0)),
-                       reference(generator=torch.Generator().manual_seed(0)))
+    _loads_without_the_scheduler_folder(archive, guided_folder)
 
 
 def test_single_controlnet_is_unchanged(sd_components: dict[str, Any], tmp_path: Path) -> None:
