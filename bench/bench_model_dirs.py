@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import RESULTS, ROOT, WORK, median, pipeline_folder, write_result  # noqa: E402
-from model_dirs_common import hf_snapshot, load_once, stats, warm  # noqa: E402
+from model_dirs_common import hf_snapshot, measure, stats, warm  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
 
@@ -131,17 +131,8 @@ def main() -> int:
         models = work / "models"
         _app_folders(src, full, archive, models, moved, ldm_vae=args.shape == "sdxl")
         warm([src, models, archive])
-        rows: dict[str, dict[str, list[float]]] = {c: {"first": [], "second": [], "resolve_first": [],
-                                                       "resolve_second": []} for c in ("hf_cache", "model_dirs")}
-        for i in range(args.repeat):
-            for case, hf, dirs in (("hf_cache", work / "hf", []), ("model_dirs", work / "hf-without", [str(models)])):
-                env = {**os.environ, "HF_HUB_CACHE": str(hf), "HF_HUB_OFFLINE": "1",
-                       "DDUF_PLUS_CACHE": str(work / f"cache-{case}-{i}"), "OMP_NUM_THREADS": "1"}
-                env.pop("DDUF_PLUS_MODEL_DIRS", None)
-                for which in ("first", "second"):
-                    resolve, total = load_once(archive, env, dirs)
-                    rows[case][which].append(total)
-                    rows[case][f"resolve_{which}"].append(resolve)
+        rows = measure(archive, work, [("hf_cache", work / "hf", []), ("model_dirs", work / "hf-without", [str(models)])],
+                       args.repeat)
         referenced_bytes = sum(f.stat().st_size for n in moved for f in (src / n).glob("*.safetensors"))
         result = {
             "shape": args.shape, "repeat": args.repeat, "archive_bytes": archive.stat().st_size,

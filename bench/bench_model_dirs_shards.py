@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import RESULTS, ROOT, WORK, median, write_result  # noqa: E402
-from model_dirs_common import hf_snapshot, load_once, stats, warm  # noqa: E402
+from model_dirs_common import hf_snapshot, measure, stats, warm  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
@@ -80,19 +80,9 @@ CASES = ("hf_cache", "model_dirs", "model_dirs_diffusers")
 
 
 def _measure(work: Path, archive: Path, repeat: int) -> dict[str, dict[str, list[float]]]:
-    rows: dict[str, dict[str, list[float]]] = {c: {"first": [], "second": [], "resolve_first": [],
-                                                   "resolve_second": []} for c in CASES}
-    for i in range(repeat):
-        for case, hf, dirs in (("hf_cache", work / "hf", []), ("model_dirs", work / "hf-without", [str(work / "models")]),
-                               ("model_dirs_diffusers", work / "hf-without", [str(work / "models-diffusers")])):
-            env = {**os.environ, "HF_HUB_CACHE": str(hf), "HF_HUB_OFFLINE": "1",
-                   "DDUF_PLUS_CACHE": str(work / f"cache-{case}-{i}"), "OMP_NUM_THREADS": "1"}
-            env.pop("DDUF_PLUS_MODEL_DIRS", None)
-            for which in ("first", "second"):
-                resolve, total = load_once(archive, env, dirs)
-                rows[case][which].append(total)
-                rows[case][f"resolve_{which}"].append(resolve)
-    return rows
+    return measure(archive, work, [("hf_cache", work / "hf", []), ("model_dirs", work / "hf-without", [str(work / "models")]),
+                                   ("model_dirs_diffusers", work / "hf-without", [str(work / "models-diffusers")])],
+                   repeat)
 
 
 def main() -> int:

@@ -79,3 +79,21 @@ def hf_snapshot(cache: Path, src: Path, repo_id: str, commit: str, skip: tuple[s
     (repo / "refs").mkdir(parents=True, exist_ok=True)
     (repo / "refs" / "main").write_text(commit)
     return snap
+
+
+def measure(archive: Path, work: Path, cases: list[tuple[str, Path, list[str]]],
+            repeat: int) -> dict[str, dict[str, list[float]]]:
+    """Per case (name, the HF cache it sees, the model folders it searches): ``repeat`` first loads (a fresh
+    dduf_plus cache each) and the second load after each, resolve and resolve+load seconds."""
+    rows: dict[str, dict[str, list[float]]] = {
+        case: {"first": [], "second": [], "resolve_first": [], "resolve_second": []} for case, _hf, _dirs in cases}
+    for i in range(repeat):
+        for case, hf, dirs in cases:
+            env = {**os.environ, "HF_HUB_CACHE": str(hf), "HF_HUB_OFFLINE": "1",
+                   "DDUF_PLUS_CACHE": str(work / f"cache-{case}-{i}"), "OMP_NUM_THREADS": "1"}
+            env.pop("DDUF_PLUS_MODEL_DIRS", None)
+            for which in ("first", "second"):
+                resolve, total = load_once(archive, env, dirs)
+                rows[case][which].append(total)
+                rows[case][f"resolve_{which}"].append(resolve)
+    return rows
