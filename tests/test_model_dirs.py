@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from pipeline_states import assert_same_states
 from single_file_ckpt import checkpoint_from_pipeline
 
 from conftest import PIPELINES
@@ -63,12 +64,6 @@ def setup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     return {"archive": archive, "models": models, "expected": expected, "base": base}
 
 
-def _same(pipe: Any, expected: dict[str, dict[str, torch.Tensor]]) -> None:
-    for name, state in expected.items():
-        mine = getattr(pipe, name).state_dict()
-        assert mine.keys() == state.keys() and all(torch.equal(mine[k], state[k]) for k in state), name
-
-
 def test_pipeline_loads_from_app_folders_and_second_load_hashes_nothing(setup: dict[str, Any],
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     from dduf_plus import load_dduf
@@ -87,15 +82,15 @@ def test_pipeline_loads_from_app_folders_and_second_load_hashes_nothing(setup: d
         return real(files)
 
     monkeypatch.setattr(tensor_digest, "tensors_digest", counting)
-    _same(load_dduf(setup["archive"], model_dirs=[setup["models"]]), setup["expected"])
+    assert_same_states(load_dduf(setup["archive"], model_dirs=[setup["models"]]), setup["expected"])
     assert sorted(p.name for p in hashed) == ["clip_l.safetensors", "sd15_vae.safetensors"]
     hashed.clear()
     monkeypatch.setenv(model_dirs.ENV, os.pathsep.join([str(setup["models"] / "vae"), str(setup["models"])]))
-    _same(load_dduf(setup["archive"]), setup["expected"])  # the environment variable; remembered: no hashing
+    assert_same_states(load_dduf(setup["archive"]), setup["expected"])  # the environment variable; remembered: no hashing
     assert hashed == []
     clip = setup["models"] / "text_encoders" / "clip_l.safetensors"
     os.utime(clip, ns=(1, 1))  # a changed file is hashed again
-    _same(load_dduf(setup["archive"]), setup["expected"])
+    assert_same_states(load_dduf(setup["archive"]), setup["expected"])
     assert [p.name for p in hashed] == ["clip_l.safetensors"]
 
 
@@ -111,7 +106,7 @@ def test_a_file_whose_header_fits_but_bytes_differ_is_skipped_and_said(setup: di
     state[k] = state[k] + 1
     save_file(state, setup["models"] / "vae" / "a_tampered.safetensors")  # found first (name order)
     with caplog.at_level("INFO", logger="dduf_plus"):
-        _same(load_dduf(setup["archive"], model_dirs=[setup["models"]]), setup["expected"])
+        assert_same_states(load_dduf(setup["archive"], model_dirs=[setup["models"]]), setup["expected"])
     text = caplog.text
     assert "a_tampered.safetensors" in text and "bytes differ" in text
     vae.unlink()
@@ -181,10 +176,10 @@ def test_an_ldm_vae_in_models_vae_is_found_renamed(setup: dict[str, Any], monkey
     hashed: list[Path] = []
     real = tensor_digest.tensors_digest
     monkeypatch.setattr(tensor_digest, "tensors_digest", lambda files: hashed.extend(p for p, _h in files) or real(files))
-    _same(load_dduf(setup["archive"], model_dirs=[setup["models"]]), setup["expected"])
+    assert_same_states(load_dduf(setup["archive"], model_dirs=[setup["models"]]), setup["expected"])
     assert "vae-ft-mse.safetensors" in [p.name for p in hashed]
     hashed.clear()
-    _same(load_dduf(setup["archive"], model_dirs=[setup["models"]]), setup["expected"])
+    assert_same_states(load_dduf(setup["archive"], model_dirs=[setup["models"]]), setup["expected"])
     assert hashed == []
     row = next(r for r in check_references(_refs(setup), model_dirs=[setup["models"]]) if r["component"] == "vae")
     assert "vae-ft-mse.safetensors (ldm-vae layout" in row["found"]
@@ -209,7 +204,7 @@ def test_a_clip_under_text_model_is_found_renamed(setup: dict[str, Any]) -> None
         assert row["status"] == "unresolved"
         return
     assert row["status"] == "ok" and "clip_l_comfy.safetensors (text_model layout" in row["found"]
-    _same(load_dduf(setup["archive"], model_dirs=[setup["models"]]), setup["expected"])
+    assert_same_states(load_dduf(setup["archive"], model_dirs=[setup["models"]]), setup["expected"])
 
 
 def test_export_resolves_from_app_folders(setup: dict[str, Any], tmp_path: Path,
@@ -276,7 +271,7 @@ def test_sdxl_text_encoders_and_vae_from_app_folders(tmp_path: Path, monkeypatch
     _resave(base / "text_encoder_2" / "model.safetensors", models / "text_encoders" / "clip_g.safetensors")
     for n in moved:
         shutil.rmtree(base / n)
-    _same(load_dduf(archive, model_dirs=[models]), expected)
+    assert_same_states(load_dduf(archive, model_dirs=[models]), expected)
 
 
 def test_sd3_text_encoders_from_app_folders(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -296,7 +291,7 @@ def test_sd3_text_encoders_from_app_folders(tmp_path: Path, monkeypatch: pytest.
     for n, file in zip(moved, ("clip_l", "clip_g", "t5xxl"), strict=True):
         _resave(base / n / "model.safetensors", models / f"{file}.safetensors")  # the fp32 weights the pack named
         shutil.rmtree(base / n)
-    _same(load_dduf(archive, model_dirs=[tmp_path / "models"]), expected)
+    assert_same_states(load_dduf(archive, model_dirs=[tmp_path / "models"]), expected)
 
 
 def test_flux_text_encoders_and_vae_from_app_folders(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -318,4 +313,4 @@ def test_flux_text_encoders_and_vae_from_app_folders(tmp_path: Path, monkeypatch
     _resave(base / "text_encoder_2" / "model.safetensors", models / "text_encoders" / "t5xxl.safetensors")
     for n in moved:
         shutil.rmtree(base / n)
-    _same(load_dduf(archive, model_dirs=[models]), expected)
+    assert_same_states(load_dduf(archive, model_dirs=[models]), expected)

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from pipeline_states import assert_same_states, states
 from safetensors.torch import load_file, save_file
 from single_file_ckpt import (
     _config,
@@ -62,17 +63,6 @@ def _partial(base: Path, out: Path, exclude: tuple[str, ...]) -> Path:
     return out
 
 
-def _states(pipe: Any, names: tuple[str, ...]) -> dict[str, dict[str, torch.Tensor]]:
-    return {n: {k: v.clone() for k, v in getattr(pipe, n).state_dict().items()} for n in names}
-
-
-def _same(pipe: Any, expected: dict[str, dict[str, torch.Tensor]]) -> None:
-    for name, state in expected.items():
-        mine = getattr(pipe, name).state_dict()
-        assert mine.keys() == state.keys(), name
-        assert all(torch.equal(mine[k], state[k]) for k in state), name
-
-
 def _image(pipe: Any) -> Any:
     return pipe("a cat", num_inference_steps=1, output_type="np", height=32, width=32,
                 generator=torch.Generator().manual_seed(0)).images
@@ -94,7 +84,7 @@ def sd15(tmp_path: Path) -> dict[str, Any]:
     base = _fp32_base(tmp_path / "base")
     archive = _partial(base, tmp_path / "sd15.dduf", SD_PARTS)
     pipe = load_dduf(archive)
-    expected, image = _states(pipe, SD_PARTS), _image(pipe)
+    expected, image = states(pipe, SD_PARTS), _image(pipe)
     models = tmp_path / "models"
     (models / "checkpoints").mkdir(parents=True)
     full = models / "checkpoints" / "sd15-pruned.safetensors"
@@ -112,7 +102,7 @@ def test_sd15_unet_vae_and_text_encoder_from_one_full_checkpoint(sd15: dict[str,
     with pytest.raises(DDUFReferenceError):
         load_dduf(sd15["archive"])  # BASE's copies are gone
     pipe = load_dduf(sd15["archive"], model_dirs=[sd15["models"]])
-    _same(pipe, sd15["expected"])
+    assert_same_states(pipe, sd15["expected"])
     assert (_image(pipe) == sd15["image"]).all()
     assert _weights_in_cache() == []  # used in place: no copy of any part written into dduf_plus' cache
     assert sorted(h.split(":")[1].split(" (")[0] for h in hashed if ":" in h) == [
@@ -125,7 +115,7 @@ def test_sd15_unet_vae_and_text_encoder_from_one_full_checkpoint(sd15: dict[str,
     out = capsys.readouterr().out
     assert "unet" in out and "sd15-pruned.safetensors (LDM UNet under model.diffusion_model. layout" in out
     hashed.clear()
-    _same(load_dduf(sd15["archive"], model_dirs=[sd15["models"]]), sd15["expected"])
+    assert_same_states(load_dduf(sd15["archive"], model_dirs=[sd15["models"]]), sd15["expected"])
     assert hashed == []  # the parts and the written copies are remembered: a second load hashes nothing
 
 
@@ -140,7 +130,7 @@ def test_a_changed_or_tampered_checkpoint_is_hashed_again_or_skipped_and_said(
     tampered = full.parent / "a-merge.safetensors"  # found first (name order): same header, other bytes
     save_file(state, tampered)
     with caplog.at_level("WARNING", logger="dduf_plus"):
-        _same(load_dduf(sd15["archive"], model_dirs=[sd15["models"]]), sd15["expected"])
+        assert_same_states(load_dduf(sd15["archive"], model_dirs=[sd15["models"]]), sd15["expected"])
     assert "a-merge.safetensors" in caplog.text and "bytes differ" in caplog.text
     full.unlink()
     with DDUFArchive(sd15["archive"]) as a:
@@ -250,7 +240,7 @@ def test_sdxl_bare_unet_and_open_clip_g(tmp_path: Path, hashed: list[str]) -> No
     base = build_tiny_sdxl(tmp_path / "sdxl", TINY_SD / "tokenizer")
     moved = ("unet", "text_encoder_2")
     archive = _partial(base, tmp_path / "xl.dduf", moved)
-    expected = _states(load_dduf(archive), moved)
+    expected = states(load_dduf(archive), moved)
     proj = expected["text_encoder_2"]["text_projection.weight"]
     assert not torch.equal(proj, proj.T)  # a transpose that did nothing would prove nothing
     models = tmp_path / "models"
@@ -264,7 +254,7 @@ def test_sdxl_bare_unet_and_open_clip_g(tmp_path: Path, hashed: list[str]) -> No
     save_file(clip_g, models / "text_encoders" / "open_clip_g.safetensors")
     for n in moved:
         shutil.rmtree(base / n)
-    _same(load_dduf(archive, model_dirs=[models]), expected)
+    assert_same_states(load_dduf(archive, model_dirs=[models]), expected)
     rows = _rows(archive, [models])
     assert "sdxl_unet.safetensors (LDM UNet layout" in rows["unet"]["found"]
     assert "open_clip_g.safetensors (OpenCLIP text encoder" in rows["text_encoder_2"]["found"]
@@ -282,19 +272,19 @@ def test_sd2_and_sdxl_refiner_parts_from_one_full_checkpoint(tmp_path: Path, has
 
     base = build(tmp_path / family, TINY_SD / "tokenizer")
     archive = _partial(base, tmp_path / f"{family}.dduf", parts)
-    expected = _states(load_dduf(archive), parts)
+    expected = states(load_dduf(archive), parts)
     models = tmp_path / "models"
     (models / "checkpoints").mkdir(parents=True)
     save_file(checkpoint_from_pipeline(base, family), models / "checkpoints" / f"{family}.safetensors")
     for n in parts:
         shutil.rmtree(base / n)
     hashed.clear()  # the pack hashed BASE's files for their digest
-    _same(load_dduf(archive, model_dirs=[models]), expected)
+    assert_same_states(load_dduf(archive, model_dirs=[models]), expected)
     assert sorted(h.split(":")[0] for h in hashed) == [f"{family}.safetensors"] * len(parts), hashed
     rows = _rows(archive, [models])
     assert all(f"{family}.safetensors (" in rows[n]["found"] for n in parts), rows
     hashed.clear()
-    _same(load_dduf(archive, model_dirs=[models]), expected)
+    assert_same_states(load_dduf(archive, model_dirs=[models]), expected)
     assert hashed == []  # remembered: the second load hashes nothing
 
 
@@ -315,12 +305,12 @@ def test_transformer_from_an_original_file_in_diffusion_models(tmp_path: Path, f
         original[prefix + "stray.weight"] = torch.ones(4)  # a key diffusers' converter leaves: ignored, as it does
         layout = "BFL Flux transformer" + (" under model.diffusion_model." if prefix else "") + " layout"
     archive = _partial(base, tmp_path / "t.dduf", ("transformer",))
-    expected = _states(load_dduf(archive), ("transformer",))
+    expected = states(load_dduf(archive), ("transformer",))
     models = tmp_path / "models" / "diffusion_models"
     models.mkdir(parents=True)
     save_file(original, models / "model.safetensors")
     shutil.rmtree(base / "transformer")
-    _same(load_dduf(archive, model_dirs=[models.parent]), expected)
+    assert_same_states(load_dduf(archive, model_dirs=[models.parent]), expected)
     assert _weights_in_cache() == []  # swapped halves, fused slices and transposes: from the user's file
     assert layout in _rows(archive, [models.parent])["transformer"]["found"]
 
@@ -425,13 +415,13 @@ def test_sd3_full_checkpoint_gives_transformer_vae_clip_g_and_t5(tmp_path: Path)
     base = build_tiny_sd3(tmp_path / "sd3", TINY_SD / "tokenizer", PIPELINES / "tiny-dit" / "tokenizer")
     moved = ("transformer", "vae", "text_encoder_2", "text_encoder_3")
     archive = _partial(base, tmp_path / "sd3.dduf", moved)
-    expected = _states(load_dduf(archive), moved)
+    expected = states(load_dduf(archive), moved)
     models = tmp_path / "models" / "checkpoints"
     models.mkdir(parents=True)
     save_file(sd3_checkpoint_from_pipeline(base), models / "sd3_medium_incl_clips_t5.safetensors")
     for n in moved:
         shutil.rmtree(base / n)
-    _same(load_dduf(archive, model_dirs=[models.parent]), expected)
+    assert_same_states(load_dduf(archive, model_dirs=[models.parent]), expected)
     rows = _rows(archive, [models.parent])
     assert "MMDiT transformer under model.diffusion_model. layout" in rows["transformer"]["found"]
     assert "CLIP under text_encoders.clip_g.transformer." in rows["text_encoder_2"]["found"]
@@ -466,4 +456,4 @@ def test_complete_takes_the_parts_of_a_full_checkpoint(sd15: dict[str, Any], tmp
     assert not {c.name for c in copies} & set(hashed)  # hashed as written: no second pass over the copy
     with DDUFArchive(out) as a:
         assert not {n for n in a.references if n in SD_PARTS}
-    _same(load_dduf(out), sd15["expected"])
+    assert_same_states(load_dduf(out), sd15["expected"])

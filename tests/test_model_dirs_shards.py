@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 from lora_files import FLUX_TARGETS, SMALL_FLUX, diffusers_lora
+from pipeline_states import assert_same_states, states
 from safetensors.torch import load_file, save_file
 from single_file_ckpt import _state, build_tiny_flux, flux_to_bfl
 
@@ -97,17 +98,6 @@ def _app_folder(base: Path, root: Path, *, transformer: str = "diffusers", t5_pr
 
 def _image(pipe: Any) -> Any:
     return pipe("a cat", generator=torch.Generator().manual_seed(0), **KW).images
-
-
-def _states(pipe: Any) -> dict[str, dict[str, torch.Tensor]]:
-    return {n: {k: v.clone() for k, v in getattr(pipe, n).state_dict().items()} for n in SHARDED}
-
-
-def _same(pipe: Any, expected: dict[str, dict[str, torch.Tensor]]) -> None:
-    for name, state in expected.items():
-        mine = getattr(pipe, name).state_dict()
-        assert mine.keys() == state.keys(), name
-        assert all(torch.equal(mine[k], state[k]) for k in state), name
 
 
 def _partial(base: Path, out: Path) -> Path:
@@ -294,10 +284,10 @@ def test_a_base_partial_loads_its_sharded_parts_from_one_file_each(base: Path, t
 
     archive = _partial(base, tmp_path / "ft.dduf")
     pipe = load_dduf(archive)
-    expected, image = _states(pipe), _image(pipe)
+    expected, image = states(pipe, SHARDED), _image(pipe)
     models = _app_folder(base, tmp_path, t5_prefix=t5_prefix)
     pipe = load_dduf(archive, model_dirs=[models])
-    _same(pipe, expected)
+    assert_same_states(pipe, expected)
     assert abs(_image(pipe) - image).max() < 1e-5  # equal tensors at other addresses: rounding only
     rows = {r["component"]: r for r in check_references(_refs(archive), model_dirs=[models])}
     assert "flux1-dev.safetensors" in rows["transformer"]["found"]
@@ -337,10 +327,10 @@ def test_the_bfl_flux_file_stands_for_the_sharded_transformer(real_width: Path, 
     save_file(flux_to_bfl(_state(base, "transformer"), "model.diffusion_model." if layout == "comfy" else ""),
               models / "flux1-dev.safetensors")
     shutil.rmtree(base / "transformer")
-    _same(load_dduf(archive, model_dirs=[models.parent]), expected)
+    assert_same_states(load_dduf(archive, model_dirs=[models.parent]), expected)
     assert _weights_in_cache() == []
     hashed.clear()
-    _same(load_dduf(archive, model_dirs=[models.parent]), expected)
+    assert_same_states(load_dduf(archive, model_dirs=[models.parent]), expected)
     assert hashed == []
     if layout == "bfl":  # complete: the BFL part written once as a diffusers-named file (hashed as written)
         from dduf_plus.packing.complete import complete_archive
@@ -350,7 +340,7 @@ def test_the_bfl_flux_file_stands_for_the_sharded_transformer(real_width: Path, 
         with DDUFArchive(tmp_path / "whole.dduf") as a:
             assert [n for n in a.entries if n.startswith("transformer/")] == [
                 "transformer/config.json", "transformer/diffusion_pytorch_model.safetensors"]
-        _same(load_dduf(tmp_path / "whole.dduf"), expected)
+        assert_same_states(load_dduf(tmp_path / "whole.dduf"), expected)
 
 
 # --- complete and export ---------------------------------------------------------------------------------------
@@ -363,7 +353,7 @@ def test_complete_writes_one_file_in_place_of_the_shards(base: Path, tmp_path: P
     from dduf_plus.cli import main
 
     archive = _partial(base, tmp_path / "ft.dduf")
-    expected = _states(load_dduf(archive))
+    expected = states(load_dduf(archive), SHARDED)
     models = _app_folder(base, tmp_path)
     load_dduf(archive, model_dirs=[models])
     hashed.clear()
@@ -377,7 +367,7 @@ def test_complete_writes_one_file_in_place_of_the_shards(base: Path, tmp_path: P
         names = {n for n in a.entries if n.split("/")[0] in SHARDED}
     assert names == {"transformer/config.json", "transformer/diffusion_pytorch_model.safetensors",
                      "text_encoder_2/config.json", "text_encoder_2/model.safetensors"}
-    _same(load_dduf(out), expected)
+    assert_same_states(load_dduf(out), expected)
 
 
 def test_export_reads_the_sharded_parts_from_the_app_files(base: Path, tmp_path: Path) -> None:
