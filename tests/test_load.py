@@ -97,11 +97,40 @@ def test_huggingface_hub_archives_load(archives, expected, name):
     assert np.array_equal(run(pipe, name), expected[name])
 
 
-def test_pread_path_equals_mmap_path(archives, expected):
-    pipe = load_dduf(archives["tiny-sd"], torch_dtype=torch.float32, use_mmap=False, prefetch=False)
+def test_pread_path_equals_mmap_path(archives, expected, monkeypatch):
+    import mmap
+
+    def no_map(*args, **kwargs):
+        raise AssertionError("use_mmap=False mapped the archive")
+
+    monkeypatch.setattr(mmap, "mmap", no_map)  # nothing is mapped (network file systems), prefetch or not
+    pipe = load_dduf(archives["tiny-sd"], torch_dtype=torch.float32, use_mmap=False, prefetch=True)
+    monkeypatch.undo()
     assert np.array_equal(run(pipe, "tiny-sd"), expected["tiny-sd"])
     assert not archive_ranges(archives["tiny-sd"]) or all(
         not inside(p.data_ptr(), archive_ranges(archives["tiny-sd"])) for p in pipe.unet.parameters())
+
+
+def test_pread_reads_the_archive_that_was_opened(archives, tmp_path):
+    """use_mmap=False reads from the descriptor whose structure was checked: a file put in the archive's place
+    after it was opened is never read (it was, when tensors were read by path)."""
+    import shutil
+
+    from dduf_plus.format.archive import DDUFArchive
+    from dduf_plus.loading.files import ArchiveComponentFiles
+
+    path = tmp_path / "a.dduf"
+    shutil.copy(archives["tiny-sd"], path)
+    with DDUFArchive(archives["tiny-sd"]) as original:
+        expected = {k: v.clone() for k, v in original.tensors("unet").items()}
+    with DDUFArchive(path) as archive:
+        files = ArchiveComponentFiles(archive, "unet", use_mmap=False)
+        other = tmp_path / "zeros"
+        other.write_bytes(bytes(path.stat().st_size))
+        os.replace(other, path)
+        got = files.tensors(files.weight_files())
+        assert got.keys() == expected.keys()
+        assert all(torch.equal(got[k], v) for k, v in expected.items())
 
 
 def reference_class(name: str) -> str:

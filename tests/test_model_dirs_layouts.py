@@ -7,6 +7,7 @@ hostile files, are rejected with a reason."""
 
 from __future__ import annotations
 
+import mmap
 import os
 import shutil
 from collections.abc import Iterator
@@ -313,6 +314,13 @@ def test_transformer_from_an_original_file_in_diffusion_models(tmp_path: Path, f
     assert_same_states(load_dduf(archive, model_dirs=[models.parent]), expected)
     assert _weights_in_cache() == []  # swapped halves, fused slices and transposes: from the user's file
     assert layout in _rows(archive, [models.parent])["transformer"]["found"]
+    with pytest.MonkeyPatch.context() as m:  # use_mmap=False (network file systems): read, nothing mapped
+        m.setattr(mmap, "mmap", _no_map)
+        assert_same_states(load_dduf(archive, model_dirs=[models.parent], use_mmap=False), expected)
+
+
+def _no_map(*args: Any, **kwargs: Any) -> Any:
+    raise AssertionError("use_mmap=False mapped a file")
 
 
 def test_a_lora_archive_whose_base_is_an_app_checkpoint(tmp_path: Path) -> None:

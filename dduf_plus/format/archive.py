@@ -282,6 +282,17 @@ class DDUFArchive:
             self._mmap = mmap.mmap(self._source.fd, 0, access=mmap.ACCESS_COPY)
         return self._mmap
 
+    @property
+    def fd(self) -> int | None:
+        """The open descriptor of a local archive (the file whose structure was checked), else None."""
+        fd = getattr(self._source, "fd", None)
+        return fd if isinstance(fd, int) and fd >= 0 else None
+
+    @property
+    def size(self) -> int:
+        """The archive's size in bytes when it was opened."""
+        return self._source.size
+
     def view(self, name: str) -> memoryview:
         """A zero-copy, read-only ``memoryview`` of an entry's bytes."""
         e = self.entry(name)

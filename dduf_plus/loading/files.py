@@ -8,6 +8,7 @@ tensors that view a memory map (no copy), or, with ``use_mmap=False``, read tens
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import mmap
@@ -19,7 +20,7 @@ import weakref
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
 from ..errors import DDUFError, DDUFFormatError, DDUFIntegrityError, DDUFIOError, DDUFLoadError, DDUFPathError
 from ..format import spec
@@ -33,6 +34,7 @@ from ..sizes import format_size
 from ..storage import cache_dirs
 from ..storage.cache_dirs import CACHE_ENV
 from ..storage.confined import Confined, plain_name
+from ..storage.fd_io import pread_upto
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -135,9 +137,11 @@ class LazyTensors(Mapping):
     A consumer that takes tensors one at a time (``materialize``) never holds a whole component in
     anonymous memory on the way to a device."""
 
-    def __init__(self, path: str, records: dict[str, tuple[int, TensorInfo]]):
+    def __init__(self, path: str, records: dict[str, tuple[int, TensorInfo]], *, fd: int | None = None):
         self._records = records  # name -> (absolute offset, info)
-        self._fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+        # the descriptor whose headers were read (``fd``, duplicated) when there is one: opening ``path`` again
+        # would read whatever file has been put there since
+        self._fd = os.dup(fd) if fd is not None else os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
         self._path = path
         weakref.finalize(self, os.close, self._fd)
 
@@ -363,7 +367,7 @@ class ArchiveComponentFiles:
     def tensors(self, filenames: Sequence[str]) -> Mapping[str, torch.Tensor]:
         records = self.tensor_infos(filenames)
         if not self.use_mmap:
-            return LazyTensors(self.archive.path, records)
+            return LazyTensors(self.archive.path, records, fd=self.archive.fd)
         import torch
 
         self.check_unchanged()
@@ -377,9 +381,8 @@ class ArchiveComponentFiles:
         kill the process with SIGBUS, which Python cannot catch. A truncation between this check and a page
         access cannot be caught at all (docs/security.md, "Truncation while reading"); ``use_mmap=False``
         reads with ``preadv``, where a short read is an error."""
-        source = getattr(self.archive, "_source", None)  # the archive's own ByteSource: its size at open
-        fd, size = getattr(source, "fd", None), getattr(source, "size", None)
-        if not (isinstance(fd, int) and fd >= 0 and isinstance(size, int)):
+        fd, size = self.archive.fd, self.archive.size  # the archive's own descriptor, its size at open
+        if fd is None:
             return
         try:
             now = os.fstat(fd).st_size
@@ -421,7 +424,7 @@ class FolderComponentFiles:
         self.name = name or self.path.name
         self.description = str(self.path)
         self.use_mmap = use_mmap
-        self._maps: dict[str, tuple[mmap.mmap, SafetensorsHeader]] = {}
+        self._maps: dict[str, tuple[mmap.mmap | int, SafetensorsHeader]] = {}  # a map, or a descriptor (no mmap)
 
     def __repr__(self) -> str:
         return f"FolderComponentFiles({self.description!r})"
@@ -439,7 +442,7 @@ class FolderComponentFiles:
         _refuse_over_size(os.stat(self.path / filename).st_size, entry, str(self.path.parent))
         return json_from_bytes(self.read_bytes(filename), entry, str(self.path.parent))
 
-    def _open(self, filename: str) -> tuple[mmap.mmap, SafetensorsHeader]:
+    def _open(self, filename: str) -> tuple[mmap.mmap | int, SafetensorsHeader]:
         if filename not in self._maps:
             _check_name(self, filename, self.listdir())
             where = str(self.path / filename)
@@ -447,9 +450,14 @@ class FolderComponentFiles:
                 size = os.fstat(f.fileno()).st_size
                 if size == 0:
                     raise DDUFFormatError(f"{where} is empty, not a safetensors file")
-                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-            header = checked(*read_safetensors_header(lambda o, n: mm[o : o + n], 0, size, filename), where)
-            self._maps[filename] = (mm, header)
+                handle: mmap.mmap | int
+                if self.use_mmap:
+                    handle = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+                else:  # nothing mapped (network file systems): the header and the tensors read from this descriptor
+                    handle = os.dup(f.fileno())
+                    weakref.finalize(self, os.close, handle)
+            header = checked(*read_safetensors_header(functools.partial(_read_at, handle), 0, size, filename), where)
+            self._maps[filename] = (handle, header)
         return self._maps[filename]
 
     def safetensors_header(self, filename: str) -> SafetensorsHeader:
@@ -469,10 +477,12 @@ class FolderComponentFiles:
     def tensors(self, filenames: Sequence[str]) -> Mapping[str, torch.Tensor]:
         records = self.tensor_infos(filenames)
         if not self.use_mmap:
-            return _FolderLazyTensors({f: LazyTensors(str(self.path / f), {}) for f in filenames}, records)
+            readers = {f: LazyTensors(str(self.path / f), {}, fd=cast(int, self._open(f)[0])) for f in filenames}
+            return _FolderLazyTensors(readers, records)
         import torch
 
-        return {name: tensor_view(self._open(f)[0], offset, info, torch) for name, (f, offset, info) in records.items()}
+        return {name: tensor_view(cast(mmap.mmap, self._open(f)[0]), offset, info, torch)
+                for name, (f, offset, info) in records.items()}
 
     def prefetch(self, filenames: Sequence[str]) -> None:
         pass  # per-file maps: the kernel's own read-ahead on sequential faults does well enough
@@ -493,6 +503,10 @@ class FolderComponentFiles:
 
     def weight_files(self, variant: str | None = None) -> list[str]:
         return choose_weight_files(self, variant)
+
+
+def _read_at(handle: mmap.mmap | int, offset: int, length: int) -> bytes:
+    return pread_upto(handle, length, offset) if isinstance(handle, int) else handle[offset : offset + length]
 
 
 class _FolderLazyTensors(Mapping):
@@ -550,11 +564,13 @@ def resolve_component(
     cache_dir: str | os.PathLike | None = None,
     verify: bool = True,
     model_dirs: Any = None,
+    use_mmap: bool = True,
 ) -> Any:
     """The referenced component's files as a ``ComponentFiles`` (see :mod:`dduf_plus.loading.files`):
     ``FolderComponentFiles`` over a folder holding exactly the verified files,
     ``ArchiveComponentFiles`` over another ``.dduf``'s component, or ``MappedPartFiles`` over a part of a file
-    in an app's model folder (another layout, used in place: :mod:`dduf_plus.loading.in_place`).
+    in an app's model folder (another layout, used in place: :mod:`dduf_plus.loading.in_place`). With
+    ``use_mmap=False`` none of them maps a file: tensors are read into buffers of their own, as the archive's.
 
     Raises:
         DDUFReferenceError: see :func:`locate_component`.
@@ -566,11 +582,11 @@ def resolve_component(
     located = locate_component(name, reference, refs=refs, local_files_only=local_files_only, token=token,
                                revision=revision, cache_dir=cache_dir, verify=verify, model_dirs=model_dirs)
     if located.archive is not None and located.member is not None:
-        return ArchiveComponentFiles(DDUFArchive(located.archive), located.member)
+        return ArchiveComponentFiles(DDUFArchive(located.archive), located.member, use_mmap=use_mmap)
     if located.folder is None:  # pragma: no cover - a Located is a folder or an archive member
         raise DDUFLoadError(f"component {name!r}: {located.source} resolved to neither a folder nor an archive")
     if located.in_place is not None:  # a model-folder part in another layout: views of the user's file
         from .in_place import MappedPartFiles
 
-        return MappedPartFiles(FolderComponentFiles(located.folder, name), name, located.in_place)
-    return FolderComponentFiles(located.folder, name)
+        return MappedPartFiles(FolderComponentFiles(located.folder, name), name, located.in_place, use_mmap=use_mmap)
+    return FolderComponentFiles(located.folder, name, use_mmap=use_mmap)

@@ -15,14 +15,16 @@ a model does to its weights reaches the file):
 
 The part was verified tensor by tensor (its digest over the same ranges) when it was found; between that and
 the mapping the file is trusted as any verified folder file is (a loader does not hash weights as it maps
-them), and a file whose stat changed since is refused."""
+them), and a file whose stat changed since is refused. With ``use_mmap=False`` nothing is mapped: each tensor
+is read from the checked descriptor into a buffer of its own when it is asked for."""
 
 from __future__ import annotations
 
 import mmap
 import os
-from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+import weakref
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 from ..errors import DDUFFormatError, DDUFIOError, DDUFLoadError, DDUFReferenceError
 from ..format import spec
@@ -30,6 +32,7 @@ from ..format.archive import tensor_view
 from ..format.safetensors_header import SafetensorsHeader, TensorInfo
 from ..format.weights import select_weights, tensor_files
 from ..refs.model_dirs import InPlace, Source, diffusers_header
+from ..storage.fd_io import pread_upto
 from ..storage.signed import StatKey
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -43,13 +46,15 @@ class MappedPartFiles:
     :class:`~dduf_plus.loading.files.FolderComponentFiles` over a view folder in dduf_plus' cache, answering
     for config.json as any folder does), ``in_place`` says where each diffusers tensor lies in the user's file."""
 
-    def __init__(self, config: Any, name: str, in_place: InPlace):
+    def __init__(self, config: Any, name: str, in_place: InPlace, *, use_mmap: bool = True):
         self._config = config
         self.name = name
         self.in_place = in_place
+        self.use_mmap = use_mmap
         self.description = f"{in_place.path} ({in_place.part.layout}, as {name})"
         self._header: SafetensorsHeader | None = None
         self._map: mmap.mmap | None = None
+        self._fd: int | None = None  # use_mmap=False: the checked descriptor tensors are read from
         self._size = 0
 
     def __repr__(self) -> str:
@@ -96,8 +101,8 @@ class MappedPartFiles:
                 out[tname] = (filename, header.data_start + info.begin, info)
         return out
 
-    def _open(self) -> mmap.mmap:
-        if self._map is None:
+    def _open(self) -> mmap.mmap | int:
+        if self._map is None and self._fd is None:
             where = self.in_place.path
             # Verified when found (its digest over these ranges) and unchanged in stat since: from here on it is
             # trusted as any verified folder file is (weights are not hashed as they are mapped). The stat is the
@@ -110,18 +115,23 @@ class MappedPartFiles:
                     if StatKey.of(st) != self.in_place.key:
                         raise DDUFReferenceError(f"component {self.name!r}: {where} changed since its tensors were "
                                                  "verified (search the model folders again: load again)")
-                    self._size, self._map = st.st_size, mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+                    self._size = st.st_size
+                    if self.use_mmap:
+                        self._map = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+                    else:
+                        self._fd = os.dup(fd)
+                        weakref.finalize(self, os.close, self._fd)
                 finally:
                     os.close(fd)
             except (OSError, ValueError) as e:  # gone, unreadable, or a file system that cannot map files
                 raise DDUFIOError(f"component {self.name!r}: {where} cannot be mapped: {e}") from None
-        return self._map
+        return self._map if self._map is not None else cast(int, self._fd)
 
     def check_unchanged(self) -> None:
         """Refuse (:class:`DDUFIOError`) a user's file shorter than when it was mapped: a page past its new end
         would kill the process with SIGBUS (as :meth:`ArchiveComponentFiles.check_unchanged`)."""
         if self._map is None:
-            return
+            return  # nothing mapped: a short read is an error, not a signal
         try:
             now = os.stat(self.in_place.path).st_size
         except OSError as e:
@@ -134,10 +144,12 @@ class MappedPartFiles:
         import torch
 
         names = self.tensor_infos(filenames)
-        mm = self._open()
-        self.check_unchanged()
+        opened = self._open()
         part = self.in_place.part
-        return {name: _tensor(mm, part.data_start, part.tensors[name], torch) for name in names}
+        if isinstance(opened, int):
+            return _PartReads(opened, part.data_start, {n: part.tensors[n] for n in names}, str(self.in_place.path))
+        self.check_unchanged()
+        return {name: _tensor(opened, part.data_start, part.tensors[name], torch) for name in names}
 
 
 def _tensor(mm: mmap.mmap, start: int, src: Source, torch: Any) -> torch.Tensor:
@@ -151,9 +163,51 @@ def _tensor(mm: mmap.mmap, start: int, src: Source, torch: Any) -> torch.Tensor:
     if len(ranges) <= 1:
         b = ranges[0][0] if ranges else 0
         return tensor_view(mm, start + b, info, torch)
-    dtype = getattr(torch, spec.DTYPE_BY_TORCH[info.dtype].torch, None)
-    if dtype is None:
-        raise DDUFFormatError(f"tensor {info.name}: dtype {info.dtype} is not supported by this torch")
+    dtype = _dtype(info, torch)
     pieces = [torch.frombuffer(mm, dtype=torch.uint8, count=e - b, offset=start + b) for b, e in ranges]
     return torch.cat(pieces).view(dtype).view(info.shape)
 
+
+
+class _PartReads(Mapping):
+    """A part's tensors read on first access from a descriptor into buffers of their own (``use_mmap=False``);
+    ``tensor_specs`` lets the transfer stream them one at a time (as the loader's ``LazyTensors``)."""
+
+    def __init__(self, fd: int, start: int, sources: dict[str, Source], where: str):
+        self._fd, self._start, self._sources, self._where = fd, start, sources, where
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        import torch
+
+        src = self._sources[name]
+        info, dtype = src.info, _dtype(src.info, torch)
+        ranges = [(b, e) for b, e in src.ranges if e > b]
+        buffer = torch.empty(sum(e - b for b, e in ranges), dtype=torch.uint8)
+        view, done = memoryview(buffer.numpy()).cast("B"), 0  # type: ignore[arg-type]
+        for b, e in ranges:
+            data = pread_upto(self._fd, e - b, self._start + b)
+            if len(data) != e - b:
+                raise DDUFIOError(f"{self._where}: the file ended while reading tensor {info.name}")
+            view[done : done + len(data)] = data
+            done += len(data)
+        if src.rows:  # the file holds its transpose
+            return buffer.view(dtype).view(src.rows, info.shape[0]).t().contiguous()
+        return buffer.view(dtype).view(info.shape)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._sources)
+
+    def __len__(self) -> int:
+        return len(self._sources)
+
+    def tensor_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        import torch
+
+        return {name: (tuple(src.info.shape), _dtype(src.info, torch)) for name, src in self._sources.items()}
+
+
+def _dtype(info: TensorInfo, torch: Any) -> torch.dtype:
+    dtype = getattr(torch, spec.DTYPE_BY_TORCH[info.dtype].torch, None)
+    if dtype is None:
+        raise DDUFFormatError(f"tensor {info.name}: dtype {info.dtype} is not supported by this torch")
+    return dtype

@@ -136,8 +136,9 @@ def load_dduf(
     with collector_paused():  # the first load in a process imports torch here (see gc_pause)
         request = resolve_request(torch_dtype, dtype)
     device_for = _device_resolver(device, device_map)
-    mapped = archive.mmap
-    prefetcher = Prefetcher(mapped) if prefetch and use_mmap and fetch is None and mapped is not None else None
+    # the read-ahead reads the archive's mapping: nothing is mapped with use_mmap=False (network file systems)
+    mapped = archive.mmap if prefetch and use_mmap and fetch is None else None
+    prefetcher = Prefetcher(mapped) if mapped is not None else None
     ctx = _Context(archive, path_str, request, device_for, variant, prefetcher,
                    resolve_options={"refs": refs, "local_files_only": local_files_only, "token": token,
                                     "revision": revision, "cache_dir": cache_dir, "verify": verify,
@@ -551,7 +552,7 @@ def _component_files(archive: DDUFArchive | FolderPipeline, name: str, stored: M
             raise DDUFReferenceError(f"component {name!r} is stored outside {archive.path} "
                                      "(a reference) and this dduf_plus cannot resolve "
                                      f"references; pass it as an argument: load_dduf(..., {name}=...)") from None
-        return resolve_component(name, references[name], **resolve_options)
+        return resolve_component(name, references[name], use_mmap=use_mmap, **resolve_options)
     if name in stored and stored[name].files:
         if isinstance(archive, FolderPipeline):
             return archive.component_files(name, use_mmap=use_mmap)
