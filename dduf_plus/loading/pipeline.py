@@ -136,8 +136,7 @@ def load_dduf(
     with collector_paused():  # the first load in a process imports torch here (see gc_pause)
         request = resolve_request(torch_dtype, dtype)
     device_for = _device_resolver(device, device_map)
-    # the read-ahead reads the archive's mapping: nothing is mapped with use_mmap=False (network file systems)
-    mapped = archive.mmap if prefetch and use_mmap and fetch is None else None
+    mapped = archive.mmap if prefetch and use_mmap and fetch is None else None  # use_mmap=False: nothing mapped
     prefetcher = Prefetcher(mapped) if mapped is not None else None
     ctx = _Context(archive, path_str, request, device_for, variant, prefetcher,
                    resolve_options={"refs": refs, "local_files_only": local_files_only, "token": token,
