@@ -383,3 +383,92 @@ def test_export_reads_the_sharded_parts_from_the_app_files(base: Path, tmp_path:
     assert t5.keys() <= want.keys() and len(t5) >= len(want) - 1
     assert all(torch.equal(t5[k], want[k]) for k in t5)
     assert any(k.startswith("double_blocks.") or k.startswith("model.diffusion_model.double_blocks.") for k in got)
+
+
+# --- a folder of shards in a model folder (ComfyUI's models/diffusers keeps whole diffusers pipelines) ----------
+def _diffusers_folder(base: Path, root: Path) -> Path:
+    """``models/diffusers/flux`` holding BASE's sharded components as diffusers folders: the transformer re-saved
+    cut into other shards (other names, another index), T5 as BASE has it; BASE's copies deleted."""
+    from diffusers import FluxTransformer2DModel
+
+    pipeline = root / "models" / "diffusers" / "flux"
+    model = FluxTransformer2DModel.from_pretrained(base / "transformer", torch_dtype=torch.float32)
+    model.save_pretrained(pipeline / "transformer", max_shard_size="80KB")
+    shutil.copytree(base / "text_encoder_2", pipeline / "text_encoder_2", copy_function=os.link)
+    before = sorted(p.name for p in (base / "transformer").glob("*.safetensors"))
+    assert sorted(p.name for p in (pipeline / "transformer").glob("*.safetensors")) != before  # cut otherwise
+    for name in SHARDED:
+        shutil.rmtree(base / name)
+    return root / "models"
+
+
+def test_a_folder_of_shards_in_a_model_folder_is_found_however_cut(base: Path, tmp_path: Path,
+                                                                    hashed: list[str]) -> None:
+    """Each sharded component found as the folder of shards it is in an app's ``models/diffusers`` pipeline (the
+    transformer cut into other shards than BASE's): loaded from those files, nothing copied, equal tensor for
+    tensor; the second load hashes nothing; ``dduf complete`` writes the folder's shards and index; a shard with
+    one tensor changed is refused and said."""
+    from dduf_plus import load_dduf
+    from dduf_plus.cli import main
+    from dduf_plus.packing import complete
+
+    archive = _partial(base, tmp_path / "ft.dduf")
+    expected = states(load_dduf(archive), SHARDED)
+    models = _diffusers_folder(base, tmp_path)
+    hashed.clear()
+    assert_same_states(load_dduf(archive, model_dirs=[models]), expected)
+    assert _weights_in_cache() == []
+    shards = sorted(p.name for n in SHARDED for p in (models / "diffusers" / "flux" / n).glob("*-of-*.safetensors"))
+    assert sorted(hashed) == shards  # each shard hashed once (a folder's shards: one digest)
+    rows = {r["component"]: r for r in check_references(_refs(archive), model_dirs=[models])}
+    for name in SHARDED:
+        assert rows[name]["how"] == "model folder" and f"flux{os.sep}{name} (shards)" in rows[name]["found"], rows
+    hashed.clear()
+    assert_same_states(load_dduf(archive, model_dirs=[models]), expected)
+    assert hashed == []  # remembered
+    out = tmp_path / "whole.dduf"  # complete: the shards and their index, as the folder cuts them
+    assert main(["complete", str(archive), "-o", str(out), "--model-dir", str(models), "-q"]) == 0
+    with DDUFArchive(out) as a:
+        assert not a.references and not a.findings
+        assert sorted(n.split("/")[1] for n in a.entries if n.startswith("transformer/") and "-of-" in n) == sorted(
+            p.name for p in (models / "diffusers" / "flux" / "transformer").glob("*-of-*.safetensors"))
+    assert_same_states(load_dduf(out), expected)
+    out.unlink()
+    with pytest.MonkeyPatch.context() as m:  # the shards copied must still be the ones verified
+        m.setattr(complete, "check_shard_folder", lambda folder, rec: "changed")
+        with pytest.raises(DDUFReferenceError, match="changed after its tensors were verified"):
+            complete.complete_archive(archive, out, quiet=True, model_dirs=[models])
+    assert not out.exists()
+    t5 = models / "diffusers" / "flux" / "text_encoder_2"
+    shard = sorted(t5.glob("*-of-*.safetensors"))[0]
+    state = load_file(shard)
+    first = sorted(state)[0]
+    state[first] = state[first] + 1
+    shard.unlink()
+    save_file(state, shard, metadata={"format": "pt"})
+    with pytest.raises(DDUFReferenceError) as err:
+        load_dduf(archive, model_dirs=[models])
+    assert "text_encoder_2" in str(err.value) and "bytes differ" in str(err.value)
+
+
+@pytest.mark.parametrize("index", [
+    {"weight_map": {"a": "../../escape.safetensors"}},
+    {"weight_map": "not a map"},
+    "[" * 100_000,
+])
+def test_a_hostile_shard_folder_is_a_candidate_less(base: Path, tmp_path: Path, index: Any) -> None:
+    """A folder of shards whose index escapes, is not a map, or is not JSON: rejected with a reason, never read
+    further, never a crash; a FIFO in the index's place is refused without blocking."""
+    from dduf_plus.refs.shard_dirs import check_shard_folder
+
+    folder = tmp_path / "models" / "diffusers" / "x" / "transformer"
+    shutil.copytree(base / "transformer", folder)
+    idx = next(folder.glob("*.index.json"))
+    idx.write_text(index if isinstance(index, str) else json.dumps(index))
+    rec = _refs(_partial(base, tmp_path / "ft.dduf"))["transformer"][tensor_digest.RECORD_KEY]
+    why = check_shard_folder(folder, rec)
+    assert isinstance(why, str) and why.startswith(idx.name), why
+    idx.unlink()
+    os.mkfifo(idx)
+    why = check_shard_folder(folder, rec)
+    assert isinstance(why, str) and "not a regular file" in why, why

@@ -23,8 +23,10 @@ from ..format.archive import DDUFArchive
 from ..format.chat_template import INDEX_KEY, TOKENIZER_CONFIG, fold, is_template_name, restore_plan
 from ..format.json_budget import parse_json_entry
 from ..format.pack import EntrySource, PackResult, read_safetensors_head, write_archive
+from ..format.weights import classify
 from ..refs import model_dirs, tensor_digest
 from ..refs.resolve import Located, SpecLike, check_ref_names, locate_component, with_files_on_disk
+from ..refs.shard_dirs import check_shard_folder
 from ..storage.confined import Confined
 from .partial import ORIGINAL_MODEL_INDEX_KEY, canonical_model_index_bytes
 
@@ -190,11 +192,17 @@ def _written_files(files: Mapping[str, Any], loc: Located) -> dict[str, str | No
     the shards cannot be cut again as they were, their index is not recorded."""
     out = {f: (r.get("sha256") or None if isinstance(r, dict) else None) for f, r in files.items()}
     found = tensor_digest.recorded_weights(files)
-    if loc.how != MODEL_FOLDER or found is None or found.shard_index is None or found.loaded_as not in loc.files:
+    if loc.how != MODEL_FOLDER or found is None or found.shard_index is None:
         return out
+    if found.loaded_as in loc.files:
+        written = [found.loaded_as]
+    else:  # a folder of shards, cut as that folder cuts them (its own shards and index)
+        written = [f for f in loc.files if classify(f) is not None]
+        if not written or set(written) == {*found.shards, found.shard_index}:
+            return out
     for f in (*found.shards, found.shard_index):
         out.pop(f, None)
-    return {**out, found.loaded_as: ""}
+    return {**out, **dict.fromkeys(written, "")}
 
 
 def _check_copied(result: PackResult, references: Mapping[str, Any], located: Mapping[str, Located],
@@ -221,19 +229,36 @@ def _check_copied(result: PackResult, references: Mapping[str, Any], located: Ma
                                      f"(sha256 {got}, recorded {recorded}); nothing was written")
 
 
+def _shard_folder_now(shard_set: Mapping[str, Path], record: Mapping[str, Any]) -> dict[str, Path] | str:
+    """The folder of shards found in a model folder, checked again: the same shards and index, their digest
+    remembered (unchanged since they were hashed: nothing is hashed again)."""
+    return check_shard_folder(next(iter(shard_set.values())).parent, record)
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()  # a shard index: within its JSON budget
+
+
 def _by_content(name: str, fname: str, loc: Located, reference: Mapping[str, Any], got: str) -> str | None:
     """None when ``fname`` came from a model-folder file whose tensors are the reference's (verified by their
     digest when it was found, and the file unchanged since): said, and accepted with its own bytes. Else why
     the copy is refused."""
-    if loc.how != MODEL_FOLDER or not fname.endswith(".safetensors") or fname not in loc.files:
+    if loc.how != MODEL_FOLDER or classify(fname) is None or fname not in loc.files:
         return "changed while it was copied"
     record = reference.get(tensor_digest.RECORD_KEY)
     digest = record.get("sha256") if isinstance(record, dict) else None
-    if digest is None or model_dirs.verified_digest(loc.files[fname]) != digest:
-        return "changed after its tensors were verified"
     found = tensor_digest.recorded_weights(reference.get("files") or {})
-    instead = (f" (one file in place of its {len(found.shards)} shards and index)"
-               if found is not None and found.shard_index is not None and fname == found.loaded_as else "")
+    shard_set = {f: p for f, p in loc.files.items() if classify(f) is not None}
+    if len(shard_set) > 1:  # a folder of shards: still the one verified (its digest remembered), its index too
+        if not isinstance(record, dict) or digest is None or _shard_folder_now(shard_set, record) != shard_set or (
+                fname.endswith(".json") and _sha256(loc.files[fname]) != got):
+            return "changed after its tensors were verified"
+        instead = f" (cut into {len(shard_set) - 1} shards in place of {len(found.shards) if found else '?'})"
+    elif digest is None or not fname.endswith(".safetensors") or model_dirs.verified_digest(loc.files[fname]) != digest:
+        return "changed after its tensors were verified"
+    else:
+        instead = (f" (one file in place of its {len(found.shards)} shards and index)"
+                   if found is not None and found.shard_index is not None and fname == found.loaded_as else "")
     logger.warning("component %r: %s written from %s%s: the same tensors as the reference (verified by their "
                    "digest) in other bytes than it recorded; the archive's index records their sha256 %s",
                    name, fname, loc.source, instead, got)

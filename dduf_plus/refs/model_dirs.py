@@ -44,10 +44,12 @@ from ..errors import DDUFError, DDUFFormatError, DDUFIOError
 from ..format import spec
 from ..format.original_layout import diffusers_vae_names
 from ..format.safetensors_header import SafetensorsHeader, TensorInfo, read_file_header
+from ..format.weights import classify
 from ..storage.confined import Confined
 from ..storage.signed import StatKey
 from . import part_memo
 from .cache import dduf_cache_dir, sha256_file, stat_key, verified_hashes
+from .shard_dirs import check_shard_folder
 from .tensor_digest import (
     MAX_CONFIG,
     MEMBER,
@@ -296,8 +298,9 @@ def _recorded_weights(reference: Mapping[str, Any]) -> tuple[WeightFiles, str] |
 
 def find_component(name: str, reference: Mapping[str, Any], dirs: Sequence[Path]) -> Match | str:
     """A file in ``dirs`` holding exactly the referenced tensors, or why none (with the rejected candidates).
-    A sharded reference is matched by one file holding all its shards' tensors: it is read in place, as the
-    one file the shards' name stands for (:attr:`WeightFiles.loaded_as`)."""
+    A sharded reference is matched by a folder of shards holding its tensors, however cut (:mod:`.shard_dirs`),
+    or by one file holding all of them: read in place, as the one file the shards' name stands for
+    (:attr:`WeightFiles.loaded_as`)."""
     rec = _record(reference)
     recorded = _recorded_weights(reference)
     if isinstance(rec, str):
@@ -309,7 +312,16 @@ def find_component(name: str, reference: Mapping[str, Any], dirs: Sequence[Path]
     if hashlib.sha256(config).hexdigest() != config_sha:
         return "the recorded config text does not match the recorded config.json sha256"
     rejected: list[Rejected] = []
+    shard_folders: set[Path] = set()  # a sharded reference: each folder of shards checked as one, once
     for path in _walk(dirs):
+        if weights.shard_index is not None and _is_shard(path) and path.parent not in shard_folders:
+            shard_folders.add(path.parent)
+            shards = check_shard_folder(path.parent, rec)
+            if isinstance(shards, dict):
+                return Match({**shards, "config.json": _config_file(config, config_sha)}, f"{path.parent} (shards)",
+                             rejected)
+            if shards:
+                rejected.append(Rejected(str(path.parent), shards))
         try:
             why = _check(path, rec)
         except (OSError, DDUFIOError) as e:  # gone, unreadable or changed since it was listed: a candidate less
@@ -334,6 +346,11 @@ def find_component(name: str, reference: Mapping[str, Any], dirs: Sequence[Path]
 
 
 _DIFFER = "its header fits but its tensors' bytes differ (skipped)"
+
+
+def _is_shard(path: Path) -> bool:
+    w = classify(path.name)
+    return w is not None and w.sharded and not w.is_index
 
 
 def _check(path: Path, rec: Mapping[str, Any]) -> tuple[str, SafetensorsHeader | Part] | str:

@@ -1,0 +1,102 @@
+"""A sharded component found in an app's model folder as the folder of shards it is: ComfyUI's ``models/diffusers``
+keeps whole diffusers pipelines, where a Flux transformer or a T5 encoder is several shards and their index.
+
+The folder is checked as one component: its shard index (untrusted: :func:`~.tensor_digest.check_shard_index`)
+names exactly its shards, their tensors' count, bytes and layout fit the reference's record, and the digest over
+all of them (remembered per shard set by path and stat, :func:`~.tensor_digest.remembered_shards_digest`) is the
+recorded one. The shards may be cut differently from the referenced ones (another ``max_shard_size``): the
+content is what is compared, and the folder's own index says where each tensor lies. Standard library only."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import stat
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ..errors import DDUFError, DDUFFormatError
+from ..format.json_budget import SHARD_INDEX_JSON_BUDGET, parse_json_entry
+from ..format.safetensors_header import read_file_header
+from ..format.weights import classify, shard_map
+from ..storage.confined import name_problem
+from .tensor_digest import check_shard_index, layout_digest, remembered_shards_digest
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["MAX_ENTRIES", "MAX_SHARDS", "check_shard_folder"]
+
+MAX_SHARDS = 256  # shards of one component (diffusers' 10 GB default: a 2.5 TB model)
+MAX_ENTRIES = 4096  # names looked at in one folder
+MAX_INDEXES = 4  # shard indexes tried in one folder (one per variant, in practice)
+
+
+def check_shard_folder(folder: Path, rec: Mapping[str, Any]) -> dict[str, Path] | str:
+    """{file name: path} of a shard index and its shards in ``folder`` that hold exactly the recorded tensors;
+    "" when the folder plainly holds another model (not said); else why it was rejected."""
+    try:
+        with os.scandir(folder) as it:
+            names = sorted(e.name for e in itertools.islice(it, MAX_ENTRIES))
+    except OSError as e:
+        return f"not readable ({e})"
+    why = ""
+    indexes = [n for n in names if (w := classify(n)) is not None and w.is_index]
+    for index in indexes[:MAX_INDEXES]:
+        try:
+            found = _shard_set(folder, index, set(names), rec)
+        except (OSError, DDUFError) as e:  # unreadable, hostile index or header: a candidate less, said
+            found = f"{index}: {str(e).splitlines()[0][:200]}"
+        if isinstance(found, dict):
+            return found
+        why = why or found
+    return why
+
+
+def _shard_set(folder: Path, index: str, names: set[str], rec: Mapping[str, Any]) -> dict[str, Path] | str:
+    raw = _read_index(folder / index)
+    weight_map = shard_map(_json(raw, index))
+    if weight_map is None:
+        return f"{index}: no 'weight_map' object of file names"
+    shards = sorted(set(weight_map.values()))
+    if len(shards) > MAX_SHARDS:
+        return f"{index}: names {len(shards)} shards, more than {MAX_SHARDS}"
+    for shard in shards:
+        if name_problem(shard) is not None or shard not in names:
+            return f"{index}: names {shard[:200]!r}, which is not a file beside it"
+    headers = {s: read_file_header(folder / s, s, DDUFFormatError) for s in shards}
+    infos = [t for h in headers.values() for t in h.tensors.values()]
+    if len(infos) != rec["count"] or sum(t.nbytes for t in infos) != rec["bytes"]:
+        return ""  # another model
+    if layout_digest(infos) != rec["layout"]:
+        return "same size, other tensor names, dtypes or shapes (another layout or model)"
+    check_shard_index(str(folder), index, raw, headers)
+    files = [(folder / s, headers[s]) for s in shards]
+    if remembered_shards_digest(files) != rec["sha256"]:
+        logger.warning("model folder %s: its shards fit the reference but their tensors' bytes differ: skipped", folder)
+        return "its shards' header fits but their tensors' bytes differ (skipped)"
+    return {index: folder / index, **{s: folder / s for s in shards}}
+
+
+def _read_index(path: Path) -> bytes:
+    """The index's bytes within its budget; a FIFO or device in its place is refused without blocking."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise DDUFFormatError(f"not a regular file (a FIFO, a device, a folder): {path}")
+        if st.st_size > SHARD_INDEX_JSON_BUDGET.bytes:
+            raise DDUFFormatError(f"over its JSON budget ({st.st_size} bytes) (D013)", code="D013")
+        with open(fd, "rb", closefd=False) as f:
+            return f.read(SHARD_INDEX_JSON_BUDGET.bytes + 1)
+    finally:
+        os.close(fd)
+
+
+def _json(raw: bytes, index: str) -> Any:
+    value, code, why = parse_json_entry(raw, index, budget=SHARD_INDEX_JSON_BUDGET)
+    if code is not None:
+        raise DDUFFormatError(f"{why} ({code})", code=code)
+    return value
+
