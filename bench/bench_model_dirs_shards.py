@@ -14,7 +14,9 @@ process (imports before the clock) with a fresh dduf_plus cache per repetition:
 * ``model_dirs``: the snapshot has no transformer; ComfyUI's ``models/unet/flux1-dev.safetensors`` (BFL layout:
   fused q/k/v and ``linear1``, swapped final adaLN) is found by its tensors' digest and loaded in place;
 * ``model_dirs_diffusers``: the same with ONE file in diffusers' names instead (read from its header alone: no
-  layout reader, so no diffusers converter imported).
+  layout reader, so no diffusers converter imported);
+* ``model_dirs_shard_folder``: the transformer as a folder of shards in ComfyUI's ``models/diffusers/flux``, cut
+  into 2 shards instead of the reference's 3-4 (found by the digest over all its shards, loaded from them).
 
 ``first``: a fresh dduf_plus cache (hashing), ``second``: remembered (nothing hashed). ``resolve``: the reference
 located and verified (``locate_component``); the totals add ``load_dduf``. The page cache is warm. The pack's
@@ -59,6 +61,16 @@ def _build(root: Path, double: int, single: int) -> Path:
     return base
 
 
+def _shard_folder(src: Path, out: Path) -> None:
+    """The transformer re-saved by diffusers cut into 2 shards (the reference records 3-4)."""
+    import torch
+    from diffusers import FluxTransformer2DModel
+
+    size = sum(f.stat().st_size for f in (src / "transformer").glob("*.safetensors"))
+    model = FluxTransformer2DModel.from_pretrained(src / "transformer", torch_dtype=torch.bfloat16)
+    model.save_pretrained(out, max_shard_size=f"{(size // 2 >> 10) + 1024}KB")
+
+
 def _hash_once(shards: list[Path], cache: Path) -> dict[str, float]:
     """Seconds for the shards' files' sha256 (what every reference records) and for their tensors' digest (what
     the record adds), each with a fresh dduf_plus cache."""
@@ -76,12 +88,13 @@ def _hash_once(shards: list[Path], cache: Path) -> dict[str, float]:
     return {"files_sha256": sha, "tensors_digest": time.perf_counter() - t}
 
 
-CASES = ("hf_cache", "model_dirs", "model_dirs_diffusers")
+CASES = ("hf_cache", "model_dirs", "model_dirs_diffusers", "model_dirs_shard_folder")
 
 
 def _measure(work: Path, archive: Path, repeat: int) -> dict[str, dict[str, list[float]]]:
     return measure(archive, work, [("hf_cache", work / "hf", []), ("model_dirs", work / "hf-without", [str(work / "models")]),
-                                   ("model_dirs_diffusers", work / "hf-without", [str(work / "models-diffusers")])],
+                                   ("model_dirs_diffusers", work / "hf-without", [str(work / "models-diffusers")]),
+                                   ("model_dirs_shard_folder", work / "hf-without", [str(work / "models-shards")])],
                    repeat)
 
 
@@ -111,8 +124,9 @@ def main() -> int:
         save_file(flux_to_bfl(_state(src, "transformer")), models / "unet" / "flux1-dev.safetensors")
         (work / "models-diffusers" / "diffusion_models").mkdir(parents=True)
         save_file(_state(src, "transformer"), work / "models-diffusers" / "diffusion_models" / "flux1-dev.safetensors")
+        _shard_folder(src, work / "models-shards" / "diffusers" / "flux" / "transformer")
         hashing: dict[str, list[float]] = {"files_sha256": [], "tensors_digest": []}
-        warm([src, models, work / "models-diffusers", archive])
+        warm([src, models, work / "models-diffusers", work / "models-shards", archive])
         for i in range(args.repeat):
             for k, v in _hash_once(shards, work / f"hash-cache-{i}").items():
                 hashing[k].append(v)
@@ -129,7 +143,7 @@ def main() -> int:
             "note": "one process per load, imports before the clock, page cache warm; resolve: the reference "
                     "located and verified; first/second: that plus load_dduf; first: a fresh dduf_plus cache "
                     "(HF cache: the shards' sha256; model folders: the BFL file's part hashed from its ranges, or the "
-                    "diffusers-named file's tensors), second: remembered (nothing hashed); the BFL case's first load "
+                    "diffusers-named file's tensors, or the folder's shards'), second: remembered (nothing hashed); the BFL case's first load "
                     "imports diffusers' single-file converter (about 2 s here), the second reads the part's "
                     "remembered map instead (no converter imported)",
         }
