@@ -451,12 +451,14 @@ def test_a_folder_of_shards_in_a_model_folder_is_found_however_cut(base: Path, t
     assert "text_encoder_2" in str(err.value) and "bytes differ" in str(err.value)
 
 
-@pytest.mark.parametrize("index", [
-    {"weight_map": {"a": "../../escape.safetensors"}},
-    {"weight_map": "not a map"},
-    "[" * 100_000,
-])
-def test_a_hostile_shard_folder_is_a_candidate_less(base: Path, tmp_path: Path, index: Any) -> None:
+def _escaping_map(index: dict[str, Any]) -> Any:
+    first = sorted(index["weight_map"])[0]
+    return {"weight_map": {**index["weight_map"], first: "../../escape.safetensors"}}
+
+
+@pytest.mark.parametrize("hostile", [_escaping_map, lambda index: {"weight_map": "not a map"},
+                                     lambda index: "[" * 100_000], ids=["escaping", "not-a-map", "not-json"])
+def test_a_hostile_shard_folder_is_a_candidate_less(base: Path, tmp_path: Path, hostile: Any) -> None:
     """A folder of shards whose index escapes, is not a map, or is not JSON: rejected with a reason, never read
     further, never a crash; a FIFO in the index's place is refused without blocking."""
     from dduf_plus.refs.shard_dirs import check_shard_folder
@@ -464,6 +466,7 @@ def test_a_hostile_shard_folder_is_a_candidate_less(base: Path, tmp_path: Path, 
     folder = tmp_path / "models" / "diffusers" / "x" / "transformer"
     shutil.copytree(base / "transformer", folder)
     idx = next(folder.glob("*.index.json"))
+    index = hostile(json.loads(idx.read_text()))
     idx.write_text(index if isinstance(index, str) else json.dumps(index))
     rec = _refs(_partial(base, tmp_path / "ft.dduf"))["transformer"][tensor_digest.RECORD_KEY]
     why = check_shard_folder(folder, rec)

@@ -59,6 +59,8 @@ def _shard_set(folder: Path, index: str, names: set[str], rec: Mapping[str, Any]
     weight_map = shard_map(_json(raw, index))
     if weight_map is None:
         return f"{index}: no 'weight_map' object of file names"
+    if len(weight_map) != rec["count"]:
+        return ""  # another model: told by its index alone (one entry per tensor), no shard opened
     shards = sorted(set(weight_map.values()))
     if len(shards) > MAX_SHARDS:
         return f"{index}: names {len(shards)} shards, more than {MAX_SHARDS}"
