@@ -475,3 +475,22 @@ def test_a_hostile_shard_folder_is_a_candidate_less(base: Path, tmp_path: Path, 
     os.mkfifo(idx)
     why = check_shard_folder(folder, rec)
     assert isinstance(why, str) and "not a regular file" in why, why
+
+
+def test_a_shard_set_past_the_recorded_count_stops_reading(base: Path, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A folder whose index has the recorded entry count but whose first shard holds more tensors than that:
+    told apart after that one header (never every header of a hostile set)."""
+    from dduf_plus.refs import shard_dirs
+
+    folder = tmp_path / "models" / "diffusers" / "x" / "transformer"
+    shutil.copytree(base / "transformer", folder)
+    rec = _refs(_partial(base, tmp_path / "ft.dduf"))["transformer"][tensor_digest.RECORD_KEY]
+    first = sorted(folder.glob("*-of-*.safetensors"))[0]
+    first.unlink()
+    save_file({f"t{i}": torch.zeros(1) for i in range(rec["count"] + 1)}, first)
+    read: list[str] = []
+    real = shard_dirs.read_file_header
+    monkeypatch.setattr(shard_dirs, "read_file_header", lambda p, *a: (read.append(p.name), real(p, *a))[1])
+    assert shard_dirs.check_shard_folder(folder, rec) == ""
+    assert read == [first.name]

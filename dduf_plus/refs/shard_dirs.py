@@ -67,7 +67,12 @@ def _shard_set(folder: Path, index: str, names: set[str], rec: Mapping[str, Any]
     for shard in shards:
         if name_problem(shard) is not None or shard not in names:
             return f"{index}: names {shard[:200]!r}, which is not a file beside it"
-    headers = {s: read_file_header(folder / s, s, DDUFFormatError) for s in shards}
+    headers, seen = {}, 0
+    for shard in shards:  # stop at the first shard past the recorded count: never every header of a hostile set
+        headers[shard] = read_file_header(folder / shard, shard, DDUFFormatError)
+        seen += len(headers[shard].tensors)
+        if seen > rec["count"]:
+            return ""
     infos = [t for h in headers.values() for t in h.tensors.values()]
     if len(infos) != rec["count"] or sum(t.nbytes for t in infos) != rec["bytes"]:
         return ""  # another model
