@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ..errors import DDUFFormatError, DDUFUsageError, DDUFValidationError
 from ..storage.confined import Confined
+from ..storage.fd_io import pwrite_all
 from . import spec
 from .archive import DDUFArchive
 from .chat_template import restore_plan
@@ -56,8 +57,7 @@ def unpack(archive_path: str | os.PathLike, output: str | os.PathLike, *, force:
                 if name in originals:
                     out.file.write(originals[name])
                 else:
-                    entry = archive.entry(name)
-                    _copy_range(archive, entry.offset, entry.length, out.fd)
+                    _copy_entry(archive, name, out.fd)
             written.append(target)
         if archive.references:  # the folder lacks them: say so, and what gives a usable folder
             logger.warning("%s is a partial archive: %s (referenced, not stored) %s missing from %s, so diffusers "
@@ -86,19 +86,21 @@ def restored_originals(archive: DDUFArchive) -> dict[str, bytes]:
     return plan.files
 
 
-def _copy_range(archive: DDUFArchive, offset: int, length: int, dst: int) -> None:
-    src = getattr(archive._source, "fd", None)
-    done = 0
+def _copy_entry(archive: DDUFArchive, name: str, dst: int) -> None:
+    """Entry ``name``'s bytes to the new file ``dst``: by the kernel where it can, else read and written whole (a
+    short write on a filling disk is continued, then fails: never a truncated file kept as if complete)."""
+    entry = archive.entry(name)
+    src, done = archive.fd, 0
     if src is not None and hasattr(os, "copy_file_range"):
         try:
-            while done < length:
-                n = os.copy_file_range(src, dst, length - done, offset + done)
+            while done < entry.length:
+                n = os.copy_file_range(src, dst, entry.length - done, entry.offset + done, done)
                 if n <= 0:
                     break
                 done += n
         except OSError:
-            pass
-    while done < length:
-        chunk = archive._source.read_at(offset + done, min(64 << 20, length - done))
-        os.write(dst, chunk)
+            pass  # a file system without it: the same bytes through a buffer, from where it stopped
+    while done < entry.length:
+        chunk = archive.read_bytes(name, done, min(64 << 20, entry.length - done))
+        pwrite_all(dst, chunk, done)
         done += len(chunk)
