@@ -20,6 +20,7 @@ from typing import Any
 
 from ..errors import DDUFIOError, DDUFPackError, DDUFUsageError
 from ..storage.confined import Confined
+from ..storage.fd_io import pwrite_all
 from . import spec
 from .index import FileRecord
 from .safetensors_header import read_header_length
@@ -114,7 +115,7 @@ class DDUFWriter:
             name, size, data_offset, header_offset, digests, source_sha256 = self._pending.pop(0)
             crc, sha256 = digests.result()
             self._check_expected(name, crc, sha256)
-            os.pwrite(self._fd, crc.to_bytes(4, "little"), header_offset + 14)  # CRC slot of the local header
+            self._pwrite(crc.to_bytes(4, "little"), header_offset + 14)  # CRC slot of the local header
             self._central.append(central_header(name.encode("utf-8"), size, crc, header_offset))
             self._records.append(FileRecord(name, size, data_offset, sha256, crc, source_sha256))
         return list(self._records)
@@ -247,10 +248,7 @@ class DDUFWriter:
 
     # --- I/O -----------------------------------------------------------------------------------------
     def _pwrite(self, data: Any, offset: int) -> None:
-        view = memoryview(data).cast("B")
-        while view:
-            n = os.pwrite(self._fd, view, offset)
-            view, offset = view[n:], offset + n
+        pwrite_all(self._fd, data, offset)
 
     def _copy(self, src: int, size: int, dst_offset: int, src_offset: int = 0) -> None:
         done = 0
