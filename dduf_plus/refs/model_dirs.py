@@ -384,7 +384,7 @@ def find_component(name: str, reference: Mapping[str, Any], dirs: Sequence[Path]
             return _spent_message(dirs)
         try:  # the stat before the check is the one the match is verified at: changed since, refused later
             before = stat_key(path)
-            why = _weighed(search, path, before, rec)
+            why = _weighed(search, path, before, rec, config_sha)
             if isinstance(why, tuple) and stat_key(path) != before:
                 why = "not readable (it changed while it was searched)"
         except (OSError, DDUFIOError) as e:  # gone, unreadable or changed since it was listed: a candidate less
@@ -397,10 +397,12 @@ def find_component(name: str, reference: Mapping[str, Any], dirs: Sequence[Path]
     return f"no file in {', '.join(map(str, dirs))} holds its tensors" + (f" (rejected: {reasons})" if reasons else "")
 
 
-def _weighed(search: Search, path: Path, key: StatKey, rec: Mapping[str, Any]) -> tuple[str, SafetensorsHeader | Part] | str:
-    """:func:`_check` of ``path`` at stat ``key`` for ``rec``, once per command (another reference recording the
-    same tensors gets the same answer)."""
-    memo = (path, key, f"{rec['sha256']}{rec['layout']}{rec['count']},{rec['bytes']}:{rec['config']}")
+def _weighed(search: Search, path: Path, key: StatKey, rec: Mapping[str, Any],
+             config_sha: str) -> tuple[str, SafetensorsHeader | Part] | str:
+    """:func:`_check` of ``path`` at stat ``key`` for ``rec`` (whose config text has sha256 ``config_sha``: the
+    memo keeps 64 characters, not the text), once per command: another reference recording the same tensors
+    gets the same answer."""
+    memo = (path, key, f"{rec['sha256']}{rec['layout']}{rec['count']},{rec['bytes']}:{config_sha}")
     if memo not in search.checked:
         search.checked[memo] = _check(path, rec, search.header(path, key))
     return search.checked[memo]
