@@ -99,6 +99,28 @@ def test_a_fifo_in_place_of_the_hash_memory_or_a_part_map_is_no_record(tmp_path:
     assert "map None" in done.stdout and "memo None" in done.stdout
 
 
+@POSIX
+def test_a_fifo_in_place_of_the_signing_secret_is_no_secret(tmp_path: Path) -> None:
+    """The hash memory's ``.secret`` replaced by a FIFO: 0.10.0's open (no ``O_NONBLOCK``) waited for a writer for
+    ever at the first lookup of every process. Now it is no secret: a fresh one takes its place, nothing blocks."""
+    done = _in_subprocess(tmp_path, f"""
+        import os
+        from pathlib import Path
+        from dduf_plus.refs.cache import verified_hashes
+        from dduf_plus.storage.signed import SECRET_NAME
+        weights = Path({str(tmp_path)!r}) / "w.bin"
+        weights.write_bytes(b"0" * 64)
+        folder = verified_hashes().path.parent
+        folder.mkdir(parents=True)
+        os.mkfifo(folder / SECRET_NAME)
+        memo = verified_hashes()
+        memo.remember(weights, "a" * 64, "m")
+        print("secret", (folder / SECRET_NAME).is_file(), len(memo.signer.secret or b""))
+    """)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "secret True 32" in done.stdout  # the FIFO was replaced by a fresh secret (mode 0600)
+
+
 def test_a_part_map_written_for_one_file_is_not_taken_for_another_of_the_same_size(tmp_path: Path) -> None:
     """A signed map copied to the name another file's map would have (same size, other inode or path): what it
     was written for is inside the signed record, so it is not this file's map."""

@@ -49,7 +49,9 @@ def read_secret(path: Path) -> bytes | None:
     """The secret at ``path``, only if it is a regular file of the right size that only its owner (us) can
     read: a file someone else planted (another owner, group- or world-readable, a link) is not one."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0))
+        # O_NONBLOCK: a FIFO planted as the secret must not block the open (it is refused below)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+                     | getattr(os, "O_BINARY", 0))
     except OSError:
         return None
     try:
