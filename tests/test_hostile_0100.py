@@ -321,3 +321,18 @@ def test_a_load_searches_the_model_folders_once_for_all_its_references(tmp_path:
     counts = _count_reads(monkeypatch)
     pipe = load_dduf(archive, model_dirs=[models], local_files_only=True)
     assert pipe.vae is not None and counts["walks"] == 1 and counts["headers"] <= 2
+
+
+# --- a part's transposed tensor: gathered in memory, so bounded --------------------------------------------------
+def test_a_huge_transposed_tensor_is_refused_before_it_is_read() -> None:
+    """A hostile file (sparse: 100 GB that cost nothing) whose header lets a layout reader see a [n, n]
+    projection held transposed: 0.10.0 read the whole matrix into one buffer to hash it (and the loader copied
+    its transpose). Now a transposed tensor over 256 MB is a rejected part, before a byte is read."""
+    n = 120_000  # 120,000^2 x 2 bytes: 28.8 GB
+    info = tensor_digest.TensorInfo("text_projection.weight", "float16", (n, n), 0, n * n * 2)
+    part = model_dirs.Part("OpenCLIP", 8, {info.name: model_dirs.Source(info, ((0, n * n * 2),), rows=n)})
+    why = model_dirs.part_problem(part, 100 << 30)
+    assert why is not None and "a transposed tensor of 28800000000 bytes" in why
+    small = model_dirs.Part("OpenCLIP", 8, {"p": model_dirs.Source(info._replace(shape=(1280, 1280), end=1280 * 1280 * 2),
+                                                                  ((0, 1280 * 1280 * 2),), rows=1280)})
+    assert model_dirs.part_problem(small, 100 << 30) is None

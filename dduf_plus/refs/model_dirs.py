@@ -162,6 +162,9 @@ def search_dirs(given: Iterable[str | os.PathLike] | None = None) -> list[Path]:
 
 
 # --- parts of files in other layouts (a layout reader's :class:`Part`) ----------------------------------------
+# A tensor the file holds transposed is read whole into memory: OpenCLIP-bigG's text projection, the largest a
+# layout reader makes, is 6.5 MB; a hostile header's [n, n] across a sparse 100 GB file was a 100 GB buffer.
+MAX_TRANSPOSED = 256 << 20
 _FORMATS: dict[int, Literal["B", "H", "I", "Q"]] = {1: "B", 2: "H", 4: "I", 8: "Q"}  # element sizes a transpose moves (as unsigned integers: bytes only)
 
 
@@ -190,6 +193,8 @@ def part_problem(part: Part, data_size: int) -> str | None:
         if info.nbytes != want or src.rows < 0 or (src.rows and (len(src.ranges) != 1 or len(info.shape) != 2
                                                                or info.shape[1] != src.rows)):
             return f"{name}: a malformed transpose or size"
+        if src.rows and want > MAX_TRANSPOSED:  # gathered in memory whole (hashing, copying, the loader's copy)
+            return f"{name}: a transposed tensor of {want} bytes (at most {MAX_TRANSPOSED} are gathered in memory)"
     return None
 
 
