@@ -17,8 +17,10 @@ order), the tensors' digest does. Searching (``load_dduf(model_dirs=...)``, ``DD
    (:mod:`.part_memo`), so a second process runs no reader either;
 4. a file whose header fits but whose bytes differ is skipped and said.
 
-The match is used as it is, memory-mapped: a view folder holds the recorded config (its text is in the
-record, checked against the recorded sha256) and a link to the file. A file that is a pure rename of diffusers'
+The match is used as it is, memory-mapped from the descriptor whose stat is the verified one (:class:`InPlace`,
+also for a whole file in diffusers' names): a view folder holds the recorded config (its text is in the
+record, checked against the recorded sha256). One command (a load, ``dduf complete``, ``dduf refs``) searches
+once for all its references (:func:`search_session`: one walk, one header read per file, a budget). A file that is a pure rename of diffusers'
 names (an LDM VAE, a CLIP under ``text_model.``) is found here by its header alone; any other original layout
 (an LDM UNet, OpenCLIP, SD3's MMDiT, BFL's Flux, each component's part of a full checkpoint) is read by a
 *layout reader* the torch floor registers (:func:`add_layout_reader`,
@@ -147,7 +149,9 @@ class Match(NamedTuple):
     files: dict[str, Path]  # recorded file name -> file on disk (the match, and the config written to the cache)
     source: str
     rejected: list[Rejected]
-    in_place: InPlace | None = None  # a part of a file in another layout: ``files`` then holds the config only
+    # where the loader maps the tensors from (every match has one): ``files`` then holds the config,
+    # and the file itself only when it is in diffusers' names as one file (what ``dduf complete`` copies)
+    in_place: InPlace | None = None
 
 
 def search_dirs(given: Iterable[str | os.PathLike] | None = None) -> list[Path]:
