@@ -291,10 +291,11 @@ def _load(ctx: _Context, kwargs: dict[str, Any]) -> DiffusionPipeline:
     if ctx.build_order is not None:
         ctx.build_order(plan.folders())
         _refuse_what_validate_refuses(ctx)  # reads tokenizer files: once the fetch brings them in build order
-    sources = {name: _component_files(ctx.archive, name, ctx.archive.components, ctx.archive.references,
-                                      ctx.resolve_options, use_mmap=ctx.use_mmap, verify=ctx.verify,
-                                      prefetcher=ctx.prefetcher)
-               for name in plan.folders()}
+    with _one_search(ctx.archive.references):  # model folders walked and read once for every reference
+        sources = {name: _component_files(ctx.archive, name, ctx.archive.components, ctx.archive.references,
+                                          ctx.resolve_options, use_mmap=ctx.use_mmap, verify=ctx.verify,
+                                          prefetcher=ctx.prefetcher)
+                   for name in plan.folders()}
     if ctx.prefetcher is not None:  # queue every model's weights now, in build order: I/O overlaps construction
         for files in sources.values():
             _queue_prefetch(files, ctx.variant)
@@ -558,6 +559,15 @@ def _component_files(archive: DDUFArchive | FolderPipeline, name: str, stored: M
         return ArchiveComponentFiles(archive, name, use_mmap=use_mmap, verify=verify, prefetcher=prefetcher)
     raise DDUFLoadError(f"component {name!r} is named in model_index.json but {archive.path} neither stores nor "
                         f"references it; pass it as an argument: load_dduf(..., {name}=...)")
+
+
+def _one_search(references: Mapping[str, Any]) -> contextlib.AbstractContextManager[Any]:
+    """One model-folder search (one walk, one header read per file, one budget) for all of a load's references."""
+    try:
+        from ..refs.model_dirs import search_session
+    except ModuleNotFoundError:  # a dduf_plus without refs: _component_files says so per component
+        return contextlib.nullcontext()
+    return search_session() if references else contextlib.nullcontext()
 
 
 def _queue_prefetch(files: ComponentFiles, variant: str | None) -> None:

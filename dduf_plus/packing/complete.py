@@ -25,6 +25,7 @@ from ..format.json_budget import parse_json_entry
 from ..format.pack import EntrySource, PackResult, read_safetensors_head, write_archive
 from ..format.weights import classify
 from ..refs import model_dirs, tensor_digest
+from ..refs import model_dirs as model_dirs_search  # the module: ``model_dirs`` is a parameter here
 from ..refs.resolve import Located, SpecLike, check_ref_names, locate_component, with_files_on_disk
 from ..refs.shard_dirs import check_shard_folder
 from ..storage.confined import Confined
@@ -123,16 +124,17 @@ def _locate_references(references: Mapping[str, Any], *, refs: Mapping[str, Spec
 
     install()  # model folders: original layouts and full checkpoints' parts are read too
     located: dict[str, Located] = {}
-    for name in sorted(references):
-        ref = references[name]
-        if not isinstance(ref, dict) or not ref.get("files"):
-            raise DDUFReferenceError(f"component {name!r}: the reference records no files, so there is nothing to "
-                                     "verify a copy against; complete it by packing the full pipeline instead")
-        # a model-folder part used in place: written here as a file in diffusers' names (the entry is copied
-        # from a file); the copy is hashed as it is written, so it is not hashed again
-        located[name] = with_files_on_disk(locate_component(name, ref, refs=refs, local_files_only=local_files_only,
-                                                            token=token, cache_dir=cache_dir, verify=True,
-                                                            model_dirs=model_dirs))
+    with model_dirs_search.search_session():  # model folders walked and read once for every reference
+        for name in sorted(references):
+            ref = references[name]
+            if not isinstance(ref, dict) or not ref.get("files"):
+                raise DDUFReferenceError(f"component {name!r}: the reference records no files, so there is nothing "
+                                         "to verify a copy against; complete it by packing the full pipeline instead")
+            # a model-folder part used in place: written here as a file in diffusers' names (the entry is copied
+            # from a file); the copy is hashed as it is written, so it is not hashed again
+            located[name] = with_files_on_disk(locate_component(
+                name, ref, refs=refs, local_files_only=local_files_only, token=token, cache_dir=cache_dir, verify=True,
+                model_dirs=model_dirs))
     return located
 
 

@@ -135,6 +135,10 @@ def export_single_file(
         raise DDUFUsageError(f"{archive}: export reads a local archive (download it first: hf download / curl)")
     with ExitStack() as stack:
         ark = stack.enter_context(DDUFArchive(archive))
+        if ark.references:  # model folders walked and read once for every reference
+            from ..refs.model_dirs import search_session
+
+            stack.enter_context(search_session())
         model_index = ark.model_index
         parts, model_type = _parts(ark, model_index, component, refs=refs, token=token,
                                    local_files_only=local_files_only, model_dirs=model_dirs)

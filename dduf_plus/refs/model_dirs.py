@@ -17,8 +17,10 @@ order), the tensors' digest does. Searching (``load_dduf(model_dirs=...)``, ``DD
    (:mod:`.part_memo`), so a second process runs no reader either;
 4. a file whose header fits but whose bytes differ is skipped and said.
 
-The match is used as it is, memory-mapped: a view folder holds the recorded config (its text is in the
-record, checked against the recorded sha256) and a link to the file. A file that is a pure rename of diffusers'
+The match is used as it is, memory-mapped from the descriptor whose stat is the verified one (:class:`InPlace`,
+also for a whole file in diffusers' names): a view folder holds the recorded config (its text is in the
+record, checked against the recorded sha256). One command (a load, ``dduf complete``, ``dduf refs``) searches
+once for all its references (:func:`search_session`: one walk, one header read per file, a budget). A file that is a pure rename of diffusers'
 names (an LDM VAE, a CLIP under ``text_model.``) is found here by its header alone; any other original layout
 (an LDM UNet, OpenCLIP, SD3's MMDiT, BFL's Flux, each component's part of a full checkpoint) is read by a
 *layout reader* the torch floor registers (:func:`add_layout_reader`,
@@ -31,12 +33,14 @@ Standard library only (no torch)."""
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import itertools
 import json
 import logging
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
@@ -68,13 +72,17 @@ from .tensor_digest import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ENV", "InPlace", "LayoutReader", "Match", "Part", "Rejected", "Source", "add_layout_reader",
+__all__ = ["ENV", "InPlace", "LayoutReader", "Match", "Part", "Rejected", "Search", "Source", "add_layout_reader",
            "diffusers_header", "find_component", "part_copy", "part_digest", "part_problem", "search_dirs",
-           "verified_digest"]
+           "search_session", "verified_digest"]
 
 ENV = "DDUF_PLUS_MODEL_DIRS"
 MAX_DEPTH = 8  # ComfyUI: models/<kind>/<maker>/<file>: a few levels
 MAX_FILES = 20_000  # directory entries looked at, over all folders
+# Candidate files weighed against a reference, over one command (every reference of a load together): an archive
+# of 200 references into model folders weighed every file 200 times (a walk, a header read, the layout readers).
+MAX_CHECKS = 50_000
+MAX_HELD_TENSORS = 200_000  # tensor records of the headers one search keeps (about 60 MB; SDXL's checkpoint: 2,515)
 WHOLE_FILE = "diffusers"  # the layout of a file found for a sharded reference: read as it is
 
 
@@ -143,7 +151,9 @@ class Match(NamedTuple):
     files: dict[str, Path]  # recorded file name -> file on disk (the match, and the config written to the cache)
     source: str
     rejected: list[Rejected]
-    in_place: InPlace | None = None  # a part of a file in another layout: ``files`` then holds the config only
+    # where the loader maps the tensors from (every match has one): ``files`` then holds the config,
+    # and the file itself only when it is in diffusers' names as one file (what ``dduf complete`` copies)
+    in_place: InPlace | None = None
 
 
 def search_dirs(given: Iterable[str | os.PathLike] | None = None) -> list[Path]:
@@ -158,6 +168,9 @@ def search_dirs(given: Iterable[str | os.PathLike] | None = None) -> list[Path]:
 
 
 # --- parts of files in other layouts (a layout reader's :class:`Part`) ----------------------------------------
+# A tensor the file holds transposed is read whole into memory: OpenCLIP-bigG's text projection, the largest a
+# layout reader makes, is 6.5 MB; a hostile header's [n, n] across a sparse 100 GB file was a 100 GB buffer.
+MAX_TRANSPOSED = 256 << 20
 _FORMATS: dict[int, Literal["B", "H", "I", "Q"]] = {1: "B", 2: "H", 4: "I", 8: "Q"}  # element sizes a transpose moves (as unsigned integers: bytes only)
 
 
@@ -186,6 +199,8 @@ def part_problem(part: Part, data_size: int) -> str | None:
         if info.nbytes != want or src.rows < 0 or (src.rows and (len(src.ranges) != 1 or len(info.shape) != 2
                                                                or info.shape[1] != src.rows)):
             return f"{name}: a malformed transpose or size"
+        if src.rows and want > MAX_TRANSPOSED:  # gathered in memory whole (hashing, copying, the loader's copy)
+            return f"{name}: a transposed tensor of {want} bytes (at most {MAX_TRANSPOSED} are gathered in memory)"
     return None
 
 
@@ -296,6 +311,69 @@ def _recorded_weights(reference: Mapping[str, Any]) -> tuple[WeightFiles, str] |
     return found, config["sha256"]
 
 
+class Search:
+    """One command's model-folder search (a load, ``dduf complete``, ``dduf refs``), shared by all its references:
+    each folder list walked once, each file's header read once (while its stat holds), each (file, record)
+    weighed once, and at most :data:`MAX_CHECKS` weighings in all. Counts, never the clock."""
+
+    def __init__(self) -> None:
+        self.listings: dict[tuple[Path, ...], list[Path]] = {}
+        self.headers: dict[Path, tuple[StatKey, SafetensorsHeader | str]] = {}
+        self.checked: dict[tuple[Path, StatKey, str], tuple[str, SafetensorsHeader | Part] | str] = {}
+        self.checks = 0
+        self.held = 0  # tensors of the headers kept
+
+    def walk(self, dirs: Sequence[Path]) -> list[Path]:
+        key = tuple(dirs)
+        if key not in self.listings:
+            self.listings[key] = list(_walk(dirs))
+        return self.listings[key]
+
+    def header(self, path: Path, key: StatKey) -> SafetensorsHeader | str:
+        """The file's header (read once while its stat is ``key``), or why it is not a readable one."""
+        known = self.headers.get(path)
+        if known is None or known[0] != key:
+            try:
+                known = key, read_file_header(path, path.name, DDUFFormatError)
+            except (OSError, DDUFError) as e:
+                known = key, f"not a readable safetensors file ({str(e).splitlines()[0][:120]})"
+            held = len(known[1].tensors) if isinstance(known[1], SafetensorsHeader) else 0
+            if self.held + held <= MAX_HELD_TENSORS:  # past it, headers are read again (memory stays bounded)
+                self.headers[path] = known
+                self.held += held
+        return known[1]
+
+    def spent(self) -> bool:
+        self.checks += 1
+        return self.checks > MAX_CHECKS
+
+
+_SEARCH: contextvars.ContextVar[Search | None] = contextvars.ContextVar("dduf_plus_model_dir_search", default=None)
+
+
+@contextmanager
+def search_session() -> Iterator[Search]:
+    """One :class:`Search` for every :func:`find_component` inside (the outer one when nested): a command with
+    many references walks and reads the folders once, within one budget."""
+    current = _SEARCH.get()
+    if current is not None:
+        yield current
+        return
+    token = _SEARCH.set(Search())
+    try:
+        yield _SEARCH.get() or Search()
+    finally:
+        _SEARCH.reset(token)
+
+
+def _spent_message(dirs: Sequence[Path]) -> str:
+    logger.warning("model folders %s: the search stopped after %d candidate checks for this command's references "
+                   "(its budget); the rest of them are not looked for there", ", ".join(map(str, dirs)), MAX_CHECKS)
+    return (f"not searched: this command's model-folder search is over its budget ({MAX_CHECKS} candidate checks "
+            "for all its references together; an archive with that many references into model folders is not "
+            "searched further)")
+
+
 def find_component(name: str, reference: Mapping[str, Any], dirs: Sequence[Path]) -> Match | str:
     """A file in ``dirs`` holding exactly the referenced tensors, or why none (with the rejected candidates).
     A sharded reference is matched by a folder of shards holding its tensors, however cut (:mod:`.shard_dirs`),
@@ -312,8 +390,11 @@ def find_component(name: str, reference: Mapping[str, Any], dirs: Sequence[Path]
     if hashlib.sha256(config).hexdigest() != config_sha:
         return "the recorded config text does not match the recorded config.json sha256"
     rejected: list[Rejected] = []
+    search = _SEARCH.get() or Search()
     shard_folders: set[Path] = set()  # a sharded reference: each folder of shards checked as one, once
-    for path in _walk(dirs):
+    for path in search.walk(dirs):
+        if search.spent():
+            return _spent_message(dirs)
         if weights.shard_index is not None and _is_shard(path) and path.parent not in shard_folders:
             shard_folders.add(path.parent)
             shards = check_shard_folder(path.parent, rec)
@@ -322,27 +403,43 @@ def find_component(name: str, reference: Mapping[str, Any], dirs: Sequence[Path]
                              rejected)
             if shards:
                 rejected.append(Rejected(str(path.parent), shards))
-        try:
-            why = _check(path, rec)
+        try:  # the stat before the check is the one the match is verified at: changed since, refused later
+            before = stat_key(path)
+            why = _weighed(search, path, before, rec, config_sha)
+            if isinstance(why, tuple) and stat_key(path) != before:
+                why = "not readable (it changed while it was searched)"
         except (OSError, DDUFIOError) as e:  # gone, unreadable or changed since it was listed: a candidate less
             why = f"not readable ({str(e).splitlines()[0][:200]})"
         if isinstance(why, tuple):
-            layout, named = why
-            config_file = _config_file(config, config_sha)
-            if not layout and isinstance(named, SafetensorsHeader) and weights.shard_index is None:
-                return Match({weights.loaded_as: path, "config.json": config_file}, str(path), rejected)
-            part = named if isinstance(named, Part) else _renamed_part(layout or WHOLE_FILE, named)
-            try:
-                in_place = InPlace(path, part, rec["sha256"], weights.loaded_as, stat_key(path))
-            except OSError as e:  # gone since it was hashed
-                rejected.append(Rejected(str(path), f"not readable ({e})"))
-                continue
-            return Match({"config.json": config_file}, f"{path} ({part.layout} layout, read in place)", rejected,
-                         in_place)
+            return _matched(path, before, why, weights, rec, _config_file(config, config_sha), rejected)
         if why:
             rejected.append(Rejected(str(path), why))
     reasons = "; ".join(f"{r.path}: {r.why}" for r in rejected[:5]) + ("; ..." if len(rejected) > 5 else "")
     return f"no file in {', '.join(map(str, dirs))} holds its tensors" + (f" (rejected: {reasons})" if reasons else "")
+
+
+def _weighed(search: Search, path: Path, key: StatKey, rec: Mapping[str, Any],
+             config_sha: str) -> tuple[str, SafetensorsHeader | Part] | str:
+    """:func:`_check` of ``path`` at stat ``key`` for ``rec`` (whose config text has sha256 ``config_sha``: the
+    memo keeps 64 characters, not the text), once per command: another reference recording the same tensors
+    gets the same answer."""
+    memo = (path, key, f"{rec['sha256']}{rec['layout']}{rec['count']},{rec['bytes']}:{config_sha}")
+    if memo not in search.checked:
+        search.checked[memo] = _check(path, rec, search.header(path, key))
+    return search.checked[memo]
+
+
+def _matched(path: Path, key: StatKey, found: tuple[str, SafetensorsHeader | Part], weights: WeightFiles,
+             rec: Mapping[str, Any], config_file: Path, rejected: list[Rejected]) -> Match:
+    """The match of ``path`` (verified at stat ``key``), always with its :class:`InPlace`: a loader maps exactly
+    the file that was verified, never a path that may have been replaced since (0.10.0 mapped a whole file in
+    diffusers' names by its path)."""
+    layout, named = found
+    part = named if isinstance(named, Part) else _renamed_part(layout or WHOLE_FILE, named)
+    in_place = InPlace(path, part, rec["sha256"], weights.loaded_as, key)
+    if not layout and isinstance(named, SafetensorsHeader) and weights.shard_index is None:
+        return Match({weights.loaded_as: path, "config.json": config_file}, str(path), rejected, in_place)
+    return Match({"config.json": config_file}, f"{path} ({part.layout} layout, read in place)", rejected, in_place)
 
 
 _DIFFER = "its header fits but its tensors' bytes differ (skipped)"
@@ -353,13 +450,12 @@ def _is_shard(path: Path) -> bool:
     return w is not None and w.sharded and not w.is_index
 
 
-def _check(path: Path, rec: Mapping[str, Any]) -> tuple[str, SafetensorsHeader | Part] | str:
+def _check(path: Path, rec: Mapping[str, Any], header: SafetensorsHeader | str) -> tuple[str, SafetensorsHeader | Part] | str:
     """(layout, the file's header in diffusers' naming, or the part of it a layout reader maps) when ``path``
-    holds the recorded tensors; "" when it is plainly another model (not said); else why it was rejected."""
-    try:
-        header = read_file_header(path, path.name, DDUFFormatError)
-    except (OSError, DDUFError) as e:
-        return f"not a readable safetensors file ({str(e).splitlines()[0][:120]})"
+    (whose ``header`` it is, or why it has none) holds the recorded tensors; "" when it is plainly another model
+    (not said); else why it was rejected."""
+    if isinstance(header, str):
+        return header
     why = ""
     if len(header.tensors) == rec["count"] and sum(t.nbytes for t in header.tensors.values()) == rec["bytes"]:
         for layout, named in _layouts(header):  # the torch-free fast path: the names alone
@@ -502,7 +598,8 @@ def diffusers_header(part: Part) -> tuple[bytes, SafetensorsHeader]:
     """The header of ``part`` as a file in diffusers' names (its raw bytes, length prefix included, and parsed):
     what :func:`part_copy` writes, and what a loader viewing the part in place answers for the virtual file.
     Widest elements first: every tensor then starts aligned to its element size (the header is padded to 8)."""
-    order = sorted(part.tensors.values(), key=lambda s: (-_itemsize(s.info.dtype), s.info.name))
+    # by bits, not _itemsize: a whole file in diffusers' names may hold packed sub-byte tensors (float4 pairs)
+    order = sorted(part.tensors.values(), key=lambda s: (-spec.DTYPE_BY_TORCH[s.info.dtype].bits, s.info.name))
     records: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     infos: dict[str, TensorInfo] = {}
     position = 0

@@ -242,30 +242,33 @@ def check_references(
 
     ``verify=False`` hashes nothing (remembered hashes and sizes are used); ``verify=True`` hashes what is
     not yet known. A reference that is not local reports whether a download would be attempted."""
+    from .model_dirs import search_session
+
     out = []
     opts = CheckOptions(verify=True, hash_files=verify, download=False)
-    for name, reference in sorted(references.items()):
-        recorded = recorded_files(reference) if isinstance(reference, Mapping) else {}
-        row: dict[str, Any] = {
-            "component": name,
-            "source": describe_reference(name, reference) if isinstance(reference, Mapping) else None,
-            "files": len(recorded),
-            "bytes": sum(int(r.get("size") or 0) for r in recorded.values()),
-        }
-        try:
-            found: Located | list[_Attempt] | DDUFReferenceError = _search(
-                name, reference, refs=refs, local_files_only=False, token=None, revision=None, cache_dir=cache_dir,
-                opts=opts, model_dirs=model_dirs)
-        except DDUFReferenceError as e:  # nothing to look for (a malformed or sourceless reference)
-            found = e
-        if isinstance(found, Located):
-            where = found.archive if found.archive is not None else found.folder
-            row.update(status="ok", how=found.how, resolves_to=str(where), verified=found.verified,
-                       member=found.member, reason=None, found=found.source)
-        else:
-            row.update(_unresolved_row(name, reference, found, local_files_only))
-        row["source_kind"] = spec_kind(reference)  # "hub", "url", "folder", "dduf" or None (no source)
-        out.append(row)
+    with search_session():  # model folders walked and read once for every reference
+        for name, reference in sorted(references.items()):
+            recorded = recorded_files(reference) if isinstance(reference, Mapping) else {}
+            row: dict[str, Any] = {
+                "component": name,
+                "source": describe_reference(name, reference) if isinstance(reference, Mapping) else None,
+                "files": len(recorded),
+                "bytes": sum(int(r.get("size") or 0) for r in recorded.values()),
+            }
+            try:
+                found: Located | list[_Attempt] | DDUFReferenceError = _search(
+                    name, reference, refs=refs, local_files_only=False, token=None, revision=None, cache_dir=cache_dir,
+                    opts=opts, model_dirs=model_dirs)
+            except DDUFReferenceError as e:  # nothing to look for (a malformed or sourceless reference)
+                found = e
+            if isinstance(found, Located):
+                where = found.archive if found.archive is not None else found.folder
+                row.update(status="ok", how=found.how, resolves_to=str(where), verified=found.verified,
+                           member=found.member, reason=None, found=found.source)
+            else:
+                row.update(_unresolved_row(name, reference, found, local_files_only))
+            row["source_kind"] = spec_kind(reference)  # "hub", "url", "folder", "dduf" or None (no source)
+            out.append(row)
     return out
 
 

@@ -24,6 +24,7 @@ from ..format.json_budget import SHARD_INDEX_JSON_BUDGET, parse_json_entry
 from ..format.safetensors_header import SafetensorsHeader, TensorInfo, read_file_header
 from ..format.weights import classify, shard_map
 from ..storage.confined import name_problem
+from ..storage.signed import read_regular
 from .cache import stat_key, verified_hashes
 
 __all__ = ["MAX_CONFIG", "MEMBER", "RECORD_KEY", "SLICE", "VERSION", "FileReads", "WeightFiles", "check_shard_index",
@@ -155,17 +156,22 @@ def tensor_record(folder: Path, files: Mapping[str, Any]) -> dict[str, Any]:
     no safetensors weights (one file, or shards and their index) or its config is not small text (nothing to
     match then). A hostile shard index is refused (:func:`check_shard_index`)."""
     found = recorded_weights(files)
-    config = folder / "config.json"
-    if found is None or "config.json" not in files or not config.is_file() or config.stat().st_size > MAX_CONFIG:
+    if found is None or "config.json" not in files:
         return {}
     raw = b""
-    try:
+    try:  # read_regular: a FIFO in a file's place (swapped in after the listing) blocked the read for ever
         if found.shard_index is not None:
-            if (folder / found.shard_index).stat().st_size > SHARD_INDEX_JSON_BUDGET.bytes:
+            index = read_regular(folder / found.shard_index, SHARD_INDEX_JSON_BUDGET.bytes + 1)
+            if index is None:
+                raise _shard_error(str(folder), found.shard_index, "is not a regular file")
+            if len(index) > SHARD_INDEX_JSON_BUDGET.bytes:
                 raise _shard_error(str(folder), found.shard_index, "is over its JSON budget", "D013")
-            raw = (folder / found.shard_index).read_bytes()
+            raw = index
         headers = {s: read_file_header(folder / s, s, DDUFFormatError) for s in found.shards}
-        text = config.read_bytes().decode("utf-8")
+        config = read_regular(folder / "config.json", MAX_CONFIG + 1)
+        if config is None or len(config) > MAX_CONFIG:
+            return {}
+        text = config.decode("utf-8")
     except (OSError, UnicodeDecodeError, DDUFFormatError):
         return {}
     if found.shard_index is not None:

@@ -49,7 +49,9 @@ def read_secret(path: Path) -> bytes | None:
     """The secret at ``path``, only if it is a regular file of the right size that only its owner (us) can
     read: a file someone else planted (another owner, group- or world-readable, a link) is not one."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0))
+        # O_NONBLOCK: a FIFO planted as the secret must not block the open (it is refused below)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+                     | getattr(os, "O_BINARY", 0))
     except OSError:
         return None
     try:
@@ -62,6 +64,23 @@ def read_secret(path: Path) -> bytes | None:
         return data if len(data) == SECRET_SIZE else None
     except OSError:
         return None
+    finally:
+        os.close(fd)
+
+
+def read_regular(path: Path, max_bytes: int) -> bytes | None:
+    """At most ``max_bytes`` of ``path`` when it is a regular file, else None: a FIFO planted in a record's place
+    must not block the open (``O_NONBLOCK``) nor the read (a plain ``open()`` waited for a writer for ever),
+    and a device or folder is no record."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        chunks, left = [], max_bytes
+        while left > 0 and (block := os.read(fd, min(left, 1 << 20))):
+            chunks.append(block)
+            left -= len(block)
+        return b"".join(chunks)
     finally:
         os.close(fd)
 
@@ -95,9 +114,8 @@ class Signer:
             return None
         try:
             self.box.check(path)
-            with open(path, "rb") as f:
-                raw = f.read(max_bytes + 1)
-            record = json.loads(raw) if len(raw) <= max_bytes else None
+            raw = read_regular(path, max_bytes + 1)
+            record = json.loads(raw) if raw is not None and len(raw) <= max_bytes else None
         except (OSError, ValueError, RecursionError, DDUFPathError):  # RecursionError: JSON nested past the interpreter
             return None
         if not isinstance(record, dict):
