@@ -407,9 +407,10 @@ def test_a_folder_of_shards_in_a_model_folder_is_found_however_cut(base: Path, t
     """Each sharded component found as the folder of shards it is in an app's ``models/diffusers`` pipeline (the
     transformer cut into other shards than BASE's): loaded from those files, nothing copied, equal tensor for
     tensor; the second load hashes nothing; ``dduf complete`` writes the folder's shards and index; a shard with
-    one tensor changed is refused and said."""
+    one tensor changed is refused and said; a shard replaced between the search and the load is refused."""
     from dduf_plus import load_dduf
     from dduf_plus.cli import main
+    from dduf_plus.loading.files import resolve_component
     from dduf_plus.packing import complete
 
     archive = _partial(base, tmp_path / "ft.dduf")
@@ -449,6 +450,12 @@ def test_a_folder_of_shards_in_a_model_folder_is_found_however_cut(base: Path, t
     with pytest.raises(DDUFReferenceError) as err:
         load_dduf(archive, model_dirs=[models])
     assert "text_encoder_2" in str(err.value) and "bytes differ" in str(err.value)
+    files = resolve_component("transformer", _refs(archive)["transformer"], model_dirs=[models])
+    shard = sorted((models / "diffusers" / "flux" / "transformer").glob("*-of-*.safetensors"))[0]
+    shutil.copy(shard, shard.with_suffix(".new"))
+    os.replace(shard.with_suffix(".new"), shard)  # another file in its place (here: the same bytes)
+    with pytest.raises(DDUFReferenceError, match="changed since its tensors were verified"):
+        files.tensors(files.weight_files())  # between the search and the load: refused, never read unverified
 
 
 def _escaping_map(index: dict[str, Any]) -> Any:

@@ -22,7 +22,15 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
-from ..errors import DDUFError, DDUFFormatError, DDUFIntegrityError, DDUFIOError, DDUFLoadError, DDUFPathError
+from ..errors import (
+    DDUFError,
+    DDUFFormatError,
+    DDUFIntegrityError,
+    DDUFIOError,
+    DDUFLoadError,
+    DDUFPathError,
+    DDUFReferenceError,
+)
 from ..format import spec
 from ..format.archive import DDUFArchive, tensor_view
 from ..format.json_budget import json_budget_problem, over_size, read_json
@@ -35,6 +43,7 @@ from ..storage import cache_dirs
 from ..storage.cache_dirs import CACHE_ENV
 from ..storage.confined import Confined, plain_name
 from ..storage.fd_io import pread_upto
+from ..storage.signed import StatKey
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -417,13 +426,17 @@ class ArchiveComponentFiles:
 class FolderComponentFiles:
     """A diffusers component folder on disk (``pipeline/unet``), weights memory-mapped per file."""
 
-    def __init__(self, path: str | os.PathLike, name: str | None = None, *, use_mmap: bool = True):
+    def __init__(self, path: str | os.PathLike, name: str | None = None, *, use_mmap: bool = True,
+                 verified: Mapping[str, StatKey] | None = None):
         self.path = Path(path)
         if not self.path.is_dir():
             raise DDUFLoadError(f"{self.path} is not a component folder")
         self.name = name or self.path.name
         self.description = str(self.path)
         self.use_mmap = use_mmap
+        # {file name: its stat when its content was verified} (a folder of shards found in a model folder): a
+        # file opened with another stat was replaced since, and is refused rather than read
+        self._verified = dict(verified or {})
         self._maps: dict[str, tuple[mmap.mmap | int, SafetensorsHeader]] = {}  # a map, or a descriptor (no mmap)
 
     def __repr__(self) -> str:
@@ -434,7 +447,15 @@ class FolderComponentFiles:
 
     def read_bytes(self, filename: str) -> bytes:
         _check_name(self, filename, self.listdir())
-        return (self.path / filename).read_bytes()
+        with open(self.path / filename, "rb") as f:
+            self._check_verified(filename, f.fileno())
+            return f.read()
+
+    def _check_verified(self, filename: str, fd: int) -> None:
+        key = self._verified.get(filename)
+        if key is not None and StatKey.of(os.fstat(fd)) != key:
+            raise DDUFReferenceError(f"component {self.name!r}: {os.path.realpath(self.path / filename)} changed since "
+                                     "its tensors were verified (search the model folders again: load again)")
 
     def read_json(self, filename: str) -> Any:
         _check_name(self, filename, self.listdir())
@@ -447,6 +468,7 @@ class FolderComponentFiles:
             _check_name(self, filename, self.listdir())
             where = str(self.path / filename)
             with open(where, "rb") as f:
+                self._check_verified(filename, f.fileno())
                 size = os.fstat(f.fileno()).st_size
                 if size == 0:
                     raise DDUFFormatError(f"{where} is empty, not a safetensors file")
@@ -589,4 +611,4 @@ def resolve_component(
         from .in_place import MappedPartFiles
 
         return MappedPartFiles(FolderComponentFiles(located.folder, name), name, located.in_place, use_mmap=use_mmap)
-    return FolderComponentFiles(located.folder, name, use_mmap=use_mmap)
+    return FolderComponentFiles(located.folder, name, use_mmap=use_mmap, verified=located.keys)

@@ -27,7 +27,7 @@ from ..format.weights import classify
 from ..refs import model_dirs, tensor_digest
 from ..refs import model_dirs as model_dirs_search  # the module: ``model_dirs`` is a parameter here
 from ..refs.resolve import Located, SpecLike, check_ref_names, locate_component, with_files_on_disk
-from ..refs.shard_dirs import check_shard_folder
+from ..refs.shard_dirs import ShardSet, check_shard_folder
 from ..storage.confined import Confined
 from .partial import ORIGINAL_MODEL_INDEX_KEY, canonical_model_index_bytes
 
@@ -231,10 +231,11 @@ def _check_copied(result: PackResult, references: Mapping[str, Any], located: Ma
                                      f"(sha256 {got}, recorded {recorded}); nothing was written")
 
 
-def _shard_folder_now(shard_set: Mapping[str, Path], record: Mapping[str, Any]) -> dict[str, Path] | str:
+def _shard_folder_now(shard_set: Mapping[str, Path], record: Mapping[str, Any]) -> dict[str, Path] | None:
     """The folder of shards found in a model folder, checked again: the same shards and index, their digest
     remembered (unchanged since they were hashed: nothing is hashed again)."""
-    return check_shard_folder(next(iter(shard_set.values())).parent, record)
+    found = check_shard_folder(next(iter(shard_set.values())).parent, record)
+    return found.files if isinstance(found, ShardSet) else None
 
 
 def _sha256(path: Path) -> str:

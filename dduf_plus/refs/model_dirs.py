@@ -53,7 +53,7 @@ from ..storage.confined import Confined
 from ..storage.signed import StatKey
 from . import part_memo
 from .cache import dduf_cache_dir, sha256_file, stat_key, verified_hashes
-from .shard_dirs import check_shard_folder
+from .shard_dirs import ShardSet, check_shard_folder
 from .tensor_digest import (
     MAX_CONFIG,
     MEMBER,
@@ -154,6 +154,7 @@ class Match(NamedTuple):
     # where the loader maps the tensors from (every match has one): ``files`` then holds the config,
     # and the file itself only when it is in diffusers' names as one file (what ``dduf complete`` copies)
     in_place: InPlace | None = None
+    keys: dict[str, StatKey] | None = None  # a folder of shards: each file's stat when it was verified
 
 
 def search_dirs(given: Iterable[str | os.PathLike] | None = None) -> list[Path]:
@@ -398,9 +399,9 @@ def find_component(name: str, reference: Mapping[str, Any], dirs: Sequence[Path]
         if weights.shard_index is not None and _is_shard(path) and path.parent not in shard_folders:
             shard_folders.add(path.parent)
             shards = check_shard_folder(path.parent, rec)
-            if isinstance(shards, dict):
-                return Match({**shards, "config.json": _config_file(config, config_sha)}, f"{path.parent} (shards)",
-                             rejected)
+            if isinstance(shards, ShardSet):
+                return Match({**shards.files, "config.json": _config_file(config, config_sha)},
+                             f"{path.parent} (shards)", rejected, keys=shards.keys)
             if shards:
                 rejected.append(Rejected(str(path.parent), shards))
         try:  # the stat before the check is the one the match is verified at: changed since, refused later

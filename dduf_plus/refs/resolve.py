@@ -47,6 +47,7 @@ from .spec import (  # noqa: F401 (the SPEC names, re-exported: packing and the 
 from .views import view_folder, visible_files
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ..storage.signed import StatKey
     from .model_dirs import InPlace
 
 logger = logging.getLogger(__name__)
@@ -67,6 +68,9 @@ class Located(NamedTuple):
     # a model-folder part used in place (refs/model_dirs.py): ``files`` and ``folder`` then hold its config
     # only, its weights are views of the user's file; :func:`with_files_on_disk` writes them as a real file
     in_place: InPlace | None = None
+    # a folder of shards found in a model folder: each file's stat when its tensors were verified (the loader
+    # refuses a file whose opened descriptor has another)
+    keys: Mapping[str, StatKey] | None = None
 
 
 class _Attempt(NamedTuple):
@@ -179,7 +183,7 @@ def _try(name: str, cand: Candidate, kind: str, value: Any, recorded: Mapping[st
         for r in value.rejected:
             logger.info("component %r: model folder candidate %s rejected: %s", name, r.path, r.why)
         return Located(name, cand.how, value.source, view_folder(name, value.files), None, None, value.files, True,
-                       value.in_place)
+                       value.in_place, value.keys)
     if kind == "dduf":
         from ..format.archive import DDUFArchive
 

@@ -15,27 +15,36 @@ import os
 import stat
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..errors import DDUFError, DDUFFormatError
 from ..format.json_budget import SHARD_INDEX_JSON_BUDGET, parse_json_entry
 from ..format.safetensors_header import read_file_header
 from ..format.weights import classify, shard_map
 from ..storage.confined import name_problem
+from ..storage.signed import StatKey, stat_key
 from .tensor_digest import check_shard_index, layout_digest, remembered_shards_digest
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MAX_ENTRIES", "MAX_SHARDS", "check_shard_folder"]
+__all__ = ["MAX_ENTRIES", "MAX_SHARDS", "ShardSet", "check_shard_folder"]
 
 MAX_SHARDS = 256  # shards of one component (diffusers' 10 GB default: a 2.5 TB model)
 MAX_ENTRIES = 4096  # names looked at in one folder
 MAX_INDEXES = 4  # shard indexes tried in one folder (one per variant, in practice)
 
 
-def check_shard_folder(folder: Path, rec: Mapping[str, Any]) -> dict[str, Path] | str:
-    """{file name: path} of a shard index and its shards in ``folder`` that hold exactly the recorded tensors;
-    "" when the folder plainly holds another model (not said); else why it was rejected."""
+class ShardSet(NamedTuple):
+    """A folder's shard index and shards holding the recorded tensors: {file name: path}, and each file's stat
+    when it was verified (a loader refuses a file whose opened descriptor has another: replaced since)."""
+
+    files: dict[str, Path]
+    keys: dict[str, StatKey]
+
+
+def check_shard_folder(folder: Path, rec: Mapping[str, Any]) -> ShardSet | str:
+    """The shard index and shards in ``folder`` that hold exactly the recorded tensors; "" when the folder
+    plainly holds another model (not said); else why it was rejected."""
     try:
         with os.scandir(folder) as it:
             names = sorted(e.name for e in itertools.islice(it, MAX_ENTRIES))
@@ -48,13 +57,14 @@ def check_shard_folder(folder: Path, rec: Mapping[str, Any]) -> dict[str, Path] 
             found = _shard_set(folder, index, set(names), rec)
         except (OSError, DDUFError) as e:  # unreadable, hostile index or header: a candidate less, said
             found = f"{index}: {str(e).splitlines()[0][:200]}"
-        if isinstance(found, dict):
+        if isinstance(found, ShardSet):
             return found
         why = why or found
     return why
 
 
-def _shard_set(folder: Path, index: str, names: set[str], rec: Mapping[str, Any]) -> dict[str, Path] | str:
+def _shard_set(folder: Path, index: str, names: set[str], rec: Mapping[str, Any]) -> ShardSet | str:
+    before = {index: stat_key(folder / index)}  # the stats the set is verified at: taken before it is read
     raw = _read_index(folder / index)
     weight_map = shard_map(_json(raw, index))
     if weight_map is None:
@@ -67,6 +77,7 @@ def _shard_set(folder: Path, index: str, names: set[str], rec: Mapping[str, Any]
     for shard in shards:
         if name_problem(shard) is not None or shard not in names:
             return f"{index}: names {shard[:200]!r}, which is not a file beside it"
+    before.update((shard, stat_key(folder / shard)) for shard in shards)
     headers, seen = {}, 0
     for shard in shards:  # stop at the first shard past the recorded count: never every header of a hostile set
         headers[shard] = read_file_header(folder / shard, shard, DDUFFormatError)
@@ -79,11 +90,13 @@ def _shard_set(folder: Path, index: str, names: set[str], rec: Mapping[str, Any]
     if layout_digest(infos) != rec["layout"]:
         return "same size, other tensor names, dtypes or shapes (another layout or model)"
     check_shard_index(str(folder), index, raw, headers)
-    files = [(folder / s, headers[s]) for s in shards]
-    if remembered_shards_digest(files) != rec["sha256"]:
+    if remembered_shards_digest([(folder / s, headers[s]) for s in shards]) != rec["sha256"]:
         logger.warning("model folder %s: its shards fit the reference but their tensors' bytes differ: skipped", folder)
         return "its shards' header fits but their tensors' bytes differ (skipped)"
-    return {index: folder / index, **{s: folder / s for s in shards}}
+    files: dict[str, Path] = {index: folder / index, **{s: folder / s for s in shards}}
+    if any(stat_key(path) != before[name] for name, path in files.items()):
+        return "not readable (it changed while it was searched)"
+    return ShardSet(files, before)
 
 
 def _read_index(path: Path) -> bytes:
