@@ -183,6 +183,30 @@ def output_file(path: str | os.PathLike, force: bool, name: str | None = None) -
     return out
 
 
+def os_error_text(error: OSError, output: str | os.PathLike | None) -> str:
+    """One line for an OSError that ended a command, naming what the user gave: ``cannot write OUT: Read-only
+    file system``. The atomic writers fail first on their temporary file (``.OUT.x1y2z3.tmp`` beside OUT), a
+    name the user never typed; docs/cli.md promises the output given instead. A file inside an output folder
+    (``unpack -o DIR``) is named as it is; any other path (an input) as ``PATH: reason``, as coreutils say it."""
+    reason = error.strerror or str(error)
+    if not error.filename:
+        return reason
+    failed = Path(os.fsdecode(error.filename))
+    if output is None:
+        return f"{failed}: {reason}"
+    given = os.fspath(output)
+    out = Path(given).absolute()
+    where = failed.absolute()
+    if where.parent == out.parent and where.name.startswith(f".{out.name}.") and where.name.endswith(".tmp"):
+        return f"cannot write {given}: {reason}"  # the temporary file of OUT
+    if given.endswith(("/", os.sep)) and where.parent == out and where.name.startswith(".") \
+            and where.name.endswith(".tmp"):
+        return f"cannot write into {given}: {reason}"  # -o DIR/: the temporary file of DIR/NAME
+    if where == out or out in where.parents:
+        return f"cannot write {failed}: {reason}"
+    return f"{failed}: {reason}"
+
+
 def output_folder(path: str | os.PathLike) -> Path:
     """Commands that write a folder (unpack): the target may exist, but only as a folder; its parent must
     exist (as ``mkdir`` without ``-p``)."""

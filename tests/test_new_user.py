@@ -1,0 +1,102 @@
+"""What a new user meets first, tried as one would (docs/cli.md's promises): a failed write names the output
+given, never the atomic writer's temporary file; a mistyped flag is reported by the command's own parser;
+`-v` after the command says where it goes; `compress --level` states both ends of zstd's range; every
+argument of `dduf unpack --help` says what it is."""
+
+from __future__ import annotations
+
+import errno
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from dduf_plus.cli import EXIT_USAGE, build_parser, main
+from dduf_plus.cli._common import os_error_text
+from dduf_plus.cli.suggest import command_parser
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    code = main(list(args))
+    return code, capsys.readouterr().err
+
+
+def read_only_mkstemp(real=tempfile.mkstemp):
+    """tempfile.mkstemp as on a read-only file system (tests may run as root, where chmod stops nothing)."""
+    def mkstemp(suffix: str = "", prefix: str = "tmp", dir: str | None = None, text: bool = False):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), os.path.join(str(dir), f"{prefix}x1y2z3ab{suffix}"))
+    return mkstemp
+
+
+def test_a_failed_export_names_the_output_not_its_temporary_file(capsys, packed, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    import dduf_plus.packing.export as export
+
+    monkeypatch.setattr(export.tempfile, "mkstemp", read_only_mkstemp())
+    out = tmp_path / "model.safetensors"
+    code, err = run_cli(capsys, "export", str(packed["tiny-sd"]), "-o", str(out))
+    assert code == EXIT_USAGE
+    assert err.strip() == f"dduf export: error: cannot write {out}: {os.strerror(errno.EROFS)}", err
+    assert ".tmp" not in err and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(("failed", "output", "expected"), [
+    ("out/.m.dduf.k2j4h5g6.tmp", "out/m.dduf", "cannot write out/m.dduf: Read-only file system"),
+    ("out/.m.dduf.k2j4h5g6.tmp", "out/", "cannot write into out/: Read-only file system"),
+    ("dir/unet/config.json", "dir", "cannot write dir/unet/config.json: Read-only file system"),
+    ("dir", "dir", "cannot write dir: Read-only file system"),
+    ("elsewhere/in.dduf", "out/m.dduf", "elsewhere/in.dduf: Read-only file system"),
+])
+def test_an_os_error_is_said_as_what_could_not_be_written(failed: str, output: str, expected: str) -> None:
+    error = OSError(errno.EROFS, "Read-only file system", failed)
+    assert os_error_text(error, output) == expected
+
+
+def test_unpack_into_a_read_only_place_says_cannot_write(capsys, packed, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Was "Read-only file system: DIR", the reason first, unlike every other command's message."""
+    import dduf_plus.storage.confined as confined
+
+    monkeypatch.setattr(confined.tempfile, "mkstemp", read_only_mkstemp())
+    target = tmp_path / "unpacked"
+    code, err = run_cli(capsys, "unpack", str(packed["tiny-sd"]), "-o", str(target))
+    assert code == EXIT_USAGE
+    assert err.startswith(f"dduf unpack: error: cannot write {target}{os.sep}"), err
+    assert err.rstrip().endswith(os.strerror(errno.EROFS)) and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_mistyped_flag_is_reported_by_the_command(capsys) -> None:
+    """Was the top-level usage and `dduf: error:`, though docs/cli.md promises `dduf COMMAND: error: ...`."""
+    code, err = run_cli(capsys, "validate", "x.dduf", "--jsn")
+    assert code == EXIT_USAGE
+    assert err.startswith("usage: dduf validate "), err
+    assert err.strip().splitlines()[-1] == "dduf validate: error: unrecognized arguments: --jsn; did you mean --json?"
+
+
+@pytest.mark.parametrize("flag", ["-v", "-vv", "--verbose"])
+def test_verbose_after_the_command_says_where_it_goes(capsys, flag: str) -> None:
+    code, err = run_cli(capsys, "info", "x.dduf", flag)
+    assert code == EXIT_USAGE
+    assert err.rstrip().endswith(f"{flag} goes before the command: dduf {flag} info ..."), err
+
+
+@pytest.mark.parametrize("level", ["-200000", "23", "99"])
+def test_compress_level_out_of_range_gives_both_ends(capsys, tmp_path: Path, level: str) -> None:
+    """Was "zstd level -200000 is out of range (max 22)", after the input and output were checked."""
+    code, err = run_cli(capsys, "compress", str(tmp_path / "missing.dduf"), "--level", level)
+    assert code == EXIT_USAGE
+    assert f"argument --level: {level} is out of range: -131072 (fastest) to 22 (smallest)" in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("level", ["-131072", "-5", "0", "22"])
+def test_compress_accepts_zstds_whole_range(level: str) -> None:
+    args = build_parser("compress").parse_args(["compress", "x.dduf", "--level", level])
+    assert args.level == int(level)
+
+
+def test_every_unpack_argument_has_a_help_text() -> None:
+    parser = command_parser(build_parser("unpack"), "unpack")
+    assert parser is not None and parser.description
+    assert [a.dest for a in parser._actions if not a.help] == []
