@@ -100,3 +100,50 @@ def test_every_unpack_argument_has_a_help_text() -> None:
     parser = command_parser(build_parser("unpack"), "unpack")
     assert parser is not None and parser.description
     assert [a.dest for a in parser._actions if not a.help] == []
+
+
+def documented_everywhere() -> list[tuple[str, str]]:
+    """(page, command line) for every `dduf ...` of docs/*.md: inline code and code-block lines (a `$ ` prompt,
+    a trailing comment and a line-continuing backslash dropped). tests/test_docs_cli.py checks README.md and
+    docs/cli.md's synopsis to their defaults; the other pages' examples name flags that must exist too."""
+    from test_docs_cli import INLINE
+
+    from conftest import ROOT
+
+    found = []
+    for doc in sorted((ROOT / "docs").glob("*.md")):
+        for i, part in enumerate(doc.read_text().replace("\\|", "|").split("```")):
+            if i % 2 == 0:
+                found += [(doc.name, m[1]) for m in INLINE.finditer(part)]
+                continue
+            for line in part.splitlines():
+                line = line.strip().removeprefix("$ ")
+                if line.startswith("dduf "):
+                    found.append((doc.name, line.split("  #")[0].rstrip("\\ ").strip()))
+    return found
+
+
+def unknown_flags(line: str) -> list[str]:
+    """The command (when not one) or the flags of ``line`` that `dduf COMMAND` does not have."""
+    from test_docs_cli import TOP_LEVEL, flag_values, options
+
+    from dduf_plus.cli import COMMANDS
+
+    command = line.split()[1]
+    if command.endswith(":") or command.isupper():  # a quoted message (`dduf validate: error:`), a placeholder
+        return []
+    if command.startswith("-"):
+        return [] if command in TOP_LEVEL else [command]
+    if command not in COMMANDS:
+        return [command]
+    known = options(command)
+    return [flag for flag, _ in flag_values(line) if flag not in known and flag not in TOP_LEVEL]
+
+
+def test_every_docs_page_names_only_flags_that_exist() -> None:
+    found = documented_everywhere()
+    assert len({page for page, _ in found}) >= 8 and len(found) > 200  # the scan reads the pages
+    wrong = [(page, line, bad) for page, line in found if (bad := unknown_flags(line))]
+    assert wrong == []
+    assert unknown_flags("dduf pack S -o O --exlude vae") == ["--exlude"]
+    assert unknown_flags("dduf pakc S") == ["pakc"]
