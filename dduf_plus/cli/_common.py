@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -183,14 +184,21 @@ def output_file(path: str | os.PathLike, force: bool, name: str | None = None) -
     return out
 
 
+# errors only a write gives: with no file name on them, the command's output is the file that failed
+WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS})
+
+
 def os_error_text(error: OSError, output: str | os.PathLike | None) -> str:
     """One line for an OSError that ended a command, naming what the user gave: ``cannot write OUT: Read-only
     file system``. The atomic writers fail first on their temporary file (``.OUT.x1y2z3.tmp`` beside OUT), a
     name the user never typed; docs/cli.md promises the output given instead. A file inside an output folder
     (``unpack -o DIR``) is named as it is; any other path (an input) as ``PATH: reason``, as coreutils say it."""
     reason = error.strerror or str(error)
-    if not error.filename:
-        return reason
+    if not error.filename:  # os.write() on a descriptor names no file: disk full is the output's
+        if output is None or error.errno not in WRITE_ERRNOS:
+            return reason
+        given = os.fspath(output)
+        return f"cannot write {'into ' if given.endswith(('/', os.sep)) else ''}{given}: {reason}"
     failed = Path(os.fsdecode(error.filename))
     if output is None:
         return f"{failed}: {reason}"
