@@ -191,3 +191,12 @@ def test_every_docs_page_names_only_flags_that_exist() -> None:
     assert wrong == []
     assert unknown_flags("dduf pack S -o O --exlude vae") == ["--exlude"]
     assert unknown_flags("dduf pakc S") == ["pakc"]
+
+
+def test_info_help_names_every_kind_of_source_it_reads() -> None:
+    """`dduf info CKPT.safetensors` and `dduf info LORA.safetensors` work (docs/cli.md), but the help's SOURCE
+    named archives, folders and repos only."""
+    parser = command_parser(build_parser("info"), "info")
+    assert parser is not None
+    source = next(a for a in parser._actions if a.dest == "source")
+    assert all(word in (source.help or "") for word in (".dduf", "folder", "Hub repo", "checkpoint", "LoRA"))
