@@ -6,16 +6,20 @@ argument of `dduf unpack --help` says what it is."""
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import tempfile
 from pathlib import Path
 
 import pytest
 
+from conftest import PIPELINES
 from dduf_plus.cli import EXIT_USAGE, build_parser, main
 from dduf_plus.cli._common import os_error_text
 from dduf_plus.cli.suggest import command_parser
 from dduf_plus.format.archive import DDUFArchive as DDUFArchiveReader
+
+TINY_SD = PIPELINES / "tiny-sd"
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
@@ -200,3 +204,32 @@ def test_info_help_names_every_kind_of_source_it_reads() -> None:
     assert parser is not None
     source = next(a for a in parser._actions if a.dest == "source")
     assert all(word in (source.help or "") for word in (".dduf", "folder", "Hub repo", "checkpoint", "LoRA"))
+
+
+@pytest.mark.parametrize("command", ["pack", "complete"])
+@pytest.mark.parametrize("name", ["model.dduf.zst", "model.zst"])
+def test_an_archive_is_never_written_under_a_zst_name(capsys, packed, tmp_path: Path, command: str,
+                                                      name: str) -> None:
+    """Was a plain archive named .zst, which `dduf validate` then refused (Z021: not a zstd stream)."""
+    source = str(TINY_SD) if command == "pack" else str(packed["tiny-sd"])
+    code, err = run_cli(capsys, command, source, "-o", str(tmp_path / name), "-q")
+    assert code == EXIT_USAGE
+    suggested = tmp_path / "model.dduf"
+    assert err.strip() == (f"dduf {command}: error: {tmp_path / name}: this writes a plain archive, not a .zst; "
+                           f"write {suggested}, then `dduf compress {suggested}` makes {suggested}.zst"), err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(("name", "suggested"), [("model", "model.dduf"), ("model.zip", "model.dduf")])
+def test_an_archive_without_the_dduf_name_is_written_with_a_warning(capsys, caplog, tmp_path: Path, name: str,
+                                                                    suggested: str) -> None:
+    """Was silent: such an archive on the Hub is found by no load_dduf("org/repo") (nor dduf_file=)."""
+    caplog.set_level(logging.WARNING, logger="dduf_plus")
+    code, _ = run_cli(capsys, "pack", str(TINY_SD), "-o", str(tmp_path / name), "-q")
+    assert code == 0 and (tmp_path / name).is_file()
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{tmp_path / name} does not end in .dduf: the archive is valid, but load_dduf('org/repo') and dduf_file= "
+        f"find a Hub repo's archive by that name; consider -o {tmp_path / suggested}"]
+    caplog.clear()
+    assert run_cli(capsys, "pack", str(TINY_SD), "-o", str(tmp_path / "fine.dduf"), "-q")[0] == 0
+    assert caplog.records == []

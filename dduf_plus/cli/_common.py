@@ -215,6 +215,24 @@ def os_error_text(error: OSError, output: str | os.PathLike | None) -> str:
     return f"{failed}: {reason}"
 
 
+def check_archive_name(output: Path) -> None:
+    """An archive's output name. ``.zst`` is refused (exit 2, before any work): these commands write a plain
+    archive, which ``dduf validate`` and ``load_dduf`` would then try to decompress (Z021). Another name
+    (``-o model``, ``-o model.zip``) is a warning: the archive is valid, but a Hub repo's archive is found by
+    its ``.dduf`` name (``load_dduf("org/repo")`` lists only those; ``dduf_file="model"`` is refused)."""
+    name = output.name
+    if name.endswith(".dduf"):
+        return
+    stem = name.removesuffix(".zst").removesuffix(".dduf").removesuffix(".zip")
+    suggested = output.with_name(f"{stem}.dduf")
+    if name.endswith(".zst"):
+        raise DDUFUsageError(f"{output}: this writes a plain archive, not a .zst; write {suggested}, then "
+                             f"`dduf compress {suggested}` makes {suggested}.zst")
+    logging.getLogger("dduf_plus.cli").warning(
+        "%s does not end in .dduf: the archive is valid, but load_dduf('org/repo') and dduf_file= find a Hub "
+        "repo's archive by that name; consider -o %s", output, suggested)
+
+
 def output_folder(path: str | os.PathLike) -> Path:
     """Commands that write a folder (unpack): the target may exist, but only as a folder; its parent must
     exist (as ``mkdir`` without ``-p``)."""

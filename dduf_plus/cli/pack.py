@@ -7,6 +7,7 @@ import os
 
 from ._common import (
     as_usage,
+    check_archive_name,
     echo,
     human_bytes,
     input_folder,
@@ -45,7 +46,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-fsync", dest="fsync", action="store_false",
                    help="skip flushing to disk before the atomic rename (faster; like cp, not power-cut safe)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="no progress bar, skipped files, references report or summary (warnings still printed)")
     p.set_defaults(func=run)
 
 
@@ -81,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
     if archive:
         check_not_same(args.source, _output_path(args.output, name))  # before -f could even be considered
     output = output_file(args.output, args.force, name)
+    check_archive_name(output)
     dtype = dtypes.pop(DEFAULT_KEY, None)
     dtype_arg = ({**({DEFAULT_KEY: dtype} if dtype else {}), **dtypes} if dtypes else dtype)
 
@@ -144,6 +147,7 @@ def _run_lora(args: argparse.Namespace) -> int:
     items = [as_usage(partial_call(parse_lora_arg, v)) for v in [args.source, *args.lora]]
     path_like_missing(args.base, "--base")
     output = output_file(args.output, args.force, f"{items[0].name}.dduf")
+    check_archive_name(output)
     result, partial = pack_lora(items, output, base=args.base, token=args.token, quiet=args.quiet, fsync=args.fsync)
     if args.json:
         print_json({"path": str(result.path), "bytes": result.bytes_written, "entries": result.entries,
