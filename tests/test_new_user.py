@@ -233,3 +233,41 @@ def test_an_archive_without_the_dduf_name_is_written_with_a_warning(capsys, capl
     caplog.clear()
     assert run_cli(capsys, "pack", str(TINY_SD), "-o", str(tmp_path / "fine.dduf"), "-q")[0] == 0
     assert caplog.records == []
+
+
+@pytest.fixture(scope="module")
+def two_adapters(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(a LoRA file, a LoRA archive holding adapters pixel and ink) on the tiny-sd fixture."""
+    from lora_files import diffusers_lora
+
+    out = tmp_path_factory.mktemp("loras")
+    pixel = diffusers_lora(TINY_SD, out / "pixel", {"unet": ["to_q", "to_v"]})
+    ink = diffusers_lora(TINY_SD, out / "ink", {"unet": ["to_k"]}, rank=2, seed=3)
+    archive = out / "styles.dduf"
+    assert main(["pack", f"pixel={pixel}@0.8", "--lora", f"ink={ink}@0.5", "--base", str(TINY_SD),
+                 "-o", str(archive), "-q"]) == 0
+    return pixel, archive
+
+
+def test_a_mistyped_adapter_gets_the_closest_name(capsys, two_adapters, tmp_path: Path) -> None:
+    """Was exit 1, "no adapter 'inc' (it has: pixel, ink)": a name the user gives is checked like a component's."""
+    _, archive = two_adapters
+    code, err = run_cli(capsys, "export", str(archive), "--adapter", "inc", "-o", str(tmp_path / "x.safetensors"))
+    assert code == EXIT_USAGE
+    assert err.strip() == (f"dduf export: error: --adapter inc: not an adapter of {archive} (did you mean ink?); "
+                           "its adapters: pixel, ink"), err
+    assert list(tmp_path.iterdir()) == []
+    assert run_cli(capsys, "export", str(archive), "--adapter", "ink", "-o", str(tmp_path / "ink.safetensors"),
+                   "-q")[0] == 0
+
+
+@pytest.mark.parametrize("weight", ["abc", "0,8"])
+def test_a_lora_weight_that_is_no_number_is_said_so(capsys, two_adapters, tmp_path: Path, weight: str) -> None:
+    """Was "SRC pixel=FILE@abc does not exist": the whole text was taken for a folder."""
+    lora, _ = two_adapters
+    source = f"pixel={lora}@{weight}"
+    code, err = run_cli(capsys, "pack", source, "--base", str(TINY_SD), "-o", str(tmp_path / "p.dduf"))
+    assert code == EXIT_USAGE
+    assert err.strip() == (f"dduf pack: error: {source}: weight {weight!r} is not a number ([NAME=]FILE[@WEIGHT], "
+                           f"e.g. {lora}@0.8)"), err
+    assert list(tmp_path.iterdir()) == []

@@ -74,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
 
         raise DDUFUsageError(f"{args.source}: a compressed archive; run dduf decompress first, then pack the .dduf")
     elif not archive and hub_source(args.source) is None:  # a local folder; else a Hub repo id[@revision]
+        _check_lora_weight(args.source)
         input_folder(args.source)
     for spec in refs.values():
         path_like_missing(spec, "--ref")
@@ -158,6 +159,18 @@ def _run_lora(args: argparse.Namespace) -> int:
         echo(f"wrote {result.path}: {plural(result.entries, 'entry', 'entries')}, {human_bytes(result.bytes_written)} "
              f"in {result.seconds:.2f} s")
     return 0
+
+def _check_lora_weight(source: str) -> None:
+    """``NAME=FILE@WEIGHT`` whose FILE exists but whose WEIGHT is no number (``@abc``, ``@0,8``): said as such,
+    instead of "SRC ... does not exist" (the whole text, taken for a folder, is not one)."""
+    from ..errors import DDUFUsageError
+
+    file, at, weight = source.rpartition("@")
+    file = file.split("=", 1)[1] if "=" in file.split("/", 1)[0] else file
+    if at and file.endswith(".safetensors") and os.path.isfile(file):
+        raise DDUFUsageError(f"{source}: weight {weight!r} is not a number ([NAME=]FILE[@WEIGHT], e.g. "
+                             f"{file}@0.8)")
+
 
 def _output_path(output: str, name: str) -> str:
     """Where ``-o`` writes (``DIR/``: DIR/NAME), without the checks of ``output_file``."""
