@@ -271,3 +271,21 @@ def test_a_lora_weight_that_is_no_number_is_said_so(capsys, two_adapters, tmp_pa
     assert err.strip() == (f"dduf pack: error: {source}: weight {weight!r} is not a number ([NAME=]FILE[@WEIGHT], "
                            f"e.g. {lora}@0.8)"), err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--queue", "-5"], "argument --queue: -5: at least 0"),
+    (["--time-limit", "0"], "argument --time-limit: 0: a positive number of seconds"),
+    (["--time-limit", "-1"], "argument --time-limit: -1: a positive number of seconds"),
+    (["--time-limit", "nan"], "argument --time-limit: nan: a positive number of seconds"),
+])
+def test_serve_refuses_limits_that_cannot_work(capsys, argv: list[str], message: str) -> None:
+    """Were taken: a negative --queue silently as 0, a --time-limit of 0 or less made every validation a 504."""
+    code, err = run_cli(capsys, "serve", *argv)
+    assert code == EXIT_USAGE
+    assert err.strip().splitlines()[-1] == f"dduf serve: error: {message}", err
+
+
+def test_serve_accepts_a_queue_of_zero() -> None:
+    args = build_parser("serve").parse_args(["serve", "--queue", "0", "--time-limit", "0.5"])
+    assert (args.queue, args.time_limit) == (0, 0.5)

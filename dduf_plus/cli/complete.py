@@ -15,7 +15,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("-f", "--force", action="store_true", help="overwrite OUTPUT if it exists")
     p.add_argument("--ref", action="append", metavar="[NAME=]SPEC",
                    help="take a referenced component from this source (Hub repo id[@revision], folder or .dduf)")
-    p.add_argument("--cache-dir", help="Hugging Face cache to search first (and download into)")
+    p.add_argument("--cache-dir", metavar="DIR", help="Hugging Face cache to search first (and download into)")
     p.add_argument("--model-dir", action="append", metavar="FOLDER",
                    help="an app's model folder to find referenced components in by their tensors (repeatable; "
                         "also DDUF_PLUS_MODEL_DIRS)")
