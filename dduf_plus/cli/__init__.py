@@ -18,9 +18,9 @@ import logging
 import sys
 
 from ..errors import DDUFError, DDUFIOError, DDUFUsageError
-from ._common import PrintedOnce, SafeFormatter, echo_error
+from ._common import PrintedOnce, SafeFormatter, echo_error, os_error_text
 from .quiet import quiet_other_libraries
-from .suggest import SuggestingParser
+from .suggest import SuggestingParser, command_parser
 
 # name -> (module, one-line help)
 COMMANDS = {
@@ -67,7 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     command = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(command if command in COMMANDS else None)
     try:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # said by the command's own parser: its usage and `dduf pack: error: ...`, not the top level's
+            (command_parser(parser, args.command) or parser).error(f"unrecognized arguments: {' '.join(extra)}")
     except SystemExit as e:  # argparse: 2 on usage errors, 0 for --help
         return int(e.code or 0)
     if not getattr(args, "func", None):
@@ -94,8 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         echo_error(args.command, e)
         return exit_code(e)
     except OSError as e:  # writing an output: disk full, permission denied, a path component that is a file
-        where = f": {e.filename}" if e.filename else ""
-        echo_error(args.command, f"{e.strerror or e}{where}")
+        echo_error(args.command, os_error_text(e, getattr(args, "output", None)))
         return exit_code(e)
     except KeyboardInterrupt:
         print(f"dduf {args.command}: interrupted", file=sys.stderr)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -181,6 +182,55 @@ def output_file(path: str | os.PathLike, force: bool, name: str | None = None) -
     if (out.exists() or out.is_symlink()) and not force:
         raise DDUFUsageError(f"{out} exists (use --force to overwrite)")
     return out
+
+
+# errors only a write gives: with no file name on them, the command's output is the file that failed
+WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS})
+
+
+def os_error_text(error: OSError, output: str | os.PathLike | None) -> str:
+    """One line for an OSError that ended a command, naming what the user gave: ``cannot write OUT: Read-only
+    file system``. The atomic writers fail first on their temporary file (``.OUT.x1y2z3.tmp`` beside OUT), a
+    name the user never typed; docs/cli.md promises the output given instead. A file inside an output folder
+    (``unpack -o DIR``) is named as it is; any other path (an input) as ``PATH: reason``, as coreutils say it."""
+    reason = error.strerror or str(error)
+    if not error.filename:  # os.write() on a descriptor names no file: disk full is the output's
+        if output is None or error.errno not in WRITE_ERRNOS:
+            return reason
+        given = os.fspath(output)
+        return f"cannot write {'into ' if given.endswith(('/', os.sep)) else ''}{given}: {reason}"
+    failed = Path(os.fsdecode(error.filename))
+    if output is None:
+        return f"{failed}: {reason}"
+    given = os.fspath(output)
+    out = Path(given).absolute()
+    where = failed.absolute()
+    if where.parent == out.parent and where.name.startswith(f".{out.name}.") and where.name.endswith(".tmp"):
+        return f"cannot write {given}: {reason}"  # the temporary file of OUT
+    if given.endswith(("/", os.sep)) and where.parent == out and where.name.startswith(".") \
+            and where.name.endswith(".tmp"):
+        return f"cannot write into {given}: {reason}"  # -o DIR/: the temporary file of DIR/NAME
+    if where == out or out in where.parents:
+        return f"cannot write {failed}: {reason}"
+    return f"{failed}: {reason}"
+
+
+def check_archive_name(output: Path) -> None:
+    """An archive's output name. ``.zst`` is refused (exit 2, before any work): these commands write a plain
+    archive, which ``dduf validate`` and ``load_dduf`` would then try to decompress (Z021). Another name
+    (``-o model``, ``-o model.zip``) is a warning: the archive is valid, but a Hub repo's archive is found by
+    its ``.dduf`` name (``load_dduf("org/repo")`` lists only those; ``dduf_file="model"`` is refused)."""
+    name = output.name
+    if name.endswith(".dduf"):
+        return
+    stem = name.removesuffix(".zst").removesuffix(".dduf").removesuffix(".zip")
+    suggested = output.with_name(f"{stem}.dduf")
+    if name.endswith(".zst"):
+        raise DDUFUsageError(f"{output}: this writes a plain archive, not a .zst; write {suggested}, then "
+                             f"`dduf compress {suggested}` makes {suggested}.zst")
+    logging.getLogger("dduf_plus.cli").warning(
+        "%s does not end in .dduf: the archive is valid, but load_dduf('org/repo') and dduf_file= find a Hub "
+        "repo's archive by that name; consider -o %s", output, suggested)
 
 
 def output_folder(path: str | os.PathLike) -> Path:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from ._common import as_usage, echo, human_bytes, output_file, path_like_missing, plural
+from ._common import as_usage, check_archive_name, echo, human_bytes, output_file, path_like_missing, plural
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -15,7 +15,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("-f", "--force", action="store_true", help="overwrite OUTPUT if it exists")
     p.add_argument("--ref", action="append", metavar="[NAME=]SPEC",
                    help="take a referenced component from this source (Hub repo id[@revision], folder or .dduf)")
-    p.add_argument("--cache-dir", help="Hugging Face cache to search first (and download into)")
+    p.add_argument("--cache-dir", metavar="DIR", help="Hugging Face cache to search first (and download into)")
     p.add_argument("--model-dir", action="append", metavar="FOLDER",
                    help="an app's model folder to find referenced components in by their tensors (repeatable; "
                         "also DDUF_PLUS_MODEL_DIRS)")
@@ -33,6 +33,7 @@ def run(args: argparse.Namespace) -> int:
     for spec in refs.values():
         path_like_missing(spec, "--ref")
     output = output_file(args.output, args.force, os.path.basename(args.partial))
+    check_archive_name(output)
     result = complete_archive(args.partial, output, refs=refs, local_files_only=args.local_files_only,
                               token=args.token, cache_dir=args.cache_dir, quiet=args.quiet,
                               model_dirs=args.model_dir)

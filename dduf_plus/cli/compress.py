@@ -15,9 +15,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "table (any `zstd -d` decodes it; `dduf decompress` decodes frames in parallel).")
     p.add_argument("archive", help="the .dduf archive to compress")
     p.add_argument("-o", "--output", help="where to write (default: ARCHIVE.zst); written atomically")
-    p.add_argument("--level", type=int, default=3,
-                   help="zstd level: 1 (fast) to 19 (small), 20-22 smaller still (more memory), negative faster "
-                        "still, 0 zstd's default; default 3")
+    p.add_argument("--level", type=level_arg, default=3,
+                   help="zstd level: 1 (fast) to 19 (small), 20-22 smaller still (more memory), -1 to -131072 "
+                        "faster still, 0 zstd's default; default 3")
     p.add_argument("--threads", type=int, default=-1, help="compression threads (default: one per CPU)")
     p.add_argument("--long", action="store_true", help="long-distance matching, 128 MiB window")
     p.add_argument("--frame-size", type=size_arg, default="256M", metavar="SIZE",
@@ -25,6 +25,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("-f", "--force", action="store_true", help="overwrite OUTPUT if it exists")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no summary")
     p.set_defaults(func=run)
+
+
+# zstd's own bounds (ZSTD_minCLevel() is -(1 << 17), ZSTD_maxCLevel() 22), as storage.zst checks them
+MIN_LEVEL, MAX_LEVEL = -(1 << 17), 22
+
+
+def level_arg(text: str) -> int:
+    """argparse type for ``--level``: an integer zstd accepts, checked before any work; the message gives
+    both ends (storage.zst's "max 22" read as if -200000 were too large)."""
+    try:
+        level = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not MIN_LEVEL <= level <= MAX_LEVEL:
+        raise argparse.ArgumentTypeError(f"{level} is out of range: {MIN_LEVEL} (fastest) to {MAX_LEVEL} "
+                                         "(smallest), 0 for zstd's default")
+    return level
 
 
 def run(args: argparse.Namespace) -> int:

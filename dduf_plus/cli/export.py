@@ -4,8 +4,12 @@ load, in its family's original layout (:mod:`dduf_plus.packing.export`)."""
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from ._common import as_usage, echo, human_bytes, output_file, path_like_missing
+
+if TYPE_CHECKING:
+    from ..format.archive import DDUFArchive
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -78,8 +82,29 @@ def _run_adapter(args: argparse.Namespace, output: object) -> int:
     if used:
         raise DDUFUsageError(f"{', '.join(used)}: not for an adapter (it is written as stored, in kohya names)")
     with DDUFArchive(args.archive) as archive:
+        _check_adapter_name(archive, args.adapter)
         path = export_adapter(archive, args.adapter, output)  # type: ignore[arg-type]
     if not args.quiet:
         echo(f"wrote {path}: adapter {args.adapter or '(the only one)'} in kohya layout, "
              f"{human_bytes(path.stat().st_size)}")
     return 0
+
+
+def _check_adapter_name(archive: DDUFArchive, name: str | None) -> None:
+    """``--adapter`` is a name the user gives, checked like a component's (docs/cli.md): a typo is a usage error
+    (exit 2, as ``--exclude vea``) naming the closest adapter. No ``--adapter`` for an archive of several stays
+    export_adapter's refusal (exit 1, tests/test_lora.py)."""
+    from ..assignments import closest
+    from ..errors import DDUFUsageError
+    from ..format.lora import LORA_CONFIG, config_findings
+
+    entries = archive.entries
+    if LORA_CONFIG not in entries:
+        return  # no adapters at all: export_adapter says so
+    adapters, problems = config_findings(archive.read_json(LORA_CONFIG), entries)
+    names = [a.name for a in adapters]
+    if name is None or problems or name in names:
+        return  # a broken config is export_adapter's to report (A001)
+    guess = closest(name, names)
+    raise DDUFUsageError(f"--adapter {name}: not an adapter of {archive.path}"
+                         + (f" (did you mean {guess}?)" if guess else "") + f"; its adapters: {', '.join(names)}")

@@ -25,7 +25,8 @@ HEADERS = ("COMPONENT", "CLASS", "DTYPE", "PARAMS", "SIZE", "NOTES")
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("info", help="show components, dtypes, sizes and references of an archive or folder")
     p.add_argument("source", help="a .dduf archive (or a local .dduf.zst, or a URL), a diffusers pipeline folder, "
-                   "or a Hub repo (org/name[@revision]: its archive, or its folder layout)")
+                   "a Hub repo (org/name[@revision]: its archive, or its folder layout), or a single-file "
+                   ".safetensors checkpoint or LoRA file (docs/single_file.md, docs/lora.md)")
     p.add_argument("--variant", help="describe this weight variant (e.g. fp16)")
     p.add_argument("--base", metavar="BASE", help="for a single-file .safetensors checkpoint: what `dduf pack CKPT "
                    "--base BASE` would store and reference (converts and compares; writes nothing)")

@@ -7,6 +7,7 @@ import os
 
 from ._common import (
     as_usage,
+    check_archive_name,
     echo,
     human_bytes,
     input_folder,
@@ -45,7 +46,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-fsync", dest="fsync", action="store_false",
                    help="skip flushing to disk before the atomic rename (faster; like cp, not power-cut safe)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="no progress bar, skipped files, references report or summary (warnings still printed)")
     p.set_defaults(func=run)
 
 
@@ -72,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
 
         raise DDUFUsageError(f"{args.source}: a compressed archive; run dduf decompress first, then pack the .dduf")
     elif not archive and hub_source(args.source) is None:  # a local folder; else a Hub repo id[@revision]
+        _check_lora_weight(args.source)
         input_folder(args.source)
     for spec in refs.values():
         path_like_missing(spec, "--ref")
@@ -81,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
     if archive:
         check_not_same(args.source, _output_path(args.output, name))  # before -f could even be considered
     output = output_file(args.output, args.force, name)
+    check_archive_name(output)
     dtype = dtypes.pop(DEFAULT_KEY, None)
     dtype_arg = ({**({DEFAULT_KEY: dtype} if dtype else {}), **dtypes} if dtypes else dtype)
 
@@ -144,6 +148,7 @@ def _run_lora(args: argparse.Namespace) -> int:
     items = [as_usage(partial_call(parse_lora_arg, v)) for v in [args.source, *args.lora]]
     path_like_missing(args.base, "--base")
     output = output_file(args.output, args.force, f"{items[0].name}.dduf")
+    check_archive_name(output)
     result, partial = pack_lora(items, output, base=args.base, token=args.token, quiet=args.quiet, fsync=args.fsync)
     if args.json:
         print_json({"path": str(result.path), "bytes": result.bytes_written, "entries": result.entries,
@@ -154,6 +159,18 @@ def _run_lora(args: argparse.Namespace) -> int:
         echo(f"wrote {result.path}: {plural(result.entries, 'entry', 'entries')}, {human_bytes(result.bytes_written)} "
              f"in {result.seconds:.2f} s")
     return 0
+
+def _check_lora_weight(source: str) -> None:
+    """``NAME=FILE@WEIGHT`` whose FILE exists but whose WEIGHT is no number (``@abc``, ``@0,8``): said as such,
+    instead of "SRC ... does not exist" (the whole text, taken for a folder, is not one)."""
+    from ..errors import DDUFUsageError
+
+    file, at, weight = source.rpartition("@")
+    file = file.split("=", 1)[1] if "=" in file.split("/", 1)[0] else file
+    if at and file.endswith(".safetensors") and os.path.isfile(file):
+        raise DDUFUsageError(f"{source}: weight {weight!r} is not a number ([NAME=]FILE[@WEIGHT], e.g. "
+                             f"{file}@0.8)")
+
 
 def _output_path(output: str, name: str) -> str:
     """Where ``-o`` writes (``DIR/``: DIR/NAME), without the checks of ``output_file``."""

@@ -24,7 +24,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="hash files not yet verified on this machine (default: sizes and remembered hashes only)")
     p.add_argument("--ref", action="append", metavar="[NAME=]SPEC",
                    help="check this source instead of the recorded one (as load_dduf(refs=...))")
-    p.add_argument("--cache-dir", help="Hugging Face cache to search first")
+    p.add_argument("--cache-dir", metavar="DIR", help="Hugging Face cache to search first")
     p.add_argument("--model-dir", action="append", metavar="FOLDER",
                    help="an app's model folder to find referenced components in by their tensors (repeatable; "
                         "also DDUF_PLUS_MODEL_DIRS)")

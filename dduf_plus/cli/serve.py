@@ -52,6 +52,29 @@ def _positive(text: str) -> int:
     return value
 
 
+def _non_negative(text: str) -> int:
+    """``--queue``: 0 (no waiting: busy is 503 at once) or more; a negative one was silently taken as 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value}: at least 0")
+    return value
+
+
+def _seconds(text: str) -> float:
+    """``--time-limit``: a positive, finite number of seconds (with 0 or a negative one, asyncio.wait_for times
+    out at once: every validation was a 504)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text}: a positive number of seconds")
+    return value
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("serve", help="serve validation over HTTP (API, page, Hub webhook)",
                               description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -66,16 +89,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "Always answered: localhost, IP literals, --host")
     p.add_argument("--max-upload", type=size_arg, default=4 << 30, metavar="SIZE", help="largest upload (default 4G)")
     p.add_argument("--workers", type=_positive, default=4, help="validations at once (threads, default 4)")
-    p.add_argument("--queue", type=int, default=64, help="requests that may wait for a worker (default 64); more: 503")
+    p.add_argument("--queue", type=_non_negative, default=64, help="requests that may wait for a worker (default 64); more: 503")
     p.add_argument("--uploads", type=_positive, default=64, metavar="N",
                    help="request bodies being received at once (default 64; more: 503)")
     p.add_argument("--uploads-per-client", type=_positive, default=16, metavar="N",
                    help="of those, from one client address (default 16; more: 429)")
-    p.add_argument("--time-limit", type=float, default=120.0, metavar="S", help="seconds per validation (default 120)")
+    p.add_argument("--time-limit", type=_seconds, default=120.0, metavar="S", help="seconds per validation (default 120)")
     p.add_argument("--webhook-secret-env", metavar="VAR", default=None,
                    help="environment variable holding the webhook secret (unset: POST /v1/webhook is off)")
-    p.add_argument("--reports-dir", type=Path, default=None, help="also keep webhook reports as JSON files here")
-    p.add_argument("--endpoint", default=None, help="the hub (default $HF_ENDPOINT or https://huggingface.co/)")
+    p.add_argument("--reports-dir", type=Path, default=None, metavar="DIR",
+                   help="also keep webhook reports as JSON files here")
+    p.add_argument("--endpoint", default=None, metavar="URL",
+                   help="the hub (default $HF_ENDPOINT or https://huggingface.co/)")
     p.set_defaults(func=run)
 
 

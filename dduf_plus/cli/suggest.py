@@ -10,6 +10,7 @@ from typing import NoReturn
 
 INVALID_CHOICE = re.compile(r"invalid choice: '([^']*)' \(choose from (.*)\)")
 UNRECOGNIZED = re.compile(r"unrecognized arguments: (.*)")
+TOP_LEVEL_FLAGS = {"-v", "-vv", "-vvv", "--verbose"}  # the top-level parser's, given after the command
 
 
 def closest(word: str, choices: list[str]) -> str | None:
@@ -39,10 +40,21 @@ def hint(parser: argparse.ArgumentParser, message: str) -> str | None:
     if match:
         flags = option_strings(parser)
         for word in match[1].split():
+            if word in TOP_LEVEL_FLAGS and " " in parser.prog:  # `dduf validate -v X`: argparse says no more
+                command = parser.prog.split(" ", 1)[1]
+                return f"{word} goes before the command: dduf {word} {command} ..."
             if word.startswith("-"):
                 guess = closest(word.split("=", 1)[0], flags)
                 if guess:
                     return f"did you mean {guess}?"
+    return None
+
+
+def command_parser(parser: argparse.ArgumentParser, command: str | None) -> argparse.ArgumentParser | None:
+    """The parser of subcommand ``command`` that ``parser`` built, or None."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+            return action.choices[command]
     return None
 
 
