@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import shutil
+import stat
 import struct
 from collections.abc import Iterator
 from pathlib import Path
@@ -243,6 +245,9 @@ def test_deterministic_dtype_and_atomic(sd: dict[str, Path], tmp_path: Path) -> 
     one = export_single_file(archive, tmp_path / "one.safetensors", title="t", fsync=False)
     two = export_single_file(archive, tmp_path / "two.safetensors", title="t", fsync=False)
     assert one.path.read_bytes() == two.path.read_bytes()
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert stat.S_IMODE(one.path.stat().st_mode) == 0o644 & ~umask  # as apps' model files are (was 0600)
     half = export_single_file(archive, tmp_path / "half.safetensors", dtype="fp16", fsync=False)
     dtypes = {t.dtype for t in read_checkpoint_header(half.path).tensors.values()}
     assert dtypes == {"float16"}, dtypes

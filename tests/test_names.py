@@ -125,7 +125,7 @@ def test_load_dduf_accepts_real_names(partial: Path) -> None:
 def test_a_misspelt_component_keyword_is_refused_and_other_keywords_only_warned(partial: Path, caplog) -> None:
     from dduf_plus import load_dduf
 
-    with pytest.raises(LoadNameError, match=r"load_dduf\(vea= \(did you mean vae=\?\)\): not a component"):
+    with pytest.raises(LoadNameError, match=r"load_dduf\(vea=\.\.\.\): vea is not a component of StableDiffusionPipeline \(did you mean vae=\?\); its "):
         load_dduf(partial, vea=None)
     with caplog.at_level("WARNING"):
         pipe = load_dduf(partial, use_safetensors=True)  # a from_pretrained habit: ignored, as diffusers does

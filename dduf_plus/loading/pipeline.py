@@ -415,8 +415,10 @@ def _refuse_component_typos(unused: Mapping[str, Any], components: Any, pipeline
 
     typos = {k: m for k in sorted(unused) if (m := closest(k, components)) is not None}
     if typos:
-        named = ", ".join(f"{k}= (did you mean {m}=?)" for k, m in typos.items())
-        raise LoadNameError(f"load_dduf({named}): not a component of {pipeline}; its components: "
+        args, names = ", ".join(f"{k}=..." for k in typos), ", ".join(typos)
+        meant = ", ".join(f"{m}=" for m in typos.values())
+        what = "is not a component" if len(typos) == 1 else "are not components"
+        raise LoadNameError(f"load_dduf({args}): {names} {what} of {pipeline} (did you mean {meant}?); its components: "
                             f"{', '.join(sorted(components))}", names=list(typos), known=sorted(components),
                             suggestions=typos)
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
@@ -33,6 +32,7 @@ from ..format.original_layout import Piece, original_pieces
 from ..format.safetensors_header import TensorInfo, parse_header, read_file_header
 from ..format.structure import component_specs
 from ..format.weights import select_weights, tensor_files
+from ..storage.confined import Confined
 from ..storage.urls import is_url
 from .mapped_views import Dropper, bytes_of, mapped, view
 from .single_file_layout import FAMILIES, Component
@@ -343,27 +343,17 @@ def _check_projection(parts: list[_Part], maps: Mapping[Path, Any]) -> None:
 
 
 def _write(output: Path, head: bytes, plan: list[_Out], parts: list[_Part], *, fsync: bool) -> int:
-    """Write to a temporary file beside ``output`` and rename it into place (nothing left on failure)."""
+    """Write to a temporary file beside ``output`` and rename it into place (nothing left on failure); 0644 less
+    the umask, as apps' model files are (mkstemp's 0600 made exported files private)."""
     output.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{output.name}.", suffix=".tmp", dir=output.parent)
-    try:
-        with ExitStack() as stack, os.fdopen(fd, "wb", buffering=0) as f:
-            paths = sorted({t.path for p in parts for t in p.tensors.values()})
-            maps = {p: stack.enter_context(mapped(p)) for p in paths}
-            files = {p: stack.enter_context(open(p, "rb")) for p in paths}
-            _check_projection(parts, maps)
-            _write_all(f.fileno(), head)
-            _stream(plan, parts, maps, {p: h.fileno() for p, h in files.items()}, f.fileno())
-            if fsync:
-                os.fsync(f.fileno())
-            size = os.fstat(f.fileno()).st_size
-        os.replace(tmp, output)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    with ExitStack() as stack, Confined(output.parent).atomic(output, fsync=fsync, mode=0o644, suffix=".tmp") as out:
+        paths = sorted({t.path for p in parts for t in p.tensors.values()})
+        maps = {p: stack.enter_context(mapped(p)) for p in paths}
+        files = {p: stack.enter_context(open(p, "rb")) for p in paths}
+        _check_projection(parts, maps)
+        _write_all(out.fd, head)
+        _stream(plan, parts, maps, {p: h.fileno() for p, h in files.items()}, out.fd)
+        size = os.fstat(out.fd).st_size
     return size
 
 
