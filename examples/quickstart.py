@@ -55,6 +55,7 @@ def main() -> None:
     for name, component in pipe.components.items():
         if isinstance(component, torch.nn.Module):
             print(f"  {name:<14} {next(component.parameters()).dtype}")
+    pipe.set_progress_bar_config(disable=True)  # two steps: diffusers' bar would be noise here
     image = pipe("a red square", num_inference_steps=2, height=32, width=32,
                  generator=torch.Generator("cpu").manual_seed(0)).images[0]
     image.save(OUT / "tiny-sd.png")
@@ -65,6 +66,7 @@ def main() -> None:
          "--quiet", "--force")
     dduf("info", str(partial))
     pipe = load_dduf(partial, torch_dtype="auto")
+    pipe.set_progress_bar_config(disable=True)
     image = pipe("a red square", num_inference_steps=2, height=32, width=32,
                  generator=torch.Generator("cpu").manual_seed(0)).images[0]
     image.save(OUT / "tiny-sd-finetune.png")
