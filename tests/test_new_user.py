@@ -36,9 +36,9 @@ def read_only_mkstemp(real=tempfile.mkstemp):
 
 def test_a_failed_export_names_the_output_not_its_temporary_file(capsys, packed, tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    import dduf_plus.packing.export as export
+    import dduf_plus.storage.confined as confined  # the one atomic writer every command writes through
 
-    monkeypatch.setattr(export.tempfile, "mkstemp", read_only_mkstemp())
+    monkeypatch.setattr(confined.tempfile, "mkstemp", read_only_mkstemp())
     out = tmp_path / "model.safetensors"
     code, err = run_cli(capsys, "export", str(packed["tiny-sd"]), "-o", str(out))
     assert code == EXIT_USAGE
