@@ -16,7 +16,8 @@ process (imports before the clock) with a fresh dduf_plus cache per repetition:
 * ``model_dirs_diffusers``: the same with ONE file in diffusers' names instead (read from its header alone: no
   layout reader, so no diffusers converter imported);
 * ``model_dirs_shard_folder``: the transformer as a folder of shards in ComfyUI's ``models/diffusers/flux``, cut
-  into 2 shards instead of the reference's 3-4 (found by the digest over all its shards, loaded from them).
+  otherwise (``max_shard_size`` half the transformer: 3 shards against the reference's 4 at the default size;
+  found by the digest over all its shards, loaded from them).
 
 ``first``: a fresh dduf_plus cache (hashing), ``second``: remembered (nothing hashed). ``resolve``: the reference
 located and verified (``locate_component``); the totals add ``load_dduf``. The page cache is warm. The pack's
@@ -62,7 +63,8 @@ def _build(root: Path, double: int, single: int) -> Path:
 
 
 def _shard_folder(src: Path, out: Path) -> None:
-    """The transformer re-saved by diffusers cut into 2 shards (the reference records 3-4)."""
+    """The transformer re-saved by diffusers cut otherwise (``max_shard_size`` half of it: other shards than the
+    reference records)."""
     import torch
     from diffusers import FluxTransformer2DModel
 
