@@ -162,8 +162,10 @@ def test_bad_arguments(tmp_path):
         load_dduf(path, torch_dtype="int8")
     with pytest.raises(DDUFLoadError, match="variant 'ema'"):
         load_dduf(path, variant="ema")
-    with pytest.raises(DDUFLoadError, match="not supported"):
+    with pytest.raises(DDUFLoadError, match="device_map='balanced' is not supported"):
         load_dduf(path, device_map="balanced")
+    with pytest.raises(DDUFLoadError, match=r"^device='balanced' is not supported.*\(device=\{"):
+        load_dduf(path, device="balanced")  # named as given (was device_map=)
     if not torch.cuda.is_available():
         with pytest.raises(DDUFLoadError, match="CUDA is not available"):
             load_dduf(path, device="cuda")

@@ -289,3 +289,20 @@ def test_serve_refuses_limits_that_cannot_work(capsys, argv: list[str], message:
 def test_serve_accepts_a_queue_of_zero() -> None:
     args = build_parser("serve").parse_args(["serve", "--queue", "0", "--time-limit", "0.5"])
     assert (args.queue, args.time_limit) == (0, 0.5)
+
+
+def test_export_component_typo_gets_the_closest_name(capsys, packed, tmp_path: Path) -> None:
+    """Was exit 2 with the list alone; a component the family has but the pipeline lacks was exit 1."""
+    code, err = run_cli(capsys, "export", str(packed["tiny-sd"]), "-o", str(tmp_path / "u.safetensors"),
+                        "--component", "unte")
+    assert code == EXIT_USAGE and "(did you mean unet?)" in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", ["compress", "decompress"])
+@pytest.mark.parametrize("threads", ["-7", "100000", "two"])
+def test_threads_out_of_range_are_refused_at_once(capsys, packed, tmp_path: Path, command: str, threads: str) -> None:
+    """Were taken silently (-7 as one per CPU; 100000 handed to zstd)."""
+    code, err = run_cli(capsys, command, str(packed["tiny-sd"]), "-o", str(tmp_path / "x"), "--threads", threads)
+    assert code == EXIT_USAGE and "--threads" in err and ("out of range" in err or "not an integer" in err), err
+    assert list(tmp_path.iterdir()) == []

@@ -18,7 +18,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--level", type=level_arg, default=3,
                    help="zstd level: 1 (fast) to 19 (small), 20-22 smaller still (more memory), -1 to -131072 "
                         "faster still, 0 zstd's default; default 3")
-    p.add_argument("--threads", type=int, default=-1, help="compression threads (default: one per CPU)")
+    p.add_argument("--threads", type=threads_arg, default=-1,
+                   help=f"compression threads, 1 to {MAX_THREADS} (default, or 0 as zstd -T0: one per CPU)")
     p.add_argument("--long", action="store_true", help="long-distance matching, 128 MiB window")
     p.add_argument("--frame-size", type=size_arg, default="256M", metavar="SIZE",
                    help="input bytes per independent frame (default 256M)")
@@ -42,6 +43,21 @@ def level_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{level} is out of range: {MIN_LEVEL} (fastest) to {MAX_LEVEL} "
                                          "(smallest), 0 for zstd's default")
     return level
+
+
+MAX_THREADS = 256  # zstd's own cap on workers (ZSTDMT_NBWORKERS_MAX) is about this on 64-bit systems
+
+
+def threads_arg(text: str) -> int:
+    """argparse type for ``--threads``: -1 or 0 (one per CPU) or 1 to :data:`MAX_THREADS`, checked before any
+    work (-7 and 100000 were taken silently)."""
+    try:
+        threads = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not -1 <= threads <= MAX_THREADS:
+        raise argparse.ArgumentTypeError(f"{threads} is out of range: 1 to {MAX_THREADS}, or 0 / -1 for one per CPU")
+    return threads
 
 
 def run(args: argparse.Namespace) -> int:

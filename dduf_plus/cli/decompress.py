@@ -7,6 +7,7 @@ import os
 
 from ..errors import DDUFUsageError
 from ._common import budget_arg
+from .compress import MAX_THREADS, threads_arg
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -17,7 +18,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "output appears only when complete.")
     p.add_argument("archive", help="the .dduf.zst to decompress")
     p.add_argument("-o", "--output", help="where to write (default: ARCHIVE without .zst); written atomically")
-    p.add_argument("--threads", type=int, default=-1, help="decompression threads (default: one per CPU)")
+    p.add_argument("--threads", type=threads_arg, default=-1,
+                   help=f"decompression threads, 1 to {MAX_THREADS} (default, or 0: one per CPU)")
     p.add_argument("-f", "--force", action="store_true", help="overwrite OUTPUT if it exists")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no summary")
     p.add_argument("--max-decompressed", type=budget_arg, default=None, metavar="SIZE",

@@ -587,12 +587,12 @@ def _device_resolver(device: Any, device_map: Any) -> Callable[[str], torch.devi
 
     if device is not None and device_map is not None and device != device_map:
         raise DDUFLoadError(f"device={device!r} and device_map={device_map!r} disagree; pass one of them")
-    value = device if device is not None else device_map
+    value, arg = (device, "device") if device is not None else (device_map, "device_map")
     if isinstance(value, Mapping):
-        table = {str(k): _parse_device(v) for k, v in value.items()}
+        table = {str(k): _parse_device(v, arg) for k, v in value.items()}
         default = table.get("default", table.get("", torch.device("cpu")))
         return lambda name: table.get(name, default)
-    one = _parse_device(value if value is not None else "cpu")
+    one = _parse_device(value if value is not None else "cpu", arg)
     return lambda name: one
 
 
@@ -601,12 +601,12 @@ def _device_keys(device: Any, device_map: Any) -> tuple[str, ...] | None:
     return tuple(str(k) for k in value) if isinstance(value, Mapping) else None
 
 
-def _parse_device(value: Any) -> torch.device:
+def _parse_device(value: Any, arg: str = "device_map") -> torch.device:
     import torch
 
     if isinstance(value, str) and value in _UNSUPPORTED_DEVICE_MAPS:
-        raise DDUFLoadError(f"device_map={value!r} is not supported; give a device per component "
-                            "(device_map={'unet': 'cuda:0', 'default': 'cuda:1'})")
+        raise DDUFLoadError(f"{arg}={value!r} is not supported; give a device per component "
+                            f"({arg}={{'unet': 'cuda:0', 'default': 'cuda:1'}})")
     try:
         dev = torch.device(value) if not isinstance(value, int) else torch.device("cuda", value)
     except (RuntimeError, TypeError) as e:

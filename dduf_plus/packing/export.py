@@ -23,6 +23,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from ..assignments import closest
 from ..dtype_names import STORAGE_DTYPES, canonical
 from ..errors import DDUFPackError, DDUFUsageError
 from ..format import spec
@@ -188,10 +189,12 @@ def _parts(ark: DDUFArchive, model_index: Mapping[str, Any], component: str | No
     wanted = [n for n in family.components if n in present]
     if component is not None:
         if component not in family.components:
+            near = closest(component, family.components)
             raise DDUFUsageError(f"--component {component!r}: a {family.name} file holds "
-                                 f"{', '.join(sorted(family.components))}")
+                                 f"{', '.join(sorted(family.components))}" + (f" (did you mean {near}?)" if near else ""))
         if component not in present:
-            raise DDUFPackError(f"--component {component!r}: the archive's pipeline has none")
+            raise DDUFUsageError(f"--component {component!r}: the archive's pipeline has none (it has: "
+                                 f"{', '.join(n for n in family.components if n in present)})")
         wanted = [component]
     parts = []
     for name in wanted:
