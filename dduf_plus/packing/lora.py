@@ -39,6 +39,7 @@ from ..format.pack import EntrySource, FolderPlan, PackResult, write_archive
 from ..format.safetensors_header import SafetensorsHeader, TensorInfo, read_file_header
 from ..format.structure import component_specs
 from ..format.weights import select_weights, tensor_files
+from ..sizes import format_size
 
 logger = logging.getLogger(__name__)
 
@@ -340,5 +341,5 @@ def pack_lora(
 def adapter_line(a: CheckedAdapter) -> str:
     """One report line: ``adapter pixel (kohya, 1.2 MB): unet 64 modules rank 4, text_encoder 12 (weight 1)``."""
     parts = [f"{c} {t['modules']} modules rank {'/'.join(map(str, t['ranks']))}" for c, t in a.record["targets"].items()]
-    return (f"adapter {a.source.name} ({a.lora.layout}, {a.record['size']:,} bytes, weight {a.source.weight:g}): "
+    return (f"adapter {a.source.name} ({a.lora.layout}, {format_size(a.record['size'])}, weight {a.source.weight:g}): "
             + ", ".join(parts))
