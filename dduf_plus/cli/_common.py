@@ -129,6 +129,24 @@ def size_arg(text: str) -> int:
     return size
 
 
+def int_arg(low: int, high: int | None = None, *, what: str = "an integer",
+            out_of_range: str = "{value}: at least {low}") -> Callable[[str], int]:
+    """An argparse type: an integer from ``low`` to ``high`` (None: no upper end), checked before any work;
+    ``out_of_range`` (formatted with ``value``, ``low``, ``high``) says why a number is refused, ``what`` what a
+    text that is no integer is not."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {what}: {text!r}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(out_of_range.format(value=value, low=low, high=high))
+        return value
+
+    return parse
+
+
 def human_rate(n: float, seconds: float) -> str:
     """``n`` bytes in ``seconds`` as a decimal rate (``32.10 MB/s``); ``-`` for no time."""
     return f"{human_bytes(n / seconds)}/s" if seconds > 0 else "-"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from ._common import size_arg
+from ._common import int_arg, size_arg
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -32,32 +32,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 MIN_LEVEL, MAX_LEVEL = -(1 << 17), 22
 
 
-def level_arg(text: str) -> int:
-    """argparse type for ``--level``: an integer zstd accepts, checked before any work; the message gives
-    both ends (storage.zst's "max 22" read as if -200000 were too large)."""
-    try:
-        level = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if not MIN_LEVEL <= level <= MAX_LEVEL:
-        raise argparse.ArgumentTypeError(f"{level} is out of range: {MIN_LEVEL} (fastest) to {MAX_LEVEL} "
-                                         "(smallest), 0 for zstd's default")
-    return level
-
-
+# checked before any work, both ends said (storage.zst's "max 22" read as if -200000 were too large)
+level_arg = int_arg(MIN_LEVEL, MAX_LEVEL, out_of_range="{value} is out of range: {low} (fastest) to {high} (smallest), "
+                                                       "0 for zstd's default")
 MAX_THREADS = 256  # zstd's own cap on workers (ZSTDMT_NBWORKERS_MAX) is about this on 64-bit systems
-
-
-def threads_arg(text: str) -> int:
-    """argparse type for ``--threads``: -1 or 0 (one per CPU) or 1 to :data:`MAX_THREADS`, checked before any
-    work (-7 and 100000 were taken silently)."""
-    try:
-        threads = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if not -1 <= threads <= MAX_THREADS:
-        raise argparse.ArgumentTypeError(f"{threads} is out of range: 1 to {MAX_THREADS}, or 0 / -1 for one per CPU")
-    return threads
+# -7 and 100000 were taken silently
+threads_arg = int_arg(-1, MAX_THREADS, out_of_range="{value} is out of range: 1 to {high}, or 0 / -1 for one per CPU")
 
 
 def run(args: argparse.Namespace) -> int:

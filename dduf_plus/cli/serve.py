@@ -17,7 +17,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from ._common import size_arg
+from ._common import int_arg, size_arg
 
 logger = logging.getLogger(__name__)
 DESCRIPTION = """\
@@ -32,35 +32,9 @@ localhost, IP literals and --allowed-host. Behind a reverse proxy: docs/serve.md
   curl -F file=@x.dduf 'http://127.0.0.1:8000/v1/validate?verify=true'  # or as a form field named file"""
 
 
-def _port(text: str) -> int:
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"{port} is not a port: 0 to 65535 (0: any free port)")
-    return port
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value}: at least 1")
-    return value
-
-
-def _non_negative(text: str) -> int:
-    """``--queue``: 0 (no waiting: busy is 503 at once) or more; a negative one was silently taken as 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value}: at least 0")
-    return value
+_port = int_arg(0, 65535, what="a port number", out_of_range="{value} is not a port: 0 to 65535 (0: any free port)")
+_positive = int_arg(1)
+_non_negative = int_arg(0)  # --queue: 0 is no waiting (busy is 503 at once); a negative one was taken as 0
 
 
 def _seconds(text: str) -> float:

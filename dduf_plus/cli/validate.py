@@ -14,7 +14,7 @@ import textwrap
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from ._common import budget_arg, echo, echo_error, plural
+from ._common import budget_arg, echo, echo_error, int_arg, plural
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..format.findings import Finding
@@ -67,14 +67,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
-def _jobs(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError("must be at least 1")
-    return value
+_jobs = int_arg(1)
 
 
 def check_one(path: str, verify: bool, strict: bool, max_decompressed: str | None = None,
