@@ -306,3 +306,24 @@ def test_threads_out_of_range_are_refused_at_once(capsys, packed, tmp_path: Path
     code, err = run_cli(capsys, command, str(packed["tiny-sd"]), "-o", str(tmp_path / "x"), "--threads", threads)
     assert code == EXIT_USAGE and "--threads" in err and ("out of range" in err or "not an integer" in err), err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_unpack_force_replaces_a_linked_file_and_refuses_a_linked_folder(capsys, packed, tmp_path: Path) -> None:
+    """A link in the output folder: the file link is replaced (never written through; it was refused as if the
+    archive's entry escaped, exit 1); a folder link leading out is refused naming it (exit 2), nothing written."""
+    victim = tmp_path / "victim.json"
+    victim.write_text("keep")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model_index.json").symlink_to(victim)
+    code, err = run_cli(capsys, "unpack", str(packed["tiny-sd"]), "-o", str(out), "--force", "-q")
+    assert code == 0, err
+    assert victim.read_text() == "keep" and not (out / "model_index.json").is_symlink()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    (fresh / "unet").symlink_to(elsewhere, target_is_directory=True)
+    code, err = run_cli(capsys, "unpack", str(packed["tiny-sd"]), "-o", str(fresh), "-q")
+    assert code == EXIT_USAGE and "unet is a link to" in err and "outside" in err, err
+    assert list(elsewhere.iterdir()) == [] and [p.name for p in fresh.iterdir()] == ["unet"]

@@ -17,14 +17,17 @@ logger = logging.getLogger(__name__)
 
 
 def safe_target(root: Path, name: str) -> Path:
-    """``root / name`` if it stays inside ``root``; refuses traversal whatever validation said."""
+    """``root / name`` if it stays inside ``root``; refuses traversal whatever validation said. The entry's
+    folder must resolve inside ``root``; the file itself may be a link there, which is replaced (the atomic
+    rename), never written through."""
     parts = name.split("/")
     if not name or name.startswith("/") or "\\" in name or any(p in ("", ".", "..") for p in parts) or ":" in parts[0]:
         raise DDUFFormatError(f"refusing to unpack {name!r}: it would escape {root}")
-    target = (root / Path(*parts)).resolve()
-    if not target.is_relative_to(root.resolve()):
-        raise DDUFFormatError(f"refusing to unpack {name!r}: it would escape {root}")
-    return target
+    folder = (root / Path(*parts[:-1])).resolve()
+    if not folder.is_relative_to(root.resolve()):  # the name is plain: a link in the output folder leads out
+        raise DDUFUsageError(f"refusing to unpack {name!r}: {root / Path(*parts[:-1])} is a link to {folder}, "
+                             f"outside {root}")
+    return folder / parts[-1]
 
 
 def unpack(archive_path: str | os.PathLike, output: str | os.PathLike, *, force: bool = False,
