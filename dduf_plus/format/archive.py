@@ -401,7 +401,7 @@ def _tensor_records_agree(records: dict[str, Any], header: SafetensorsHeader, da
 _TORCH_DTYPES: dict[str, tuple[Any, int]] = {}  # spec dtype name -> (torch dtype or None, bytes per element)
 
 
-def _torch_dtype(name: str, torch: Any) -> tuple[Any, int]:
+def torch_dtype_of(name: str, torch: Any) -> tuple[Any, int]:
     """(the torch dtype, its size in bytes) for a spec dtype name; (None, 0) where this torch lacks it or it
     is narrower than a byte. Looked up once per name: a pipeline views about a thousand tensors."""
     found = _TORCH_DTYPES.get(name)
@@ -413,7 +413,7 @@ def _torch_dtype(name: str, torch: Any) -> tuple[Any, int]:
 
 
 def tensor_view(buffer: Any, start: int, info: Any, torch: Any) -> torch.Tensor:
-    torch_dtype, size = _torch_dtype(info.dtype, torch)
+    torch_dtype, size = torch_dtype_of(info.dtype, torch)
     if torch_dtype is None:
         raise DDUFFormatError(f"tensor {info.name}: dtype {spec.DTYPE_BY_TORCH[info.dtype].torch} is not supported "
                               "by this torch")

@@ -27,8 +27,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 from ..errors import DDUFFormatError, DDUFIOError, DDUFLoadError, DDUFReferenceError
-from ..format import spec
-from ..format.archive import tensor_view
+from ..format.archive import tensor_view, torch_dtype_of
 from ..format.safetensors_header import SafetensorsHeader, TensorInfo
 from ..format.weights import select_weights, tensor_files
 from ..refs.model_dirs import InPlace, Source, diffusers_header
@@ -207,7 +206,7 @@ class _PartReads(Mapping):
 
 
 def _dtype(info: TensorInfo, torch: Any) -> torch.dtype:
-    dtype = getattr(torch, spec.DTYPE_BY_TORCH[info.dtype].torch, None)
+    dtype, _size = torch_dtype_of(info.dtype, torch)
     if dtype is None:
         raise DDUFFormatError(f"tensor {info.name}: dtype {info.dtype} is not supported by this torch")
     return dtype

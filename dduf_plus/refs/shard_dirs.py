@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -22,7 +21,7 @@ from ..format.json_budget import SHARD_INDEX_JSON_BUDGET, parse_json_entry
 from ..format.safetensors_header import read_file_header
 from ..format.weights import classify, shard_map
 from ..storage.confined import name_problem
-from ..storage.signed import StatKey, stat_key
+from ..storage.signed import StatKey, read_regular, stat_key
 from .tensor_digest import check_shard_index, layout_digest, remembered_shards_digest
 
 logger = logging.getLogger(__name__)
@@ -101,17 +100,12 @@ def _shard_set(folder: Path, index: str, names: set[str], rec: Mapping[str, Any]
 
 def _read_index(path: Path) -> bytes:
     """The index's bytes within its budget; a FIFO or device in its place is refused without blocking."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise DDUFFormatError(f"not a regular file (a FIFO, a device, a folder): {path}")
-        if st.st_size > SHARD_INDEX_JSON_BUDGET.bytes:
-            raise DDUFFormatError(f"over its JSON budget ({st.st_size} bytes) (D013)", code="D013")
-        with open(fd, "rb", closefd=False) as f:
-            return f.read(SHARD_INDEX_JSON_BUDGET.bytes + 1)
-    finally:
-        os.close(fd)
+    raw = read_regular(path, SHARD_INDEX_JSON_BUDGET.bytes + 1)
+    if raw is None:
+        raise DDUFFormatError(f"not a regular file (a FIFO, a device, a folder): {path}")
+    if len(raw) > SHARD_INDEX_JSON_BUDGET.bytes:
+        raise DDUFFormatError(f"over its JSON budget ({SHARD_INDEX_JSON_BUDGET.bytes} bytes) (D013)", code="D013")
+    return raw
 
 
 def _json(raw: bytes, index: str) -> Any:
