@@ -333,3 +333,29 @@ def test_sd2_and_refiner_export_round_trip(family: str, tmp_path: Path) -> None:
     out = _proof(ckpt, base, cls, dtype, names, work)
     want = {"v2": "stable-diffusion-v2-512", "xl_refiner": "stable-diffusion-xl-v1-refiner"}[family]
     assert _metadata(out)["modelspec.architecture"] == want
+
+
+@pytest.mark.parametrize("kernel", ["stops half-way", "absent"])
+def test_export_without_a_full_kernel_copy_writes_the_same_bytes(sd: dict[str, Path], tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch, kernel: str) -> None:
+    """A copy_file_range that copies part of a tensor and then meets another file system (EXDEV), or none at all:
+    the rest comes through the maps, nothing written twice or left out (fd_io.kernel_copy)."""
+    import errno
+
+    archive = tmp_path / "a.dduf"
+    pack_single_file(sd["sd1"], archive, base=str(TINY_SD), quiet=True, fsync=False)
+    whole = export_single_file(archive, tmp_path / "whole.safetensors", fsync=False).path.read_bytes()
+    real, calls = os.copy_file_range, []
+
+    def half_then_exdev(src: int, dst: int, count: int, *offsets: int | None) -> int:
+        calls.append(count)
+        if len(calls) > 1:
+            raise OSError(errno.EXDEV, os.strerror(errno.EXDEV))
+        return real(src, dst, max(1, count // 2), *offsets)
+
+    if kernel == "absent":
+        monkeypatch.delattr(os, "copy_file_range")
+    else:
+        monkeypatch.setattr(os, "copy_file_range", half_then_exdev)
+    assert export_single_file(archive, tmp_path / "b.safetensors", fsync=False).path.read_bytes() == whole
+    assert len(calls) == (2 if kernel != "absent" else 0)

@@ -20,7 +20,7 @@ from typing import Any
 
 from ..errors import DDUFIOError, DDUFPackError, DDUFUsageError
 from ..storage.confined import Confined
-from ..storage.fd_io import pwrite_all
+from ..storage.fd_io import kernel_copy, pwrite_all
 from . import spec
 from .index import FileRecord
 from .safetensors_header import read_header_length
@@ -251,18 +251,13 @@ class DDUFWriter:
         pwrite_all(self._fd, data, offset)
 
     def _copy(self, src: int, size: int, dst_offset: int, src_offset: int = 0) -> None:
-        done = 0
-        copy_range = getattr(os, "copy_file_range", None)
+        done, kernel = 0, True
         buffer: memoryview | None = None
         while done < size:
             n = min(4 * CHUNK, size - done)
-            copied = 0
-            if copy_range is not None:
-                try:
-                    copied = copy_range(src, self._fd, n, src_offset + done, dst_offset + done)
-                except OSError:
-                    copy_range = None  # cross-device or unsupported: fall back to read + write
+            copied = kernel_copy(src, self._fd, n, src_offset + done, dst_offset + done) if kernel else 0
             if copied <= 0:
+                kernel = False  # another file system, or none: read + write from here on
                 if buffer is None:
                     buffer = memoryview(bytearray(min(CHUNK, size)))
                 copied = _pread_into(src, buffer[: min(n, len(buffer))], src_offset + done)

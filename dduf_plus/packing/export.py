@@ -34,6 +34,7 @@ from ..format.safetensors_header import TensorInfo, parse_header, read_file_head
 from ..format.structure import component_specs
 from ..format.weights import select_weights, tensor_files
 from ..storage.confined import Confined
+from ..storage.fd_io import kernel_copy, write_all
 from ..storage.urls import is_url
 from .mapped_views import Dropper, bytes_of, mapped, view
 from .single_file_layout import FAMILIES, Component
@@ -354,7 +355,7 @@ def _write(output: Path, head: bytes, plan: list[_Out], parts: list[_Part], *, f
         maps = {p: stack.enter_context(mapped(p)) for p in paths}
         files = {p: stack.enter_context(open(p, "rb")) for p in paths}
         _check_projection(parts, maps)
-        _write_all(out.fd, head)
+        write_all(out.fd, head)
         _stream(plan, parts, maps, {p: h.fileno() for p, h in files.items()}, out.fd)
         size = os.fstat(out.fd).st_size
     return size
@@ -365,42 +366,25 @@ def _stream(plan: list[_Out], parts: list[_Part], maps: Mapping[Path, Any], fds:
     1x1 convolution's reshape) is copied by the kernel (``copy_file_range``: no pass through this process);
     the others are made from views of the maps, one at a time, and written (pages dropped as they go)."""
     dropper = Dropper(*maps.values())
-    kernel = hasattr(os, "copy_file_range")
+    kernel = True
     for o in plan:
         part = parts[o.part]
         first = part.tensors[o.piece.sources[0]]
+        copied = 0
         if kernel and o.piece.op in ("copy", "conv1x1") and o.dtype == first.info.dtype:
-            if _copy_range(fds[first.path], out, first.start + first.info.begin, first.info.nbytes, o.name):
+            src, at = fds[first.path], first.start + first.info.begin
+            copied = kernel_copy(src, out, first.info.nbytes, at)
+            if copied == first.info.nbytes:
                 continue
+            if os.fstat(src).st_size < at + first.info.nbytes:  # its map would fault past the end (SIGBUS)
+                raise DDUFPackError(f"{o.name}: its source file ended early (changed while exporting?)")
             kernel = False  # not on this file system: bytes through the maps from now on
         t = _make(o, [view(maps[part.tensors[s].path], part.tensors[s].start, part.tensors[s].info)
                       for s in o.piece.sources])
         data = bytes_of(t)
         if data.numel() != _nbytes(o):  # pragma: no cover - a source changed under us
             raise DDUFPackError(f"{o.name}: {data.numel()} bytes, {_nbytes(o)} planned")
-        _write_all(out, data.numpy().data)
+        write_all(out, data.numpy().data[copied:])  # what the kernel copied is not written twice
         dropper.read(data.numel())
         del data, t
 
-
-def _write_all(fd: int, data: Any) -> None:
-    view = memoryview(data).cast("B")
-    while view:
-        view = view[os.write(fd, view):]
-
-
-def _copy_range(src: int, out: int, offset: int, count: int, name: str) -> bool:
-    """Copy ``count`` bytes at ``offset`` of ``src`` to ``out``'s position in the kernel; False when the file
-    systems do not support it (nothing written then)."""
-    done = 0
-    try:
-        while done < count:
-            n = os.copy_file_range(src, out, count - done, offset + done)
-            if n == 0:
-                raise DDUFPackError(f"{name}: its source file ended early (changed while exporting?)")
-            done += n
-    except OSError:
-        if done:
-            raise
-        return False
-    return True

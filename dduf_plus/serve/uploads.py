@@ -26,6 +26,7 @@ import anyio.to_thread
 from python_multipart.multipart import MultipartParser, parse_options_header
 
 from ..sizes import format_size
+from ..storage.fd_io import write_all
 
 FLUSH_BYTES = 1 << 20
 MAX_FIELD = 8 << 10  # a form field (url, verify, strict): short text
@@ -256,7 +257,7 @@ class _Spool:
     async def flush(self, final: bool = False) -> None:
         if self.buffer and (final or len(self.buffer) >= FLUSH_BYTES):
             data, self.buffer = bytes(self.buffer), bytearray()
-            await anyio.to_thread.run_sync(_write_all, self.fd, data, self.folder, self.reserve)
+            await anyio.to_thread.run_sync(_write_keeping_reserve, self.fd, data, self.folder, self.reserve)
         if final:
             os.close(self.fd)
             self.fd = -1
@@ -267,13 +268,12 @@ class _Spool:
             self.fd = -1
 
 
-def _write_all(fd: int, data: bytes, folder: Path, reserve: int) -> None:
+def _write_keeping_reserve(fd: int, data: bytes, folder: Path, reserve: int) -> None:
+    """All of ``data`` to the spool file, refused first where it would leave less than ``reserve`` free."""
     if reserve and shutil.disk_usage(folder).free - len(data) < reserve:  # every ~1 MiB: a statvfs, microseconds
         raise NoSpace(f"not enough free disk space for this upload now (the app keeps "
                       f"{format_size(reserve, binary=True)} free)")
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
+    write_all(fd, data)
 
 
 async def spool_raw(chunks: AsyncIterator[bytes], folder: Path, name: str, limit: int, reserve: int = 0) -> Upload:

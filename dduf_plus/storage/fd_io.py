@@ -1,6 +1,7 @@
-"""Whole reads, writes and copies at offsets of open file descriptors (``pread``, ``pwrite`` and ``sendfile``
-may move fewer bytes than asked): the one loop each that local sources (:mod:`.source`), the zstd transport
-(:mod:`.zst`) and the remote fetch (:mod:`dduf_plus.remote.transfer`) go through."""
+"""Whole reads, writes and copies of open file descriptors (``pread``, ``write``, ``pwrite`` and
+``copy_file_range`` may move fewer bytes than asked): the one loop each that local sources (:mod:`.source`),
+the zstd transport (:mod:`.zst`), the remote fetch (:mod:`dduf_plus.remote.transfer`), the archive writer,
+``dduf unpack``, ``dduf export`` and the server's uploads go through."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import os
 
 from ..errors import DDUFIOError
 
-COPY_BLOCK = 16 << 20  # bytes per sendfile call (or per buffered copy where the kernel cannot)
+COPY_BLOCK = 16 << 20  # bytes per kernel copy (or per buffered copy where the kernel cannot)
 
 
 def pread_upto(fd: int, length: int, offset: int) -> bytes:
@@ -33,17 +34,42 @@ def pwrite_all(fd: int, data: bytes | bytearray | memoryview, offset: int) -> No
         view, offset = view[written:], offset + written
 
 
+def write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
+    """All of ``data`` (bytes or any buffer) at ``fd``'s position (``write`` may write less than asked: a filling
+    disk writes what fits, then the next call raises ENOSPC, never a silently short file)."""
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def kernel_copy(src: int, dst: int, count: int, src_offset: int, dst_offset: int | None = None) -> int:
+    """Copy up to ``count`` bytes at ``src_offset`` of ``src`` to ``dst_offset`` of ``dst`` (``dst``'s position
+    when None) in the kernel (``copy_file_range``: the bytes never pass through this process). Returns how many
+    it copied: ``count``, or fewer where the kernel cannot copy between these two files (another file system,
+    no ``copy_file_range``) or ``src`` ends first. The caller moves the rest through a buffer, whose read finds
+    a source that ended and whose write raises what stopped the kernel (a full disk)."""
+    copy = getattr(os, "copy_file_range", None)
+    done = 0
+    if copy is None:
+        return 0
+    try:
+        while done < count:
+            n = copy(src, dst, count - done, src_offset + done, None if dst_offset is None else dst_offset + done)
+            if n <= 0:
+                break
+            done += n
+    except OSError:
+        pass  # EXDEV, ENOSYS, EINVAL (file systems that cannot), or an error the buffered write will meet
+    return done
+
+
 def copy_range(src: int, dst: int, start: int, end: int) -> None:
     """Bytes ``[start, end)`` of ``src`` to the same place in ``dst``, copied by the kernel where it can."""
     at = start
     while at < end:
         n = min(end - at, COPY_BLOCK)
-        try:
-            os.lseek(dst, at, os.SEEK_SET)
-            sent = os.sendfile(dst, src, at, n)
-        except OSError:
-            sent = 0
-        if sent <= 0:  # no sendfile between these two: through a buffer
+        sent = kernel_copy(src, dst, n, at, at)
+        if sent <= 0:  # no kernel copy between these two: through a buffer
             data = os.pread(src, n, at)
             if len(data) != n:
                 raise DDUFIOError(f"short read at byte {at} while copying the fetched archive")
