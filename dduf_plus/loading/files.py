@@ -20,7 +20,7 @@ import weakref
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, cast, runtime_checkable
 
 from ..errors import (
     DDUFError,
@@ -447,7 +447,7 @@ class FolderComponentFiles:
 
     def read_bytes(self, filename: str) -> bytes:
         _check_name(self, filename, self.listdir())
-        with open(self.path / filename, "rb") as f:
+        with open_regular(self.path / filename) as f:
             self._check_verified(filename, f.fileno())
             return f.read()
 
@@ -467,7 +467,7 @@ class FolderComponentFiles:
         if filename not in self._maps:
             _check_name(self, filename, self.listdir())
             where = str(self.path / filename)
-            with open(where, "rb") as f:
+            with open_regular(Path(where)) as f:
                 self._check_verified(filename, f.fileno())
                 size = os.fstat(f.fileno()).st_size
                 if size == 0:
@@ -525,6 +525,16 @@ class FolderComponentFiles:
 
     def weight_files(self, variant: str | None = None) -> list[str]:
         return choose_weight_files(self, variant)
+
+
+def open_regular(path: Path) -> BinaryIO:
+    """``path`` opened to read when it is a regular file: a FIFO put in a listed file's place must not block the
+    open (``O_NONBLOCK``: a plain ``open()`` waited for a writer for ever), a device or folder is refused."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise DDUFLoadError(f"{path} is not a regular file (a FIFO, a device or a folder put in its place)")
+    return open(fd, "rb")
 
 
 def _read_at(handle: mmap.mmap | int, offset: int, length: int) -> bytes:

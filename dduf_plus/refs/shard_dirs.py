@@ -76,6 +76,8 @@ def _shard_set(folder: Path, index: str, names: set[str], rec: Mapping[str, Any]
     for shard in shards:
         if name_problem(shard) is not None or shard not in names:
             return f"{index}: names {shard[:200]!r}, which is not a file beside it"
+        if (w := classify(shard)) is None or w.is_index:  # x.bin, another index: no weights file DDUF stores
+            return f"{index}: names {shard[:200]!r}, which is not a .safetensors weights file"
     before.update((shard, stat_key(folder / shard)) for shard in shards)
     headers, seen = {}, 0
     for shard in shards:  # stop at the first shard past the recorded count: never every header of a hostile set

@@ -1,0 +1,327 @@
+"""0.11.0's new surfaces as hostile input: folders of shards found in app model folders, ``use_mmap=False`` reads
+from checked descriptors, ``dduf unpack``'s writes into an output folder holding links, and the stat key every
+"unchanged since verified" decision rests on. Each case ends in a ``DDUFError`` (or a rejected candidate) naming
+the file, never a hang, a raw ``OSError``, a write outside the output or tensors other than the verified ones.
+Work is bounded by counts, never the clock (the one sleep here waits out the kernel's coarse timestamp tick)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from dduf_plus.errors import DDUFError, DDUFReferenceError
+from dduf_plus.loading.files import FolderComponentFiles
+from dduf_plus.storage.signed import StatKey, stat_key
+
+POSIX = pytest.mark.skipif(not hasattr(os, "mkfifo") or not hasattr(signal, "SIGALRM"), reason="POSIX FIFOs")
+WEIGHTS = "model.safetensors"
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dduf_plus.refs import model_dirs
+
+    monkeypatch.setenv("DDUF_PLUS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv(model_dirs.ENV, raising=False)
+
+
+@contextmanager
+def no_hang(seconds: int = 10) -> Iterator[None]:
+    """Fail (instead of hanging the suite) when the block blocks: a FIFO opened without O_NONBLOCK waits for ever."""
+    def expired(*_: Any) -> None:
+        raise TimeoutError("blocked")
+
+    old = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def _component(folder: Path, value: float = 1.0) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({"_class_name": "X"}))
+    save_file({"w": torch.full((64,), value), "b": torch.full((16,), value)}, folder / WEIGHTS)
+    return folder
+
+
+def _swap_in_place(path: Path, edit: Callable[[bytes], bytes]) -> None:
+    """Rewrite ``path`` in place (same inode, same size) and put its mtime back, as ``touch -r`` would: size,
+    mtime, inode and device all as before. Waits past the kernel's coarse timestamp tick first (a real swap comes
+    long after the file was verified)."""
+    before = os.stat(path)
+    time.sleep(0.05)
+    data = edit(path.read_bytes())
+    assert len(data) == before.st_size
+    with open(path, "r+b") as f:
+        f.write(data)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = os.stat(path)
+    assert (after.st_size, after.st_mtime_ns, after.st_ino, after.st_dev) == \
+        (before.st_size, before.st_mtime_ns, before.st_ino, before.st_dev)
+
+
+def _last_float_to(value: float) -> Callable[[bytes], bytes]:
+    return lambda data: data[:-4] + torch.tensor([value]).numpy().tobytes()
+
+
+# --- the stat key: a content swap with the mtime put back ------------------------------------------------------
+def test_a_hash_memo_entry_is_not_believed_after_an_mtime_restoring_swap(tmp_path: Path) -> None:
+    """FOUND A BUG: the hash memory keyed a file by size, mtime, inode and device; rewritten in place with its
+    mtime put back (``os.utime``), the old sha256 was believed."""
+    import hashlib
+
+    from dduf_plus.refs.cache import verified_hashes
+
+    data = tmp_path / "data.bin"
+    data.write_bytes(b"a" * 4096)
+    memo = verified_hashes()
+    assert memo.sha256(data) == hashlib.sha256(b"a" * 4096).hexdigest()
+    assert memo.lookup(data) is not None
+    _swap_in_place(data, lambda b: b"b" * len(b))
+    assert memo.lookup(data) is None
+    assert memo.sha256(data) == hashlib.sha256(b"b" * 4096).hexdigest()
+
+
+def test_a_hash_memo_record_without_ctime_is_a_miss(tmp_path: Path) -> None:
+    """A record 0.11.0 wrote (size, mtime, inode, device, sha256: signed with the same secret) is no record: the
+    file is hashed again, and remembered in the new form."""
+    import hashlib
+
+    from dduf_plus.refs.cache import VerifiedHashes
+
+    data = tmp_path / "data.bin"
+    data.write_bytes(b"x" * 100)
+    memo = VerifiedHashes(tmp_path / "refs" / "verified.json")
+    key, lie = stat_key(data), "0" * 64
+    memo.entries[os.path.realpath(data)] = [key.size, key.mtime_ns, key.inode, key.device, lie]
+    assert memo.lookup(data) is None
+    assert memo.sha256(data) == hashlib.sha256(b"x" * 100).hexdigest()
+    assert memo.lookup(data) == hashlib.sha256(b"x" * 100).hexdigest()
+
+
+def test_a_verified_folder_file_swapped_in_place_is_refused(tmp_path: Path) -> None:
+    """FOUND A BUG: a file of a folder of shards verified at one stat, rewritten in place with its size and
+    mtime kept: the loader's descriptor check (``FolderComponentFiles(verified=...)``) passed and the
+    replacement's tensors were loaded as verified."""
+    folder = _component(tmp_path / "c")
+    keys = {WEIGHTS: stat_key(folder / WEIGHTS), "config.json": stat_key(folder / "config.json")}
+    _swap_in_place(folder / WEIGHTS, _last_float_to(7.0))
+    for use_mmap in (True, False):
+        files = FolderComponentFiles(folder, "transformer", use_mmap=use_mmap, verified=keys)
+        with pytest.raises(DDUFReferenceError, match="changed since its tensors were verified"):
+            files.tensors([WEIGHTS])
+    assert FolderComponentFiles(folder, "transformer", verified=keys).read_json("config.json") == {"_class_name": "X"}
+
+
+def test_a_part_map_is_not_recalled_after_an_mtime_restoring_swap(tmp_path: Path) -> None:
+    """FOUND A BUG: the part map of a file read in place was kept under its stat key; the same swap recalled it."""
+    from dduf_plus.refs import part_memo, tensor_digest
+
+    a = tmp_path / "a.bin"
+    a.write_bytes(b"0" * 64)
+    rec = {"layout": "b" * 64, "count": 1, "bytes": 2, "sha256": "c" * 64}
+    info = tensor_digest.TensorInfo("t", "float16", (1,), 0, 2)
+    part_memo.keep(a, stat_key(a), rec, ("x", 8, {"t": (info, ((0, 2),), 0)}))
+    assert part_memo.recall(a, stat_key(a), rec) is not None
+    _swap_in_place(a, lambda b: b"1" * len(b))
+    assert part_memo.recall(a, stat_key(a), rec) is None
+
+
+def test_the_stat_key_holds_the_change_time() -> None:
+    st = os.stat(__file__)
+    assert StatKey.of(st).ctime_ns == st.st_ctime_ns and len(StatKey._fields) == 5
+
+
+def test_a_zst_cache_entry_swapped_in_place_is_not_served(packed: dict[str, Path], tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """FOUND A BUG: the decompressed copy of a ``.dduf.zst`` in the cache, rewritten in place with its mtime put
+    back, was served as the verified archive. Now it is rehashed and replaced. An untouched entry is still taken
+    at its stat, nothing hashed (the record is written after the rename, which moves the change time)."""
+    from dduf_plus.storage import zst, zst_cache
+
+    monkeypatch.setenv(zst.CACHE_ENV, str(tmp_path / "zcache"))
+    stream = zst.compress(packed["tiny-sd"], tmp_path / "a.dduf.zst", quiet=True).path
+    entry = zst_cache.cached_decompress(stream)
+    hashed: list[int] = []
+    real = zst_cache._sha256_fd
+    monkeypatch.setattr(zst_cache, "_sha256_fd", lambda fd, size: (hashed.append(size), real(fd, size))[1])
+    assert zst_cache.cached_decompress(stream) == entry and hashed == []
+    _swap_in_place(entry, lambda b: b[:-64] + bytes(64))
+    assert zst_cache.cached_decompress(stream).read_bytes() == packed["tiny-sd"].read_bytes()
+    assert hashed  # the entry's stat key no longer held: rehashed, found altered, decompressed again
+
+
+@POSIX
+def test_a_fifo_put_in_a_listed_folder_file_s_place_is_refused_without_blocking(tmp_path: Path) -> None:
+    """FOUND A BUG: ``FolderComponentFiles`` opened a listed file with a plain ``open()``: a FIFO put in its place
+    between the listing and the read blocked the load for ever (a config, a shard index, a weights file)."""
+    folder = _component(tmp_path / "c")
+    files = FolderComponentFiles(folder, "unet", use_mmap=False)
+    assert files.listdir() == ["config.json", WEIGHTS]
+    for name in ("config.json", WEIGHTS):
+        (folder / name).unlink()
+        os.mkfifo(folder / name)
+    files.listdir = lambda: ["config.json", WEIGHTS]  # type: ignore[method-assign]  # listed before the swap
+    with no_hang():
+        with pytest.raises(DDUFError, match="not a regular file"):
+            files.read_bytes("config.json")
+        with pytest.raises(DDUFError, match="not a regular file"):
+            files.tensors([WEIGHTS])
+
+
+# --- a folder of shards in a model folder ----------------------------------------------------------------------
+SHARD = "diffusion_pytorch_model-0000{}-of-00002.safetensors"
+INDEX = "diffusion_pytorch_model.safetensors.index.json"
+TENSORS = {"a": 1.0, "b": 2.0, "c": 3.0, "d": 4.0}
+
+
+def _shards(folder: Path) -> dict[str, Any]:
+    """``folder`` holding 4 tensors cut into 2 shards and their index, as diffusers saves them; the record a
+    reference to them carries (their tensors' digest, layout, count, bytes)."""
+    from dduf_plus.format.safetensors_header import read_file_header
+    from dduf_plus.refs import tensor_digest
+
+    folder.mkdir(parents=True, exist_ok=True)
+    cut = {SHARD.format(1): ["a", "b"], SHARD.format(2): ["c", "d"]}
+    for shard, names in cut.items():
+        save_file({n: torch.full((8,), TENSORS[n]) for n in names}, folder / shard)
+    (folder / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": {n: s for s, ns in cut.items() for n in ns}}))
+    headers = [(folder / s, read_file_header(folder / s, s)) for s in sorted(cut)]
+    record = tensor_digest.make_record(tensor_digest.tensors_digest(headers), [h for _p, h in headers], "{}")
+    return dict(record[tensor_digest.RECORD_KEY])
+
+
+def _edit_index(folder: Path, edit: Callable[[dict[str, str]], dict[str, str]]) -> None:
+    index = json.loads((folder / INDEX).read_text())
+    (folder / INDEX).write_text(json.dumps({"weight_map": edit(index["weight_map"])}))
+
+
+def _outside(folder: Path) -> None:
+    shutil.move(folder / SHARD.format(2), folder.parent / "elsewhere.safetensors")
+    _edit_index(folder, lambda m: {**m, "c": "../elsewhere.safetensors", "d": "../elsewhere.safetensors"})
+
+
+def _absolute(folder: Path) -> None:
+    _edit_index(folder, lambda m: {**m, "c": str(folder / SHARD.format(2)), "d": str(folder / SHARD.format(2))})
+
+
+def _not_weights(folder: Path) -> None:  # the recorded tensors, in a file no reader takes for weights
+    os.replace(folder / SHARD.format(2), folder / "x.bin")
+    _edit_index(folder, lambda m: {**m, "c": "x.bin", "d": "x.bin"})
+
+
+def _an_index(folder: Path) -> None:
+    os.replace(folder / SHARD.format(2), folder / "x.safetensors.index.json")
+    _edit_index(folder, lambda m: {**m, "c": "x.safetensors.index.json", "d": "x.safetensors.index.json"})
+
+
+def _named_twice(folder: Path) -> None:  # both shards' tensors in one name: the other shard is left out
+    _edit_index(folder, lambda m: dict.fromkeys(m, SHARD.format(1)))
+
+
+def _duplicate_tensors(folder: Path) -> None:  # the second shard holds the first's tensors: same count and bytes
+    (folder / SHARD.format(2)).unlink()
+    os.link(folder / SHARD.format(1), folder / SHARD.format(2))
+
+
+def _fifo_shard(folder: Path) -> None:
+    (folder / SHARD.format(2)).unlink()
+    os.mkfifo(folder / SHARD.format(2))
+
+
+def _fifo_link(folder: Path) -> None:
+    os.mkfifo(folder.parent / "fifo")
+    (folder / SHARD.format(2)).unlink()
+    (folder / SHARD.format(2)).symlink_to(folder.parent / "fifo")
+
+
+def _device_link(folder: Path) -> None:
+    (folder / SHARD.format(2)).unlink()
+    (folder / SHARD.format(2)).symlink_to("/dev/zero")
+
+
+def _directory(folder: Path) -> None:
+    (folder / SHARD.format(2)).unlink()
+    (folder / SHARD.format(2)).mkdir()
+
+
+def _dangling(folder: Path) -> None:
+    (folder / SHARD.format(2)).unlink()
+    (folder / SHARD.format(2)).symlink_to(folder / "gone")
+
+
+def _loop(folder: Path) -> None:
+    (folder / SHARD.format(2)).unlink()
+    (folder / SHARD.format(2)).symlink_to(SHARD.format(2))
+
+
+def _huge_index(folder: Path) -> None:  # the recorded entry count, 60 MB of names: over the index's budget
+    (folder / INDEX).write_text(json.dumps({"weight_map": {f"t{i}" + "x" * 60_000_000: SHARD.format(1)
+                                                           for i in range(1)}}))
+
+
+@POSIX
+@pytest.mark.parametrize("hostile", [_outside, _absolute, _not_weights, _an_index, _named_twice, _duplicate_tensors, _fifo_shard,
+                                     _fifo_link, _device_link, _directory, _dangling, _loop, _huge_index],
+                         ids=lambda f: f.__name__.strip("_"))
+def test_a_hostile_folder_of_shards_is_a_candidate_less(tmp_path: Path, hostile: Callable[[Path], None]) -> None:
+    """An index naming a shard outside the folder (``../``, absolute), a file beside it that is not a weights
+    file (FOUND A BUG: ``x.bin`` or a ``.index.json`` name holding the recorded tensors was taken as a shard, a
+    name no DDUF archive may store), one shard for all tensors, a shard hard-linked to another (duplicate tensor names at
+    the recorded count and bytes), a shard that is a FIFO, a link to a FIFO or a device, a folder, a dangling or
+    looping link, an index past its budget: a candidate less (a reason, or "" for another model), never an
+    exception, a hang, or a set of files that is not the verified one."""
+    from dduf_plus.refs.shard_dirs import ShardSet, check_shard_folder
+
+    folder = tmp_path / "models" / "diffusers" / "x" / "transformer"
+    rec = _shards(folder)
+    assert isinstance(check_shard_folder(folder, rec), ShardSet)
+    hostile(folder)
+    with no_hang():
+        why = check_shard_folder(folder, rec)
+    assert isinstance(why, str), why
+
+
+def test_a_shard_linked_from_elsewhere_is_taken_for_its_verified_content(tmp_path: Path) -> None:
+    """A decision pinned: a shard that is a link to a file elsewhere (an app folder linking a Hugging Face cache
+    blob, as snapshots themselves do) is used when its tensors are the recorded ones; the view the loader reads
+    and the stat it checks are the target's."""
+    from dduf_plus.refs.shard_dirs import ShardSet, check_shard_folder
+
+    folder = tmp_path / "models" / "x"
+    rec = _shards(folder)
+    blob = tmp_path / "blobs" / "abc"
+    blob.parent.mkdir()
+    shutil.move(folder / SHARD.format(2), blob)
+    (folder / SHARD.format(2)).symlink_to(blob)
+    found = check_shard_folder(folder, rec)
+    assert isinstance(found, ShardSet) and found.keys[SHARD.format(2)] == stat_key(blob)
+    save_file({"c": torch.full((8,), 3.0), "d": torch.full((8,), 5.0)}, blob)  # the target's tensors change
+    assert check_shard_folder(folder, rec) == "its shards' header fits but their tensors' bytes differ (skipped)"
+
+
+def test_a_shard_set_swapped_in_place_after_its_digest_was_remembered_is_hashed_again(tmp_path: Path) -> None:
+    """FOUND A BUG (the stat key): the shards' digest is remembered by every shard's stat; one shard rewritten
+    in place with size and mtime kept was taken as the verified set, its new tensors unhashed."""
+    from dduf_plus.refs.shard_dirs import ShardSet, check_shard_folder
+
+    folder = tmp_path / "models" / "x"
+    rec = _shards(folder)
+    assert isinstance(check_shard_folder(folder, rec), ShardSet)  # hashed, remembered
+    _swap_in_place(folder / SHARD.format(2), _last_float_to(9.0))
+    assert check_shard_folder(folder, rec) == "its shards' header fits but their tensors' bytes differ (skipped)"
