@@ -325,3 +325,80 @@ def test_a_shard_set_swapped_in_place_after_its_digest_was_remembered_is_hashed_
     assert isinstance(check_shard_folder(folder, rec), ShardSet)  # hashed, remembered
     _swap_in_place(folder / SHARD.format(2), _last_float_to(9.0))
     assert check_shard_folder(folder, rec) == "its shards' header fits but their tensors' bytes differ (skipped)"
+
+
+# --- use_mmap=False: reads from the checked descriptor -------------------------------------------------------
+def test_a_folder_file_truncated_after_its_header_was_checked_is_an_error(tmp_path: Path) -> None:
+    """Regression pin: the header read from the descriptor, then the file cut to its header: every tensor read
+    is a ``DDUFError`` naming the file and the tensor, never garbage or zeros."""
+    folder = _component(tmp_path / "c")
+    files = FolderComponentFiles(folder, "unet", use_mmap=False)
+    tensors = files.tensors([WEIGHTS])
+    data_start = files.safetensors_header(WEIGHTS).data_start
+    os.truncate(folder / WEIGHTS, data_start + 8)
+    for name in ("b", "w"):
+        with pytest.raises(DDUFError, match=f"file ended while reading tensor {name}"):
+            tensors[name]
+
+
+def test_an_archive_truncated_under_a_load_without_mmap_is_an_error(packed: dict[str, Path], tmp_path: Path) -> None:
+    """Regression pin: ``LazyTensors`` over the archive's own descriptor: the archive cut after it was opened and
+    checked is a ``DDUFError`` at the first tensor past the new end."""
+    from dduf_plus.format.archive import DDUFArchive
+    from dduf_plus.loading.files import ArchiveComponentFiles
+
+    archive = Path(shutil.copy(packed["tiny-sd"], tmp_path / "a.dduf"))
+    files = ArchiveComponentFiles(DDUFArchive(archive), "unet", use_mmap=False)
+    tensors = files.tensors(files.weight_files())
+    start, _length = files.byte_ranges(files.weight_files())[0]
+    os.truncate(archive, start)
+    with pytest.raises(DDUFError, match="file ended while reading tensor"):
+        tensors[next(iter(tensors))]
+
+
+def _eio(*_: Any) -> Any:
+    raise OSError(5, "Input/output error")
+
+
+def test_a_read_error_without_mmap_is_a_dduf_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """FOUND A BUG: ``use_mmap=False`` is for network file systems, where a read fails (EIO, ESTALE): the tensor
+    reads let the raw ``OSError`` out. Now a ``DDUFIOError`` naming the file and the tensor."""
+    from dduf_plus.errors import DDUFIOError
+    from dduf_plus.format.safetensors_header import TensorInfo
+    from dduf_plus.loading.in_place import _PartReads
+    from dduf_plus.refs.model_dirs import Source
+
+    folder = _component(tmp_path / "c")
+    tensors = FolderComponentFiles(folder, "unet", use_mmap=False).tensors([WEIGHTS])
+    fd = os.open(folder / WEIGHTS, os.O_RDONLY)
+    try:
+        part = _PartReads(fd, 0, {"t": Source(TensorInfo("t", "float32", (2,), 0, 8), ((0, 8),))}, str(folder / WEIGHTS))
+        monkeypatch.setattr(os, "preadv", _eio)
+        monkeypatch.setattr(os, "pread", _eio)
+        with pytest.raises(DDUFIOError, match=f"{WEIGHTS}.*tensor w.*Input/output error"):
+            tensors["w"]
+        with pytest.raises(DDUFIOError, match=f"{WEIGHTS}.*tensor t.*Input/output error"):
+            part["t"]
+    finally:
+        os.close(fd)
+
+
+def test_a_part_range_past_the_end_is_an_error(tmp_path: Path) -> None:
+    """A part's range past the end of the file (a file cut after it was verified: a regression pin) or at an
+    offset no ``pread`` takes (defensive: ranges are checked against the file when found; it raised a raw
+    ``OverflowError``): a ``DDUFIOError``, never a short tensor."""
+    from dduf_plus.errors import DDUFIOError
+    from dduf_plus.format.safetensors_header import TensorInfo
+    from dduf_plus.loading.in_place import _PartReads
+    from dduf_plus.refs.model_dirs import Source
+
+    folder = _component(tmp_path / "c")
+    size = (folder / WEIGHTS).stat().st_size
+    fd = os.open(folder / WEIGHTS, os.O_RDONLY)
+    try:
+        for start in (size - 4, 1 << 64):
+            part = _PartReads(fd, start, {"t": Source(TensorInfo("t", "float32", (2,), 0, 8), ((0, 8),))}, "f")
+            with pytest.raises(DDUFIOError, match="tensor t"):
+                part["t"]
+    finally:
+        os.close(fd)

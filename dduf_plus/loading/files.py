@@ -183,7 +183,10 @@ def pread_tensor(fd: int, offset: int, info: TensorInfo, where: str) -> torch.Te
     view = memoryview(buffer.numpy()).cast("B")  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ only on Python >= 3.12
     done = 0
     while done < info.nbytes:  # preadv may return short counts (Linux caps one call near 2 GiB)
-        n = os.preadv(fd, [view[done:]], offset + done)
+        try:
+            n = os.preadv(fd, [view[done:]], offset + done)
+        except (OSError, OverflowError) as e:  # EIO, ESTALE on a network file system: said, not a traceback
+            raise DDUFIOError(f"{where}: cannot read tensor {info.name}: {getattr(e, 'strerror', None) or e}") from None
         if n <= 0:
             raise DDUFError(f"{where}: file ended while reading tensor {info.name}")
         done += n
