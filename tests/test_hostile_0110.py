@@ -402,3 +402,118 @@ def test_a_part_range_past_the_end_is_an_error(tmp_path: Path) -> None:
                 part["t"]
     finally:
         os.close(fd)
+
+
+# --- dduf unpack: links in the output folder --------------------------------------------------------------------
+def _tree(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*")) if folder.exists() else []
+
+
+def test_unpack_replaces_file_links_and_never_writes_through_them(packed: dict[str, Path], tmp_path: Path) -> None:
+    """Regression pins: a file link (to a file outside, dangling) at an entry's place: refused as existing without
+    --force; replaced with --force, the link's target untouched (never created, never written)."""
+    from dduf_plus.errors import DDUFUsageError
+    from dduf_plus.format.unpack import unpack
+
+    out, outside = tmp_path / "out", tmp_path / "outside"
+    outside.mkdir()
+    (outside / "victim.json").write_text("keep")
+    (out / "unet").mkdir(parents=True)
+    (out / "unet" / "config.json").symlink_to(outside / "victim.json")
+    (out / "model_index.json").symlink_to(outside / "dangling.json")
+    with pytest.raises(DDUFUsageError, match="exists"):
+        unpack(packed["tiny-sd"], out)
+    unpack(packed["tiny-sd"], out, force=True)
+    assert not (out / "unet" / "config.json").is_symlink() and not (out / "model_index.json").is_symlink()
+    assert _tree(outside) == ["victim.json"] and (outside / "victim.json").read_text() == "keep"
+
+
+def test_unpack_refuses_a_folder_link_leading_out(packed: dict[str, Path], tmp_path: Path) -> None:
+    """Regression pins: a component folder in the output that links outside it: refused naming it, nothing
+    written (not even the entries before it); one linking inside the output is followed (the user's layout)."""
+    from dduf_plus.errors import DDUFUsageError
+    from dduf_plus.format.unpack import unpack
+
+    out, outside = tmp_path / "out", tmp_path / "outside"
+    outside.mkdir()
+    out.mkdir()
+    (out / "vae").symlink_to(outside, target_is_directory=True)
+    with pytest.raises(DDUFUsageError, match="vae is a link"):
+        unpack(packed["tiny-sd"], out, force=True)
+    assert _tree(outside) == [] and _tree(out) == ["vae"]
+    (out / "vae").unlink()
+    (out / "inside").mkdir()
+    (out / "vae").symlink_to(out / "inside", target_is_directory=True)
+    unpack(packed["tiny-sd"], out, force=True)
+    assert (out / "inside" / "config.json").is_file()
+
+
+def test_unpack_refuses_a_folder_link_planted_while_it_writes(packed: dict[str, Path], tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression pin (TOCTOU): every name was checked, then, while the first entries are written, a component's
+    folder is planted as a link leading out: its entries are refused (``DDUFPathError``), nothing lands outside."""
+    from dduf_plus.errors import DDUFPathError
+    from dduf_plus.format import unpack as unpack_mod
+
+    out, outside = tmp_path / "out", tmp_path / "outside"
+    outside.mkdir()
+    real = unpack_mod._copy_entry
+
+    def plant(archive: Any, name: str, dst: int) -> None:
+        if not (out / "vae").is_symlink():
+            (out / "vae").symlink_to(outside, target_is_directory=True)
+        real(archive, name, dst)
+
+    monkeypatch.setattr(unpack_mod, "_copy_entry", plant)
+    with pytest.raises(DDUFPathError, match="outside"):
+        unpack_mod.unpack(packed["tiny-sd"], out)
+    assert _tree(outside) == []
+
+
+def test_unpack_of_an_archive_cut_while_it_is_copied_keeps_no_file(packed: dict[str, Path], tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression pin: the archive truncated after it was opened and checked (``copy_file_range`` meets its end):
+    a ``DDUFIOError``; no weights file, no temporary file left in the output."""
+    from dduf_plus.errors import DDUFIOError
+    from dduf_plus.format import unpack as unpack_mod
+
+    archive = Path(shutil.copy(packed["tiny-sd"], tmp_path / "a.dduf"))
+    out = tmp_path / "out"
+    real = unpack_mod._copy_entry
+
+    def cut(opened: Any, name: str, dst: int) -> None:
+        if name == "vae/diffusion_pytorch_model.safetensors":
+            os.truncate(archive, opened.entry(name).offset + 100)
+        real(opened, name, dst)
+
+    monkeypatch.setattr(unpack_mod, "_copy_entry", cut)
+    with pytest.raises(DDUFIOError, match="shrank"):
+        unpack_mod.unpack(archive, out)
+    assert not (out / "vae" / "diffusion_pytorch_model.safetensors").exists()
+    assert not [p for p in _tree(out) if "partial" in p]
+
+
+def test_complete_refuses_shards_written_while_they_were_copied(tmp_path: Path) -> None:
+    """FOUND A BUG: ``dduf complete`` checked a folder of shards again after copying it by its remembered digest
+    (check_shard_folder): a shard rewritten while it was copied, then put back (bytes and mtime), was hashed again,
+    matched, and the archive kept the bytes copied in between. Now every file must still be at the stat it was
+    verified at: any write moves the change time."""
+    from dduf_plus.packing.complete import MODEL_FOLDER, _by_content
+    from dduf_plus.refs import tensor_digest
+    from dduf_plus.refs.resolve import Located
+    from dduf_plus.refs.shard_dirs import ShardSet, check_shard_folder
+
+    folder = tmp_path / "models" / "x"
+    rec = _shards(folder)
+    found = check_shard_folder(folder, rec)
+    assert isinstance(found, ShardSet)
+    loc = Located("transformer", MODEL_FOLDER, f"{folder} (shards)", folder, None, None, dict(found.files), True,
+                  None, found.keys)
+    reference = {tensor_digest.RECORD_KEY: rec, "files": dict.fromkeys(found.files, {})}
+    assert _by_content("transformer", SHARD.format(2), loc, reference, "0" * 64) is None
+    shard = folder / SHARD.format(2)
+    original = shard.read_bytes()
+    _swap_in_place(shard, _last_float_to(9.0))  # what the copy read
+    _swap_in_place(shard, lambda _b: original)  # put back after the copy, bytes and mtime
+    assert _by_content("transformer", SHARD.format(2), loc, reference, "0" * 64) == \
+        "changed after its tensors were verified"
