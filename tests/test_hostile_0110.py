@@ -517,3 +517,25 @@ def test_complete_refuses_shards_written_while_they_were_copied(tmp_path: Path) 
     _swap_in_place(shard, lambda _b: original)  # put back after the copy, bytes and mtime
     assert _by_content("transformer", SHARD.format(2), loc, reference, "0" * 64) == \
         "changed after its tensors were verified"
+
+
+def test_one_command_reads_each_shard_index_and_header_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """FOUND A BUG (cost): each sharded reference checked every folder of shards from scratch: an archive with
+    200 references re-parsed every index (up to 16 MB of JSON each) and re-read every shard header 200 times, past
+    the search's "each header read once" rule. Now one command's search parses each index and reads each header
+    once, however many references (here 50, each another record of the same tensor count)."""
+    from dduf_plus.refs import model_dirs, shard_dirs
+
+    folder = tmp_path / "models" / "x"
+    rec = _shards(folder)
+    parsed: list[str] = []
+    headers: list[str] = []
+    real_json, real_header = shard_dirs._json, model_dirs.read_file_header
+    monkeypatch.setattr(shard_dirs, "_json", lambda raw, index: (parsed.append(index), real_json(raw, index))[1])
+    monkeypatch.setattr(model_dirs, "read_file_header", lambda p, *a: (headers.append(p.name), real_header(p, *a))[1])
+    search = model_dirs.Search()
+    for i in range(50):
+        other = {**rec, "layout": f"{i:064x}"}  # another model of the same count and bytes
+        assert shard_dirs.check_shard_folder(folder, other, search.shards) != ""
+    assert isinstance(shard_dirs.check_shard_folder(folder, rec, search.shards), shard_dirs.ShardSet)
+    assert parsed == [INDEX] and sorted(headers) == [SHARD.format(1), SHARD.format(2)]
