@@ -539,3 +539,21 @@ def test_one_command_reads_each_shard_index_and_header_once(tmp_path: Path, monk
         assert shard_dirs.check_shard_folder(folder, other, search.shards) != ""
     assert isinstance(shard_dirs.check_shard_folder(folder, rec, search.shards), shard_dirs.ShardSet)
     assert parsed == [INDEX] and sorted(headers) == [SHARD.format(1), SHARD.format(2)]
+
+
+def test_a_write_that_makes_no_progress_is_an_error_not_a_hang(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """FOUND A BUG (defensive): ``pwrite_all`` (``dduf unpack``'s buffered copy, the zstd transport, the remote
+    fetch) looped for ever when ``pwrite`` returned 0 without an error, as some FUSE file systems do. Now a
+    ``DDUFIOError`` naming the byte."""
+    from dduf_plus.errors import DDUFIOError
+    from dduf_plus.storage.fd_io import pwrite_all
+
+    fd = os.open(tmp_path / "out", os.O_WRONLY | os.O_CREAT)
+    try:
+        pwrite_all(fd, b"abc", 0)
+        monkeypatch.setattr(os, "pwrite", lambda *_: 0)
+        with no_hang(), pytest.raises(DDUFIOError, match="at byte 3"):
+            pwrite_all(fd, b"def", 3)
+    finally:
+        os.close(fd)
+    assert (tmp_path / "out").read_bytes() == b"abc"
