@@ -138,7 +138,7 @@ class VerifiedHashes:
         with self._lock:
             rec = self.entries.get(self._key(path, member))
         # a record of another length (0.11's had no ctime) is no record: the file is hashed again
-        if isinstance(rec, list) and len(rec) == len(StatKey._fields) + 1 and StatKey(*rec[:-1]) == key \
+        if isinstance(rec, list) and len(rec) == len(key) + 1 and StatKey(*rec[:-1]) == key \
                 and isinstance(rec[-1], str):
             return rec[-1]
         return None
