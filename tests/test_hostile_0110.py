@@ -225,6 +225,12 @@ def _not_weights(folder: Path) -> None:  # the recorded tensors, in a file no re
     _edit_index(folder, lambda m: {**m, "c": "x.bin", "d": "x.bin"})
 
 
+def _other_stem(folder: Path) -> None:  # a .safetensors name outside the set's naming (another variant's, here)
+    os.replace(folder / SHARD.format(2), folder / "diffusion_pytorch_model.fp16.safetensors")
+    _edit_index(folder, lambda m: {**m, "c": "diffusion_pytorch_model.fp16.safetensors",
+                                   "d": "diffusion_pytorch_model.fp16.safetensors"})
+
+
 def _an_index(folder: Path) -> None:
     os.replace(folder / SHARD.format(2), folder / "x.safetensors.index.json")
     _edit_index(folder, lambda m: {**m, "c": "x.safetensors.index.json", "d": "x.safetensors.index.json"})
@@ -276,13 +282,14 @@ def _huge_index(folder: Path) -> None:  # the recorded entry count, 60 MB of nam
 
 
 @POSIX
-@pytest.mark.parametrize("hostile", [_outside, _absolute, _not_weights, _an_index, _named_twice, _duplicate_tensors, _fifo_shard,
+@pytest.mark.parametrize("hostile", [_outside, _absolute, _not_weights, _other_stem, _an_index, _named_twice, _duplicate_tensors, _fifo_shard,
                                      _fifo_link, _device_link, _directory, _dangling, _loop, _huge_index],
                          ids=lambda f: f.__name__.strip("_"))
 def test_a_hostile_folder_of_shards_is_a_candidate_less(tmp_path: Path, hostile: Callable[[Path], None]) -> None:
     """An index naming a shard outside the folder (``../``, absolute), a file beside it that is not a weights
-    file (FOUND A BUG: ``x.bin`` or a ``.index.json`` name holding the recorded tensors was taken as a shard, a
-    name no DDUF archive may store), one shard for all tensors, a shard hard-linked to another (duplicate tensor names at
+    file of the set (FOUND A BUG: ``x.bin``, a ``.index.json`` name or another variant's file holding the
+    recorded tensors was taken as a shard: a name no DDUF archive may store, or one loaders select as another
+    variant), one shard for all tensors, a shard hard-linked to another (duplicate tensor names at
     the recorded count and bytes), a shard that is a FIFO, a link to a FIFO or a device, a folder, a dangling or
     looping link, an index past its budget: a candidate less (a reason, or "" for another model), never an
     exception, a hang, or a set of files that is not the verified one."""

@@ -113,8 +113,11 @@ def _shard_set(folder: Path, index: str, names: set[str], rec: Mapping[str, Any]
     for shard in shards:
         if name_problem(shard) is not None or shard not in names:
             return f"{index}: names {shard[:200]!r}, which is not a file beside it"
-        if (w := classify(shard)) is None or w.is_index:  # x.bin, another index: no weights file DDUF stores
-            return f"{index}: names {shard[:200]!r}, which is not a .safetensors weights file"
+        # a shard of this index's stem and variant (as a reference's shards are): not x.bin, another index or
+        # another variant's file, which a completed archive would hold under a name loaders select otherwise
+        w, of = classify(shard), classify(index)
+        if w is None or of is None or w.is_index or not w.sharded or (w.stem, w.variant) != (of.stem, of.variant):
+            return f"{index}: names {shard[:200]!r}, which is not one of its shards (STEM-0000N-of-0000M.safetensors)"
     before.update((shard, stat_key(folder / shard)) for shard in shards)
     headers, seen = {}, 0
     for shard in shards:  # stop at the first shard past the recorded count: never every header of a hostile set
