@@ -129,7 +129,7 @@ def test_a_second_process_runs_no_layout_reader(sd15: dict[str, Any], tmp_path: 
     assert CONVERTER not in second["imported"] and "dduf_plus.packing.single_file_convert" not in second["imported"]
     assert second["hashed"] == []
     verified = json.loads((dduf_cache_dir() / "verified.json").read_text())
-    assert all(len(v) == 5 for v in verified["entries"].values())  # the hash memory holds digests, no maps
+    assert all(len(v) == 6 for v in verified["entries"].values())  # the hash memory holds digests (stat key, sha256), no maps
 
 
 def test_a_first_search_without_a_map_is_unchanged(sd15: dict[str, Any], reads: list[str]) -> None:

@@ -20,7 +20,7 @@ import weakref
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, cast, runtime_checkable
 
 from ..errors import (
     DDUFError,
@@ -183,7 +183,10 @@ def pread_tensor(fd: int, offset: int, info: TensorInfo, where: str) -> torch.Te
     view = memoryview(buffer.numpy()).cast("B")  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ only on Python >= 3.12
     done = 0
     while done < info.nbytes:  # preadv may return short counts (Linux caps one call near 2 GiB)
-        n = os.preadv(fd, [view[done:]], offset + done)
+        try:
+            n = os.preadv(fd, [view[done:]], offset + done)
+        except (OSError, OverflowError) as e:  # EIO, ESTALE on a network file system: said, not a traceback
+            raise DDUFIOError(f"{where}: cannot read tensor {info.name}: {getattr(e, 'strerror', None) or e}") from None
         if n <= 0:
             raise DDUFError(f"{where}: file ended while reading tensor {info.name}")
         done += n
@@ -447,7 +450,7 @@ class FolderComponentFiles:
 
     def read_bytes(self, filename: str) -> bytes:
         _check_name(self, filename, self.listdir())
-        with open(self.path / filename, "rb") as f:
+        with open_regular(self.path / filename) as f:
             self._check_verified(filename, f.fileno())
             return f.read()
 
@@ -467,7 +470,7 @@ class FolderComponentFiles:
         if filename not in self._maps:
             _check_name(self, filename, self.listdir())
             where = str(self.path / filename)
-            with open(where, "rb") as f:
+            with open_regular(Path(where)) as f:
                 self._check_verified(filename, f.fileno())
                 size = os.fstat(f.fileno()).st_size
                 if size == 0:
@@ -525,6 +528,16 @@ class FolderComponentFiles:
 
     def weight_files(self, variant: str | None = None) -> list[str]:
         return choose_weight_files(self, variant)
+
+
+def open_regular(path: Path) -> BinaryIO:
+    """``path`` opened to read when it is a regular file: a FIFO put in a listed file's place must not block the
+    open (``O_NONBLOCK``: a plain ``open()`` waited for a writer for ever), a device or folder is refused."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise DDUFLoadError(f"{path} is not a regular file (a FIFO, a device or a folder put in its place)")
+    return open(fd, "rb")
 
 
 def _read_at(handle: mmap.mmap | int, offset: int, length: int) -> bytes:

@@ -184,7 +184,11 @@ class _PartReads(Mapping):
         buffer = torch.empty(sum(e - b for b, e in ranges), dtype=torch.uint8)
         view, done = memoryview(buffer.numpy()).cast("B"), 0  # type: ignore[arg-type]
         for b, e in ranges:
-            data = pread_upto(self._fd, e - b, self._start + b)
+            try:
+                data = pread_upto(self._fd, e - b, self._start + b)
+            except (OSError, OverflowError) as err:  # EIO on a network file system, an offset no pread takes
+                raise DDUFIOError(f"{self._where}: cannot read tensor {info.name}: "
+                                  f"{getattr(err, 'strerror', None) or err}") from None
             if len(data) != e - b:
                 raise DDUFIOError(f"{self._where}: the file ended while reading tensor {info.name}")
             view[done : done + len(data)] = data

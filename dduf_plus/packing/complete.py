@@ -29,6 +29,7 @@ from ..refs import model_dirs as model_dirs_search  # the module: ``model_dirs``
 from ..refs.resolve import Located, SpecLike, check_ref_names, locate_component, with_files_on_disk
 from ..refs.shard_dirs import ShardSet, check_shard_folder
 from ..storage.confined import Confined
+from ..storage.signed import StatKey, stat_key
 from .partial import ORIGINAL_MODEL_INDEX_KEY, canonical_model_index_bytes
 
 logger = logging.getLogger(__name__)
@@ -231,9 +232,16 @@ def _check_copied(result: PackResult, references: Mapping[str, Any], located: Ma
                                      f"(sha256 {got}, recorded {recorded}); nothing was written")
 
 
-def _shard_folder_now(shard_set: Mapping[str, Path], record: Mapping[str, Any]) -> dict[str, Path] | None:
-    """The folder of shards found in a model folder, checked again: the same shards and index, their digest
-    remembered (unchanged since they were hashed: nothing is hashed again)."""
+def _shard_folder_now(shard_set: Mapping[str, Path], record: Mapping[str, Any],
+                      keys: Mapping[str, StatKey] | None) -> dict[str, Path] | None:
+    """The folder of shards found in a model folder, checked again: each file still at the stat it was verified
+    at (``keys``: a write while it was copied moves its change time, even with its bytes and mtime put back
+    after), the same shards and index, their digest remembered (nothing is hashed again)."""
+    try:
+        if keys is None or any(stat_key(p) != keys.get(f) for f, p in shard_set.items()):
+            return None
+    except OSError:
+        return None
     found = check_shard_folder(next(iter(shard_set.values())).parent, record)
     return found.files if isinstance(found, ShardSet) else None
 
@@ -253,8 +261,8 @@ def _by_content(name: str, fname: str, loc: Located, reference: Mapping[str, Any
     found = tensor_digest.recorded_weights(reference.get("files") or {})
     shard_set = {f: p for f, p in loc.files.items() if classify(f) is not None}
     if len(shard_set) > 1:  # a folder of shards: still the one verified (its digest remembered), its index too
-        if not isinstance(record, dict) or digest is None or _shard_folder_now(shard_set, record) != shard_set or (
-                fname.endswith(".json") and _sha256(loc.files[fname]) != got):
+        now = _shard_folder_now(shard_set, record, loc.keys) if isinstance(record, dict) else None
+        if digest is None or now != shard_set or (fname.endswith(".json") and _sha256(loc.files[fname]) != got):
             return "changed after its tensors were verified"
         instead = f" (cut into {len(shard_set) - 1} shards in place of {len(found.shards) if found else '?'})"
     elif digest is None or not fname.endswith(".safetensors") or model_dirs.verified_digest(loc.files[fname]) != digest:

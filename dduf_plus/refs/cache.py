@@ -137,8 +137,10 @@ class VerifiedHashes:
             return None
         with self._lock:
             rec = self.entries.get(self._key(path, member))
-        if isinstance(rec, list) and len(rec) == 5 and StatKey(*rec[:4]) == key and isinstance(rec[4], str):
-            return rec[4]
+        # a record of another length (0.11's had no ctime) is no record: the file is hashed again
+        if isinstance(rec, list) and len(rec) == len(key) + 1 and StatKey(*rec[:-1]) == key \
+                and isinstance(rec[-1], str):
+            return rec[-1]
         return None
 
     def remember(self, path: str | os.PathLike, sha256: str, member: str | None = None,
@@ -147,7 +149,7 @@ class VerifiedHashes:
             key = key or stat_key(path)
         except OSError:
             return
-        rec = [key.size, key.mtime_ns, key.inode, key.device, sha256]
+        rec = [*key, sha256]
         with self._lock:
             self.entries[self._key(path, member)] = rec
             self._dirty[self._key(path, member)] = rec

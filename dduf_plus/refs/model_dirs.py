@@ -53,7 +53,7 @@ from ..storage.confined import Confined
 from ..storage.signed import StatKey
 from . import part_memo
 from .cache import dduf_cache_dir, sha256_file, stat_key, verified_hashes
-from .shard_dirs import ShardSet, check_shard_folder
+from .shard_dirs import ShardReads, ShardSet, check_shard_folder
 from .tensor_digest import (
     MAX_CONFIG,
     MEMBER,
@@ -323,6 +323,7 @@ class Search:
         self.checked: dict[tuple[Path, StatKey, str], tuple[str, SafetensorsHeader | Part] | str] = {}
         self.checks = 0
         self.held = 0  # tensors of the headers kept
+        self.shards = ShardReads(self.header)  # folders of shards: each index parsed once per command
 
     def walk(self, dirs: Sequence[Path]) -> list[Path]:
         key = tuple(dirs)
@@ -398,7 +399,7 @@ def find_component(name: str, reference: Mapping[str, Any], dirs: Sequence[Path]
             return _spent_message(dirs)
         if weights.shard_index is not None and _is_shard(path) and path.parent not in shard_folders:
             shard_folders.add(path.parent)
-            shards = check_shard_folder(path.parent, rec)
+            shards = check_shard_folder(path.parent, rec, search.shards)
             if isinstance(shards, ShardSet):
                 return Match({**shards.files, "config.json": _config_file(config, config_sha)},
                              f"{path.parent} (shards)", rejected, keys=shards.keys)

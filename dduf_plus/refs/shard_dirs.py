@@ -12,13 +12,13 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from ..errors import DDUFError, DDUFFormatError
 from ..format.json_budget import SHARD_INDEX_JSON_BUDGET, parse_json_entry
-from ..format.safetensors_header import read_file_header
+from ..format.safetensors_header import SafetensorsHeader, read_file_header
 from ..format.weights import classify, shard_map
 from ..storage.confined import name_problem
 from ..storage.signed import StatKey, read_regular, stat_key
@@ -26,11 +26,46 @@ from .tensor_digest import check_shard_index, layout_digest, remembered_shards_d
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MAX_ENTRIES", "MAX_SHARDS", "ShardSet", "check_shard_folder"]
+__all__ = ["MAX_ENTRIES", "MAX_SHARDS", "ShardReads", "ShardSet", "check_shard_folder"]
 
 MAX_SHARDS = 256  # shards of one component (diffusers' 10 GB default: a 2.5 TB model)
 MAX_ENTRIES = 4096  # names looked at in one folder
 MAX_INDEXES = 4  # shard indexes tried in one folder (one per variant, in practice)
+MAX_HELD_INDEX_BYTES = 64 << 20  # index bytes one command keeps (past it, indexes are read again: memory bounded)
+
+
+class ShardReads:
+    """One command's reads of folders of shards (:class:`.model_dirs.Search` holds one): each index read and
+    parsed, and each shard header read (through ``header``, the search's own), once while its stat holds, however
+    many references are looked for (200 sharded references: not 200 parses of every index in the folders)."""
+
+    def __init__(self, header: Callable[[Path, StatKey], SafetensorsHeader | str] | None = None):
+        self._header = header
+        self._indexes: dict[tuple[Path, StatKey], tuple[bytes, Any] | str] = {}
+        self._held = 0
+
+    def index(self, path: Path, key: StatKey) -> tuple[bytes, Any]:
+        """The index's bytes and parsed value (read while its stat is ``key``); its error raised again."""
+        known = self._indexes.get((path, key))
+        if known is None:
+            try:
+                raw = _read_index(path)
+                known = raw, _json(raw, path.name)
+            except DDUFError as e:
+                known = str(e)
+            if isinstance(known, str) or self._held + len(known[0]) <= MAX_HELD_INDEX_BYTES:
+                self._indexes[(path, key)] = known
+                self._held += 0 if isinstance(known, str) else len(known[0])
+        if isinstance(known, str):
+            raise DDUFFormatError(known)
+        return known
+
+    def header(self, path: Path, key: StatKey) -> SafetensorsHeader:
+        found = self._header(path, key) if self._header is not None else read_file_header(path, path.name,
+                                                                                          DDUFFormatError)
+        if isinstance(found, str):
+            raise DDUFFormatError(found)
+        return found
 
 
 class ShardSet(NamedTuple):
@@ -41,9 +76,11 @@ class ShardSet(NamedTuple):
     keys: dict[str, StatKey]
 
 
-def check_shard_folder(folder: Path, rec: Mapping[str, Any]) -> ShardSet | str:
+def check_shard_folder(folder: Path, rec: Mapping[str, Any], reads: ShardReads | None = None) -> ShardSet | str:
     """The shard index and shards in ``folder`` that hold exactly the recorded tensors; "" when the folder
-    plainly holds another model (not said); else why it was rejected."""
+    plainly holds another model (not said); else why it was rejected. ``reads``: the command's (each index and
+    header read once for all its references)."""
+    reads = reads or ShardReads()
     try:
         with os.scandir(folder) as it:
             names = sorted(e.name for e in itertools.islice(it, MAX_ENTRIES))
@@ -53,7 +90,7 @@ def check_shard_folder(folder: Path, rec: Mapping[str, Any]) -> ShardSet | str:
     indexes = [n for n in names if (w := classify(n)) is not None and w.is_index]
     for index in indexes[:MAX_INDEXES]:
         try:
-            found = _shard_set(folder, index, set(names), rec)
+            found = _shard_set(folder, index, set(names), rec, reads)
         except (OSError, DDUFError) as e:  # unreadable, hostile index or header: a candidate less, said
             found = f"{index}: {str(e).splitlines()[0][:200]}"
         if isinstance(found, ShardSet):
@@ -62,10 +99,10 @@ def check_shard_folder(folder: Path, rec: Mapping[str, Any]) -> ShardSet | str:
     return why
 
 
-def _shard_set(folder: Path, index: str, names: set[str], rec: Mapping[str, Any]) -> ShardSet | str:
+def _shard_set(folder: Path, index: str, names: set[str], rec: Mapping[str, Any], reads: ShardReads) -> ShardSet | str:
     before = {index: stat_key(folder / index)}  # the stats the set is verified at: taken before it is read
-    raw = _read_index(folder / index)
-    weight_map = shard_map(_json(raw, index))
+    raw, value = reads.index(folder / index, before[index])
+    weight_map = shard_map(value)
     if weight_map is None:
         return f"{index}: no 'weight_map' object of file names"
     if len(weight_map) != rec["count"]:
@@ -76,10 +113,15 @@ def _shard_set(folder: Path, index: str, names: set[str], rec: Mapping[str, Any]
     for shard in shards:
         if name_problem(shard) is not None or shard not in names:
             return f"{index}: names {shard[:200]!r}, which is not a file beside it"
+        # a shard of this index's stem and variant (as a reference's shards are): not x.bin, another index or
+        # another variant's file, which a completed archive would hold under a name loaders select otherwise
+        w, of = classify(shard), classify(index)
+        if w is None or of is None or w.is_index or not w.sharded or (w.stem, w.variant) != (of.stem, of.variant):
+            return f"{index}: names {shard[:200]!r}, which is not one of its shards (STEM-0000N-of-0000M.safetensors)"
     before.update((shard, stat_key(folder / shard)) for shard in shards)
     headers, seen = {}, 0
     for shard in shards:  # stop at the first shard past the recorded count: never every header of a hostile set
-        headers[shard] = read_file_header(folder / shard, shard, DDUFFormatError)
+        headers[shard] = reads.header(folder / shard, before[shard])
         seen += len(headers[shard].tensors)
         if seen > rec["count"]:
             return ""

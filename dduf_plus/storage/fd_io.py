@@ -31,6 +31,8 @@ def pwrite_all(fd: int, data: bytes | bytearray | memoryview, offset: int) -> No
     view = memoryview(data).cast("B")
     while view:
         written = os.pwrite(fd, view, offset)
+        if written <= 0:  # no progress and no error (some FUSE and network file systems): never loop for ever
+            raise DDUFIOError(f"cannot write at byte {offset}: the file system wrote nothing")
         view, offset = view[written:], offset + written
 
 

@@ -1,6 +1,6 @@
 """The one trust model of dduf_plus's hash memos: a remembered sha256 is believed only from a record signed with
-the cache folder's own secret, and only while the file's stat key (size, mtime_ns, inode, device) is the one
-recorded with it.
+the cache folder's own secret, and only while the file's stat key (size, mtime_ns, inode, device, ctime_ns) is the
+one recorded with it.
 
 Both memos use it: the ``.zst`` -> content key memo and entry records of :mod:`dduf_plus.storage.zst_cache`,
 and the verified hashes of referenced files (:class:`dduf_plus.refs.cache.VerifiedHashes`). A record written by
@@ -29,16 +29,19 @@ MAX_RECORD = 64 << 10  # one record; a memo file of many records passes its own 
 
 
 class StatKey(NamedTuple):
-    """What says a file is unchanged since its hash was taken."""
+    """What says a file is unchanged since its hash was taken. ``ctime_ns``: a file rewritten in place with its
+    size kept and its mtime put back (``touch -r``, ``os.utime``) keeps size, mtime, inode and device, but every
+    write (and ``utime`` itself) moves the inode's change time, which no user call can set back."""
 
     size: int
     mtime_ns: int
     inode: int
     device: int
+    ctime_ns: int
 
     @classmethod
     def of(cls, st: os.stat_result) -> StatKey:
-        return cls(st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
+        return cls(st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev, st.st_ctime_ns)
 
 
 def stat_key(path: str | os.PathLike) -> StatKey:

@@ -79,7 +79,8 @@ def _sha256_fd(fd: int, size: int) -> str:
 
 
 def _stat_key(st: os.stat_result) -> dict[str, int]:
-    return dict(zip(("size", "mtime_ns", "ino", "dev"), StatKey.of(st), strict=True))
+    # a record without ctime_ns (written before 0.11.1) never matches: its entry is rehashed once, then re-recorded
+    return dict(zip(("size", "mtime_ns", "ino", "dev", "ctime_ns"), StatKey.of(st), strict=True))
 
 
 def _is_key(value: object) -> bool:
@@ -158,9 +159,12 @@ class _Cache:
         # mode 0644: mkstemp makes 0600, an archive is not a secret
         with self.box.atomic(final, mode=0o644, prefix=f".{key}.") as out:
             decompress_into(src, out.fd, self.folder, budget=budget, threads=threads, quiet=quiet, desc=final.name)
-            st = os.fstat(out.fd)  # rename keeps inode, device and mtime: this is the entry's stat key
+            st = os.fstat(out.fd)
             digest = _sha256_fd(out.fd, st.st_size)  # hot in the page cache
-            self._write(self._record_path(key), {"zst_sha256": key, "sha256": digest, **_stat_key(st)})
+        # the rename moved the entry's ctime: its stat key is taken from the renamed file, the inode hashed above
+        now = os.stat(final, follow_symlinks=False)
+        if (now.st_ino, now.st_dev, now.st_size, now.st_mtime_ns) == (st.st_ino, st.st_dev, st.st_size, st.st_mtime_ns):
+            self._write(self._record_path(key), {"zst_sha256": key, "sha256": digest, **_stat_key(now)})
         return final
 
 
