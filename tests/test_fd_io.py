@@ -70,3 +70,13 @@ def test_write_all_continues_short_writes(fds: tuple[int, int], monkeypatch: pyt
     monkeypatch.setattr(os, "write", lambda fd, data: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full")))
     with pytest.raises(OSError, match="full"):
         write_all(dst, b"x")
+
+
+def test_write_all_that_makes_no_progress_is_an_error(fds: tuple[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write returning 0 without an error (some FUSE file systems): an error, never a loop for ever."""
+    from dduf_plus.errors import DDUFIOError
+
+    _, dst = fds
+    monkeypatch.setattr(os, "write", lambda fd, data: 0)
+    with pytest.raises(DDUFIOError, match="wrote nothing"):
+        write_all(dst, b"abc")

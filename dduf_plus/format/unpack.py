@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ..errors import DDUFFormatError, DDUFUsageError, DDUFValidationError
 from ..storage.confined import Confined
-from ..storage.fd_io import pwrite_all
+from ..storage.fd_io import kernel_copy, pwrite_all
 from . import spec
 from .archive import DDUFArchive
 from .chat_template import restore_plan
@@ -93,17 +93,9 @@ def _copy_entry(archive: DDUFArchive, name: str, dst: int) -> None:
     """Entry ``name``'s bytes to the new file ``dst``: by the kernel where it can, else read and written whole (a
     short write on a filling disk is continued, then fails: never a truncated file kept as if complete)."""
     entry = archive.entry(name)
-    src, done = archive.fd, 0
-    if src is not None and hasattr(os, "copy_file_range"):
-        try:
-            while done < entry.length:
-                n = os.copy_file_range(src, dst, entry.length - done, entry.offset + done, done)
-                if n <= 0:
-                    break
-                done += n
-        except OSError:
-            pass  # a file system without it: the same bytes through a buffer, from where it stopped
-    while done < entry.length:
+    src = archive.fd
+    done = 0 if src is None else kernel_copy(src, dst, entry.length, entry.offset, 0)
+    while done < entry.length:  # where the kernel stopped or could not: through a buffer
         chunk = archive.read_bytes(name, done, min(64 << 20, entry.length - done))
         pwrite_all(dst, chunk, done)
         done += len(chunk)

@@ -41,7 +41,10 @@ def write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
     disk writes what fits, then the next call raises ENOSPC, never a silently short file)."""
     view = memoryview(data).cast("B")
     while view:
-        view = view[os.write(fd, view):]
+        written = os.write(fd, view)
+        if written <= 0:  # as pwrite_all: no progress and no error is an error, not a loop for ever
+            raise DDUFIOError("cannot write: the file system wrote nothing")
+        view = view[written:]
 
 
 def kernel_copy(src: int, dst: int, count: int, src_offset: int, dst_offset: int | None = None) -> int:
