@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 import struct
 from collections.abc import Callable
 from itertools import chain, compress, repeat
@@ -13,6 +12,7 @@ from operator import attrgetter, itemgetter, methodcaller, mul, not_, sub
 from typing import NamedTuple
 
 from ..errors import DDUFFormatError
+from ..storage.fd_io import open_regular
 from . import spec
 from .findings import Finding, finding
 from .json_budget import depth_of, skeleton, value_bound
@@ -264,11 +264,10 @@ def checked(header: SafetensorsHeader | None, problems: list[Finding], where: st
 def read_file_header(path: str | os.PathLike, entry: str, error: type[Exception] | None = None) -> SafetensorsHeader:
     """The checked header of the safetensors file at ``path`` (``entry``: its name in findings); reads the
     header only (positioned reads), never the tensor data."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
-    st = os.fstat(fd)  # opened without blocking: a FIFO, device or folder in a file's place is refused, not read
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
+    opened = open_regular(path)  # a FIFO, device or folder in a file's place is refused, never waited on
+    if opened is None:
         raise (error or DDUFFormatError)(f"not a regular file (a FIFO, a device, a folder): {os.fspath(path)}")
+    fd, st = opened
     with open(fd, "rb") as f:
         size = st.st_size
 

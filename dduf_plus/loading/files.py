@@ -42,7 +42,7 @@ from ..sizes import format_size
 from ..storage import cache_dirs
 from ..storage.cache_dirs import CACHE_ENV
 from ..storage.confined import Confined, plain_name
-from ..storage.fd_io import pread_upto
+from ..storage.fd_io import open_regular, pread_upto
 from ..storage.signed import StatKey
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -272,12 +272,11 @@ def _complete(folder: Path, digests: Mapping[str, str]) -> bool:
         if names != set(digests):
             return False
         for name, want in digests.items():
-            # O_NONBLOCK: a FIFO planted there must not block the open; O_NOFOLLOW: nor a link redirect it
-            flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
-            fd = os.open(folder / name, flags)
+            opened = open_regular(folder / name, follow_links=False)  # nor a FIFO block it, nor a link redirect it
+            if opened is None:
+                return False
+            fd = opened[0]
             try:
-                if not stat.S_ISREG(os.fstat(fd).st_mode):
-                    return False
                 h = hashlib.sha256()
                 while block := os.read(fd, 1 << 20):
                     h.update(block)
@@ -449,10 +448,12 @@ class FolderComponentFiles:
         return sorted(n for n in os.listdir(self.path) if not n.startswith(".") and (self.path / n).is_file())
 
     def read_bytes(self, filename: str) -> bytes:
+        """``filename``'s bytes as long as it was when opened (a file a writer keeps growing is never read
+        without end), from the descriptor whose stat is checked."""
         _check_name(self, filename, self.listdir())
-        with open_regular(self.path / filename) as f:
+        with _open_listed(self.path / filename) as f:
             self._check_verified(filename, f.fileno())
-            return f.read()
+            return f.read(os.fstat(f.fileno()).st_size)
 
     def _check_verified(self, filename: str, fd: int) -> None:
         key = self._verified.get(filename)
@@ -462,15 +463,17 @@ class FolderComponentFiles:
 
     def read_json(self, filename: str) -> Any:
         _check_name(self, filename, self.listdir())
-        entry = f"{self.name}/{filename}"
-        _refuse_over_size(os.stat(self.path / filename).st_size, entry, str(self.path.parent))
-        return json_from_bytes(self.read_bytes(filename), entry, str(self.path.parent))
+        entry, where = f"{self.name}/{filename}", str(self.path.parent)
+        _refuse_over_size(os.stat(self.path / filename).st_size, entry, where)
+        data = self.read_bytes(filename)
+        _refuse_over_size(len(data), entry, where)  # it grew between the stat and the read
+        return json_from_bytes(data, entry, where)
 
     def _open(self, filename: str) -> tuple[mmap.mmap | int, SafetensorsHeader]:
         if filename not in self._maps:
             _check_name(self, filename, self.listdir())
             where = str(self.path / filename)
-            with open_regular(Path(where)) as f:
+            with _open_listed(Path(where)) as f:
                 self._check_verified(filename, f.fileno())
                 size = os.fstat(f.fileno()).st_size
                 if size == 0:
@@ -530,14 +533,13 @@ class FolderComponentFiles:
         return choose_weight_files(self, variant)
 
 
-def open_regular(path: Path) -> BinaryIO:
-    """``path`` opened to read when it is a regular file: a FIFO put in a listed file's place must not block the
-    open (``O_NONBLOCK``: a plain ``open()`` waited for a writer for ever), a device or folder is refused."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
+def _open_listed(path: Path) -> BinaryIO:
+    """A listed folder file opened to read: a FIFO, device or folder put in its place is refused, never waited
+    on (:func:`~dduf_plus.storage.fd_io.open_regular`)."""
+    opened = open_regular(path)
+    if opened is None:
         raise DDUFLoadError(f"{path} is not a regular file (a FIFO, a device or a folder put in its place)")
-    return open(fd, "rb")
+    return open(opened[0], "rb")
 
 
 def _read_at(handle: mmap.mmap | int, offset: int, length: int) -> bytes:

@@ -32,6 +32,7 @@ from ..format.pipeline_kinds import LIST_LIBRARY, alias_config, list_owners, par
 from ..format.tokenizer_budget import budget_findings
 from ..format.validate import json_entry_findings
 from ..storage.confined import component_name_problem, name_problem
+from ..storage.fd_io import open_regular
 from .files import FolderComponentFiles, materialize_files, small_files
 
 logger = logging.getLogger(__name__)
@@ -161,12 +162,18 @@ class FolderPipeline:
         entry = self.entries.get(name)
         if entry is None:
             raise DDUFIOError(f"{self.path}: {name} is not a file the folder's scan kept")
-        path = entry.path
         try:
-            with open(path, "rb") as f:
-                return f.read()
+            opened = open_regular(entry.path)  # a FIFO put in its place since the scan: refused, not waited on
+            if opened is None:
+                raise DDUFIOError(f"{self.path}: {name} is no longer a regular file")
+            with open(opened[0], "rb") as f:
+                data = f.read(entry.length + 1)  # the scan's size: a file grown since is refused, not read on
         except OSError as e:
             raise DDUFIOError(f"{self.path}: cannot read {name}: {e.strerror or e}") from None
+        if len(data) != entry.length:
+            raise DDUFIOError(f"{self.path}: {name} changed since the folder was scanned ({entry.length} bytes "
+                              f"then, {len(data) if len(data) <= entry.length else 'more'} now)")
+        return data
 
     def findings(self) -> list[Finding]:
         """What ``load_findings`` checks on an archive, on the folder's files, with the same codes."""

@@ -31,7 +31,7 @@ from ..format.archive import tensor_view, torch_dtype_of
 from ..format.safetensors_header import SafetensorsHeader, TensorInfo
 from ..format.weights import select_weights, tensor_files
 from ..refs.model_dirs import InPlace, Source, diffusers_header
-from ..storage.fd_io import pread_upto
+from ..storage.fd_io import open_regular, pread_upto
 from ..storage.signed import StatKey
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -108,9 +108,11 @@ class MappedPartFiles:
             # opened descriptor's (a file replaced after a check by path would be mapped unverified); no blocking
             # open (a FIFO put in its place). ACCESS_COPY: a write to a tensor never reaches the user's file.
             try:
-                fd = os.open(where, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+                opened = open_regular(where)
+                if opened is None:
+                    raise DDUFReferenceError(f"component {self.name!r}: {where} is no longer a regular file")
+                fd, st = opened
                 try:
-                    st = os.fstat(fd)
                     if StatKey.of(st) != self.in_place.key:
                         raise DDUFReferenceError(f"component {self.name!r}: {where} changed since its tensors were "
                                                  "verified (search the model folders again: load again)")

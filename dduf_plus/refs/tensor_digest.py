@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import stat
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,6 +23,7 @@ from ..format.json_budget import SHARD_INDEX_JSON_BUDGET, parse_json_entry
 from ..format.safetensors_header import SafetensorsHeader, TensorInfo, read_file_header
 from ..format.weights import classify, shard_map
 from ..storage.confined import name_problem
+from ..storage.fd_io import open_regular
 from ..storage.signed import read_regular
 from .cache import stat_key, verified_hashes
 
@@ -226,10 +226,11 @@ class FileReads:
 @contextmanager
 def open_reads(path: Path) -> Iterator[FileReads]:
     """``path`` opened for :class:`FileReads`: without blocking (a FIFO put in its place) and only a regular file."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    opened = open_regular(path)
+    if opened is None:
+        raise DDUFIOError(f"{path}: not a regular file")
+    fd = opened[0]
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise DDUFIOError(f"{path}: not a regular file")
         yield FileReads(path, fd)
     finally:
         os.close(fd)

@@ -1,15 +1,35 @@
-"""Whole reads, writes and copies of open file descriptors (``pread``, ``write``, ``pwrite`` and
-``copy_file_range`` may move fewer bytes than asked): the one loop each that local sources (:mod:`.source`),
-the zstd transport (:mod:`.zst`), the remote fetch (:mod:`dduf_plus.remote.transfer`), the archive writer,
-``dduf unpack``, ``dduf export`` and the server's uploads go through."""
+"""Opening a file to read without blocking, and whole reads, writes and copies of open file descriptors
+(``pread``, ``write``, ``pwrite`` and ``copy_file_range`` may move fewer bytes than asked): the one place for
+each that local sources (:mod:`.source`), signed records, model-folder files, the zstd transport, the remote
+fetch (:mod:`dduf_plus.remote.transfer`), the archive writer, ``dduf unpack``, ``dduf export`` and the server's
+uploads go through."""
 
 from __future__ import annotations
 
 import os
+import stat
 
 from ..errors import DDUFIOError
 
 COPY_BLOCK = 16 << 20  # bytes per kernel copy (or per buffered copy where the kernel cannot)
+
+
+def open_regular(path: str | os.PathLike, *, follow_links: bool = True) -> tuple[int, os.stat_result] | None:
+    """``path`` opened to read, with its stat, when it is a regular file; None (nothing left open) when it is a
+    FIFO, a device or a folder. The open never blocks (``O_NONBLOCK``: a plain ``open()`` of a FIFO put in a
+    file's place waits for a writer for ever); ``follow_links=False`` refuses a link (``O_NOFOLLOW``, an
+    OSError). An OSError of the open itself (missing, unreadable) is the caller's to say."""
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
+    fd = os.open(path, flags if follow_links else flags | getattr(os, "O_NOFOLLOW", 0))
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        return None
+    return fd, st
 
 
 def pread_upto(fd: int, length: int, offset: int) -> bytes:

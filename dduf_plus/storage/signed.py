@@ -16,12 +16,12 @@ import hashlib
 import hmac
 import json
 import os
-import stat
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from ..errors import DDUFPathError
 from .confined import Confined
+from .fd_io import open_regular
 
 SECRET_NAME = ".secret"
 SECRET_SIZE = 32
@@ -52,14 +52,14 @@ def read_secret(path: Path) -> bytes | None:
     """The secret at ``path``, only if it is a regular file of the right size that only its owner (us) can
     read: a file someone else planted (another owner, group- or world-readable, a link) is not one."""
     try:
-        # O_NONBLOCK: a FIFO planted as the secret must not block the open (it is refused below)
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
-                     | getattr(os, "O_BINARY", 0))
+        opened = open_regular(path, follow_links=False)  # a FIFO planted as the secret: None, never blocked on
     except OSError:
         return None
+    if opened is None:
+        return None
+    fd, st = opened
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size != SECRET_SIZE:
+        if st.st_size != SECRET_SIZE:
             return None
         if os.name == "posix" and (st.st_uid != os.getuid() or st.st_mode & 0o077):
             return None
@@ -75,10 +75,11 @@ def read_regular(path: Path, max_bytes: int) -> bytes | None:
     """At most ``max_bytes`` of ``path`` when it is a regular file, else None: a FIFO planted in a record's place
     must not block the open (``O_NONBLOCK``) nor the read (a plain ``open()`` waited for a writer for ever),
     and a device or folder is no record."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    opened = open_regular(path)
+    if opened is None:
+        return None
+    fd = opened[0]
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
         chunks, left = [], max_bytes
         while left > 0 and (block := os.read(fd, min(left, 1 << 20))):
             chunks.append(block)

@@ -26,13 +26,12 @@ A remote source is untrusted like the archive it serves, so every remote source 
 from __future__ import annotations
 
 import os
-import stat
 import threading
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
 from ..errors import DDUFError, DDUFIOError, DDUFNotFoundError, DDUFUsageError, io_error
-from .fd_io import pread_upto
+from .fd_io import open_regular, pread_upto
 from .http_range import HTTPSource, short_text
 from .remote_budget import DEFAULT_DEADLINE_S, RemoteBudget
 from .urls import ALLOWED_URL_SCHEMES, check_url, is_url
@@ -63,18 +62,15 @@ class LocalSource:
         self.name = os.fspath(path)
         self.fd = -1
         try:
-            # O_NONBLOCK: opening a FIFO must not wait for a writer (it is refused just below).
-            self.fd = os.open(self.name, os.O_RDONLY | getattr(os, "O_BINARY", 0) | getattr(os, "O_NONBLOCK", 0))
-            info = os.fstat(self.fd)
+            opened = open_regular(self.name)  # a FIFO: refused just below, never waited on
         except OSError as e:
-            self.close()
             raise io_error(f"cannot open {self.name}: {e.strerror}", e, self.name) from None
-        if not stat.S_ISREG(info.st_mode):
-            self.close()
+        if opened is None:
             kind = (f" but a folder (a DDUF archive is one file; a diffusers pipeline folder is described by "
                     f"`dduf info {self.name}` and packed by `dduf pack {self.name} -o NAME.dduf`)"
-                    if stat.S_ISDIR(info.st_mode) else "")
+                    if os.path.isdir(self.name) else "")
             raise DDUFIOError(f"cannot open {self.name}: not a regular file{kind}")
+        self.fd, info = opened
         self.size = info.st_size
         self.bytes_read = 0
 
