@@ -9,7 +9,7 @@ import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Union
 
 from ..errors import DDUFError, DDUFIntegrityError
 from ..format.spec import CONFIG_FILES
@@ -17,14 +17,40 @@ from ..storage.hub_env import env_true, is_offline
 from . import cache as _cache
 from .spec import Spec, SpecLike, parse_spec, reference_spec
 
+if TYPE_CHECKING:  # pragma: no cover
+    from .model_dirs import Match
+
+
+class FoundFolder(NamedTuple):
+    """A component folder (a pipeline's subfolder, a snapshot's, a download's): its files checked by hash."""
+
+    path: Path
+
+
+class FoundFiles(NamedTuple):
+    """The reference's files, each found somewhere (cache blobs by content): checked by hash."""
+
+    files: dict[str, Path]
+
+
+class FoundArchive(NamedTuple):
+    """Component ``member`` of another ``.dduf`` archive."""
+
+    path: Path
+    member: str
+
+
+# what a candidate found; a model-folder Match is already verified tensor by tensor
+Found = Union[FoundFolder, FoundFiles, FoundArchive, "Match"]
+
 
 class Candidate(NamedTuple):
-    """One source to try: how it was found (for messages), what it is, and ``get`` to look there."""
+    """One source to try: how it was found (for messages), what it is, and ``get`` to look there (it returns
+    what it found, or raises :class:`Skip`)."""
 
     how: str
     source: str
-    # -> ("folder", Path) | ("files", {name: Path}) | ("dduf", (Path, member)) ; or raises Skip
-    get: Callable[[], tuple[str, Any]]
+    get: Callable[[], Found]
 
 
 class Skip(Exception):
@@ -49,13 +75,13 @@ def folder_candidate(how: str, spec: Spec, name: str, fallback_subfolder: str | 
     (``refs={"vae": "/models/vae"}``: a config file, no model_index.json) is accepted too."""
     subs = [spec.subfolder] if spec.subfolder else list(dict.fromkeys(s for s in (fallback_subfolder, name) if s))
 
-    def get() -> tuple[str, Any]:
+    def get() -> Found:
         root = Path(spec.location)
         if not root.is_dir():
             raise Skip(f"{root} does not exist here")
         found = component_folder(root, subs, direct=spec.subfolder is None)
         if found is not None:
-            return "folder", found
+            return FoundFolder(found)
         raise Skip(f"no {' or '.join(subs)} folder in {root}")
 
     shown = spec.location + (f":{subs[0]}" if subs[0] != name else "")
@@ -65,10 +91,10 @@ def folder_candidate(how: str, spec: Spec, name: str, fallback_subfolder: str | 
 def dduf_candidate(how: str, spec: Spec, name: str) -> Candidate:
     sub = spec.subfolder or name
 
-    def get() -> tuple[str, Any]:
+    def get() -> Found:
         if not Path(spec.location).is_file():
             raise Skip(f"{spec.location} does not exist here")
-        return "dduf", (Path(spec.location), sub)
+        return FoundArchive(Path(spec.location), sub)
 
     return Candidate(how, f"{spec.location}" + (f":{sub}" if sub != name else ""), get)
 
@@ -77,11 +103,11 @@ def hf_cache_candidate(spec: Spec, name: str, revision: str | None, cache_dir: s
     sub = spec.subfolder or name
     rev = spec.revision or revision or "main"
 
-    def get() -> tuple[str, Any]:
+    def get() -> Found:
         for cache in _cache.hf_cache_dirs(cache_dir):
             snap = _cache.snapshot_dir(cache, spec.location, rev)
             if snap is not None and (snap / sub).is_dir():
-                return "folder", snap / sub
+                return FoundFolder(snap / sub)
         caches = ", ".join(str(c) for c in _cache.hf_cache_dirs(cache_dir))
         raise Skip(f"not in the Hugging Face cache ({caches})")
 
@@ -89,7 +115,7 @@ def hf_cache_candidate(spec: Spec, name: str, revision: str | None, cache_dir: s
 
 
 def content_candidate(recorded: Mapping[str, Mapping[str, Any]], cache_dir: str | os.PathLike | None) -> Candidate:
-    def get() -> tuple[str, Any]:
+    def get() -> Found:
         if not recorded:
             raise Skip("no file hashes recorded")
         blobs = _cache.blob_index(_cache.hf_cache_dirs(cache_dir))
@@ -105,7 +131,7 @@ def content_candidate(recorded: Mapping[str, Mapping[str, Any]], cache_dir: str 
         if missing:
             raise Skip(f"{len(missing)} of {len(recorded)} files are in no cached repo ({', '.join(missing[:3])}"
                         + (", ..." if len(missing) > 3 else "") + ")")
-        return "files", found
+        return FoundFiles(found)
 
     return Candidate("hf cache by content", "", get)
 
@@ -134,7 +160,7 @@ def hosted_candidate(how: str, spec: Spec, name: str, recorded: Mapping[str, Map
     the component's entries fetched by range reads, each verified as it arrives (:mod:`.hosted`)."""
     sub = spec.subfolder or name
 
-    def get() -> tuple[str, Any]:
+    def get() -> Found:
         from ..storage.urls import check_url
         from . import hosted
 
@@ -148,7 +174,7 @@ def hosted_candidate(how: str, spec: Spec, name: str, recorded: Mapping[str, Map
         if missing and fetch and how.startswith("recorded"):
             check_recorded_host(spec.location)
         if not missing:
-            return "files", found
+            return FoundFiles(found)
         if not fetch:
             why = "offline: HF_HUB_OFFLINE or local_files_only" if offline else "no download here"
             raise Skip(f"{len(missing)} of {len(recorded)} files not fetched yet ({why})")
@@ -158,7 +184,7 @@ def hosted_candidate(how: str, spec: Spec, name: str, recorded: Mapping[str, Map
             raise  # the bytes there are not the referenced ones: never used, never retried elsewhere
         except DDUFError as e:
             raise Skip(f"cannot be fetched: {e}") from None
-        return "files", found
+        return FoundFiles(found)
 
     return Candidate(how, f"{spec.location}" + (f":{sub}" if sub != name else ""), get)
 
@@ -173,7 +199,7 @@ def download_candidate(spec: Spec, name: str, recorded: Mapping[str, Mapping[str
     sub = spec.subfolder or name
     rev = spec.revision or revision
 
-    def get() -> tuple[str, Any]:
+    def get() -> Found:
         if local_files_only:
             raise Skip("not downloaded: local_files_only=True")
         if is_offline():
@@ -192,7 +218,7 @@ def download_candidate(spec: Spec, name: str, recorded: Mapping[str, Mapping[str
                                      cache_dir=Path(cache_dir) if cache_dir is not None else None)
         except Exception as e:  # every hub/network error: report it, never retry here
             raise Skip(f"download failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
-        return "folder", Path(path) / sub
+        return FoundFolder(Path(path) / sub)
 
     return Candidate("hub download", f"{spec.location}" + (f"@{rev}" if rev else "") + f":{sub}", get)
 
@@ -204,11 +230,11 @@ def model_dirscandidates(name: str, reference: Mapping[str, Any],
 
     dirs = model_dirs.search_dirs(given)
 
-    def get() -> tuple[str, Any]:
+    def get() -> Found:
         found = model_dirs.find_component(name, reference, dirs)
         if isinstance(found, str):
             raise Skip(found)
-        return "verified files", found
+        return found
 
     return [Candidate("model folder", os.pathsep.join(map(str, dirs)), get)] if dirs else []
 

@@ -29,11 +29,15 @@ from ..storage.hub_env import is_offline
 from .candidates import (  # noqa: F401 (ALLOW_PRIVATE_ENV, component_folder: re-exported, packing names them here)
     ALLOW_PRIVATE_ENV,
     Candidate,
+    Found,
+    FoundArchive,
+    FoundFolder,
     Skip,
     candidates,
     component_folder,
 )
 from .compare import CheckOptions, check_archive, check_folder_files, recorded_files
+from .model_dirs import InPlace, Match, search_session
 from .spec import (  # noqa: F401 (the SPEC names, re-exported: packing and the CLI name them here)
     REFERENCE_KINDS,
     Spec,
@@ -48,7 +52,6 @@ from .views import view_folder, visible_files
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..storage.signed import StatKey
-    from .model_dirs import InPlace
 
 logger = logging.getLogger(__name__)
 
@@ -164,11 +167,11 @@ def _search(name: str, reference: Mapping[str, Any], *, refs: Mapping[str, SpecL
                            local_files_only=local_files_only, token=token, cache_dir=cache_dir,
                            download=opts.download, model_dirs=model_dirs):
         try:
-            kind, value = cand.get()
+            found = cand.get()
         except Skip as skipped:
             attempts.append(_Attempt(f"{cand.how} {cand.source}".strip(), str(skipped), False))
             continue
-        located = _try(name, cand, kind, value, recorded, opts, attempts)
+        located = _try(name, cand, found, recorded, opts, attempts)
         if located is not None:
             for a in attempts:
                 if a.mismatch:
@@ -177,17 +180,17 @@ def _search(name: str, reference: Mapping[str, Any], *, refs: Mapping[str, SpecL
     return attempts
 
 
-def _try(name: str, cand: Candidate, kind: str, value: Any, recorded: Mapping[str, Mapping[str, Any]],
+def _try(name: str, cand: Candidate, found: Found, recorded: Mapping[str, Mapping[str, Any]],
          opts: CheckOptions, attempts: list[_Attempt]) -> Located | None:
-    if kind == "verified files":  # verified tensor by tensor (refs/model_dirs.py), not by the files' sha256
-        for r in value.rejected:
+    if isinstance(found, Match):  # verified tensor by tensor (refs/model_dirs.py), not by the files' sha256
+        for r in found.rejected:
             logger.info("component %r: model folder candidate %s rejected: %s", name, r.path, r.why)
-        return Located(name, cand.how, value.source, view_folder(name, value.files), None, None, value.files, True,
-                       value.in_place, value.keys)
-    if kind == "dduf":
+        return Located(name, cand.how, found.source, view_folder(name, found.files), None, None, found.files, True,
+                       found.in_place, found.keys)
+    if isinstance(found, FoundArchive):
         from ..format.archive import DDUFArchive
 
-        path, member = value
+        path, member = found
         source = f"{cand.how} {path}" + (f" (component {member})" if member != name else "")
         try:
             with DDUFArchive(path) as archive:
@@ -198,12 +201,12 @@ def _try(name: str, cand: Candidate, kind: str, value: Any, recorded: Mapping[st
         result = Located(name, cand.how, str(path), None, path, member, {}, known)
     else:
         folder: Path | None = None
-        if kind == "folder":
-            folder = root = Path(value)
+        if isinstance(found, FoundFolder):
+            folder = root = found.path
             files = {f: root / f for f in recorded} if recorded else {f: root / f for f in visible_files(root)}
             source = f"{cand.how} {cand.source} ({root})" if str(root) not in cand.source else f"{cand.how} {root}"
         else:
-            files = dict(value)
+            files = dict(found.files)
             source = f"{cand.how} ({', '.join(sorted({str(p.parent.parent) for p in files.values()}))})"
         known, problems = check_folder_files(name, files, recorded, source, opts)
         if folder is None or visible_files(folder) != set(files):
@@ -246,7 +249,6 @@ def check_references(
 
     ``verify=False`` hashes nothing (remembered hashes and sizes are used); ``verify=True`` hashes what is
     not yet known. A reference that is not local reports whether a download would be attempted."""
-    from .model_dirs import search_session
 
     out = []
     opts = CheckOptions(verify=True, hash_files=verify, download=False)
