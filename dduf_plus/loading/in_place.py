@@ -37,6 +37,8 @@ from ..storage.signed import StatKey
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
+    from .files import FolderComponentFiles
+
 __all__ = ["MappedPartFiles"]
 
 
@@ -45,7 +47,7 @@ class MappedPartFiles:
     :class:`~dduf_plus.loading.files.FolderComponentFiles` over a view folder in dduf_plus' cache, answering
     for config.json as any folder does), ``in_place`` says where each diffusers tensor lies in the user's file."""
 
-    def __init__(self, config: Any, name: str, in_place: InPlace, *, use_mmap: bool = True):
+    def __init__(self, config: FolderComponentFiles, name: str, in_place: InPlace, *, use_mmap: bool = True):
         self._config = config
         self.name = name
         self.in_place = in_place
