@@ -25,6 +25,18 @@ from ..format.validate import load_findings
 from ..format.weights import variants
 from ..storage.urls import is_url
 from ..torchkit.backend_import import offline_imports
+from ..torchkit.quiet import quiet_imports
+from .arguments import (
+    check_adapters,
+    check_dtype_kind,
+    check_flags,
+    check_hub_options,
+    check_optional,
+    check_passed_component,
+    check_sources,
+    from_pretrained_options,
+    source_path,
+)
 from .bridge import install_bridge
 from .components import build_component, did_you_mean, resolve_class
 from .dtypes import AUTO, requested_for, resolve_request
@@ -47,7 +59,7 @@ logger = logging.getLogger(__name__)
 _UNSUPPORTED_DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 
 
-def load_dduf(
+def load_dduf(  # long: its signature is from_pretrained's keywords (27 lines), each checked first
     path: str | os.PathLike,
     torch_dtype: Any = AUTO,
     *,
@@ -57,7 +69,7 @@ def load_dduf(
     device_map: Any = None,
     variant: str | None = None,
     refs: Any = None,
-    local_files_only: bool = False,
+    local_files_only: bool | None = False,
     token: str | bool | None = None,
     revision: str | None = None,
     cache_dir: str | os.PathLike | None = None,
@@ -130,10 +142,18 @@ def load_dduf(
         DDUFReferenceError: an external component cannot be resolved.
     """
     started = time.perf_counter()
-    path_str, archive, fetch = _open_source(os.fspath(path), dduf_file, revision=revision, token=token,
+    check_flags(verify=verify, use_mmap=use_mmap, prefetch=prefetch, allow_missing_weights=allow_missing_weights,
+                fuse_lora=fuse_lora)
+    check_optional("local_files_only", local_files_only, (bool,), "True, False or None")
+    check_hub_options(token=token, revision=revision, cache_dir=cache_dir, variant=variant, dduf_file=dduf_file)
+    check_sources(refs=refs, model_dirs=model_dirs, remote=remote, max_decompressed=max_decompressed)
+    check_adapters(adapters, adapter_weights)
+    check_dtype_kind(torch_dtype, dtype)
+    use_mmap, local_files_only = from_pretrained_options(kwargs, use_mmap), bool(local_files_only)
+    path_str, archive, fetch = _open_source(source_path(path), dduf_file, revision=revision, token=token,
                                             cache_dir=cache_dir, local_files_only=local_files_only,
                                             remote=remote, max_decompressed=max_decompressed, variant=variant)
-    with collector_paused():  # the first load in a process imports torch here (see gc_pause)
+    with collector_paused(), quiet_imports():  # the first load in a process imports torch here (see gc_pause)
         request = resolve_request(torch_dtype, dtype)
     device_for = _device_resolver(device, device_map)
     mapped = archive.mmap if prefetch and use_mmap and fetch is None else None  # use_mmap=False: nothing mapped
@@ -284,10 +304,10 @@ def _load(ctx: _Context, kwargs: dict[str, Any]) -> DiffusionPipeline:
     if ctx.build_order is None:
         _refuse_what_validate_refuses(ctx)
     _check_names(ctx)
+    _check_variant(ctx, kwargs)
     _refuse_unbuildable(ctx, kwargs)
     with collector_paused():  # imports the pipeline's module: diffusers and transformers, the first time
         plan = _plan(ctx, kwargs)
-    _check_variant(ctx, plan)
     if ctx.build_order is not None:
         ctx.build_order(plan.folders())
         _refuse_what_validate_refuses(ctx)  # reads tokenizer files: once the fetch brings them in build order
@@ -423,13 +443,17 @@ def _refuse_component_typos(unused: Mapping[str, Any], components: Any, pipeline
                             suggestions=typos)
 
 
-def _check_variant(ctx: _Context, plan: _Plan) -> None:
+def _check_variant(ctx: _Context, kwargs: Mapping[str, Any]) -> None:
+    """A variant that no component to be built has is refused from the archive's listing alone, naming the
+    variants it holds: before diffusers is imported or anything is logged (a component the caller passes
+    is not built, so its variants do not count)."""
     stored, variant = ctx.archive.components, ctx.variant
-    if variant is None or any(variant in variants(c.files) for n, c in stored.items() if n in plan.to_build):
+    if variant is None or any(variant in variants(c.files) for n, c in stored.items() if n not in kwargs):
         return
     present = sorted(set().union(*(variants(c.files) for c in stored.values())))
-    raise DDUFLoadError(f"{ctx.path}: no component has weights of variant {variant!r} "
-                        f"(variants present: {', '.join(present) or 'none'})")
+    held = (f"it holds variant{'s' if len(present) > 1 else ''} {', '.join(present)}" if present else
+            "it holds no variant weights, only each component's default ones: load it without variant=")
+    raise DDUFLoadError(f"{ctx.path}: no component has weights of variant {variant!r}; {held}")
 
 
 def _build_components(ctx: _Context, plan: _Plan, sources: Mapping[str, ComponentFiles]) -> None:
@@ -437,10 +461,10 @@ def _build_components(ctx: _Context, plan: _Plan, sources: Mapping[str, Componen
     declared_all = index.get("components", {}) if isinstance(index, dict) else {}
     for name, (library, class_name) in plan.to_build.items():
         if name in plan.passed_components:
-            plan.init_kwargs[name] = plan.passed_components[name]
+            plan.init_kwargs[name] = check_passed_component(name, plan.passed_components[name], library, class_name)
             continue
         t0 = time.perf_counter()
-        with collector_paused():  # may import the component's module (a tokenizer's, a scheduler's)
+        with collector_paused(), quiet_imports():  # may import the component's module (a tokenizer's...)
             cls = resolve_class(name, library, class_name)
         declared = declared_all.get(name) if isinstance(declared_all, dict) else None
         model_request = ModelRequest(
@@ -610,9 +634,10 @@ def _parse_device(value: Any, arg: str = "device_map") -> torch.device:
     try:
         dev = torch.device(value) if not isinstance(value, int) else torch.device("cuda", value)
     except (RuntimeError, TypeError) as e:
-        raise DDUFLoadError(f"device {value!r} is not a torch device: {e}") from None
+        raise DDUFLoadError(f"{arg}={value!r} is not a torch device ('cpu', 'cuda', 'cuda:1', a cuda index, or "
+                            f"{{component: device}}): {str(e).splitlines()[0]}") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise DDUFLoadError(f"device {value!r}: CUDA is not available in this torch")
+        raise DDUFLoadError(f"{arg}={value!r}: CUDA is not available in this torch")
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     return dev

@@ -1,0 +1,72 @@
+"""Other libraries' import-time notices, kept off the user's screen while dduf_plus imports those libraries.
+
+A first ``load_dduf`` in a fresh interpreter imports diffusers, which imports torchao: torchao logs the
+compiled extensions it cannot load (``Failed to load ..._C_mxfp8...so``), torch's pytree warns about
+torchao's Enum registrations, and diffusers says it cannot import torchao's tensor types. Five lines about
+the libraries' build, none about the user's archive, printed by a call the user expected to be silent.
+
+:func:`quiet_imports` wraps the steps of a load (or a pack) that import libraries: for its duration the
+loggers in :data:`IMPORT_NOTICES` show errors only. It is scoped to be nothing more than that:
+
+- a logger the user has given a level (``logging.getLogger("torchao").setLevel(logging.INFO)``) is left
+  alone, and so are diffusers' loggers under ``DIFFUSERS_VERBOSITY``: what the user asked for is shown;
+- the previous levels are back when the step ends (the outermost step, when several threads load at once);
+- Python warnings, handlers and the root logger are not touched: the user's own filters and logging
+  configuration stay as they were.
+
+The CLI (:mod:`dduf_plus.cli.quiet`) goes further for a command's whole run; it uses the same logger list."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from collections.abc import Iterator
+
+# Loggers that print while a library is imported, through their own handler or Python's last resort, so
+# nothing the user configured on the root logger would hold them back. Each one's children follow it.
+IMPORT_NOTICES = (
+    "torch.utils._pytree",  # "<enum ...> is an Enum subclass ..." (torchao's registrations)
+    "torch._subclasses",
+    "torchao",  # "Failed to load .../_C_mxfp8...so", "Detected no triton"
+    "diffusers.quantizers",  # "Unable to import `torchao` Tensor objects ..."
+)
+USER_VERBOSITY = {"diffusers": "DIFFUSERS_VERBOSITY", "transformers": "TRANSFORMERS_VERBOSITY"}
+
+_lock = threading.Lock()
+_depth = 0
+_changed: list[logging.Logger] = []  # the loggers the outermost step set, to set back to NOTSET
+
+
+def _user_asked(name: str) -> bool:
+    """The user configured this logger (a level of its own, or the library's verbosity variable)."""
+    env = USER_VERBOSITY.get(name.split(".", 1)[0])
+    return logging.getLogger(name).level != logging.NOTSET or bool(env and os.environ.get(env))
+
+
+@contextlib.contextmanager
+def quiet_imports() -> Iterator[None]:
+    """Within the block, :data:`IMPORT_NOTICES` loggers the user has not configured show errors only."""
+    global _depth
+    with _lock:
+        _depth += 1
+        if _depth == 1:
+            for name in IMPORT_NOTICES:
+                if not _user_asked(name):
+                    logger = logging.getLogger(name)
+                    logger.setLevel(logging.ERROR)
+                    _changed.append(logger)
+    try:
+        yield
+    finally:
+        with _lock:
+            _depth -= 1
+            if _depth == 0:
+                for logger in _changed:
+                    if logger.level == logging.ERROR:  # unless the user set a level meanwhile
+                        logger.setLevel(logging.NOTSET)
+                _changed.clear()
+
+
+__all__ = ["IMPORT_NOTICES", "USER_VERBOSITY", "quiet_imports"]
