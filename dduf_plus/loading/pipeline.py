@@ -60,7 +60,7 @@ _UNSUPPORTED_DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 
 
 def load_dduf(  # long: its signature is from_pretrained's keywords (27 lines), each checked first
-    path: str | os.PathLike,
+    path: str | bytes | os.PathLike,
     torch_dtype: Any = AUTO,
     *,
     dduf_file: str | None = None,

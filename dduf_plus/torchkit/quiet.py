@@ -37,6 +37,13 @@ USER_VERBOSITY = {"diffusers": "DIFFUSERS_VERBOSITY", "transformers": "TRANSFORM
 _lock = threading.Lock()
 _depth = 0
 _changed: list[logging.Logger] = []  # the loggers the outermost step set, to set back to NOTSET
+_shown = False  # show_import_notices() was called: quiet_imports changes nothing
+
+
+def show_import_notices(show: bool = True) -> None:
+    """Let the import notices through from now on (the CLI's ``-v``: "everything other libraries say")."""
+    global _shown
+    _shown = show
 
 
 def _user_asked(name: str) -> bool:
@@ -51,7 +58,7 @@ def quiet_imports() -> Iterator[None]:
     global _depth
     with _lock:
         _depth += 1
-        if _depth == 1:
+        if _depth == 1 and not _shown:
             for name in IMPORT_NOTICES:
                 if not _user_asked(name):
                     logger = logging.getLogger(name)
@@ -69,4 +76,4 @@ def quiet_imports() -> Iterator[None]:
                 _changed.clear()
 
 
-__all__ = ["IMPORT_NOTICES", "USER_VERBOSITY", "quiet_imports"]
+__all__ = ["IMPORT_NOTICES", "USER_VERBOSITY", "quiet_imports", "show_import_notices"]
