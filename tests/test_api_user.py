@@ -85,10 +85,27 @@ def importlib_has(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
 
-def test_quiet_imports_nests_and_restores_across_threads() -> None:
+def test_quiet_imports_nests_and_restores_across_threads(monkeypatch: pytest.MonkeyPatch) -> None:
     """Two loads importing at once: the outermost step's end puts the levels back, never a level of ours."""
+    for name in ("DIFFUSERS_VERBOSITY", "TRANSFORMERS_VERBOSITY"):  # an in-process CLI run sets them
+        monkeypatch.delenv(name, raising=False)
+    from dduf_plus.torchkit import quiet
     from dduf_plus.torchkit.quiet import IMPORT_NOTICES, quiet_imports
 
+    # an in-process CLI run may have set these levels (quiet_other_libraries) or asked for -v
+    levels = {n: logging.getLogger(n).level for n in IMPORT_NOTICES}
+    for name in IMPORT_NOTICES:
+        logging.getLogger(name).setLevel(logging.NOTSET)
+    shown = quiet.show_import_notices(False)
+    try:
+        _check_nesting(IMPORT_NOTICES, quiet_imports)
+    finally:
+        quiet.show_import_notices(shown)
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
+
+
+def _check_nesting(names: tuple[str, ...], quiet_imports: Any) -> None:
     inside, release = threading.Event(), threading.Event()
 
     def other() -> None:
@@ -100,11 +117,11 @@ def test_quiet_imports_nests_and_restores_across_threads() -> None:
     thread.start()
     inside.wait(10)
     with quiet_imports():
-        assert all(logging.getLogger(n).level == logging.ERROR for n in IMPORT_NOTICES)
-    assert all(logging.getLogger(n).level == logging.ERROR for n in IMPORT_NOTICES)  # the other still imports
+        assert all(logging.getLogger(n).level == logging.ERROR for n in names)
+    assert all(logging.getLogger(n).level == logging.ERROR for n in names)  # the other still imports
     release.set()
     thread.join()
-    assert all(logging.getLogger(n).level == logging.NOTSET for n in IMPORT_NOTICES)
+    assert all(logging.getLogger(n).level == logging.NOTSET for n in names)
 
 
 # --- a variant the archive lacks -------------------------------------------------------------------------------
@@ -148,6 +165,20 @@ def test_offline_reference_says_offline_mode_and_how_to_allow_it(tmp_path: Path,
     assert "hf download nope/nope" in message and "hf download org/tiny-sd" not in message
     with pytest.raises(DDUFReferenceError, match=r"local_files_only=False lets it download"):
         load_dduf(partial, local_files_only=True)
+
+
+def test_offline_hub_repo_path_says_which_setting_and_how_to_allow_it(hf_env: Path) -> None:
+    """Was: "... not in the Hugging Face cache and offline (HF_HUB_OFFLINE or local_files_only): download it
+    once online": which of the two, and how to turn it off, left to guess."""
+    from dduf_plus.errors import DDUFNotFoundError
+
+    with pytest.raises(DDUFNotFoundError, match=r"nope/nope .*offline mode: HF_HUB_OFFLINE is set \(unset it, or "
+                                                r"HF_HUB_OFFLINE=0, to let it download\)"):
+        load_dduf("nope/nope")
+    with pytest.raises(DDUFNotFoundError, match=r"x\.dduf of the Hub repo nope/nope .*HF_HUB_OFFLINE=0"):
+        load_dduf("nope/nope", dduf_file="x.dduf")
+    with pytest.raises(DDUFNotFoundError, match=r"offline: local_files_only=True \(local_files_only=False lets"):
+        load_dduf("nope/nope", local_files_only=True)
 
 
 # --- wrong kinds of values: a DDUFError naming the argument -----------------------------------------------------

@@ -40,10 +40,12 @@ _changed: list[logging.Logger] = []  # the loggers the outermost step set, to se
 _shown = False  # show_import_notices() was called: quiet_imports changes nothing
 
 
-def show_import_notices(show: bool = True) -> None:
-    """Let the import notices through from now on (the CLI's ``-v``: "everything other libraries say")."""
+def show_import_notices(show: bool = True) -> bool:
+    """Let the import notices through from now on (the CLI's ``-v``: "everything other libraries say");
+    returns the previous setting."""
     global _shown
-    _shown = show
+    previous, _shown = _shown, show
+    return previous
 
 
 def _user_asked(name: str) -> bool:
