@@ -235,6 +235,30 @@ def test_a_bytes_path_loads_as_its_str(packed: dict[str, Path]) -> None:
     assert type(load_dduf(os.fsencode(packed["tiny-sd"]))).__name__ == "StableDiffusionPipeline"
 
 
+def test_the_other_exports_refuse_a_path_that_is_no_path(packed: dict[str, Path], tmp_path: Path) -> None:
+    """Was: ``AttributeError: 'int' object has no attribute 'name'`` (validate, DDUFArchive, read_dduf_file),
+    ``TypeError: expected str, bytes or os.PathLike object`` (inspect_dtypes, pack, pack_folder, save_dduf's
+    path) and ``AttributeError: 'int' object has no attribute 'to_json_string'`` (save_dduf(5, ...))."""
+    import dduf_plus
+
+    out = tmp_path / "out.dduf"
+    calls = {
+        r"^validate\(source=\.\.\.\): expected a path": lambda: dduf_plus.validate(5),
+        r"^DDUFArchive\(path=\.\.\.\): expected a path": lambda: dduf_plus.DDUFArchive(5),
+        r"^DDUFArchive\(path=\.\.\.\): expected a path.*got NoneType": lambda: dduf_plus.read_dduf_file(None),
+        r"^inspect_dtypes\(source=\.\.\.\): expected a path": lambda: dduf_plus.inspect_dtypes(5),
+        r"^pack_folder\(folder=\.\.\.\): expected a path": lambda: dduf_plus.pack_folder(5, out),
+        r"^pack\(output=\.\.\.\): expected a path": lambda: dduf_plus.pack(TINY_SD, 5),
+        r"^save_dduf\(pipeline=\.\.\.\): expected a diffusers DiffusionPipeline, got int": lambda: dduf_plus.save_dduf(5, out),
+        r"^save_dduf\(path=\.\.\.\): expected a path": lambda: dduf_plus.save_dduf(object(), 5),
+    }
+    for match, call in calls.items():
+        with pytest.raises(DDUFUsageError, match=match):
+            call()
+    assert dduf_plus.validate(os.fsencode(packed["tiny-sd"])).valid  # bytes, as open() takes them
+    assert not out.exists()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the message is for a torch without CUDA")
 def test_an_int_device_map_names_the_argument(packed: dict[str, Path]) -> None:
     with pytest.raises(DDUFLoadError, match=r"^device_map=5: CUDA is not available"):

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping
 from numbers import Real
 from typing import Any
 
-from ..errors import DDUFUsageError
+from ..errors import DDUFUsageError, path_argument
 
 # from_pretrained keyword -> (the values that change nothing here, why any other value is refused)
 FROM_PRETRAINED: dict[str, tuple[tuple[Any, ...], str]] = {
@@ -55,10 +55,7 @@ def _short(value: Any) -> str:
 
 def source_path(path: Any) -> str:
     """``load_dduf``'s first argument as a string: a ``str``, ``bytes`` or ``os.PathLike``."""
-    try:
-        return os.fsdecode(path)
-    except TypeError:
-        raise _refuse("path", path, "a file, folder, Hub repo id or URL (str or os.PathLike)") from None
+    return path_argument(path, f"load_dduf(path={_short(path)}): a file, folder, Hub repo id or URL")
 
 
 def _is_bool(value: Any) -> bool:
