@@ -103,11 +103,17 @@ def load_dduf(  # long: its signature is from_pretrained's keywords (27 lines), 
             when the repo holds exactly one ``.dduf``.
             Downloaded through huggingface_hub into its cache (``revision``, ``token``, ``cache_dir``,
             ``local_files_only`` / ``HF_HUB_OFFLINE`` apply); offline with it cached, no request is made.
-        torch_dtype: ``"auto"`` (each component in the dtype it was saved in: see docs/loading.md), a torch
-            dtype, a name (``"bfloat16"``) or {component: dtype, "default": dtype}. ``dtype=`` is an alias.
-        device, device_map: ``"cpu"`` (default), ``"cuda"``, ``"cuda:1"``, or {component: device, "default": ...}.
-        variant: weight variant (``"fp16"``): components that have it load it, the others their default weights.
-        refs, local_files_only, token, revision, cache_dir, verify: how components stored elsewhere
+        torch_dtype: ``"auto"`` (each component in the dtype it was saved in: see docs/loading.md; None, as
+            diffusers' default, means the same), a floating torch dtype, a name (``"bfloat16"``) or
+            {component: dtype, "default": dtype}.
+        dtype: diffusers' newer spelling of ``torch_dtype`` (both given: they must agree).
+        device, device_map: ``"cpu"`` (default), ``"cuda"``, ``"cuda:1"``, a CUDA index, a ``torch.device``,
+            or {component: device, "default": ...}; placement strategies (``"auto"``, ``"balanced"``) are refused.
+        variant: weight variant (``"fp16"``): components that have it load it, the others their default weights;
+            a variant no component has is an error naming the archive's variants, before anything is imported.
+        refs, local_files_only, token, revision, cache_dir, verify: ``refs={component: source}`` (a folder, a
+            ``.dduf``, a Hub repo id ``org/name[@rev][:subfolder]`` or a URL; ``"*"`` for all) and the Hub's
+            options (``local_files_only`` also takes diffusers' default None): how components stored elsewhere
             (external references) are resolved and checked; ``verify`` also checks the CRC-32 of the
             archive's small entries. ``revision`` is the Hub revision of the archive's repo when ``path`` is
             a repo id, and the revision of references that record none (references written by ``dduf pack``
@@ -129,14 +135,31 @@ def load_dduf(  # long: its signature is from_pretrained's keywords (27 lines), 
             ``fuse_lora=True`` merges them into the weights and removes the LoRA layers.
         allow_missing_weights: load a transformers model whose stored weights do not cover all of its
             parameters (the rest randomly initialised, with a warning); by default that is an error.
-        **kwargs: components to use instead of the archive's (``vae=my_vae``, ``safety_checker=None``) and
-            pipeline ``__init__`` options, as with ``DiffusionPipeline.from_pretrained``.
+        **kwargs: components to use instead of the archive's (``vae=my_vae``, ``safety_checker=None``; one of
+            another kind than the archive's component, ``unet=5``, is refused as diffusers refuses it) and
+            pipeline ``__init__`` options, as with ``DiffusionPipeline.from_pretrained``. That method's own
+            keywords: ``disable_mmap=True`` is ``use_mmap=False``; ``low_cpu_mem_usage`` (either bool),
+            ``use_safetensors=True``, ``force_download=False``, ``trust_remote_code=False`` and ``None`` for
+            the others change nothing; any other value of ``force_download``, ``proxies``,
+            ``custom_pipeline``, ``custom_revision``, ``trust_remote_code``, ``provider``, ``sess_options``,
+            ``provider_options``, ``use_onnx``, ``max_memory``, ``offload_folder``, ``offload_state_dict``,
+            ``use_safetensors``, ``load_connected_pipeline``, ``quantization_config`` or ``use_flashpack``
+            is refused saying why (``dduf_plus.loading.arguments.FROM_PRETRAINED``). Other unknown keywords are
+            warned about and ignored, as diffusers does, unless close to a component's name (an error).
+
+    Every argument is checked before the archive is opened: a wrong kind of value (``verify="no"``,
+    ``adapters=[1]``, ``load_dduf(123)``) is a :class:`~dduf_plus.errors.DDUFUsageError` naming it.
+    Libraries imported during the load (diffusers, transformers, torchao...) print no import-time notices
+    (:mod:`dduf_plus.torchkit.quiet`); the caller's logging and warnings configuration is left as it is.
 
     Example:
         >>> pipe = load_dduf("tiny-sd.dduf", torch_dtype="auto")
         >>> image = pipe("a photo of a cat", num_inference_steps=2).images[0]
 
     Raises:
+        DDUFUsageError: an argument of the wrong kind, or a ``from_pretrained`` option that cannot apply.
+        DDUFNotFoundError: the file, folder or Hub repo does not exist (or is not cached, offline: the
+            message says which setting keeps it offline and how to allow the download).
         DDUFValidationError: the file is not a valid DDUF archive (``.findings`` says why).
         DDUFLoadError: a component cannot be built; the message names it and says what to do.
         DDUFReferenceError: an external component cannot be resolved.
