@@ -35,13 +35,21 @@ def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
 
 
 # --- a first load prints nothing from other libraries --------------------------------------------------------
-def test_a_first_load_in_a_fresh_interpreter_prints_nothing(packed: dict[str, Path]) -> None:
+@pytest.mark.parametrize("quantize", [None, "sdnq-int8"])
+def test_a_first_load_in_a_fresh_interpreter_prints_nothing(packed: dict[str, Path], tmp_path: Path,
+                                                            quantize: str | None) -> None:
     """Was: torchao's two "Failed to load ..._C_*.so" lines, torch pytree's two Enum warnings and diffusers'
-    "Unable to import `torchao` Tensor objects" on stderr (where torchao's compiled parts do not load)."""
+    "Unable to import `torchao` Tensor objects" on stderr (where torchao's compiled parts do not load); an
+    SDNQ archive added "SDNQ: OpenVINO MM kernels are not available! ..." (where openvino is not installed)."""
+    archive = packed["tiny-sd"]
+    if quantize is not None:
+        pytest.importorskip(quantize.split("-")[0])
+        from dduf_plus.packing import pack
+
+        archive = pack(TINY_SD, tmp_path / "q.dduf", quantize={"unet": quantize}, quiet=True)[0].path
     done = run_python(f"""
-        import warnings
         from dduf_plus import load_dduf
-        pipe = load_dduf({str(packed["tiny-sd"])!r})
+        pipe = load_dduf({str(archive)!r})
         assert type(pipe).__name__ == "StableDiffusionPipeline"
     """)
     assert done.returncode == 0, done.stderr
@@ -74,7 +82,7 @@ def test_the_users_logging_and_warnings_stay_as_they_were(packed: dict[str, Path
     result = json.loads(done.stdout.splitlines()[-1])
     assert result["filters_kept"]
     assert result["levels"] == {"torch.utils._pytree": 0, "torch._subclasses": 0, "torchao": logging.DEBUG,
-                                "diffusers.quantizers": 0}
+                                "diffusers.quantizers": 0, "sdnq": 0}
     if importlib_has("torchao"):
         assert "torchao" in result["seen"]  # torchao logs its extensions at DEBUG: asked for, so shown
 

@@ -31,6 +31,7 @@ IMPORT_NOTICES = (
     "torch._subclasses",
     "torchao",  # "Failed to load .../_C_mxfp8...so", "Detected no triton"
     "diffusers.quantizers",  # "Unable to import `torchao` Tensor objects ..."
+    "sdnq",  # "SDNQ: OpenVINO MM kernels are not available! Falling back to ..." (an SDNQ archive's load)
 )
 USER_VERBOSITY = {"diffusers": "DIFFUSERS_VERBOSITY", "transformers": "TRANSFORMERS_VERBOSITY"}
 
