@@ -62,21 +62,26 @@ def quiet_imports() -> Iterator[None]:
     with _lock:
         _depth += 1
         if _depth == 1 and not _shown:
-            for name in IMPORT_NOTICES:
-                if not _user_asked(name):
-                    logger = logging.getLogger(name)
-                    logger.setLevel(logging.ERROR)
-                    _changed.append(logger)
+            _changed.extend(logging.getLogger(n) for n in IMPORT_NOTICES if not _user_asked(n))
+            _set_levels(_changed, logging.ERROR)
     try:
         yield
     finally:
         with _lock:
             _depth -= 1
             if _depth == 0:
-                for logger in _changed:
-                    if logger.level == logging.ERROR:  # unless the user set a level meanwhile
-                        logger.setLevel(logging.NOTSET)
+                _set_levels([lg for lg in _changed if lg.level == logging.ERROR], logging.NOTSET)  # unless re-set
                 _changed.clear()
+
+
+def _set_levels(loggers: list[logging.Logger], level: int) -> None:
+    """``setLevel`` on each, with one clearing of logging's level cache instead of one per logger: each
+    clearing walks every logger of the process (800+ once diffusers and transformers are in), and a load
+    enters :func:`quiet_imports` once per component (measured 0.7-0.9 ms per entry with ``setLevel`` each)."""
+    for logger in loggers[:-1]:
+        logger.level = level  # the public attribute setLevel assigns; the last setLevel clears the cache
+    if loggers:
+        loggers[-1].setLevel(level)
 
 
 __all__ = ["IMPORT_NOTICES", "USER_VERBOSITY", "quiet_imports", "show_import_notices"]
