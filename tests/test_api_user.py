@@ -81,8 +81,7 @@ def test_the_users_logging_and_warnings_stay_as_they_were(packed: dict[str, Path
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.splitlines()[-1])
     assert result["filters_kept"]
-    assert result["levels"] == {"torch.utils._pytree": 0, "torch._subclasses": 0, "torchao": logging.DEBUG,
-                                "diffusers.quantizers": 0, "sdnq": 0}
+    assert result["levels"] == {**{n: 0 for n in result["levels"]}, "torchao": logging.DEBUG}
     if importlib_has("torchao"):
         assert "torchao" in result["seen"]  # torchao logs its extensions at DEBUG: asked for, so shown
 
@@ -93,43 +92,36 @@ def importlib_has(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
 
-def test_quiet_imports_nests_and_restores_across_threads(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Two loads importing at once: the outermost step's end puts the levels back, never a level of ours."""
+def test_quiet_imports_drops_only_the_importing_threads_notices(monkeypatch: pytest.MonkeyPatch) -> None:
+    """While one thread imports, another thread's records on the same loggers still show; errors always do;
+    afterwards nothing of ours is left on the loggers (no filter, no level)."""
+    from dduf_plus.torchkit.quiet import IMPORT_NOTICES, ImportNotices, quiet_imports, show_import_notices
+
     for name in ("DIFFUSERS_VERBOSITY", "TRANSFORMERS_VERBOSITY"):  # an in-process CLI run sets them
         monkeypatch.delenv(name, raising=False)
-    from dduf_plus.torchkit import quiet
-    from dduf_plus.torchkit.quiet import IMPORT_NOTICES, quiet_imports
+    logger = logging.getLogger("torchao")
+    monkeypatch.setattr(logger, "level", logging.NOTSET)  # an in-process CLI run may have set it
+    shown = show_import_notices(False)  # ... or asked for -v
+    seen: list[str] = []
 
-    # an in-process CLI run may have set these levels (quiet_other_libraries) or asked for -v
-    levels = {n: logging.getLogger(n).level for n in IMPORT_NOTICES}
-    for name in IMPORT_NOTICES:
-        logging.getLogger(name).setLevel(logging.NOTSET)
-    shown = quiet.show_import_notices(False)
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    keep = Keep(logging.DEBUG)
+    logger.addHandler(keep)
     try:
-        _check_nesting(IMPORT_NOTICES, quiet_imports)
-    finally:
-        quiet.show_import_notices(shown)
-        for name, level in levels.items():
-            logging.getLogger(name).setLevel(level)
-
-
-def _check_nesting(names: tuple[str, ...], quiet_imports: Any) -> None:
-    inside, release = threading.Event(), threading.Event()
-
-    def other() -> None:
         with quiet_imports():
-            inside.set()
-            release.wait(10)
-
-    thread = threading.Thread(target=other)
-    thread.start()
-    inside.wait(10)
-    with quiet_imports():
-        assert all(logging.getLogger(n).level == logging.ERROR for n in names)
-    assert all(logging.getLogger(n).level == logging.ERROR for n in names)  # the other still imports
-    release.set()
-    thread.join()
-    assert all(logging.getLogger(n).level == logging.NOTSET for n in names)
+            logger.warning("ours, dropped")
+            logger.error("an error, shown")
+            other = threading.Thread(target=logger.warning, args=("another thread's, shown",))
+            other.start()
+            other.join()
+    finally:
+        logger.removeHandler(keep)
+        show_import_notices(shown)
+    assert seen == ["an error, shown", "another thread's, shown"]
+    assert not [f for n in IMPORT_NOTICES for f in logging.getLogger(n).filters if isinstance(f, ImportNotices)]
 
 
 # --- a variant the archive lacks -------------------------------------------------------------------------------
