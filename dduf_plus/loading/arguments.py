@@ -55,7 +55,7 @@ def _short(value: Any) -> str:
 
 def source_path(path: Any) -> str:
     """``load_dduf``'s first argument as a string: a ``str``, ``bytes`` or ``os.PathLike``."""
-    return path_argument(path, f"load_dduf(path={_short(path)}): a file, folder, Hub repo id or URL")
+    return path_argument(path, "load_dduf(path=...)")  # a file, a folder, a Hub repo id or a URL
 
 
 def _is_bool(value: Any) -> bool:
