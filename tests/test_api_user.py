@@ -124,6 +124,23 @@ def test_quiet_imports_drops_only_the_importing_threads_notices(monkeypatch: pyt
     assert not [f for n in IMPORT_NOTICES for f in logging.getLogger(n).filters if isinstance(f, ImportNotices)]
 
 
+def test_a_lora_archive_loads_without_progress_bars(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """Was: transformers' "Loading weights: 100%|...| 16/16" bar on stderr when the adapter reached the text
+    encoder (diffusers' load_lora_weights through transformers)."""
+    from lora_files import diffusers_lora, fp32_copy
+
+    from dduf_plus.packing.lora import pack_lora
+
+    base = fp32_copy(TINY_SD, tmp_path / "sd")
+    style = diffusers_lora(base, tmp_path / "style", {"unet": ["to_q", "to_v"], "text_encoder": ["q_proj"]})
+    pack_lora([f"style={style}@0.7"], tmp_path / "one.dduf", base=str(base), quiet=True)
+    capfd.readouterr()
+    pipe = load_dduf(tmp_path / "one.dduf")
+    assert pipe.get_active_adapters() == ["style"]
+    out, err = capfd.readouterr()
+    assert "Loading weights" not in err and (out, err) == ("", "")
+
+
 # --- a variant the archive lacks -------------------------------------------------------------------------------
 def test_a_missing_variant_fails_first_naming_the_archives_variants(tmp_path: Path) -> None:
     """Was: diffusers, transformers and torchao imported (their notices printed) before the error, which

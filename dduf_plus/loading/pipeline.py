@@ -6,6 +6,7 @@ import contextlib
 import functools
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -45,7 +46,7 @@ from .folder_source import FolderPipeline
 from .gated_files import gate
 from .gc_pause import collector_paused
 from .lora import apply_adapters
-from .models import ModelRequest
+from .models import ModelRequest, quiet_transformers
 from .prefetch import Prefetcher
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -191,7 +192,9 @@ def load_dduf(  # long: its signature is from_pretrained's keywords (27 lines), 
                    device_keys=_device_keys(device, device_map))
     try:
         pipe = _load(ctx, kwargs)
-        apply_adapters(pipe, archive, adapters=adapters, adapter_weights=adapter_weights, fuse_lora=fuse_lora)
+        # a text encoder's adapter: transformers' "Loading weights" bar otherwise (no transformers: no bar)
+        with quiet_transformers() if "transformers" in sys.modules else contextlib.nullcontext():
+            apply_adapters(pipe, archive, adapters=adapters, adapter_weights=adapter_weights, fuse_lora=fuse_lora)
         if fetch is not None:
             fetch.finish()  # the rest of the archive, then the cache file is marked complete
         if prefetcher is not None:  # not waited for: waiting measured slower (reclaim drops untouched pages)
