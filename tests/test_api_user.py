@@ -40,7 +40,8 @@ def test_a_first_load_in_a_fresh_interpreter_prints_nothing(packed: dict[str, Pa
                                                             quantize: str | None) -> None:
     """Was: torchao's two "Failed to load ..._C_*.so" lines, torch pytree's two Enum warnings and diffusers'
     "Unable to import `torchao` Tensor objects" on stderr (where torchao's compiled parts do not load); an
-    SDNQ archive added "SDNQ: OpenVINO MM kernels are not available! ..." (where openvino is not installed)."""
+    SDNQ archive added "SDNQ: OpenVINO MM kernels are not available! ..." (where openvino is not installed);
+    ``validate(..., load_check=True)`` printed the same five lines."""
     archive = packed["tiny-sd"]
     if quantize is not None:
         pytest.importorskip(quantize.split("-")[0])
@@ -48,7 +49,8 @@ def test_a_first_load_in_a_fresh_interpreter_prints_nothing(packed: dict[str, Pa
 
         archive = pack(TINY_SD, tmp_path / "q.dduf", quantize={"unet": quantize}, quiet=True)[0].path
     done = run_python(f"""
-        from dduf_plus import load_dduf
+        from dduf_plus import load_dduf, validate
+        assert validate({str(archive)!r}, load_check=True).valid  # imports diffusers first (was: the notices)
         pipe = load_dduf({str(archive)!r})
         assert type(pipe).__name__ == "StableDiffusionPipeline"
     """)
