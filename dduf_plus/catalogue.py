@@ -26,6 +26,8 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
+from .errors import path_argument
+
 log = logging.getLogger("dduf_plus.catalogue")
 
 DEFAULT_MAX_WORKERS = 32  # catalogue checks wait on the network: threads, many more than cores
@@ -54,6 +56,9 @@ def validate(source: str | os.PathLike | ByteSource, verify: bool = False, stric
     """
     from .format.validate import ArchiveCheck
     from .format.validate import validate as validate_archive
+
+    if not isinstance(source, (str, os.PathLike)) and not hasattr(source, "read_at"):  # a ByteSource has it
+        source = path_argument(source, "validate(source=...)")
 
     checks: tuple[ArchiveCheck, ...] = ()
     if load_check:

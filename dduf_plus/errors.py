@@ -102,6 +102,17 @@ class DDUFPathError(DDUFError):
     of dduf_plus' caches): refused whatever the archive says (see :mod:`dduf_plus.storage.confined`)."""
 
 
+def path_argument(value: object, call: str) -> str:
+    """``value`` as a ``str`` path (a ``str``, ``bytes`` or ``os.PathLike``, as ``open`` takes it); anything
+    else is a :class:`DDUFUsageError` naming ``call`` (``"validate(source=...)"``): a user's ``validate(5)``
+    gets a message about their argument, not ``AttributeError: 'int' object has no attribute 'name'``."""
+    try:
+        return os.fsdecode(value)  # type: ignore[arg-type]  # anything else raises TypeError, answered below
+    except TypeError:
+        raise DDUFUsageError(f"{call}: expected a path (str or os.PathLike), got {type(value).__name__} "
+                             f"{value!r:.60}") from None
+
+
 def io_error(message: str, error: OSError, filename: str | os.PathLike | None = None) -> DDUFIOError:
     """The DDUFError for a failed open/read: :class:`DDUFNotFoundError` when the path does not exist."""
     if isinstance(error, FileNotFoundError):

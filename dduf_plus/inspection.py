@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TypedDict
 
-from .errors import DDUFError
+from .errors import DDUFError, path_argument
 from .format import spec
 from .format.index import summarize
 from .format.safetensors_header import SafetensorsHeader, TensorInfo, read_file_header
@@ -60,7 +60,7 @@ def inspect_dtypes(
         DDUFError: the source does not exist, is not a pipeline, or its headers are broken
             (``DDUFValidationError`` for a malformed archive).
     """
-    text = os.fspath(source)
+    text = path_argument(source, "inspect_dtypes(source=...)")
     if text.endswith(".safetensors") and os.path.isfile(text):
         return _from_single_file(text)
     if is_url(text) or text.endswith(".dduf") or os.path.isfile(text):

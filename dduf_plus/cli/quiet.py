@@ -13,9 +13,12 @@ import logging
 import os
 import warnings
 
+from ..torchkit.quiet import IMPORT_NOTICES, show_import_notices
+
 # Loggers that print through their own handler or are configured at import, so a filter on the CLI's root
 # handler does not reach them: their level is set before the library is imported (their import keeps it).
-OWN_HANDLERS = ("torch.utils._pytree", "torch._subclasses", "torchao")
+# The same loggers load_dduf holds back while it imports libraries (torchkit.quiet), for the whole command here.
+OWN_HANDLERS = IMPORT_NOTICES
 # diffusers and transformers read these when they configure their loggers (a user's own setting wins).
 VERBOSITY_ENV = ("DIFFUSERS_VERBOSITY", "TRANSFORMERS_VERBOSITY")
 
@@ -35,6 +38,7 @@ class OwnRecordsOnly(logging.Filter):
 def quiet_other_libraries(handler: logging.Handler, verbose: int) -> None:
     """Keep other libraries' notices off stderr for this command, unless ``verbose`` (``-v``) asks for them."""
     if verbose:
+        show_import_notices()  # -v: not even a load's or a pack's imports are quieted
         return
     handler.addFilter(OwnRecordsOnly())
     for name in OWN_HANDLERS:

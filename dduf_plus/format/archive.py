@@ -13,7 +13,7 @@ from itertools import repeat
 from operator import add, attrgetter, methodcaller, mod
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from ..errors import DDUFEntryNotFoundError, DDUFError, DDUFFormatError, DDUFValidationError
+from ..errors import DDUFEntryNotFoundError, DDUFError, DDUFFormatError, DDUFValidationError, path_argument
 from ..storage.prefetch_source import PrefetchSource
 from ..storage.source import ByteSource, is_url, open_source
 from . import spec
@@ -67,6 +67,8 @@ class DDUFArchive:
     compressed: frozenset[str] = frozenset()
 
     def __init__(self, path: str | os.PathLike | ByteSource, *, check: bool = True, **storage_options: Any):
+        if not isinstance(path, (str, os.PathLike)) and not hasattr(path, "read_at"):  # a ByteSource has it
+            path = path_argument(path, "DDUFArchive(path=...)")
         self._source: ByteSource = (
             open_source(path, **storage_options) if isinstance(path, (str, os.PathLike)) else path)
         if isinstance(path, str) and is_url(path):  # structural reads in a few merged requests (tail at once, then planned ranges)

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 from .._version import __version__
 from ..assignments import PackNameError, check_names
-from ..errors import DDUFNotFoundError, DDUFPackError
+from ..errors import DDUFNotFoundError, DDUFPackError, path_argument
 from ..storage.progress import progress_bar
 from . import spec
 from .chat_template import TEMPLATE_DIR, TOKENIZER_CONFIG, Fold, fold, is_template_name, template_files
@@ -414,6 +414,7 @@ def pack_folder(
     Raises:
         DDUFPackError: the folder holds something DDUF cannot (see :func:`plan_folder`).
     """
+    folder, output = path_argument(folder, "pack_folder(folder=...)"), path_argument(output, "pack_folder(output=...)")
     plan = plan_folder(folder, variant=variant)
     return write_archive(output, plan.model_index, plan.model_index_bytes, plan.sources, skipped=plan.skipped, quiet=quiet,
                          fsync=fsync, check=check)

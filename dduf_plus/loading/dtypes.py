@@ -62,12 +62,12 @@ def resolve_request(torch_dtype: Any, dtype: Any) -> torch.dtype | str | dict[st
     """Merge ``torch_dtype=`` and its alias ``dtype=`` into "auto", one dtype, or {component: dtype}."""
     if dtype is not None and torch_dtype not in (None, AUTO) and dtype != torch_dtype:
         raise DDUFLoadError(f"torch_dtype={torch_dtype!r} and dtype={dtype!r} disagree; pass one of them")
-    value = dtype if dtype is not None else torch_dtype
+    value, arg = (dtype, "dtype") if dtype is not None else (torch_dtype, "torch_dtype")  # messages name it
     if value is None:
         return AUTO
     if isinstance(value, Mapping):
-        return {str(k): parse_dtype(v, f"dtype[{k!r}]") for k, v in value.items()}
-    return parse_dtype(value)
+        return {str(k): parse_dtype(v, f"{arg}[{k!r}]") for k, v in value.items()}
+    return parse_dtype(value, arg)
 
 
 def requested_for(request: torch.dtype | str | Mapping[str, Any], component: str) -> torch.dtype | str:

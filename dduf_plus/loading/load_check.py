@@ -29,6 +29,7 @@ from ..format.findings import Finding, finding
 from ..format.quantization import QMAP_NAME as QUANTO_QMAP
 from ..format.structure import parse_json
 from ..torchkit.meta_model import meta_model
+from ..torchkit.quiet import quiet_imports
 from .components import kind_of, resolve_class
 from .models import DIRECT_TRANSFORMERS, diffusers_class_for
 
@@ -48,8 +49,9 @@ def load_check_findings(archive: DDUFArchive) -> list[Finding]:
     other rules already refuse (D016 no weights, D017 unknown class, D007 / D013 broken config) are left to
     them. Never raises for hostile input: a config that makes the model code fail is an L004 finding."""
     out: list[Finding] = []
-    for component in archive.components.values():
-        out.extend(_check_component(archive, component))
+    with quiet_imports():  # building imports diffusers, then torchao: notices about the libraries, not the archive
+        for component in archive.components.values():
+            out.extend(_check_component(archive, component))
     return out
 
 

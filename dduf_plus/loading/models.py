@@ -200,8 +200,9 @@ def transformers_config(cls: type[Any], config_dict: Mapping[str, Any], where: s
 
 
 @contextlib.contextmanager
-def _quiet_transformers() -> Iterator[None]:
-    """transformers draws a "Loading weights" bar per model; a pipeline load shows none of them."""
+def quiet_transformers() -> Iterator[None]:
+    """transformers draws a "Loading weights" bar per model (and per LoRA adapter it loads into a text
+    encoder); a pipeline load shows none of them."""
     from transformers.utils import logging as tlogging
 
     enabled = tlogging.is_progress_bar_enabled()
@@ -260,7 +261,7 @@ def build_transformers_model(cls: type[Any], files: ComponentFiles, request: Mod
     on_device = request.device.type != "cpu"
     if on_device:
         kwargs["device_map"] = {"": request.device}
-    with _quiet_transformers(), (_no_allocator_warmup() if on_device else contextlib.nullcontext()), \
+    with quiet_transformers(), (_no_allocator_warmup() if on_device else contextlib.nullcontext()), \
             construction_budget(files.description, cls.__name__, stored, enabled=not request.allow_missing_weights):
         model, info = cls.from_pretrained(None, **kwargs)
     del state, kwargs

@@ -6,6 +6,7 @@ import contextlib
 import functools
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -25,6 +26,18 @@ from ..format.validate import load_findings
 from ..format.weights import variants
 from ..storage.urls import is_url
 from ..torchkit.backend_import import offline_imports
+from ..torchkit.quiet import quiet_imports
+from .arguments import (
+    check_adapters,
+    check_dtype_kind,
+    check_flags,
+    check_hub_options,
+    check_optional,
+    check_passed_component,
+    check_sources,
+    from_pretrained_options,
+    source_path,
+)
 from .bridge import install_bridge
 from .components import build_component, did_you_mean, resolve_class
 from .dtypes import AUTO, requested_for, resolve_request
@@ -33,7 +46,7 @@ from .folder_source import FolderPipeline
 from .gated_files import gate
 from .gc_pause import collector_paused
 from .lora import apply_adapters
-from .models import ModelRequest
+from .models import ModelRequest, quiet_transformers
 from .prefetch import Prefetcher
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -47,8 +60,8 @@ logger = logging.getLogger(__name__)
 _UNSUPPORTED_DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 
 
-def load_dduf(
-    path: str | os.PathLike,
+def load_dduf(  # long: its signature is from_pretrained's keywords (27 lines), each checked first
+    path: str | bytes | os.PathLike,
     torch_dtype: Any = AUTO,
     *,
     dduf_file: str | None = None,
@@ -57,7 +70,7 @@ def load_dduf(
     device_map: Any = None,
     variant: str | None = None,
     refs: Any = None,
-    local_files_only: bool = False,
+    local_files_only: bool | None = False,
     token: str | bool | None = None,
     revision: str | None = None,
     cache_dir: str | os.PathLike | None = None,
@@ -91,11 +104,17 @@ def load_dduf(
             when the repo holds exactly one ``.dduf``.
             Downloaded through huggingface_hub into its cache (``revision``, ``token``, ``cache_dir``,
             ``local_files_only`` / ``HF_HUB_OFFLINE`` apply); offline with it cached, no request is made.
-        torch_dtype: ``"auto"`` (each component in the dtype it was saved in: see docs/loading.md), a torch
-            dtype, a name (``"bfloat16"``) or {component: dtype, "default": dtype}. ``dtype=`` is an alias.
-        device, device_map: ``"cpu"`` (default), ``"cuda"``, ``"cuda:1"``, or {component: device, "default": ...}.
-        variant: weight variant (``"fp16"``): components that have it load it, the others their default weights.
-        refs, local_files_only, token, revision, cache_dir, verify: how components stored elsewhere
+        torch_dtype: ``"auto"`` (each component in the dtype it was saved in: see docs/loading.md; None, as
+            diffusers' default, means the same), a floating torch dtype, a name (``"bfloat16"``) or
+            {component: dtype, "default": dtype}.
+        dtype: diffusers' newer spelling of ``torch_dtype`` (both given: they must agree).
+        device, device_map: ``"cpu"`` (default), ``"cuda"``, ``"cuda:1"``, a CUDA index, a ``torch.device``,
+            or {component: device, "default": ...}; placement strategies (``"auto"``, ``"balanced"``) are refused.
+        variant: weight variant (``"fp16"``): components that have it load it, the others their default weights;
+            a variant no component has is an error naming the archive's variants, before anything is imported.
+        refs, local_files_only, token, revision, cache_dir, verify: ``refs={component: source}`` (a folder, a
+            ``.dduf``, a Hub repo id ``org/name[@rev][:subfolder]`` or a URL; ``"*"`` for all) and the Hub's
+            options (``local_files_only`` also takes diffusers' default None): how components stored elsewhere
             (external references) are resolved and checked; ``verify`` also checks the CRC-32 of the
             archive's small entries. ``revision`` is the Hub revision of the archive's repo when ``path`` is
             a repo id, and the revision of references that record none (references written by ``dduf pack``
@@ -117,23 +136,48 @@ def load_dduf(
             ``fuse_lora=True`` merges them into the weights and removes the LoRA layers.
         allow_missing_weights: load a transformers model whose stored weights do not cover all of its
             parameters (the rest randomly initialised, with a warning); by default that is an error.
-        **kwargs: components to use instead of the archive's (``vae=my_vae``, ``safety_checker=None``) and
-            pipeline ``__init__`` options, as with ``DiffusionPipeline.from_pretrained``.
+        **kwargs: components to use instead of the archive's (``vae=my_vae``, ``safety_checker=None``; one of
+            another kind than the archive's component, ``unet=5``, is refused as diffusers refuses it) and
+            pipeline ``__init__`` options, as with ``DiffusionPipeline.from_pretrained``. That method's own
+            keywords: ``disable_mmap=True`` is ``use_mmap=False``; ``low_cpu_mem_usage`` (either bool),
+            ``use_safetensors=True``, ``force_download=False``, ``trust_remote_code=False`` and ``None`` for
+            the others change nothing; any other value of ``force_download``, ``proxies``,
+            ``custom_pipeline``, ``custom_revision``, ``trust_remote_code``, ``provider``, ``sess_options``,
+            ``provider_options``, ``use_onnx``, ``max_memory``, ``offload_folder``, ``offload_state_dict``,
+            ``use_safetensors``, ``load_connected_pipeline``, ``quantization_config`` or ``use_flashpack``
+            is refused saying why (``dduf_plus.loading.arguments.FROM_PRETRAINED``). Other unknown keywords are
+            warned about and ignored, as diffusers does, unless close to a component's name (an error).
+
+    Every argument is checked before the archive is opened: a wrong kind of value (``verify="no"``,
+    ``adapters=[1]``, ``load_dduf(123)``) is a :class:`~dduf_plus.errors.DDUFUsageError` naming it.
+    Libraries imported during the load (diffusers, transformers, torchao...) print no import-time notices
+    (:mod:`dduf_plus.torchkit.quiet`); the caller's logging and warnings configuration is left as it is.
 
     Example:
         >>> pipe = load_dduf("tiny-sd.dduf", torch_dtype="auto")
         >>> image = pipe("a photo of a cat", num_inference_steps=2).images[0]
 
     Raises:
+        DDUFUsageError: an argument of the wrong kind, or a ``from_pretrained`` option that cannot apply.
+        DDUFNotFoundError: the file, folder or Hub repo does not exist (or is not cached, offline: the
+            message says which setting keeps it offline and how to allow the download).
         DDUFValidationError: the file is not a valid DDUF archive (``.findings`` says why).
         DDUFLoadError: a component cannot be built; the message names it and says what to do.
         DDUFReferenceError: an external component cannot be resolved.
     """
     started = time.perf_counter()
-    path_str, archive, fetch = _open_source(os.fspath(path), dduf_file, revision=revision, token=token,
+    check_flags(verify=verify, use_mmap=use_mmap, prefetch=prefetch, allow_missing_weights=allow_missing_weights,
+                fuse_lora=fuse_lora)
+    check_optional("local_files_only", local_files_only, (bool,), "True, False or None")
+    check_hub_options(token=token, revision=revision, cache_dir=cache_dir, variant=variant, dduf_file=dduf_file)
+    check_sources(refs=refs, model_dirs=model_dirs, remote=remote, max_decompressed=max_decompressed)
+    check_adapters(adapters, adapter_weights)
+    check_dtype_kind(torch_dtype, dtype)
+    use_mmap, local_files_only = from_pretrained_options(kwargs, use_mmap), bool(local_files_only)
+    path_str, archive, fetch = _open_source(source_path(path), dduf_file, revision=revision, token=token,
                                             cache_dir=cache_dir, local_files_only=local_files_only,
                                             remote=remote, max_decompressed=max_decompressed, variant=variant)
-    with collector_paused():  # the first load in a process imports torch here (see gc_pause)
+    with collector_paused(), quiet_imports():  # the first load in a process imports torch here (see gc_pause)
         request = resolve_request(torch_dtype, dtype)
     device_for = _device_resolver(device, device_map)
     mapped = archive.mmap if prefetch and use_mmap and fetch is None else None  # use_mmap=False: nothing mapped
@@ -148,7 +192,9 @@ def load_dduf(
                    device_keys=_device_keys(device, device_map))
     try:
         pipe = _load(ctx, kwargs)
-        apply_adapters(pipe, archive, adapters=adapters, adapter_weights=adapter_weights, fuse_lora=fuse_lora)
+        # a text encoder's adapter: transformers' "Loading weights" bar otherwise (no transformers: no bar)
+        with quiet_transformers() if "transformers" in sys.modules else contextlib.nullcontext():
+            apply_adapters(pipe, archive, adapters=adapters, adapter_weights=adapter_weights, fuse_lora=fuse_lora)
         if fetch is not None:
             fetch.finish()  # the rest of the archive, then the cache file is marked complete
         if prefetcher is not None:  # not waited for: waiting measured slower (reclaim drops untouched pages)
@@ -284,10 +330,10 @@ def _load(ctx: _Context, kwargs: dict[str, Any]) -> DiffusionPipeline:
     if ctx.build_order is None:
         _refuse_what_validate_refuses(ctx)
     _check_names(ctx)
+    _check_variant(ctx, kwargs)
     _refuse_unbuildable(ctx, kwargs)
     with collector_paused():  # imports the pipeline's module: diffusers and transformers, the first time
         plan = _plan(ctx, kwargs)
-    _check_variant(ctx, plan)
     if ctx.build_order is not None:
         ctx.build_order(plan.folders())
         _refuse_what_validate_refuses(ctx)  # reads tokenizer files: once the fetch brings them in build order
@@ -423,13 +469,17 @@ def _refuse_component_typos(unused: Mapping[str, Any], components: Any, pipeline
                             suggestions=typos)
 
 
-def _check_variant(ctx: _Context, plan: _Plan) -> None:
+def _check_variant(ctx: _Context, kwargs: Mapping[str, Any]) -> None:
+    """A variant that no component to be built has is refused from the archive's listing alone, naming the
+    variants it holds: before diffusers is imported or anything is logged (a component the caller passes
+    is not built, so its variants do not count)."""
     stored, variant = ctx.archive.components, ctx.variant
-    if variant is None or any(variant in variants(c.files) for n, c in stored.items() if n in plan.to_build):
+    if variant is None or any(variant in variants(c.files) for n, c in stored.items() if n not in kwargs):
         return
     present = sorted(set().union(*(variants(c.files) for c in stored.values())))
-    raise DDUFLoadError(f"{ctx.path}: no component has weights of variant {variant!r} "
-                        f"(variants present: {', '.join(present) or 'none'})")
+    held = (f"it holds variant{'s' if len(present) > 1 else ''} {', '.join(present)}" if present else
+            "it holds no variant weights, only each component's default ones: load it without variant=")
+    raise DDUFLoadError(f"{ctx.path}: no component has weights of variant {variant!r}; {held}")
 
 
 def _build_components(ctx: _Context, plan: _Plan, sources: Mapping[str, ComponentFiles]) -> None:
@@ -437,10 +487,10 @@ def _build_components(ctx: _Context, plan: _Plan, sources: Mapping[str, Componen
     declared_all = index.get("components", {}) if isinstance(index, dict) else {}
     for name, (library, class_name) in plan.to_build.items():
         if name in plan.passed_components:
-            plan.init_kwargs[name] = plan.passed_components[name]
+            plan.init_kwargs[name] = check_passed_component(name, plan.passed_components[name], library, class_name)
             continue
         t0 = time.perf_counter()
-        with collector_paused():  # may import the component's module (a tokenizer's, a scheduler's)
+        with collector_paused(), quiet_imports():  # may import the component's module (a tokenizer's...)
             cls = resolve_class(name, library, class_name)
         declared = declared_all.get(name) if isinstance(declared_all, dict) else None
         model_request = ModelRequest(
@@ -610,9 +660,10 @@ def _parse_device(value: Any, arg: str = "device_map") -> torch.device:
     try:
         dev = torch.device(value) if not isinstance(value, int) else torch.device("cuda", value)
     except (RuntimeError, TypeError) as e:
-        raise DDUFLoadError(f"device {value!r} is not a torch device: {e}") from None
+        raise DDUFLoadError(f"{arg}={value!r} is not a torch device ('cpu', 'cuda', 'cuda:1', a cuda index, or "
+                            f"{{component: device}}): {str(e).splitlines()[0]}") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise DDUFLoadError(f"device {value!r}: CUDA is not available in this torch")
+        raise DDUFLoadError(f"{arg}={value!r}: CUDA is not available in this torch")
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     return dev

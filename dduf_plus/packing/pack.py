@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from types import SimpleNamespace
 from typing import Any
 
-from ..errors import DDUFPackError
+from ..errors import DDUFPackError, path_argument
 from ..format.pack import PackResult, plan_folder, write_archive
 from ..format.quantization import QMAP_NAME, quanto_index_record
 from .class_names import warn_unknown_classes
@@ -56,6 +56,7 @@ def pack(
     from .lora import is_lora_file, pack_lora
     from .single_file import is_single_file
 
+    folder, output = path_argument(folder, "pack(folder=...)"), path_argument(output, "pack(output=...)")
     quantize = _quantize_arg(quantize)
     if is_lora_file(folder):  # a LoRA: stored under _lora/, every component of BASE referenced
         _lora_options_unused(folder, variant=variant, exclude=exclude, refs=refs, dtype=dtype, quantize=quantize)

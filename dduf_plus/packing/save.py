@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from ..assignments import PackNameError, check_names
-from ..errors import DDUFPackError
+from ..errors import DDUFPackError, DDUFUsageError, path_argument
 from ..format import spec
 from ..format.chat_template import TEMPLATE_DIR, is_template_name
 from ..format.pack import EntrySource, PackResult, Skipped, fold_sources, write_archive
@@ -105,6 +105,9 @@ def save_dduf(
             quanto layers not frozen, a ``dtype`` named for a quantized component that cannot apply,
             offloaded weights, files DDUF forbids, no config).
     """
+    path = path_argument(path, "save_dduf(path=...)")
+    if not callable(getattr(pipeline, "to_json_string", None)) or not isinstance(getattr(pipeline, "components", None), dict):
+        raise DDUFUsageError(f"save_dduf(pipeline=...): expected a diffusers DiffusionPipeline, got {type(pipeline).__name__}")
     if variant is not None and not _VARIANT.match(variant):
         raise DDUFPackError(f"variant {variant!r}: use letters, digits and underscores only")
     model_index_bytes = pipeline.to_json_string().encode("utf-8")  # what pipeline.save_config writes

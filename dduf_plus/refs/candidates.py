@@ -201,9 +201,10 @@ def download_candidate(spec: Spec, name: str, recorded: Mapping[str, Mapping[str
 
     def get() -> Found:
         if local_files_only:
-            raise Skip("not downloaded: local_files_only=True")
+            raise Skip("not downloaded: local_files_only=True (local_files_only=False lets it download)")
         if is_offline():
-            raise Skip("not downloaded: HF_HUB_OFFLINE is set")
+            raise Skip("not downloaded: offline mode, HF_HUB_OFFLINE is set (unset it, or HF_HUB_OFFLINE=0, to "
+                       "let it download)")
         from ..remote.hub import hub_unreachable
 
         if why := hub_unreachable():  # one quick connect instead of huggingface_hub's 5 retries (~23 s)

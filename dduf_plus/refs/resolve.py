@@ -95,8 +95,8 @@ def with_files_on_disk(loc: Located) -> Located:
 
 
 # --- entry points ----------------------------------------------------------------------------------------
-def _fix_hint(name: str, reference: Mapping[str, Any]) -> str:
-    spec = reference_spec(reference)
+def _fix_hint(name: str, reference: Mapping[str, Any], override: SpecLike | None = None) -> str:
+    spec = parse_spec(override) if override is not None else reference_spec(reference)  # the caller's refs= wins
     sub = (spec.subfolder if spec else None) or name
     lines = []
     if spec is not None and spec.kind == "url":
@@ -139,7 +139,7 @@ def locate_component(
                     cache_dir=cache_dir, opts=CheckOptions(verify, hash_files, download), model_dirs=model_dirs)
     if isinstance(found, Located):
         return found
-    error = DDUFReferenceError(_failure_message(name, reference, found))
+    error = DDUFReferenceError(_failure_message(name, reference, found, refs.get(name, refs.get("*")) if refs else None))
     error.mismatch = any(a.mismatch for a in found)  # a copy was found, with other content
     raise error
 
@@ -225,7 +225,8 @@ def _try(name: str, cand: Candidate, found: Found, recorded: Mapping[str, Mappin
     return result
 
 
-def _failure_message(name: str, reference: Mapping[str, Any], attempts: list[_Attempt]) -> str:
+def _failure_message(name: str, reference: Mapping[str, Any], attempts: list[_Attempt],
+                     override: SpecLike | None = None) -> str:
     hint = reference.get("type_hint")
     what = f" ({' '.join(str(h) for h in hint)})" if isinstance(hint, list) and all(hint) else ""
     header = f"component {name!r}{what}, referenced from {describe_reference(name, reference)}, cannot be resolved"
@@ -233,7 +234,7 @@ def _failure_message(name: str, reference: Mapping[str, Any], attempts: list[_At
     if mismatches:
         header += " (a copy was found but its content differs from the reference)"
     tried = "\n".join(f"  - {a.what}: {a.problem}" for a in attempts)
-    return f"{header}:\n{tried}\nTo fix: {_fix_hint(name, reference)}"
+    return f"{header}:\n{tried}\nTo fix: {_fix_hint(name, reference, override)}"
 
 
 def check_references(

@@ -104,9 +104,12 @@ def cache_only(local_files_only: bool) -> bool:
 
 
 def _offline_reason(local_files_only: bool) -> str:
+    """Why nothing is downloaded, and how to allow it: the setting that is in effect, named."""
+    if local_files_only:
+        return "offline: local_files_only=True (local_files_only=False lets it download)"
     if is_offline(local_files_only):
-        return "offline (HF_HUB_OFFLINE or local_files_only)"
-    return f"the Hub cannot be reached ({hub_unreachable()})"
+        return "offline mode: HF_HUB_OFFLINE is set (unset it, or HF_HUB_OFFLINE=0, to let it download)"
+    return f"the Hub cannot be reached ({hub_unreachable()}): download it once online"
 
 
 PROBE_ENV = "DDUF_PLUS_HUB_PROBE"  # "0": never probe (huggingface_hub alone decides, with its retries)
@@ -192,8 +195,7 @@ def _hub_call(what: str, repo_id: str, revision: str | None, call: Callable[[], 
         # (a subclass of EntryNotFoundError: caught first) not cached, and offline or the Hub unreachable
         if offline:
             raise DDUFNotFoundError(f"{what}: {filename or 'the files'} of the Hub repo {where} not in the Hugging "
-                                    f"Face cache and {offline}: download it once "
-                                    f"online{_no_local(repo_id)}", filename) from None
+                                    f"Face cache and {offline}{_no_local(repo_id)}", filename) from None
         raise DDUFNotFoundError(f"{what}: {filename or where} of the Hub repo {where} is not in the Hugging Face "
                                 f"cache and the Hub cannot be reached ({_first_line(e)}){_no_local(repo_id)}",
                                 filename) from None
@@ -263,7 +265,7 @@ def list_repo_files(repo_id: str, *, revision: str | None = None, token: str | b
         snap = _snapshot(repo_id, revision, cache_dir)
         if snap is None:
             raise DDUFNotFoundError(f"the Hub repo {_where(repo_id, revision)} is not in the Hugging Face cache and "
-                                    f"{_offline_reason(local_files_only)}: download it once online"
+                                    f"{_offline_reason(local_files_only)}"
                                     f"{_no_local(repo_id)}", repo_id)
         return sorted(p.relative_to(snap).as_posix() for p in snap.rglob("*") if p.is_file())
     from huggingface_hub import HfApi

@@ -30,6 +30,7 @@ from types import ModuleType
 from typing import Any
 
 from .empty_init import Dispatcher, installed_while
+from .quiet import quiet_imports
 
 ENV_ALLOW = "DDUF_PLUS_BACKEND_DOWNLOADS"
 TRUE = ("1", "true", "yes", "on")
@@ -64,11 +65,12 @@ def hub_off_for_imports() -> Iterator[None]:
     """Within the block, Hub requests made from this thread are refused (unless :func:`downloads_allowed`):
     wrap the steps of a load that import libraries."""
     if downloads_allowed():
-        yield
+        with quiet_imports():  # their import-time notices are not the user's concern (torchkit.quiet)
+            yield
         return
     _local.depth = getattr(_local, "depth", 0) + 1
     try:
-        with installed_while("hub_off", _offline_dispatchers()):
+        with installed_while("hub_off", _offline_dispatchers()), quiet_imports():
             yield
     finally:
         _local.depth -= 1
