@@ -128,8 +128,11 @@ def test_a_misspelt_component_keyword_is_refused_and_other_keywords_only_warned(
     with pytest.raises(LoadNameError, match=r"load_dduf\(vea=\.\.\.\): vea is not a component of StableDiffusionPipeline \(did you mean vae=\?\); its "):
         load_dduf(partial, vea=None)
     with caplog.at_level("WARNING"):
-        pipe = load_dduf(partial, use_safetensors=True)  # a from_pretrained habit: ignored, as diffusers does
-    assert pipe.vae is not None and "use_safetensors" in caplog.text
+        pipe = load_dduf(partial, use_safetensors=True)  # a from_pretrained keyword that changes nothing: quiet
+    assert pipe.vae is not None and "use_safetensors" not in caplog.text
+    with caplog.at_level("WARNING"):
+        pipe = load_dduf(partial, mirror_of_nothing=1)  # a keyword no one knows: ignored, as diffusers does
+    assert pipe.vae is not None and "mirror_of_nothing" in caplog.text
 
 
 def test_save_dduf_refuses_a_dtype_typo(tmp_path: Path) -> None:
