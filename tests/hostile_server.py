@@ -113,7 +113,7 @@ class HostileServer(http.server.ThreadingHTTPServer):
             self.sent += n
 
     def __enter__(self) -> HostileServer:
-        threading.Thread(target=self.serve_forever, daemon=True).start()
+        threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True).start()
         return self
 
     def __exit__(self, *exc: object) -> None:

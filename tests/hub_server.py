@@ -104,7 +104,7 @@ class HubServer(http.server.ThreadingHTTPServer):
         return out
 
     def __enter__(self) -> HubServer:
-        threading.Thread(target=self.serve_forever, daemon=True).start()
+        threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True).start()
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -108,7 +108,7 @@ class FileServer(http.server.ThreadingHTTPServer):
         return f"http://127.0.0.1:{self.server_port}/{name}"
 
     def __enter__(self) -> FileServer:
-        self._thread = threading.Thread(target=self.serve_forever, daemon=True)
+        self._thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True)
         self._thread.start()
         return self
 

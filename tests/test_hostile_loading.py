@@ -83,7 +83,7 @@ class _Recorder(http.server.BaseHTTPRequestHandler):
 @pytest.fixture(scope="module")
 def endpoint():
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True)
     thread.start()
     yield server.server_address
     server.shutdown()

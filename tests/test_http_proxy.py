@@ -85,7 +85,7 @@ class ProxyStub(http.server.ThreadingHTTPServer):
         self.seen: list[tuple[str, str, str | None]] = []
 
     def __enter__(self) -> ProxyStub:
-        threading.Thread(target=self.serve_forever, daemon=True).start()
+        threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True).start()
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -166,7 +166,7 @@ class _Redirect(http.server.BaseHTTPRequestHandler):
 def test_redirect_to_another_host_refused(corpus):
     _Redirect.target = corpus.url("valid.dduf").replace("127.0.0.1", "localhost")
     redirector = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Redirect)
-    threading.Thread(target=redirector.serve_forever, daemon=True).start()
+    threading.Thread(target=redirector.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True).start()
     try:
         with running(Settings(allow_private=True, allow_url_prefixes=(f"http://127.0.0.1:{redirector.server_port}/",))) as (base, _):
             corpus.reset()
