@@ -138,6 +138,11 @@ def validate_many(sources: Iterable[str | os.PathLike], *, executor: Executor | 
         raise DDUFUsageError(f"max_workers must be at least 1, not {workers}")
     if isinstance(sources, (str, bytes, os.PathLike)):  # iterating it would validate one character at a time
         raise DDUFUsageError(f"validate_many takes a list of sources, not one ({sources!r}): validate_many([...])")
+    try:
+        sources = iter(sources)  # still lazy: a generator over stdin is read as the batch goes
+    except TypeError:
+        raise DDUFUsageError(f"validate_many(sources=...): expected an iterable of paths or URLs, got "
+                             f"{type(sources).__name__} {sources!r:.60}") from None
     args = (verify, strict, max_decompressed, timeout, storage_options or None, load_check)
     return _batch(executor, sources, args, workers, ordered)
 

@@ -438,3 +438,11 @@ def test_a_users_script_type_checks(tmp_path: Path) -> None:
                            "--cache-dir", str(tmp_path / "cache"), str(tmp_path / "user.py")],
                           capture_output=True, text=True, timeout=600, env={**os.environ, "MYPYPATH": str(ROOT)})
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_sdnq_notices_are_held_back_on_the_logger_sdnq_is_told_to_use() -> None:
+    """SDNQ logs on the logger SDNQ_LOGGER_NAME names (sdnq/common.py): the quieted list follows it."""
+    code = ("import os; os.environ['SDNQ_LOGGER_NAME'] = 'my.sdnq'; "
+            "from dduf_plus.torchkit.quiet import IMPORT_NOTICES; print(IMPORT_NOTICES[-1])")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "my.sdnq"

@@ -132,6 +132,8 @@ def test_a_broken_executor_gives_results_not_an_exception():
         validate_many([], max_workers=0)
     with pytest.raises(DDUFUsageError, match="list of sources"):
         validate_many(str(HOSTILE / "valid.dduf"))
+    with pytest.raises(DDUFUsageError, match=r"validate_many\(sources=\.\.\.\): expected an iterable .* got int 5"):
+        validate_many(5)  # type: ignore[arg-type]  # refused at the call (was a TypeError at the first next())
 
 
 def test_per_source_time_limit(tmp_path):

@@ -33,7 +33,9 @@ IMPORT_NOTICES = (
     "torchao",  # "Failed to load .../_C_mxfp8...so"
     "torchao.kernel.intmm",  # "Detected no triton ..."
     "diffusers.quantizers.torchao.torchao_quantizer",  # "Unable to import `torchao` Tensor objects ..."
-    "sdnq",  # "SDNQ: OpenVINO MM kernels are not available! Falling back to ..." (an SDNQ archive's load)
+    # "SDNQ: OpenVINO MM kernels are not available! Falling back to ..." (an SDNQ archive's load), on the logger
+    # SDNQ names after SDNQ_LOGGER_NAME
+    os.environ.get("SDNQ_LOGGER_NAME") or "sdnq",
 )
 USER_VERBOSITY = {"diffusers": "DIFFUSERS_VERBOSITY", "transformers": "TRANSFORMERS_VERBOSITY"}
 
