@@ -15,7 +15,8 @@ from collections.abc import Iterable, Mapping
 from numbers import Real
 from typing import Any
 
-from ..errors import DDUFUsageError, path_argument
+from ..errors import DDUFError, DDUFUsageError, path_argument
+from ..storage.http_range import short_text
 
 # from_pretrained keyword -> (the values that change nothing here, why any other value is refused)
 FROM_PRETRAINED: dict[str, tuple[tuple[Any, ...], str]] = {
@@ -49,8 +50,7 @@ def _refuse(argument: str, value: Any, expected: str) -> DDUFUsageError:
 
 
 def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    return short_text(repr(value), 57)
 
 
 def source_path(path: Any) -> str:
@@ -147,7 +147,6 @@ def check_passed_component(name: str, value: Any, library: str, class_name: str)
     as in diffusers, nor is a component whose class cannot be imported here (the caller passes it instead)."""
     if value is None:
         return value
-    from ..errors import DDUFError
     from .components import resolve_class
 
     try:
