@@ -104,9 +104,18 @@ def test_unpack_on_a_full_disk_never_leaves_a_truncated_file(capsys, packed, tmp
 def test_unpack_into_a_read_only_place_says_cannot_write(capsys, packed, tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Was "Read-only file system: DIR", the reason first, unlike every other command's message."""
+    import dduf_plus.storage.beneath as beneath
     import dduf_plus.storage.confined as confined
 
-    monkeypatch.setattr(confined.tempfile, "mkstemp", read_only_mkstemp())
+    monkeypatch.setattr(confined.tempfile, "mkstemp", read_only_mkstemp())  # where paths are written (Windows)
+    real_open = os.open
+
+    def read_only_open(path, flags, *args, **kwargs):  # new files made beneath a folder descriptor
+        if flags & os.O_CREAT:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(beneath.os, "open", read_only_open)
     target = tmp_path / "unpacked"
     code, err = run_cli(capsys, "unpack", str(packed["tiny-sd"]), "-o", str(target))
     assert code == EXIT_USAGE
