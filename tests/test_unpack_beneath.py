@@ -115,3 +115,14 @@ def test_without_descriptor_calls_paths_are_checked_then_written(packed: dict[st
     assert (out / "inside" / "config.json").is_file() and _tree(outside) == []
     with pytest.raises(DDUFUsageError, match="exists"):
         unpack(packed["tiny-sd"], out)
+
+
+def test_a_folder_in_a_file_s_place_is_named(packed: dict[str, Path], tmp_path: Path) -> None:
+    """Was ``.model_index.json.be3f7982.partial: Is a directory`` (the temporary name, a raw ``OSError``)."""
+    from dduf_plus.errors import DDUFIOError
+
+    out = tmp_path / "out"
+    (out / "model_index.json").mkdir(parents=True)
+    with pytest.raises(DDUFIOError, match=r"cannot write .*out/model_index\.json: Is a directory"):
+        unpack(packed["tiny-sd"], out, force=True)
+    assert not [p for p in _tree(out) if "partial" in p]

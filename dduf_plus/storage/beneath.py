@@ -168,7 +168,10 @@ class Beneath:
                 os.fchmod(fd, mode & ~umask)
                 os.close(fd)
                 fd = -1
-                os.rename(tmp, base, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+                try:
+                    os.rename(tmp, base, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+                except OSError as e:  # a folder in the file's place, a read-only mount...: name the file
+                    raise DDUFIOError(f"cannot write {self.root / name}: {e.strerror or e}") from None
             except BaseException:
                 if fd >= 0:
                     os.close(fd)
