@@ -379,6 +379,30 @@ def test_an_adapter_exports_in_kohya_layout_that_diffusers_reads_alike(sd: dict[
     assert (x == _image(_theirs(fixture["base"], (lora, "a")))).all()
 
 
+@pytest.mark.parametrize("which", ["style", "ink"])  # renamed to kohya / copied as stored (already kohya)
+def test_an_adapter_export_never_writes_through_a_planted_link(sd: dict[str, Path], tmp_path: Path,
+                                                               which: str) -> None:
+    """Failed on 0.12.0: it wrote through a fixed temporary name ``.OUT.tmp``, so a link planted there made the
+    export overwrite the link's target (here a victim file). Now the temporary file is created exclusively; a
+    failed export leaves no file."""
+    from dduf_plus.format.lora_export import export_adapter
+
+    archive = _pack([f"a={sd[which]}"], tmp_path / "l.dduf", sd["base"])
+    victim, out = tmp_path / "victim.txt", tmp_path / "exported.safetensors"
+    victim.write_text("keep")
+    (tmp_path / ".exported.safetensors.tmp").symlink_to(victim)
+    with DDUFArchive(archive) as a:
+        export_adapter(a, None, out)
+        assert victim.read_text() == "keep" and set(_tensors(out))
+        before = sorted(p.name for p in tmp_path.iterdir())
+        real = a.read_bytes
+        a.read_bytes = lambda *args: (_ for _ in ()).throw(OSError("disk gone"))  # type: ignore[method-assign]
+        with pytest.raises(OSError, match="disk gone"):
+            export_adapter(a, None, tmp_path / "second.safetensors")
+        a.read_bytes = real  # type: ignore[method-assign]
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
 def test_cli_exports_an_adapter(two: Path, sd: dict[str, Path], tmp_path: Path) -> None:
     out = tmp_path / "ink.safetensors"
     done = subprocess.run([*DDUF, "export", str(two), "--adapter", "ink", "-o", str(out)], capture_output=True, text=True)

@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DDUFFormatError
+from ..storage.confined import Confined
+from ..storage.fd_io import COPY_BLOCK
 from . import spec
 from .json_budget import parse_json_entry
 from .lora import LoraFile, LoraModule, read_lora
@@ -105,12 +107,12 @@ def write_kohya(header: SafetensorsHeader, read: Any, out: str | os.PathLike, *,
     atomically; a kohya-layout adapter must be copied as stored instead (the caller's job)."""
     head, plan = kohya_file_parts(header, sdxl)
     path = Path(out)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(head)) + head)
+    # the one atomic writer: an exclusive temporary file (a link planted at a fixed ".OUT.tmp" was written
+    # through before 0.12.1), removed when a read or write fails, renamed over OUT when whole
+    with Confined(path.parent).atomic(path, fsync=False, mode=0o644, suffix=".tmp") as dst:
+        dst.file.write(struct.pack("<Q", len(head)) + head)
         for info, data in plan:
-            f.write(data if data is not None else read(info))
-    os.replace(tmp, path)
+            dst.file.write(data if data is not None else read(info))
     return path
 
 
@@ -141,9 +143,10 @@ def export_adapter(archive: Any, name: str | None, out: str | os.PathLike) -> Pa
     # kohya's own names for MMDiT / Flux transformers are BFL's (fused qkv): not written; apps (ComfyUI, Forge)
     # read those adapters in diffusers' layout, so they are written as stored
     if lora.layout == "kohya" or any(m.key.startswith("transformer.") for m in lora.modules.values()):
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_bytes(archive.read_bytes(entry))
-        os.replace(tmp, path)
+        length = archive.entries[entry].length
+        with Confined(path.parent).atomic(path, fsync=False, mode=0o644, suffix=".tmp") as dst:
+            for start in range(0, length, COPY_BLOCK):  # in blocks: an adapter can be a GB
+                dst.file.write(archive.read_bytes(entry, start, min(COPY_BLOCK, length - start)))
         return path
     sdxl = pipeline_family(archive.model_index.get("_class_name")) == "sdxl"
     return write_kohya(header, lambda i: archive.read_bytes(entry, header.data_start + i.begin, i.nbytes), path,

@@ -1,4 +1,6 @@
-"""Every file-system write or removal dduf_plus makes goes through here.
+"""Every file-system write or removal dduf_plus makes goes through here, or through :mod:`.beneath` (an output
+folder receiving an archive's entry names, walked by descriptor); tests/test_writes_confined.py lists the few
+places that may not (the server's private temporary folder) and fails on any other.
 
 Archives are untrusted: a name read from one (a component, a reference's subfolder or file name, an
 entry) must never choose where something is written or what is removed. So:
