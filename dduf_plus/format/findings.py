@@ -499,6 +499,7 @@ class Finding(NamedTuple):
     entry: str | None
     message: str
     severity: str
+    offset: int | None = None  # the byte in the archive the finding is about, where one applies (ZIP records)
 
     def __str__(self) -> str:
         where = f" [{self.entry}]" if self.entry else ""
@@ -508,8 +509,8 @@ class Finding(NamedTuple):
         return {"code": self.code, "entry": self.entry, "message": self.message}
 
 
-def finding(code: str, entry: str | None, message: str) -> Finding:
-    return Finding(code, entry, message, RULES[code].severity)
+def finding(code: str, entry: str | None, message: str, offset: int | None = None) -> Finding:
+    return Finding(code, entry, message, RULES[code].severity, offset)
 
 
 class FindingGroup(NamedTuple):
