@@ -302,6 +302,26 @@ def test_the_better_zip_bomb_is_Z015_reading_the_kernel_once() -> None:
     assert len(z015) == 9_000 and all(f.offset is not None for f in z015)
 
 
+@pytest.mark.parametrize("honest_size", [False, True])
+def test_a_deflate_bomb_by_ratio_is_never_inflated_past_its_budget(honest_size: bool) -> None:
+    """model_index.json deflated 1000:1 (64 MiB of JSON in ~64 KB), its size in the directory the real one
+    (D013: over the 256 KiB budget, not inflated) or a lie (inflation stops one byte past it: no content)."""
+    content = b'{"_class_name": "X", "pad": "' + b" " * (64 << 20) + b'"}'
+    deflater = zlib.compressobj(9, zlib.DEFLATED, -zlib.MAX_WBITS)
+    packed_bomb = deflater.compress(content) + deflater.flush()
+    assert len(content) > 500 * len(packed_bomb)
+    entries = mh.plain_entries()
+    entries[0].update(data=packed_bomb, method=spec.METHOD_DEFLATED)
+    data = mh.raw_zip(entries)
+    if honest_size:  # the directory's uncompressed size (the ZIP64 extra's first value) is the real one
+        layout = mh.Layout(data)
+        for at in (layout.central[spec.MODEL_INDEX] + 46, layout.local[spec.MODEL_INDEX] + 30):
+            at += len(spec.MODEL_INDEX) + 4  # past the name and the extra field's id and length: usize
+            data = data[:at] + struct.pack("<Q", len(content)) + data[at + 8 :]
+    report = checked(data)
+    assert "Z011" in report.codes and ("D013" in report.codes) == honest_size, report
+
+
 def test_a_central_record_pointing_into_the_directory_is_Z017() -> None:
     entries = mh.plain_entries()
     probe = mh.raw_zip(entries)
