@@ -197,6 +197,26 @@ def test_every_hostile_case_is_answered_reading_each_byte_at_most_once(case: str
     data = (HOSTILE / case).read_bytes()
     report = checked(data, max_reads=64)
     assert CASES[case]["verify"] or CASES[case]["code"] in report.codes
+    assert all(0 <= f.offset <= len(data) for f in report.findings if f.offset is not None), report
+
+
+def test_offsets_point_at_the_member_or_tensor_bytes() -> None:
+    """A finding about a stored member gives its first data byte; about a tensor, the tensor's first byte."""
+    import zipfile
+
+    path = HOSTILE / "config-broken.dduf"
+    data = path.read_bytes()
+    (f,) = [f for f in validate(path).errors if f.code == "D007"]
+    content = zipfile.ZipFile(path).read("unet/config.json")
+    assert data[f.offset : f.offset + len(content)] == content
+    path = HOSTILE / "st-hole.dduf"
+    data = path.read_bytes()
+    (hole,) = [f for f in validate(path).errors if f.code == "S006"]
+    name, tensor = hole.entry.split(":")
+    member = zipfile.ZipFile(path).read(name)
+    (length,) = struct.unpack_from("<Q", member)
+    begin = json.loads(member[8 : 8 + length])[tensor]["data_offsets"][0]
+    assert data[hole.offset - 8 - length - begin : hole.offset - begin] == member[: 8 + length]
 
 
 def test_a_comment_longer_than_the_file_is_Z002(tmp_path: Path) -> None:

@@ -73,7 +73,8 @@ def test_report_shape_and_immutability(tmp_path):
     assert list(d) == ["schema_version", "path", "valid", "errors", "warnings", "infos"]
     assert d["path"] == str(path) and d["valid"] is False
     assert d["errors"] == [{"code": "D007", "severity": "error", "entry": "unet/config.json",
-                            "message": d["errors"][0]["message"], "offset": None}]
+                            "message": d["errors"][0]["message"], "offset": d["errors"][0]["offset"]}]
+    assert isinstance(d["errors"][0]["offset"], int)  # the config's first byte
     assert "not an object" in d["errors"][0]["message"]
     json.dumps(d)
     with pytest.raises(AttributeError):

@@ -259,11 +259,32 @@ def validate(source: str | os.PathLike | ByteSource, verify: bool = False, stric
             for check in checks:
                 findings.extend(_guard(findings, getattr(check, "__name__", "check"), lambda c=check: list(c(archive)))
                                 or ())
+        if archive is not None:
+            findings = [located(f, archive) for f in findings]
     finally:
         bytes_read = inner.bytes_read + hashed
         if owned:
             inner.close()
     return _report(inner.name, findings, strict, bytes_read, time.perf_counter() - started)
+
+
+def located(f: Finding, archive: DDUFArchive) -> Finding:
+    """``f`` with its byte ``offset`` filled in where the rule gave none and its entry is a stored member (its
+    first data byte) or a stored tensor (``member:tensor``: the tensor's first byte), so a hub can point at
+    the bytes; folders, components and archive-wide findings keep ``None``."""
+    if f.offset is not None or not f.entry:
+        return f
+    entries = archive.entries
+    member = entries.get(f.entry)
+    if member is not None:
+        return f._replace(offset=member.offset)
+    name, _, tensor = f.entry.partition(":")
+    member = entries.get(name)
+    if member is None:
+        return f
+    header = archive.headers.get(name)
+    info = header.tensors.get(tensor) if header is not None else None
+    return f._replace(offset=member.offset + (header.data_start + info.begin if header and info else 0))
 
 
 def _validate_zst(source: str | os.PathLike, verify: bool, strict: bool, max_decompressed: Any,
