@@ -182,13 +182,15 @@ def test_stdout_holds_the_json_and_nothing_else(tmp_path: Path, mode: str) -> No
 
 
 def test_json_is_the_same_bytes_on_every_run(tmp_path: Path) -> None:
-    """No timestamps, durations or byte counts in the JSON; findings in a fixed order; with --jobs too."""
-    files = [str(HOSTILE / name) for name in sorted(CASES)[:24]]
-    first = run_cli("validate", "--json", *files)
-    again = run_cli("validate", "--json", "--jobs", "2", *files)
+    """No timestamps, durations or byte counts in the JSON; findings in a fixed order; with --jobs too; strict
+    JSON for every case of the hostile corpus (names with NUL, ANSI escapes, bytes that are not UTF-8)."""
+    files = [str(HOSTILE / name) for name in sorted(CASES)]
+    first = run_cli("validate", "--json", "--verify", *files)
+    again = run_cli("validate", "--json", "--verify", "--jobs", "2", *files)
     assert first.returncode == again.returncode == 1
     assert first.stdout == again.stdout
     assert not re.search(rb'"(seconds|bytes_read|time|date)"', first.stdout)
+    assert len(strict_json(first.stdout)["files"]) == len(CASES)
 
 
 # --- adversarial uploads: each a clean report within counted reads --------------------------------------------
@@ -349,6 +351,18 @@ def test_a_central_record_pointing_into_the_directory_is_Z017() -> None:
     entries[2]["header_offset"] = cd_offset  # its local header "is" the central directory itself
     report = checked(mh.raw_zip(entries))
     assert "Z017" in report.codes
+
+
+@pytest.mark.parametrize("at", ["eocd64", "locator"])
+def test_a_directory_that_is_the_end_records_is_refused(at: str) -> None:
+    """The ZIP64 end record's directory offset pointing at the end records themselves."""
+    data = bytearray(mh.raw_zip(mh.plain_entries()))
+    eocd64 = len(data) - spec.EOCD_SIZE - spec.LOCATOR_SIZE - spec.EOCD64_SIZE
+    fields = list(struct.unpack_from(spec.EOCD64_FMT, data, eocd64))
+    fields[9] = eocd64 if at == "eocd64" else eocd64 + spec.EOCD64_SIZE
+    struct.pack_into(spec.EOCD64_FMT, data, eocd64, *fields)
+    report = checked(data, max_reads=8)
+    assert report.codes and set(report.codes) <= {"Z003", "Z005", "Z006"}, report
 
 
 @pytest.mark.parametrize(("flags", "method", "code"), [
