@@ -443,6 +443,38 @@ def test_a_safetensors_header_with_duplicate_keys_is_S010(tmp_path: Path) -> Non
     assert "S010" in checked(safetensors_archive(tmp_path, struct.pack("<Q", len(raw)) + raw + bytes(4))).codes
 
 
+RUST_HEADER = b'{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F16","shape":[8],"data_offsets":[8,24]}}'
+
+
+@pytest.mark.parametrize(("edit", "code"), [
+    ((b'"a"', b'"\\udc80"'), "S002"),  # a lone surrogate: serde_json refuses the header
+    ((b"[0,8]", b"[-0,8]"), "S002"),  # -0: "invalid type: floating point -0.0"
+    ((b'"a"', b'"a\\u0000x"'), "S012"),  # NUL: the library opens it, C readers see "a" (safetensors#748)
+    ((b'"a"', b'"\\u001b[2Ja"'), "S012"),
+    ((b'"a"', b'"\\ud83d\\ude00"'), None),  # a surrogate pair: one character, fine everywhere
+    ((b'"a"', b'"block-0"'), None),  # "-0" inside a name is no number
+    ((b'"dtype":"F32"', b'"dtype":"F32","extra":1'), None),
+])
+def test_safetensors_headers_are_read_as_the_safetensors_library_reads_them(tmp_path: Path, edit: tuple[bytes, bytes],
+                                                                           code: str | None) -> None:
+    """Python's json and the Rust reader differ on -0 and lone surrogates: validate now refuses (S002) what the
+    safetensors library refuses, and a name with NUL or control characters (S012). *was:* all valid."""
+    safetensors = pytest.importorskip("safetensors")
+    raw = RUST_HEADER.replace(*edit)
+    raw += b" " * (-len(raw) % 8)
+    weights = struct.pack("<Q", len(raw)) + raw + bytes(24)
+    single = tmp_path / "w.safetensors"
+    single.write_bytes(weights)
+    try:
+        with safetensors.safe_open(single, "np"):
+            library_opens = True
+    except Exception:  # noqa: BLE001 - SafetensorError: what the library refuses
+        library_opens = False
+    report = checked(safetensors_archive(tmp_path, weights))
+    assert (code in report.codes) if code else report.valid, report
+    assert library_opens == (code != "S002")
+
+
 # --- remote sources ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def hostile_site(tmp_path_factory: pytest.TempPathFactory) -> Any:

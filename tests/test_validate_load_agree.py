@@ -88,7 +88,16 @@ def _hub_mutations(tmp_path) -> dict[str, bytes]:
     struct.pack_into("<H", long_comment, len(long_comment) - 2, 0xFFFF)
     bom_config = mh.base_entries()
     bom_config["unet/config.json"] = b"\xef\xbb\xbf" + bom_config["unet/config.json"]
+    def named(name: bytes) -> bytes:
+        raw = b'{"%s":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}' % name
+        raw += b" " * (-len(raw) % 8)
+        weights = struct.pack("<Q", len(raw)) + raw + bytes(16)
+        entries = mh.base_entries() | {"unet/diffusion_pytorch_model.safetensors": weights}
+        return mh.write_valid(tmp_path / "named.dduf", entries).read_bytes()
+
     return {
+        "tensor-name-nul": named(b"bias\\u0000x"),
+        "tensor-name-surrogate": named(b"\\udc80"),
         "comment-longer-than-file": bytes(long_comment),
         "descriptor-lies": descriptor_archive("signed32", lie="crc"),
         "local-header-lies-under-descriptor": descriptor_archive("signed32", lie="local"),
@@ -97,7 +106,7 @@ def _hub_mutations(tmp_path) -> dict[str, bytes]:
     }
 
 
-HUB_MUTATIONS = ("comment-longer-than-file", "descriptor-lies", "local-header-lies-under-descriptor",
+HUB_MUTATIONS = ("tensor-name-nul", "tensor-name-surrogate", "comment-longer-than-file", "descriptor-lies", "local-header-lies-under-descriptor",
                  "config-with-bom", "model-index-utf16")
 
 
