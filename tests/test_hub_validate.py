@@ -193,6 +193,22 @@ def test_json_is_the_same_bytes_on_every_run(tmp_path: Path) -> None:
     assert len(strict_json(first.stdout)["files"]) == len(CASES)
 
 
+def test_validate_many_reports_every_item_of_a_hub_list(tmp_path: Path) -> None:
+    """A list as a pipeline builds it: a bytes path (os.listdirb), a None or a number by mistake. Each gets its
+    report, in order, every report JSON-serializable. *was:* a None ended the batch silently (the sources after
+    it never validated), a number raised TypeError out of the generator, and a bytes path gave a report whose
+    ``as_dict()`` json.dumps refused."""
+    from dduf_plus import validate_many
+
+    good = mh.write_valid(tmp_path / "good.dduf")
+    sources = [os.fsencode(good), None, 7, good, str(good)]
+    reports = list(validate_many(sources, max_workers=2))
+    assert [r.valid for r in reports] == [True, False, False, True, True]
+    assert reports[0].path == str(good) and "not a path or URL" in (reports[1].io_error or "")
+    for r in reports:
+        strict_json(json.dumps(r.as_dict()).encode())
+
+
 # --- adversarial uploads: each a clean report within counted reads --------------------------------------------
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_every_hostile_case_is_answered_reading_each_byte_at_most_once(case: str) -> None:
