@@ -180,7 +180,7 @@ def _run(pool: Executor, sources: Iterable[str | os.PathLike], args: tuple[Any, 
                     exhausted = True
                     break
                 try:
-                    name = os.fsdecode(source)  # a bytes path as str (surrogate-escaped, like sys.argv)
+                    name = os.fsdecode(source)  # type: ignore[arg-type]  # bytes as str (surrogate-escaped, like argv)
                 except TypeError:  # None, a number...: this source's report, the batch goes on
                     why = f"not a path or URL: {type(source).__name__} {source!r:.60}"
                     pending.append((repr(source), unreadable(repr(source), why)))

@@ -147,8 +147,8 @@ def parse_header(raw: bytes, header_length: int, file_size: int, entry: str, *,
     try:
         # Strict like the Rust reader: UTF-8 only (json.loads would also take UTF-16/32), no NaN/Infinity.
         text = raw.decode("utf-8")
-        hooks = {"parse_int": _no_negative_zero} if _NEGATIVE_ZERO.search(raw) else {}
-        header = json.loads(text, parse_constant=_no_constant, **hooks)
+        parse_int = _no_negative_zero if _NEGATIVE_ZERO.search(raw) else None
+        header = json.loads(text, parse_constant=_no_constant, parse_int=parse_int)
         if type(header) is dict and _SURROGATE_ESCAPE.search(raw):
             _no_lone_surrogate(header)
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
