@@ -509,15 +509,15 @@ def _read_descriptor(source: ByteSource, entry: ZipEntry, at: int, limit: int) -
     an honest neighbour), within ``limit``; gap detection reports what is left."""
     head = source.read_at(at, min(24, limit - at))
     signed = len(head) >= 4 and int.from_bytes(head[:4], "little") == spec.SIG_DATA_DESCRIPTOR
-    body = head[4:] if signed else head
-    for width in ((8, 4) if entry.zip64 else (4, 8)):
-        size = 4 + 2 * width
-        if len(body) < size:
-            continue
-        crc = int.from_bytes(body[:4], "little")
-        csize, usize = int.from_bytes(body[4 : 4 + width], "little"), int.from_bytes(body[4 + width : size], "little")
-        if (crc, csize, usize) == (entry.crc32, entry.span, entry.size):
-            return size + 4 * signed, True
+    for skip in ((4, 0) if signed else (0,)):  # an unsigned descriptor whose CRC-32 is the signature's value
+        body = head[skip:]
+        for width in ((8, 4) if entry.zip64 else (4, 8)):
+            size = 4 + 2 * width
+            if len(body) < size:
+                continue
+            crc, csize = int.from_bytes(body[:4], "little"), int.from_bytes(body[4 : 4 + width], "little")
+            if (crc, csize, int.from_bytes(body[4 + width : size], "little")) == (entry.crc32, entry.span, entry.size):
+                return size + skip, True
     return min(12 + 4 * signed, limit - at), False
 
 
