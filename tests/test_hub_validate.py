@@ -246,7 +246,7 @@ def test_a_comment_longer_than_the_file_is_Z002(tmp_path: Path) -> None:
     assert report.errors[0].offset == len(data) - 2
 
 
-def descriptor_archive(form: str, *, lie: str = "") -> bytes:
+def descriptor_archive(form: str, *, lie: str = "", merges: bytes | None = None) -> bytes:
     """The plain entries with tokenizer/merges.txt written as a streaming writer does (bit 3, CRC-32 and sizes
     in a data descriptor after the data): ``form`` is ``signed32``, ``signed64``, ``unsigned32`` or
     ``unsigned64``; ``lie`` makes the descriptor's ``crc`` or ``size``, or the local header's ``local``
@@ -254,6 +254,8 @@ def descriptor_archive(form: str, *, lie: str = "") -> bytes:
     out, central = bytearray(), []
     entries = mh.plain_entries()
     for e in entries:
+        if merges is not None and e["name"] == b"tokenizer/merges.txt":
+            e["data"] = merges
         name, data = e["name"], e["data"]
         crc, n = zlib.crc32(data), len(data)
         deferred = name == b"tokenizer/merges.txt"
@@ -292,6 +294,47 @@ def test_honest_data_descriptors_are_accepted(form: str) -> None:
     import zipfile
 
     assert zipfile.ZipFile(io.BytesIO(descriptor_archive(form))).testzip() is None  # the fixture is a sound ZIP
+
+
+def _crc_table() -> list[int]:
+    table = []
+    for i in range(256):
+        c = i
+        for _ in range(8):
+            c = (c >> 1) ^ 0xEDB88320 if c & 1 else c >> 1
+        table.append(c)
+    return table
+
+
+def forced_crc(data: bytes, target: int) -> bytes:
+    """Four bytes that, appended to ``data``, make its CRC-32 ``target`` (CRC-32 is linear: walk the table
+    back from the target register, then choose each byte to hit the index found)."""
+    table = _crc_table()
+    by_top = {table[i] >> 24: i for i in range(256)}
+    reg, indices = target ^ U32, []
+    for _ in range(4):
+        i = by_top[reg >> 24]
+        indices.append(i)
+        reg = ((reg ^ table[i]) << 8) & U32
+    reg, out = zlib.crc32(data) ^ U32, bytearray()
+    for i in reversed(indices):
+        out.append((reg ^ i) & 0xFF)
+        reg = (reg >> 8) ^ table[i]
+    return bytes(out)
+
+
+def test_an_unsigned_descriptor_whose_crc_is_the_signature_is_accepted() -> None:
+    """An unsigned descriptor starts with the entry's CRC-32; when that equals the descriptor signature's value
+    (1 in 2^32), the descriptor must still be read as unsigned. *was:* read as signed only: a false Z014."""
+    for n in range(1000):  # a text whose four forced bytes are printable, so merges.txt stays text
+        text = b"#version: 0.2\nh e\n#%d " % n
+        tail = forced_crc(text, spec.SIG_DATA_DESCRIPTOR)
+        if all(32 <= b < 127 for b in tail):
+            break
+    assert zlib.crc32(text + tail) == spec.SIG_DATA_DESCRIPTOR
+    for form in ("unsigned32", "unsigned64"):
+        report = checked(descriptor_archive(form, merges=text + tail))
+        assert not [c for c in report.codes if ZIP_CODES.fullmatch(c)], report
 
 
 @pytest.mark.parametrize("lie", ["crc", "size", "local"])
