@@ -161,20 +161,30 @@ def _batch(executor: Executor | None, sources: Iterable[str | os.PathLike], args
             pool.shutdown(wait=finished, cancel_futures=True)
 
 
+_END = object()
+
+
 def _run(pool: Executor, sources: Iterable[str | os.PathLike], args: tuple[Any, ...], window: int,
          ordered: bool) -> Iterator[ValidationReport]:
     """Keep at most ``window`` sources in flight; yield results in order or as they finish."""
+    from .format.validate import unreadable
+
     pending: deque[tuple[str, Any]] = deque()  # (source, its future, or its result when submit failed)
     it = iter(sources)
     exhausted = False
     try:
         while pending or not exhausted:
             while not exhausted and len(pending) < window:
-                source = next(it, None)
-                if source is None:
+                source = next(it, _END)  # not None: a None among the sources must not end the batch unseen
+                if source is _END:
                     exhausted = True
                     break
-                name = os.fspath(source)
+                try:
+                    name = os.fsdecode(source)  # type: ignore[arg-type]  # bytes as str (surrogate-escaped, like argv)
+                except TypeError:  # None, a number...: this source's report, the batch goes on
+                    why = f"not a path or URL: {type(source).__name__} {source!r:.60}"
+                    pending.append((repr(source), unreadable(repr(source), why)))
+                    continue
                 pending.append((name, _submit(pool, name, args)))
             if not pending:
                 break

@@ -179,7 +179,7 @@ def test_json_lines_equal_json_of_each_source(sources, tmp_path, capsys):
     assert sorted(line["path"] for line in lines) == sorted(sources)
     for line in lines:
         single_code, single, _ = run_cli(capsys, line["path"], "--json")
-        assert json.loads(single) == {"files": [line]}
+        assert json.loads(single) == {"schema_version": 1, "files": [line]}
         assert single_code == (2 if "io_error" in line else 0 if line["valid"] else 1)
     assert err.count("dduf validate: error:") == 3  # one stderr line per unreadable source
 

@@ -70,9 +70,11 @@ def test_report_shape_and_immutability(tmp_path):
     path = build(tmp_path, entries=mh.base_entries() | {"unet/config.json": b"[1]"})
     report = validate(path)
     d = report.as_dict()
-    assert list(d) == ["path", "valid", "errors", "warnings", "infos"]
+    assert list(d) == ["schema_version", "path", "valid", "errors", "warnings", "infos"]
     assert d["path"] == str(path) and d["valid"] is False
-    assert d["errors"] == [{"code": "D007", "entry": "unet/config.json", "message": d["errors"][0]["message"]}]
+    assert d["errors"] == [{"code": "D007", "severity": "error", "entry": "unet/config.json",
+                            "message": d["errors"][0]["message"], "offset": d["errors"][0]["offset"]}]
+    assert isinstance(d["errors"][0]["offset"], int)  # the config's first byte
     assert "not an object" in d["errors"][0]["message"]
     json.dumps(d)
     with pytest.raises(AttributeError):
@@ -414,11 +416,11 @@ def test_cli_json(tmp_path, capsys):
     rc, out, _ = run_cli(capsys, "--json", "--verify", str(good), str(bad), str(tmp_path / "nope.dduf"))
     assert rc == 2
     doc = json.loads(out)
-    assert list(doc) == ["files"] and [f["path"] for f in doc["files"]] == [str(good), str(bad), str(tmp_path / "nope.dduf")]
+    assert list(doc) == ["schema_version", "files"] and [f["path"] for f in doc["files"]] == [str(good), str(bad), str(tmp_path / "nope.dduf")]
     first, second, third = doc["files"]
-    assert first == {"path": str(good), "valid": True, "errors": [], "warnings": [], "infos": []}
+    assert first == {"schema_version": 1, "path": str(good), "valid": True, "errors": [], "warnings": [], "infos": []}
     assert second["valid"] is False and {e["code"] for e in second["errors"]} == {"H001", "H002"}
-    assert all(set(e) == {"code", "entry", "message"} for e in second["errors"])
+    assert all(set(e) == {"code", "severity", "entry", "message", "offset"} for e in second["errors"])
     assert third["valid"] is False and "No such file" in third["io_error"]
     rc, out, _ = run_cli(capsys, "--json", str(good))
     assert rc == 0 and json.loads(out)["files"][0]["valid"] is True

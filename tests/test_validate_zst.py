@@ -72,7 +72,8 @@ def test_cli_json_and_human_output(multi_frame, capsys):
     rc, out, err = run_cli(capsys, "--json", "--verify", str(multi_frame))
     assert rc == 0, err
     (entry,) = json.loads(out)["files"]
-    assert entry == {"path": str(multi_frame), "valid": True, "errors": [], "warnings": [], "infos": []}
+    assert entry == {"schema_version": 1, "path": str(multi_frame), "valid": True, "errors": [], "warnings": [],
+                     "infos": []}
     rc, out, _ = run_cli(capsys, str(multi_frame))
     assert rc == 0 and out.startswith(f"VALID    {multi_frame}")
 

@@ -135,8 +135,15 @@ def run(args: argparse.Namespace) -> int:
         raise DDUFUsageError("give at least one FILE_OR_URL, or --from-file LIST")
     if args.json and args.json_lines:
         raise DDUFUsageError("--json and --json-lines exclude each other")
+    with _data_stdout(args.json or args.json_lines) as out:
+        return _report_all(args, out)
+
+
+def _report_all(args: argparse.Namespace, out: Any) -> int:
+    """Validate every source, print each report to ``out`` as asked; the exit status (worst of all)."""
+    from ..format.validate import REPORT_SCHEMA_VERSION
+
     status = EXIT_OK
-    out = sys.stdout
     collected: list[dict[str, Any]] = []
     for report in _results(args):
         if report.io_error is not None:
@@ -151,10 +158,43 @@ def run(args: argparse.Namespace) -> int:
         elif report.io_error is None:
             _print_human(report, args.quiet, out)
     if args.json:
-        json.dump({"files": collected}, out, indent=2, ensure_ascii=True)  # \u escapes: inert on a terminal
+        doc = {"schema_version": REPORT_SCHEMA_VERSION, "files": collected}
+        json.dump(doc, out, indent=2, ensure_ascii=True)  # \u escapes: inert on a terminal
         out.write("\n")
     out.flush()
     return status
+
+
+@contextlib.contextmanager
+def _data_stdout(machine: bool) -> Iterator[Any]:
+    """Where the reports go. For ``--json`` / ``--json-lines``, stdout carries the JSON and nothing else: while
+    the archives are checked, anything else written to stdout (a library's ``print`` in a model class the
+    load check builds, a native library writing to file descriptor 1, worker processes) goes to stderr, and
+    the JSON to the original stdout. The file descriptor is redirected only when stdout has one."""
+    real = sys.stdout
+    if not machine:
+        yield real
+        return
+    import os
+
+    try:
+        fd, err_fd = real.fileno(), sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # not a real file (an embedding, pytest's capture)
+        with contextlib.redirect_stdout(sys.stderr):
+            yield real
+        return
+    real.flush()
+    saved = os.dup(fd)
+    os.dup2(err_fd, fd)
+    out = os.fdopen(saved, "w", encoding="utf-8", closefd=False)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield out
+    finally:
+        with contextlib.suppress(OSError):
+            out.flush()
+        os.dup2(saved, fd)
+        os.close(saved)
 
 
 def _line(report: dict[str, Any], out: Any) -> None:

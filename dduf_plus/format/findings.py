@@ -285,6 +285,11 @@ _RULES = (
          meaning="a safetensors header (or the archive in all) declares more tensors than the cap (32,768 per file, 65,536 per archive; JSON values counted on the header's bytes before parsing)",
          why="one 60 MB header with a million empty tensors took 15 s and 900 MB in every command",
          fix="split the weights"),
+    Rule("S012", "error", "a tensor name holds NUL or control characters",
+         checked_by="open",
+         meaning="a safetensors header names a tensor with NUL or another control character (U+0000-U+001F, U+007F; JSON spells them as escapes)",
+         why="C and C++ readers cut a name at NUL, so `a\\u0000x` shadows or duplicates `a` (safetensors#748); no model has such a parameter",
+         fix="re-save the weights under the model's own parameter names"),
     # dduf_plus index
     Rule("I001", "error", "dduf_plus index does not parse or has an unknown format",
          checked_by="open (format) and validate (digests)",
@@ -499,6 +504,7 @@ class Finding(NamedTuple):
     entry: str | None
     message: str
     severity: str
+    offset: int | None = None  # the byte in the archive the finding is about, where one applies (ZIP records)
 
     def __str__(self) -> str:
         where = f" [{self.entry}]" if self.entry else ""
@@ -508,8 +514,8 @@ class Finding(NamedTuple):
         return {"code": self.code, "entry": self.entry, "message": self.message}
 
 
-def finding(code: str, entry: str | None, message: str) -> Finding:
-    return Finding(code, entry, message, RULES[code].severity)
+def finding(code: str, entry: str | None, message: str, offset: int | None = None) -> Finding:
+    return Finding(code, entry, message, RULES[code].severity, offset)
 
 
 class FindingGroup(NamedTuple):

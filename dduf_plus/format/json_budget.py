@@ -207,10 +207,13 @@ def _numbers_suspect(raw: bytes) -> bool:
 
 
 def _loads(raw: bytes) -> Any:
-    """``json.loads``, with the number hooks only where a number could be over budget (rare: C speed otherwise)."""
+    """``json.loads``, with the number hooks only where a number could be over budget (rare: C speed otherwise).
+    UTF-8 only, no BOM (RFC 8259): ``json.loads(bytes)`` would also take UTF-16/32 and a BOM, which diffusers
+    and transformers (``open(..., encoding="utf-8")`` then ``json.loads``) refuse: a ValueError here."""
+    text = raw.decode("utf-8")
     if not _numbers_suspect(raw):
-        return json.loads(raw)
-    return json.loads(raw, parse_int=_checked_int, parse_float=_checked_float)
+        return json.loads(text)
+    return json.loads(text, parse_int=_checked_int, parse_float=_checked_float)
 
 
 def _checked_int(text: str) -> int:

@@ -87,23 +87,47 @@ class ValidationReport:
         return (*self.errors, *self.warnings, *self.infos)
 
     def as_dict(self) -> dict[str, Any]:
-        """The ``dduf validate --json`` record: ``path``, ``valid``, ``errors``, ``warnings``, ``infos`` (each a
-        list of ``{code, entry, message}``), and ``io_error`` for a source that could not be read."""
+        """The ``dduf validate --json`` record (schema :data:`REPORT_SCHEMA_VERSION`, docs/validation.md "JSON
+        report schema"): ``schema_version``, ``path``, ``valid``, ``errors``, ``warnings``, ``infos`` (each a
+        list of ``{code, severity, entry, message, offset}``), and ``io_error`` for a source that could not be
+        read. Every string is valid Unicode (:func:`json_text`), so any JSON parser reads the record."""
         out: dict[str, Any] = {
-            "path": self.path,
+            "schema_version": REPORT_SCHEMA_VERSION,
+            "path": json_text(self.path),
             "valid": self.valid,
-            "errors": [f.as_dict() for f in self.errors],
-            "warnings": [f.as_dict() for f in self.warnings],
-            "infos": [f.as_dict() for f in self.infos],
+            "errors": [finding_record(f) for f in self.errors],
+            "warnings": [finding_record(f) for f in self.warnings],
+            "infos": [finding_record(f) for f in self.infos],
         }
         if self.io_error is not None:
-            out["io_error"] = self.io_error
+            out["io_error"] = json_text(self.io_error)
         return out
 
     def __str__(self) -> str:
         head = f"{VERDICT_LABELS[self.valid]} {self.path}"
         lines = [f"  {SEVERITIES[f.severity].label:<7} {f}" for f in self.findings]
         return "\n".join([head, *lines])
+
+
+# The version of the --json / --json-lines / as_dict() schema (docs/validation.md, "JSON report schema"): raised
+# only when a field is removed or changes meaning; new fields may appear within a version.
+REPORT_SCHEMA_VERSION = 1
+FINDING_FIELDS = ("code", "severity", "entry", "message", "offset")  # a finding's record, in this order
+
+
+def json_text(text: str) -> str:
+    """``text`` with every lone surrogate (a non-UTF-8 path given on the command line, ``\\udc80`` in an
+    archive's JSON) written as the six characters ``\\udXXX``: ``json.dumps`` would emit it as a lone
+    ``\\u`` escape, which strict parsers (Rust's serde_json, Go) refuse or replace."""
+    if text.isascii():
+        return text
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def finding_record(f: Finding) -> dict[str, Any]:
+    """One finding of a JSON report: its fields :data:`FINDING_FIELDS` (``entry`` and ``offset`` may be null)."""
+    return {"code": f.code, "severity": f.severity, "entry": None if f.entry is None else json_text(f.entry),
+            "message": json_text(f.message), "offset": f.offset}
 
 
 def unreadable(path: str, message: str) -> ValidationReport:
@@ -235,11 +259,32 @@ def validate(source: str | os.PathLike | ByteSource, verify: bool = False, stric
             for check in checks:
                 findings.extend(_guard(findings, getattr(check, "__name__", "check"), lambda c=check: list(c(archive)))
                                 or ())
+        if archive is not None:
+            findings = [located(f, archive) for f in findings]
     finally:
         bytes_read = inner.bytes_read + hashed
         if owned:
             inner.close()
     return _report(inner.name, findings, strict, bytes_read, time.perf_counter() - started)
+
+
+def located(f: Finding, archive: DDUFArchive) -> Finding:
+    """``f`` with its byte ``offset`` filled in where the rule gave none and its entry is a stored member (its
+    first data byte) or a stored tensor (``member:tensor``: the tensor's first byte), so a hub can point at
+    the bytes; folders, components and archive-wide findings keep ``None``."""
+    if f.offset is not None or not f.entry:
+        return f
+    entries = archive.entries
+    member = entries.get(f.entry)
+    if member is not None:
+        return f._replace(offset=member.offset)
+    name, _, tensor = f.entry.partition(":")
+    member = entries.get(name)
+    if member is None:
+        return f
+    header = archive.headers.get(name)
+    info = header.tensors.get(tensor) if header is not None else None
+    return f._replace(offset=member.offset + (header.data_start + info.begin if header and info else 0))
 
 
 def _validate_zst(source: str | os.PathLike, verify: bool, strict: bool, max_decompressed: Any,

@@ -197,7 +197,10 @@ def _find_end_record(source: ByteSource, findings: list[Finding]) -> tuple[int, 
     trailing = size - (eocd_offset + spec.EOCD_SIZE)
     if trailing:
         what = f"a {trailing}-byte archive comment" if comment_len == trailing else f"{trailing} bytes"
-        findings.append(finding("Z002", None, f"{what} after the end record"))
+        findings.append(finding("Z002", None, f"{what} after the end record", eocd_offset + spec.EOCD_SIZE))
+    elif comment_len:  # a comment longer than the file: zipfile ignores it, Go's archive/zip refuses the file
+        findings.append(finding("Z002", None, f"the end record declares a {comment_len}-byte archive comment, "
+                                "but the file ends right after it", eocd_offset + spec.EOCD_SIZE - 2))
     return eocd_offset, record
 
 
@@ -412,21 +415,30 @@ def _check_local_headers(source: ByteSource, entries: list[ZipEntry], cd_offset:
             continue
         head, data_offset, end = placed
         if entry.header_offset < position:
-            findings.append(finding("Z015", entry.name, "entry overlaps the previous one"))
+            findings.append(finding("Z015", entry.name, "entry overlaps the previous one", entry.header_offset))
             position = max(position, end)  # its bytes are accounted for (as an error), not foreign
             continue
         if not local_header_agrees(source, entry, head, findings):
             continue
         if entry.header_offset > position:
             where = "before the first entry" if position == 0 else "before this entry"
-            findings.append(finding("Z016", entry.name, f"{entry.header_offset - position} foreign bytes {where}"))
+            findings.append(finding("Z016", entry.name, f"{entry.header_offset - position} foreign bytes {where}",
+                                    position))
         descriptor = head[2] & spec.FLAG_DATA_DESCRIPTOR
         if descriptor:
-            end += _descriptor_size(source, end, cd_offset)
+            size, agrees = _read_descriptor(source, entry, end, cd_offset)
+            if not agrees:  # readers that stream local records take the descriptor's values: a differential
+                findings.append(finding("Z014", entry.name, "data descriptor and central directory disagree on "
+                                        "CRC-32 or sizes", end))
+            end += size
+            if not agrees:
+                position = end
+                continue
         position = end
         checked.append(entry._replace(data_offset=data_offset, flags=entry.flags | descriptor))
     if checked and position < cd_offset:
-        findings.append(finding("Z016", None, f"{cd_offset - position} foreign bytes before the central directory"))
+        findings.append(finding("Z016", None, f"{cd_offset - position} foreign bytes before the central directory",
+                                position))
     order = {e.name: i for i, e in enumerate(entries)}
     return sorted(checked, key=lambda e: order[e.name])  # central directory order, as before
 
@@ -436,19 +448,22 @@ def place_local_header(source: ByteSource, entry: ZipEntry, cd_offset: int,
     """(the fixed header's fields, data offset, data end) when ``entry``'s local header and data lie before
     the central directory; None (reported) otherwise. Reads the fixed 30 bytes only."""
     if entry.header_offset + spec.LOCAL_HEADER_SIZE > cd_offset:
-        findings.append(finding("Z017", entry.name, "local header lies past the central directory"))
+        findings.append(finding("Z017", entry.name, "local header lies past the central directory", entry.header_offset))
         return None
     head = struct.unpack(spec.LOCAL_HEADER_FMT, source.read_at(entry.header_offset, spec.LOCAL_HEADER_SIZE))
     if head[0] != spec.SIG_LOCAL:
-        findings.append(finding("Z014", entry.name, "no local header where the central directory points"))
+        findings.append(finding("Z014", entry.name, "no local header where the central directory points",
+                                entry.header_offset))
         return None
     data_offset = entry.header_offset + spec.LOCAL_HEADER_SIZE + head[9] + head[10]  # + name + extra
     if data_offset > cd_offset:
-        findings.append(finding("Z017", entry.name, "local header runs past the central directory"))
+        findings.append(finding("Z017", entry.name, "local header runs past the central directory",
+                                entry.header_offset))
         return None
     end = data_offset + entry.span
     if end > cd_offset:
-        findings.append(finding("Z017", entry.name, "entry data runs into the central directory or past the file"))
+        findings.append(finding("Z017", entry.name, "entry data runs into the central directory or past the file",
+                                data_offset))
         return None
     return head, data_offset, end
 
@@ -460,37 +475,50 @@ def local_header_agrees(source: ByteSource, entry: ZipEntry, head: tuple, findin
     _sig, _ver, flags, method, _t, _d, crc, csize, usize, nlen, xlen = head
     rest = source.read_at(entry.header_offset + spec.LOCAL_HEADER_SIZE, nlen + xlen)
     local_name, extra = rest[:nlen], rest[nlen:]
+    at = entry.header_offset
     if local_name != entry.name.encode("utf-8"):
-        findings.append(finding("Z014", entry.name, f"local header names it {local_name.decode('utf-8', 'replace')!r}"))
+        findings.append(finding("Z014", entry.name, f"local header names it {local_name.decode('utf-8', 'replace')!r}",
+                                at))
         return False
     if method != entry.method:
-        findings.append(finding("Z014", entry.name, "local header and central directory disagree on the method"))
+        findings.append(finding("Z014", entry.name, "local header and central directory disagree on the method", at))
     if (flags ^ entry.flags) & ~spec.FLAG_UTF8 & 0xFFFF:
-        findings.append(finding("Z014", entry.name, "local header and central directory disagree on the flags"))
-    if flags & spec.FLAG_DATA_DESCRIPTOR:
-        return True
+        findings.append(finding("Z014", entry.name, "local header and central directory disagree on the flags", at))
+    deferred = bool(flags & spec.FLAG_DATA_DESCRIPTOR)  # CRC-32 and sizes follow the data (checked there)
     if spec.U32_MAX in (csize, usize):
         fields = parse_extra(extra) or {}
         wanted = [k for k, v in (("usize", usize), ("csize", csize)) if v == spec.U32_MAX]
         values = _zip64_values(fields.get(spec.EXTRA_ZIP64, b""), wanted)
-        if values is None:
-            findings.append(finding("Z014", entry.name, "local ZIP64 extra field missing or too short"))
+        if values is None and not deferred:
+            findings.append(finding("Z014", entry.name, "local ZIP64 extra field missing or too short", at))
             return False
-        usize, csize = values.get("usize", usize), values.get("csize", csize)
+        usize, csize = (0, 0) if values is None else (values.get("usize", usize), values.get("csize", csize))
+    if deferred and crc == csize == usize == 0:
+        return True
     if crc != entry.crc32 or usize != entry.size or csize != entry.span:
-        findings.append(finding("Z014", entry.name, "local header and central directory disagree on CRC-32 or sizes"))
+        findings.append(finding("Z014", entry.name, "local header and central directory disagree on CRC-32 or sizes",
+                                at))
         return False
     return True
 
 
-def _descriptor_size(source: ByteSource, at: int, limit: int) -> int:
-    head = source.read_at(at, min(4, limit - at))
-    signed = len(head) == 4 and int.from_bytes(head, "little") == spec.SIG_DATA_DESCRIPTOR
-    # 32- or 64-bit sizes: take what fits; gap detection reports the rest.
-    for size in ((24, 16) if signed else (20, 12)):
-        if at + size <= limit:
-            return size
-    return 0
+def _read_descriptor(source: ByteSource, entry: ZipEntry, at: int, limit: int) -> tuple[int, bool]:
+    """(size, agrees) of the data descriptor at ``at``: signed or not, 32- or 64-bit sizes (ZIP64 entries
+    first), the form whose CRC-32 and sizes are the central record's. When none is (the descriptor lies),
+    the smallest size its signature allows (a larger guess would make the next entry overlap it and drop
+    an honest neighbour), within ``limit``; gap detection reports what is left."""
+    head = source.read_at(at, min(24, limit - at))
+    signed = len(head) >= 4 and int.from_bytes(head[:4], "little") == spec.SIG_DATA_DESCRIPTOR
+    for skip in ((4, 0) if signed else (0,)):  # an unsigned descriptor whose CRC-32 is the signature's value
+        body = head[skip:]
+        for width in ((8, 4) if entry.zip64 else (4, 8)):
+            size = 4 + 2 * width
+            if len(body) < size:
+                continue
+            crc, csize = int.from_bytes(body[:4], "little"), int.from_bytes(body[4 : 4 + width], "little")
+            if (crc, csize, int.from_bytes(body[4 + width : size], "little")) == (entry.crc32, entry.span, entry.size):
+                return size + skip, True
+    return min(12 + 4 * signed, limit - at), False
 
 
 # --- writing -----------------------------------------------------------------------------------------

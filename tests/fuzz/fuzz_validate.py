@@ -9,6 +9,7 @@ validator caught in itself), or a report whose verdict contradicts its errors. S
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -40,6 +41,7 @@ def test_one_input(data: bytes) -> None:
     report = validate(BytesSource(data, "<fuzz>"), verify=True)
     if "X000" in report.codes or report.valid != (not report.errors):
         raise RuntimeError(f"validator bug: {report}")
+    json.dumps(report.as_dict(), ensure_ascii=False).encode("utf-8")  # the JSON report is valid Unicode for any input
     if _runs % 16 == 0:  # now and then through a real file: LocalSource + the mmap hashing path
         with open(_scratch.name, "wb") as f:
             f.write(data)
