@@ -237,7 +237,7 @@ _RULES = (
          fix="re-save the weights with safetensors"),
     Rule("S002", "error", "safetensors header is not valid JSON object",
          checked_by="open",
-         meaning="safetensors header not a UTF-8 JSON object (NaN/Infinity and UTF-16 refused, as the Rust reader does)",
+         meaning="safetensors header not a UTF-8 JSON object (NaN/Infinity, UTF-16, `-0` and lone surrogates refused, as the Rust reader does)",
          why="Python's `json` accepts what `safetensors` refuses: readers would disagree",
          fix="re-save the weights"),
     Rule("S003", "error", "unknown tensor dtype",
