@@ -138,9 +138,15 @@ def check_quant_state(state: Mapping[str, Any], name: str, parts: Mapping[str, T
     per block; with double quantization, one nested_absmax per nested block of absmax bytes.
 
     Raises:
-        QuantError: ``Q003`` (shape / blocksize against the packed data and absmax) or ``Q007`` (a field a
-            kernel indexes with: nested fields, dtype).
+        QuantError: ``Q004`` (its quant_type is not the one its tensor name, so the config, says), ``Q003``
+            (shape / blocksize against the packed data and absmax) or ``Q007`` (a field a kernel indexes with:
+            nested fields, dtype).
     """
+    stored = parts.get("quant_state")  # its name says the scheme (checked against the config: Q004)
+    named = stored.name.rpartition(".quant_state.bitsandbytes__")[2] if stored is not None else None
+    if named and state["quant_type"] != named:  # bitsandbytes dequantizes with the JSON's: another code book
+        raise QuantError("Q004", f"{name}: the quant state says {state['quant_type']!r}, its tensor name and the "
+                         f"config say {named!r}")
     values = prod(state["shape"])
     packed_bytes, absmax_count = parts["data"].nbytes, prod(parts["absmax"].shape)
     if -(-values // 2) != packed_bytes or -(-values // state["blocksize"]) != absmax_count:

@@ -30,7 +30,7 @@ from .quant_sdnq import (
     sdnq_skipped_but_stored,
     sdnq_storage_dtypes,
 )
-from .quant_torchao import check_torchao_block_size, check_torchao_int8, torchao_descriptions, torchao_groups
+from .quant_torchao import check_torchao_parts, torchao_descriptions, torchao_groups
 from .quantization import QuantError, backend_of, quantization_config
 from .safetensors_header import SafetensorsHeader, TensorInfo
 
@@ -88,17 +88,16 @@ def _groups(backend: str, scheme: str | None, qc: Mapping[str, Any], headers: li
         descriptions = torchao_descriptions(_metadata(headers))
         groups = torchao_groups(descriptions)
         kinds = sorted({str(descriptions[n]["_type"]) for n in groups})
-        if scheme and scheme.startswith("int8") and any(k != "Int8Tensor" for k in kinds):
+        # the weight's type the scheme names: int8_weight_only, int8_dynamic_activation_int8_weight -> int8
+        weight = (scheme or "").removesuffix("_only").removesuffix("_weight").rpartition("_")[2]
+        wanted = {"int8": "Int8Tensor", "float8": "Float8Tensor"}.get(weight)
+        if wanted and any(k != wanted for k in kinds):
             raise QuantError("Q004", f"config scheme {scheme!r} but the tensors are {', '.join(kinds)}")
         missing = sorted(n for n, d in descriptions.items() if d["_type"] == "Tensor" and n not in tensors)
         if missing:
             raise QuantError("Q002", f"{missing[0]}: listed in tensor_names but not stored")
 
-        def check_torchao(name: str, parts: Mapping[str, TensorInfo]) -> None:
-            if descriptions[name]["_type"] == "Int8Tensor":
-                check_torchao_int8(name, parts)
-                check_torchao_block_size(name, descriptions[name], parts)
-        return groups, kinds, check_torchao
+        return groups, kinds, lambda name, parts: check_torchao_parts(name, descriptions[name], parts)
     if backend == "sdnq":
         check_sdnq_config(qc)
         storages = sdnq_storage_dtypes(qc)
@@ -166,7 +165,8 @@ def check_quant_states(headers: Iterable[SafetensorsHeader],
     repack, with why (:func:`bnb_cpu_repack_problem`: rule Q009, a warning).
 
     Raises:
-        QuantError: ``Q005`` (not a quant state bitsandbytes writes), ``Q003`` / ``Q007`` (does not fit its tensors).
+        QuantError: ``Q005`` (not a quant state bitsandbytes writes), ``Q004`` (its quant_type contradicts its
+            name and the config), ``Q003`` / ``Q007`` (does not fit its tensors).
     """
     tensors = _all_tensors(headers)
     unfit: list[tuple[str, str]] = []

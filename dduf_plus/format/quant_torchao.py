@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from math import prod
 from typing import Any
 
 from .quantization import SCALE_DTYPES, QuantError
@@ -83,7 +84,8 @@ def torchao_descriptions(metadata: Mapping[str, str]) -> dict[str, dict[str, Any
         _check_node(value, 0, name)
         parts = value.get("_tensor_data_names", [])
         if value["_type"] != "Tensor" and (not isinstance(parts, list) or not parts
-                                            or not all(isinstance(p, str) and p.isidentifier() for p in parts)):
+                                            or not all(isinstance(p, str) and p.isidentifier()
+                                                       and not p.startswith("_") for p in parts)):  # no dunder
             raise QuantError("Q005", f"{name}: '_tensor_data_names' is not a list of names")
         out[name] = value
     return out
@@ -99,6 +101,33 @@ def torchao_groups(descriptions: Mapping[str, Mapping[str, Any]]) -> dict[str, d
         prefix = f"{module}._{attr}_" if module else f"_{attr}_"
         groups[name] = {part: prefix + part for part in value.get("_tensor_data_names", [])}
     return groups
+
+
+FLOAT8_DTYPES = frozenset({"float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"})
+CHECKED_TYPES = ("Int8Tensor", "Float8Tensor")  # the types whose parts these rules fit (others: torchao's own)
+
+
+def check_torchao_float8(name: str, parts: Mapping[str, TensorInfo]) -> None:
+    """Float8Tensor: float8 ``qdata`` [N, K] and a float ``scale`` (its block grid: :func:`check_torchao_block_size`).
+    torchao dequantizes ``qdata.to(dtype) * scale`` by broadcasting: int8 bytes taken as float8 values, or one
+    scale row spread over every output, load and run as another model."""
+    qdata, scale = parts.get("qdata"), parts.get("scale")
+    if qdata is None or qdata.dtype not in FLOAT8_DTYPES or len(qdata.shape) != 2:
+        raise QuantError("Q003", f"{name}: Float8Tensor qdata must be a float8 matrix, not "
+                         f"{qdata.dtype if qdata else None} {list(qdata.shape)[:4] if qdata else []}")
+    if scale is None or scale.dtype not in SCALE_DTYPES:
+        raise QuantError("Q003", f"{name}: Float8Tensor scale must be float32, float16 or bfloat16")
+
+
+def check_torchao_parts(name: str, description: Mapping[str, Any], parts: Mapping[str, TensorInfo]) -> None:
+    """The parts of a quantized weight of a type in :data:`CHECKED_TYPES` fit as torchao computes with them."""
+    if description["_type"] == "Int8Tensor":
+        check_torchao_int8(name, parts)
+    elif description["_type"] == "Float8Tensor":
+        check_torchao_float8(name, parts)
+    else:
+        return
+    check_torchao_block_size(name, description, parts)
 
 
 def check_torchao_int8(name: str, parts: Mapping[str, TensorInfo]) -> None:
@@ -132,7 +161,7 @@ def check_torchao_block_size(name: str, description: Mapping[str, Any], parts: M
     grid = tuple(n // b for n, b in zip(qdata.shape, block, strict=True))
     for part in ("scale", "zero_point"):
         t = parts.get(part)
-        if t is not None and t.shape != grid:
+        if t is not None and t.shape != grid and not (prod(grid) == 1 and prod(t.shape) == 1):  # per tensor: [] too
             raise QuantError("Q007", f"{name}: {part} {list(t.shape)} is not the block grid {list(grid)} of qdata "
                              f"{list(qdata.shape)} in blocks of {block}")
 
