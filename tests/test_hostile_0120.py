@@ -19,6 +19,7 @@ import itertools
 import logging
 import math
 import os
+import re
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -481,3 +482,91 @@ def test_quantized_states_that_contradict_themselves_are_refused_everywhere(
         wrong += [(name, how, got[how]) for how in ("load_dduf", "loader")
                   if got[how]["kind"] != "DDUFError" or code not in got[how]["codes"]]
     assert not wrong, wrong
+
+
+# --- optimum-quanto states ---------------------------------------------------------------------------------
+def _quanto_layers(qtype_name: str) -> tuple[Any, dict[str, Any]]:
+    """Layers quanto quantizes with each layout (grouped by 128, per row, odd rows, a conv), frozen, and their
+    state dict."""
+    torch = pytest.importorskip("torch")
+    quanto = pytest.importorskip("optimum.quanto")
+    model = torch.nn.Sequential(torch.nn.Linear(256, 64), torch.nn.Linear(100, 33), torch.nn.Conv2d(4, 8, 3))
+    quanto.quantize(model, weights=getattr(quanto, qtype_name))
+    quanto.freeze(model)
+    return model, dict(model.state_dict())
+
+
+def _dt(name: str) -> Any:
+    import torch
+
+    return getattr(torch, name)
+
+
+def _quanto_problems(model: Any, state: dict[str, Any]) -> list[str | None]:
+    from dduf_plus.loading.quant import quanto_weight_problem
+
+    return [quanto_weight_problem(m, m.weight_qtype, f"{n}.", state) for n, m in model.named_children()]
+
+
+@pytest.mark.parametrize("qtype", ["qint8", "qfloat8", "qint4", "qint2"])
+def test_quanto_weights_as_quanto_saves_them_fit(qtype: str) -> None:
+    model, state = _quanto_layers(qtype)
+    assert _quanto_problems(model, state) == [None, None, None]
+
+
+@pytest.mark.parametrize(("qtype", "key", "change", "match"), [
+    ("qint8", "0.weight._data", lambda t: t.view(_dt("uint8")), "_data uint8 .*needs int8"),
+    ("qint8", "1.weight._data", lambda t: t.float(), "_data float32 .*needs int8"),
+    ("qint8", "0.weight._scale", lambda t: t.to(_dt("int8")), "_scale int8"),
+    ("qint4", "0.weight._data._data", lambda t: t[: t.shape[0] // 2], r"_data uint8 \[32, 128\].*\[64, 128\]"),
+    ("qint4", "1.weight._data._data", lambda t: t.view(_dt("int8")), "_data int8"),
+    ("qint4", "0.weight._scale", lambda t: t[:1], r"_scale float32 \[1, 1\], one float scale per row \[128, 1\]"),
+    ("qint4", "2.weight._scale", lambda t: t.repeat(2, 1, 1, 1), r"per row \[8, 1, 1, 1\]"),
+    ("qint2", "1.weight._data._data", lambda t: t[:-1], r"\[9, 100\]"),
+])
+def test_quanto_weights_that_do_not_fit_their_layer_are_refused(qtype: str, key: str, change: Callable[[Any], Any],
+                                                                match: str) -> None:
+    """Found on 0.12.0: a qint8 weight's bytes stored as uint8 loaded (values over 127 read as positive: another
+    model); a 4-bit packed weight of half its rows, or one scale for the whole layer, loaded and failed in the
+    first forward or computed with a scale broadcast over every row. Now Q006 before quanto wraps them."""
+    model, state = _quanto_layers(qtype)
+    state[key] = change(state[key])
+    problems = [p for p in _quanto_problems(model, state) if p is not None]
+    assert len(problems) == 1 and re.search(match, problems[0]), problems
+
+
+def test_load_dduf_refuses_a_quanto_packed_weight_of_half_its_rows(tmp_path: Path) -> None:
+    """End to end (found on 0.12.0: it loaded, and the first forward raised a bare RuntimeError)."""
+    import shutil
+
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    quanto = pytest.importorskip("optimum.quanto")
+    from diffusers import PixArtTransformer2DModel
+
+    from conftest import PIPELINES
+    from dduf_plus.loading import quant
+    from dduf_plus.packing.pack import pack
+
+    model = PixArtTransformer2DModel.from_pretrained(PIPELINES / "tiny-dit", subfolder="transformer")
+    quanto.quantize(model, weights=quanto.qint4)
+    quanto.freeze(model)
+    root = tmp_path / "tiny-dit"
+    shutil.copytree(PIPELINES / "tiny-dit", root)
+    folder = root / "transformer"
+    for f in folder.glob("*.safetensors*"):
+        f.unlink()
+    quant.save_quanto_component(model, folder)
+    weights = folder / "diffusion_pytorch_model.safetensors"
+    with safe_open(str(weights), "pt") as f:
+        tensors, metadata = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()  # noqa: SIM118 - its API
+    key = "caption_projection.linear_1.weight._data._data"
+    tensors[key] = tensors[key][: tensors[key].shape[0] // 2].contiguous()
+    save_file(tensors, str(weights), metadata=metadata)
+    pack(root, tmp_path / "half.dduf", quiet=True)
+    with pytest.raises(DDUFError, match=r"Q006: caption_projection.linear_1 \(qint4\).*weight._data uint8 \[8, 32\]") \
+            as caught:
+        load_dduf(tmp_path / "half.dduf", torch_dtype=torch.float32)
+    assert getattr(caught.value, "code", None) == "Q006"
