@@ -299,17 +299,21 @@ def _header(metadata: dict[str, str] | None = None, **tensors: tuple[str, tuple[
 
 
 def _torchao(kind: str, qdata: str = "float8_e4m3fn", block: list[int] | None = None,
-             scale: tuple[int, ...] = (32, 1), scheme: str = "Float8WeightOnlyConfig") -> list[Any]:
+             scale: tuple[int, ...] = (32, 1), scheme: str = "Float8WeightOnlyConfig",
+             zero_point: tuple[str, tuple[int, ...]] | None = None) -> list[Any]:
     """A one-layer torchao component (``l.weight`` [32, 32]) as diffusers saves it: its config, its header."""
     import json
 
-    description = {"_type": kind, "_data": {"block_size": block or [1, 32], "dtype": {"_type": "torch.dtype",
-                                                                                   "_data": "bfloat16"}},
-                   "_tensor_data_names": ["qdata", "scale"]}
+    description: dict[str, Any] = {"_type": kind, "_data": {"block_size": block or [1, 32], "dtype": {
+        "_type": "torch.dtype", "_data": "bfloat16"}}, "_tensor_data_names": ["qdata", "scale"]}
+    parts = {"l___weight_qdata": (qdata, (32, 32), 1024), "l___weight_scale": ("float32", scale, 4 * 32)}
+    if zero_point is not None:  # IntxUnpackedToInt8Tensor (IntxWeightOnlyConfig) as torchao 0.18 describes it
+        description["_data"]["target_dtype"] = {"_type": "torch.dtype", "_data": "int4"}
+        description["_tensor_data_names"].append("zero_point")
+        parts["l___weight_zero_point"] = (*zero_point, 64)
     metadata = {"tensor_names": json.dumps(["l.weight", "l.bias"]), "l.weight": json.dumps(description),
                 "l.bias": json.dumps({"_type": "Tensor"})}
-    header = _header(metadata, l___weight_qdata=(qdata, (32, 32), 1024), l___weight_scale=("float32", scale, 4 * 32),
-                     l__bias=("bfloat16", (32,), 64))
+    header = _header(metadata, **parts, l__bias=("bfloat16", (32,), 64))
     config = {"quantization_config": {"quant_method": "torchao", "quant_type": {"default": {"_type": scheme}}}}
     return [config, header]
 
@@ -349,6 +353,18 @@ def test_a_float8_scheme_storing_int8_tensors_is_refused() -> None:
 def test_a_per_tensor_float8_scale_of_one_value_fits() -> None:
     config, header = _torchao("Float8Tensor", block=[32, 32], scale=(1, 1))
     assert _codes(config, header) == []
+
+
+def test_torchao_intx_weights_as_diffusers_saves_them_validate() -> None:
+    """Found on 0.12.0: IntxWeightOnlyConfig(weight_dtype=torch.int4) (IntxUnpackedToInt8Tensor, whose
+    description names torch.int4) was refused as Q005 "dtype 'int4' is not a torch dtype": a valid archive
+    that diffusers reloads. Now taken, and its parts fitted as Int8Tensor's are."""
+    intx = {"kind": "IntxUnpackedToInt8Tensor", "qdata": "int8", "block": [1, 16], "scale": (32, 2),
+            "scheme": "IntxWeightOnlyConfig", "zero_point": ("int8", (32, 2))}
+    assert _codes(*_torchao(**intx)) == []
+    assert _codes(*_torchao(**{**intx, "scale": (32, 1)})) == ["Q007"]
+    assert _codes(*_torchao(**{**intx, "qdata": "uint8"})) == ["Q003"]
+    assert _codes(*_torchao(**{**intx, "zero_point": ("uint8", (32, 2))})) == ["Q003"]
 
 
 def _bnb_state(quant_type: str = "nf4", **extra: Any) -> dict[str, Any]:
@@ -418,19 +434,32 @@ def test_torchao_descriptions_outside_the_allow_list_are_refused(description: st
 
 
 # --- end to end: validate, load_dduf and the component loader, in a child process ----------------------------
-def _float8_folder(root: Path) -> Path:
+def _torchao_folder(root: Path, config: Any) -> Path:
     import shutil
 
     import torch
     from diffusers import TorchAoConfig, UNet2DConditionModel
     from test_quant_native_safety import TINY_SD
-    from torchao.quantization import Float8WeightOnlyConfig
 
     shutil.copytree(TINY_SD, root, ignore=shutil.ignore_patterns("unet"))
     unet = UNet2DConditionModel.from_pretrained(TINY_SD / "unet", torch_dtype=torch.bfloat16,
-                                                quantization_config=TorchAoConfig(Float8WeightOnlyConfig()))
+                                                quantization_config=TorchAoConfig(config))
     unet.save_pretrained(root / "unet")
     return root
+
+
+def _float8_folder(root: Path) -> Path:
+    from torchao.quantization import Float8WeightOnlyConfig
+
+    return _torchao_folder(root, Float8WeightOnlyConfig())
+
+
+def _intx_folder(root: Path) -> Path:
+    import torch
+    from torchao.quantization import IntxWeightOnlyConfig
+    from torchao.quantization.granularity import PerGroup
+
+    return _torchao_folder(root, IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(16)))
 
 
 def _cases() -> dict[str, tuple[Callable[[Path], Path], dict[str, tuple[Any, str]]]]:
@@ -449,10 +478,16 @@ def _cases() -> dict[str, tuple[Callable[[Path], Path], dict[str, tuple[Any, str
         "control": (lambda t, m: None, ""),
         "fp4 state under nf4": (native._state(native.LAYER, lambda s: s.update(quant_type="fp4")), "Q004"),
     }
-    return {"torchao-float8": (_float8_folder, float8), "bnb4": (native.BUILDERS["bnb4"], bnb4)}
+    intx = {  # the control: refused on 0.12.0 (Q005 "dtype 'int4'")
+        "control": (lambda t, m: None, ""),
+        "zero_point uint8": (native._set(f"{q}_zero_point", lambda t: t.view(torch.uint8)), "Q003"),
+        "scale one column": (native._set(f"{q}_scale", lambda t: t[:, :1]), "Q007"),
+    }
+    return {"torchao-float8": (_float8_folder, float8), "torchao-intx": (_intx_folder, intx),
+            "bnb4": (native.BUILDERS["bnb4"], bnb4)}
 
 
-@pytest.mark.parametrize("backend", ["torchao-float8", "bnb4"])
+@pytest.mark.parametrize("backend", ["torchao-float8", "torchao-intx", "bnb4"])
 def test_quantized_states_that_contradict_themselves_are_refused_everywhere(
         backend: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Found on 0.12.0: each case validated and loaded (a different model). Now a validate error, and a

@@ -29,7 +29,8 @@ TORCHAO_CLASSES = TORCHAO_TENSOR_TYPES | {"Float8MMConfig", "QuantizeTensorToFlo
                                           "QuantizeTensorToNVFP4Kwargs", "torch.dtype", "Tensor"}
 TORCH_DTYPES = frozenset({"float32", "float16", "bfloat16", "float64", "int8", "uint8", "int16", "int32", "int64",
                           "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float4_e2m1fn_x2",
-                          "float8_e8m0fnu", "bool"})
+                          "float8_e8m0fnu", "bool", "uint16", "uint32", "uint64",
+                          *(f"{u}int{bits}" for u in ("", "u") for bits in range(1, 8))})  # sub-byte: Intx weights
 MAX_DESCRIPTION_BYTES = 16 * 1024  # one tensor's JSON description (a real Int8Tensor's is ~250 bytes)
 MAX_DESCRIPTION_DEPTH = 6  # real ones nest 4 deep ({"_data": {"dtype": {"_data": ...}}})
 
@@ -104,7 +105,9 @@ def torchao_groups(descriptions: Mapping[str, Mapping[str, Any]]) -> dict[str, d
 
 
 FLOAT8_DTYPES = frozenset({"float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"})
-CHECKED_TYPES = ("Int8Tensor", "Float8Tensor")  # the types whose parts these rules fit (others: torchao's own)
+# the types whose parts these rules fit (others: torchao's own); IntxUnpackedToInt8Tensor (IntxWeightOnlyConfig,
+# int1..int8 values kept one per int8) has Int8Tensor's layout: qdata [N, K], scale / zero_point the block grid
+CHECKED_TYPES = ("Int8Tensor", "IntxUnpackedToInt8Tensor", "Float8Tensor")
 
 
 def check_torchao_float8(name: str, parts: Mapping[str, TensorInfo]) -> None:
@@ -121,7 +124,7 @@ def check_torchao_float8(name: str, parts: Mapping[str, TensorInfo]) -> None:
 
 def check_torchao_parts(name: str, description: Mapping[str, Any], parts: Mapping[str, TensorInfo]) -> None:
     """The parts of a quantized weight of a type in :data:`CHECKED_TYPES` fit as torchao computes with them."""
-    if description["_type"] == "Int8Tensor":
+    if description["_type"] in ("Int8Tensor", "IntxUnpackedToInt8Tensor"):
         check_torchao_int8(name, parts)
     elif description["_type"] == "Float8Tensor":
         check_torchao_float8(name, parts)
@@ -135,7 +138,8 @@ def check_torchao_int8(name: str, parts: Mapping[str, TensorInfo]) -> None:
     as many columns as there are blocks along K."""
     qdata = parts.get("qdata")
     if qdata is None or qdata.dtype != "int8" or len(qdata.shape) != 2:
-        raise QuantError("Q003", f"{name}: Int8Tensor qdata must be an int8 matrix")
+        raise QuantError("Q003", f"{name}: qdata must be an int8 matrix, not {qdata.dtype if qdata else None} "
+                         f"{list(qdata.shape)[:4] if qdata else []}")
     for part in ("scale", "zero_point"):
         t = parts.get(part)
         if t is None:
