@@ -605,3 +605,16 @@ def test_load_dduf_refuses_a_quanto_packed_weight_of_half_its_rows(tmp_path: Pat
             as caught:
         load_dduf(tmp_path / "half.dduf", torch_dtype=torch.float32)
     assert getattr(caught.value, "code", None) == "Q006"
+
+
+@pytest.mark.parametrize("value", [["qint8"], {"qint8": 1}, 5])
+def test_a_quanto_map_entry_of_another_type_is_refused_naming_it(value: Any) -> None:
+    """Found on 0.12.0: a list or object as a qtype was a bare ``TypeError: unhashable type`` from the component
+    loader (``load_dduf`` wrapped it as "cannot build ...: TypeError")."""
+    quanto = pytest.importorskip("optimum.quanto")
+    from dduf_plus.loading.quant import check_qmap
+
+    for key in ("weights", "activations"):
+        with pytest.raises(DDUFError, match=f"quanto_qmap.json entry 'proj': {key}"):
+            check_qmap({"proj": {key: value}}, quanto, "unet")
+    assert check_qmap({"proj": {"weights": "qint8", "activations": "none"}}, quanto, "unet")

@@ -88,7 +88,12 @@ def _require_quanto() -> Any:
 # --- loading -----------------------------------------------------------------------------------------
 
 
-def _check_qmap(qmap: Any, quanto: Any, where: str) -> dict[str, dict[str, Any]]:
+def check_qmap(qmap: Any, quanto: Any, where: str) -> dict[str, dict[str, Any]]:
+    """``quanto_qmap.json`` as quanto's skeleton reads it: {module: {"weights": qtype name, "activations": ...}}.
+
+    Raises:
+        DDUFLoadError: naming the entry and what is wrong (not an object, a qtype that is no name or unknown).
+    """
     if not isinstance(qmap, dict):
         raise DDUFLoadError(f"{where}: {QMAP_NAME} must be a JSON object")
     for name, entry in qmap.items():
@@ -96,6 +101,9 @@ def _check_qmap(qmap: Any, quanto: Any, where: str) -> dict[str, dict[str, Any]]
             raise DDUFLoadError(f"{where}: {QMAP_NAME} entry {name!r} is not an object")
         for key in ("weights", "activations"):
             value = entry.get(key, "none")
+            if value is not None and not isinstance(value, str):  # a list or object: unhashable, a bare TypeError
+                raise DDUFLoadError(f"{where}: {QMAP_NAME} entry {name!r}: {key} is a {type(value).__name__}, not a "
+                                    "qtype name")
             if value not in ("none", None) and value not in quanto.tensor.qtypes:
                 raise DDUFLoadError(f"{where}: {QMAP_NAME} entry {name!r}: unknown {key} qtype {value!r} "
                                     f"(known: {', '.join(sorted(quanto.tensor.qtypes))})")
@@ -178,7 +186,7 @@ def load_quanto_component(
     """
     quanto = _require_quanto()
     where = str(getattr(files, "description", None) or getattr(files, "name", "component"))
-    qmap = _check_qmap(_read_qmap(files, where) if qmap is None else qmap, quanto, where)
+    qmap = check_qmap(_read_qmap(files, where) if qmap is None else qmap, quanto, where)
     target_dtype = torch_dtype(dtype)
     model = empty_model(model_cls, config, where, files, variant)
     _quantize_skeleton(model, qmap, quanto, where)
