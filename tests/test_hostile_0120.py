@@ -300,12 +300,13 @@ def _header(metadata: dict[str, str] | None = None, **tensors: tuple[str, tuple[
 
 def _torchao(kind: str, qdata: str = "float8_e4m3fn", block: list[int] | None = None,
              scale: tuple[int, ...] = (32, 1), scheme: str = "Float8WeightOnlyConfig",
-             zero_point: tuple[str, tuple[int, ...]] | None = None) -> list[Any]:
+             zero_point: tuple[str, tuple[int, ...]] | None = None, **data: Any) -> list[Any]:
     """A one-layer torchao component (``l.weight`` [32, 32]) as diffusers saves it: its config, its header."""
     import json
 
     description: dict[str, Any] = {"_type": kind, "_data": {"block_size": block or [1, 32], "dtype": {
         "_type": "torch.dtype", "_data": "bfloat16"}}, "_tensor_data_names": ["qdata", "scale"]}
+    description["_data"].update(data)
     parts = {"l___weight_qdata": (qdata, (32, 32), 1024), "l___weight_scale": ("float32", scale, 4 * 32)}
     if zero_point is not None:  # IntxUnpackedToInt8Tensor (IntxWeightOnlyConfig) as torchao 0.18 describes it
         description["_data"]["target_dtype"] = {"_type": "torch.dtype", "_data": "int4"}
@@ -353,6 +354,23 @@ def test_a_float8_scheme_storing_int8_tensors_is_refused() -> None:
 def test_a_per_tensor_float8_scale_of_one_value_fits() -> None:
     config, header = _torchao("Float8Tensor", block=[32, 32], scale=(1, 1))
     assert _codes(config, header) == []
+
+
+ROWS = {"_type": "QuantizeTensorToFloat8Kwargs", "_data": {"granularity": {"_type": "PerRow", "_data": {"dim": -1}}}}
+
+
+@pytest.mark.parametrize(("data", "scheme", "code"), [
+    ({"dtype": {"_type": "torch.dtype", "_data": "int8"}}, "Float8WeightOnlyConfig", "Q005"),  # raw RuntimeError
+    ({"act_quant_kwargs": ROWS}, "Float8WeightOnlyConfig", "Q004"),  # weight only, yet quantizes its inputs
+    ({"act_quant_kwargs": {"_type": "QuantizeTensorToFloat8Kwargs", "_data": {"granularity": {
+        "_type": "PerRow", "_data": {"dim": "x"}}}}}, "Float8DynamicActivationFloat8WeightConfig", "Q005"),
+    ({"act_quant_kwargs": ROWS}, "Float8DynamicActivationFloat8WeightConfig", None),  # as torchao saves it
+])
+def test_torchao_description_fields_torchao_computes_with(data: dict[str, Any], scheme: str, code: str | None) -> None:
+    """Found on 0.12.0: a Float8Tensor whose ``dtype`` is int8 validated and failed in load_state_dict (a bare
+    RuntimeError from the component loader); a weight-only scheme's weights carrying activation quantization,
+    or ``PerRow(dim="x")``, validated and loaded, and the first forward raised a bare TypeError."""
+    assert _codes(*_torchao("Float8Tensor", scheme=scheme, **data)) == ([code] if code else [])
 
 
 def test_torchao_intx_weights_as_diffusers_saves_them_validate() -> None:

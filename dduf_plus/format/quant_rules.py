@@ -93,6 +93,9 @@ def _groups(backend: str, scheme: str | None, qc: Mapping[str, Any], headers: li
         wanted = {"int8": "Int8Tensor", "float8": "Float8Tensor"}.get(weight)
         if wanted and any(k != wanted for k in kinds):
             raise QuantError("Q004", f"config scheme {scheme!r} but the tensors are {', '.join(kinds)}")
+        acting = next((n for n in groups if (descriptions[n].get("_data") or {}).get("act_quant_kwargs")), None)
+        if acting and (scheme or "").endswith("weight_only"):  # the layer would quantize its inputs too
+            raise QuantError("Q004", f"config scheme {scheme!r} but {acting} quantizes its activations")
         missing = sorted(n for n, d in descriptions.items() if d["_type"] == "Tensor" and n not in tensors)
         if missing:
             raise QuantError("Q002", f"{missing[0]}: listed in tensor_names but not stored")

@@ -47,6 +47,10 @@ def _check_node(value: Any, depth: int, key: str) -> None:
             raise QuantError("Q005", f"{key}: names class {str(kind)[:80]!r}, outside torchao's allow-list")
         if kind == "torch.dtype" and value.get("_data") not in TORCH_DTYPES:
             raise QuantError("Q005", f"{key}: dtype {str(value.get('_data'))[:80]!r} is not a torch dtype")
+        data = value.get("_data")
+        if kind in ("PerRow", "PerTensor") and not (data is None or isinstance(data, dict) and all(
+                type(v) is int and abs(v) < 64 for v in data.values())):  # PerRow(dim: int): a dimension index
+            raise QuantError("Q005", f"{key}: {kind} {str(data)[:40]} is not a dimension index")
         if kind is not None and isinstance(value.get("_data"), str) and value["_data"].startswith("_"):
             # torchao looks enum members up by this name (getattr): no dunder or private attribute
             raise QuantError("Q005", f"{key}: {kind} value {value['_data'][:80]!r} is not a member name")
@@ -131,6 +135,10 @@ def check_torchao_parts(name: str, description: Mapping[str, Any], parts: Mappin
     else:
         return
     check_torchao_block_size(name, description, parts)
+    dtype = (description.get("_data") or {}).get("dtype")  # the weight's own dtype: what it dequantizes to
+    if isinstance(dtype, Mapping) and dtype.get("_data") not in SCALE_DTYPES | {"float64"}:
+        raise QuantError("Q005", f"{name}: {description['_type']} dtype {str(dtype.get('_data'))[:20]!r} is not a "
+                         "floating dtype (load_state_dict fails on it)")
 
 
 def check_torchao_int8(name: str, parts: Mapping[str, TensorInfo]) -> None:
