@@ -636,3 +636,23 @@ def test_a_quanto_map_entry_of_another_type_is_refused_naming_it(value: Any) -> 
         with pytest.raises(DDUFError, match=f"quanto_qmap.json entry 'proj': {key}"):
             check_qmap({"proj": {key: value}}, quanto, "unet")
     assert check_qmap({"proj": {"weights": "qint8", "activations": "none"}}, quanto, "unet")
+
+
+def _bnb4_component(compute_dtype: Any) -> tuple[dict[str, Any], SafetensorsHeader]:
+    """A one-layer bitsandbytes 4-bit component (``l.weight`` [32, 32], nf4, blocks of 64)."""
+    qs = "l.weight.quant_state.bitsandbytes__nf4"
+    parts = _bnb_parts()
+    tensors = {info.name: info for info in parts.values()}
+    tensors[qs] = TensorInfo(qs, "uint8", (100,), 0, 100)
+    qc = {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
+          "bnb_4bit_compute_dtype": compute_dtype}
+    return {"quantization_config": qc}, SafetensorsHeader(100, tensors, None)
+
+
+@pytest.mark.parametrize("compute_dtype", ["int8", "bool", "float8_e4m3fn", "load", 5])
+def test_a_bnb_compute_dtype_that_is_no_float_is_refused(compute_dtype: Any) -> None:
+    """Found on 0.12.0: diffusers resolves any torch dtype name and each Linear4bit casts its input to it:
+    ``int8`` loaded and truncated the activations (another image), ``float8_e4m3fn`` gave NaN, ``bool`` a bare
+    NotImplementedError in the first forward. Now Q005 in validate, pack and the loader (one check)."""
+    assert _codes(*_bnb4_component("float16")) == [] and _codes(*_bnb4_component(None)) == []
+    assert _codes(*_bnb4_component(compute_dtype)) == ["Q005"]

@@ -45,6 +45,16 @@ def bnb_groups(tensors: Mapping[str, TensorInfo], backend: str) -> dict[str, dic
     return groups
 
 
+def check_bnb_config(qc: Mapping[str, Any], backend: str) -> None:
+    """Q005: a 4-bit config's ``bnb_4bit_compute_dtype`` is a float dtype bitsandbytes computes in. diffusers
+    resolves any torch dtype name (``getattr(torch, name)``) and each layer casts its input to it: ``int8``
+    truncated the activations, ``float8_e4m3fn`` gave NaN, ``bool`` a bare NotImplementedError, all after a
+    clean load."""
+    value = qc.get("bnb_4bit_compute_dtype")
+    if backend == "bitsandbytes_4bit" and value is not None and value not in SCALE_DTYPES:
+        raise QuantError("Q005", f"bnb_4bit_compute_dtype {str(value)[:20]!r} is not float32, float16 or bfloat16")
+
+
 def check_bnb_weight(name: str, parts: Mapping[str, TensorInfo], backend: str, scheme: str | None) -> None:
     data = parts.get("data")
     if backend == "bitsandbytes_8bit":

@@ -18,6 +18,7 @@ from .findings import Finding, finding
 from .quant_bnb import (
     bnb_cpu_repack_problem,
     bnb_groups,
+    check_bnb_config,
     check_bnb_weight,
     check_quant_state,
     parse_quant_state,
@@ -110,6 +111,7 @@ def _groups(backend: str, scheme: str | None, qc: Mapping[str, Any], headers: li
             raise QuantError("Q004", f"{skipped}: modules_to_not_convert lists it, but it is stored quantized")
         kinds = sorted({tensors[n].dtype for n in groups})
         return groups, kinds, lambda name, parts: check_sdnq_weight(name, parts, qc, storages)
+    check_bnb_config(qc, backend)
     return bnb_groups(tensors, backend), [scheme or "?"], lambda name, parts: check_bnb_weight(name, parts, backend, scheme)
 
 
