@@ -576,7 +576,8 @@ def test_quanto_weights_as_quanto_saves_them_fit(qtype: str) -> None:
     ("qint4", "0.weight._scale", lambda t: t[:1], r"_scale float32 \[1, 1\], one float scale per row \[128, 1\]"),
     ("qint4", "2.weight._scale", lambda t: t.repeat(2, 1, 1, 1), r"per row \[8, 1, 1, 1\]"),
     ("qint2", "1.weight._data._data", lambda t: t[:-1], r"\[9, 100\]"),
-])
+], ids=["qint8-data-uint8", "qint8-data-float32", "qint8-scale-int8", "qint4-packed-half", "qint4-packed-int8",
+        "qint4-one-scale", "qint4-conv-scale-doubled", "qint2-packed-row-short"])
 def test_quanto_weights_that_do_not_fit_their_layer_are_refused(qtype: str, key: str, change: Callable[[Any], Any],
                                                                 match: str) -> None:
     """Found on 0.12.0: a qint8 weight's bytes stored as uint8 loaded (values over 127 read as positive: another
