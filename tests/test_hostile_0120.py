@@ -589,8 +589,13 @@ def test_quanto_weights_that_do_not_fit_their_layer_are_refused(qtype: str, key:
     assert len(problems) == 1 and re.search(match, problems[0]), problems
 
 
-def test_load_dduf_refuses_a_quanto_packed_weight_of_half_its_rows(tmp_path: Path) -> None:
-    """End to end (found on 0.12.0: it loaded, and the first forward raised a bare RuntimeError)."""
+def test_a_quanto_packed_weight_of_half_its_rows_is_refused_everywhere(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """End to end (found on 0.12.0: validate took it, it loaded, and the first forward raised a bare
+    RuntimeError). Now validate and load_dduf say Q003 (the map says qint4: 16 packed rows for 32 scales), the
+    component loader on the folder Q006 (the layer's own shape); pack refuses to write it."""
+    import importlib
+    import json
     import shutil
 
     import torch
@@ -601,7 +606,10 @@ def test_load_dduf_refuses_a_quanto_packed_weight_of_half_its_rows(tmp_path: Pat
     from diffusers import PixArtTransformer2DModel
 
     from conftest import PIPELINES
+    from dduf_plus import validate
+    from dduf_plus.errors import DDUFPackError
     from dduf_plus.loading import quant
+    from dduf_plus.loading.files import FolderComponentFiles
     from dduf_plus.packing.pack import pack
 
     model = PixArtTransformer2DModel.from_pretrained(PIPELINES / "tiny-dit", subfolder="transformer")
@@ -619,11 +627,41 @@ def test_load_dduf_refuses_a_quanto_packed_weight_of_half_its_rows(tmp_path: Pat
     key = "caption_projection.linear_1.weight._data._data"
     tensors[key] = tensors[key][: tensors[key].shape[0] // 2].contiguous()
     save_file(tensors, str(weights), metadata=metadata)
-    pack(root, tmp_path / "half.dduf", quiet=True)
+    with pytest.raises(DDUFPackError, match="Q003"):
+        pack(root, tmp_path / "half.dduf", quiet=True)
+    monkeypatch.setattr(importlib.import_module("dduf_plus.format.pack"), "check_written", lambda tmp, o: None)
+    pack(root, tmp_path / "half.dduf", quiet=True)  # as a foreign writer would
+    report = validate(tmp_path / "half.dduf")
+    assert [f.code for f in report.errors] == ["Q003"] and "caption_projection.linear_1" in report.errors[0].message
+    with pytest.raises(DDUFError, match="Q003.*caption_projection.linear_1: qint4 scale"):
+        load_dduf(tmp_path / "half.dduf", torch_dtype=torch.float32)
+    config = json.loads((folder / "config.json").read_text())
     with pytest.raises(DDUFError, match=r"Q006: caption_projection.linear_1 \(qint4\).*weight._data uint8 \[8, 32\]") \
             as caught:
-        load_dduf(tmp_path / "half.dduf", torch_dtype=torch.float32)
+        quant.load_quanto_component(PixArtTransformer2DModel, config, FolderComponentFiles(folder))
     assert getattr(caught.value, "code", None) == "Q006"
+
+
+def test_quanto_parts_against_the_map_torch_free() -> None:
+    """validate's side (no torch, no model): the map's qtype against the stored dtypes and row counts."""
+    def header(**tensors: tuple[str, tuple[int, ...]]) -> SafetensorsHeader:
+        return SafetensorsHeader(100, {n: TensorInfo(n, d, s, 0, 1) for n, (d, s) in tensors.items()}, None)
+
+    qmap = {"l": {"weights": "qint4", "activations": "none"}, "m": {"weights": "qint8", "activations": "none"}}
+    good = {"l.weight._data._data": ("uint8", (64, 128)), "l.weight._scale": ("float32", (128, 1)),
+            "l.weight._shift": ("float32", (128, 1)), "m.weight._data": ("int8", (33, 100)),
+            "m.weight._scale": ("bfloat16", (33, 1))}
+    assert quant_rules.quanto_findings("t", qmap, [header(**good)]) == []
+    for change, expected in [({"l.weight._data._data": ("uint8", (32, 128))}, "qint4 scale"),
+                             ({"l.weight._data._data": ("int8", (64, 128))}, "is int8, not uint8"),
+                             ({"l.weight._shift": ("float32", (1, 1))}, "qint4 shift"),
+                             ({"m.weight._data": ("uint8", (33, 100))}, "is uint8, not int8"),
+                             ({"m.weight._scale": ("float32", (1, 1))}, "qint8 scale"),
+                             ({"m.weight._scale": ("int8", (33, 1))}, "qint8 scale int8")]:
+        found = quant_rules.quanto_findings("t", qmap, [header(**{**good, **change})])
+        assert [f.code for f in found] == ["Q003"] and expected in found[0].message, (change, found)
+    assert quant_rules.quanto_findings("t", {"m": {"weights": "qint8"}}, [header()]) == []  # missing: the loader's
+    assert quant_rules.quanto_findings("t", ["not", "a", "map"], [header(**good)]) == []
 
 
 @pytest.mark.parametrize("value", [["qint8"], {"qint8": 1}, 5])
