@@ -107,10 +107,13 @@ def path_argument(value: object, call: str) -> str:
     else is a :class:`DDUFUsageError` naming ``call`` (``"validate(source=...)"``): a user's ``validate(5)``
     gets a message about their argument, not ``AttributeError: 'int' object has no attribute 'name'``."""
     try:
-        return os.fsdecode(value)  # type: ignore[arg-type]  # anything else raises TypeError, answered below
+        text = os.fsdecode(value)  # type: ignore[arg-type]  # anything else raises TypeError, answered below
     except TypeError:
         raise DDUFUsageError(f"{call}: expected a path (str or os.PathLike), got {type(value).__name__} "
                              f"{value!r:.60}") from None
+    if "\x00" in text:  # no file system takes it: open() would raise a bare ValueError ("embedded null byte")
+        raise DDUFUsageError(f"{call}: the path {text!r:.60} holds a NUL character")
+    return text
 
 
 def io_error(message: str, error: OSError, filename: str | os.PathLike | None = None) -> DDUFIOError:

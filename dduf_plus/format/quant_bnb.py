@@ -45,6 +45,16 @@ def bnb_groups(tensors: Mapping[str, TensorInfo], backend: str) -> dict[str, dic
     return groups
 
 
+def check_bnb_config(qc: Mapping[str, Any], backend: str) -> None:
+    """Q005: a 4-bit config's ``bnb_4bit_compute_dtype`` is a float dtype bitsandbytes computes in. diffusers
+    resolves any torch dtype name (``getattr(torch, name)``) and each layer casts its input to it: ``int8``
+    truncated the activations, ``float8_e4m3fn`` gave NaN, ``bool`` a bare NotImplementedError, all after a
+    clean load."""
+    value = qc.get("bnb_4bit_compute_dtype")
+    if backend == "bitsandbytes_4bit" and value is not None and value not in SCALE_DTYPES:
+        raise QuantError("Q005", f"bnb_4bit_compute_dtype {str(value)[:20]!r} is not float32, float16 or bfloat16")
+
+
 def check_bnb_weight(name: str, parts: Mapping[str, TensorInfo], backend: str, scheme: str | None) -> None:
     data = parts.get("data")
     if backend == "bitsandbytes_8bit":
@@ -138,9 +148,15 @@ def check_quant_state(state: Mapping[str, Any], name: str, parts: Mapping[str, T
     per block; with double quantization, one nested_absmax per nested block of absmax bytes.
 
     Raises:
-        QuantError: ``Q003`` (shape / blocksize against the packed data and absmax) or ``Q007`` (a field a
-            kernel indexes with: nested fields, dtype).
+        QuantError: ``Q004`` (its quant_type is not the one its tensor name, so the config, says), ``Q003``
+            (shape / blocksize against the packed data and absmax) or ``Q007`` (a field a kernel indexes with:
+            nested fields, dtype).
     """
+    stored = parts.get("quant_state")  # its name says the scheme (checked against the config: Q004)
+    named = stored.name.rpartition(".quant_state.bitsandbytes__")[2] if stored is not None else None
+    if named and state["quant_type"] != named:  # bitsandbytes dequantizes with the JSON's: another code book
+        raise QuantError("Q004", f"{name}: the quant state says {state['quant_type']!r}, its tensor name and the "
+                         f"config say {named!r}")
     values = prod(state["shape"])
     packed_bytes, absmax_count = parts["data"].nbytes, prod(parts["absmax"].shape)
     if -(-values // 2) != packed_bytes or -(-values // state["blocksize"]) != absmax_count:

@@ -18,6 +18,7 @@ from .findings import Finding, finding
 from .quant_bnb import (
     bnb_cpu_repack_problem,
     bnb_groups,
+    check_bnb_config,
     check_bnb_weight,
     check_quant_state,
     parse_quant_state,
@@ -30,8 +31,8 @@ from .quant_sdnq import (
     sdnq_skipped_but_stored,
     sdnq_storage_dtypes,
 )
-from .quant_torchao import check_torchao_block_size, check_torchao_int8, torchao_descriptions, torchao_groups
-from .quantization import QuantError, backend_of, quantization_config
+from .quant_torchao import check_torchao_parts, torchao_descriptions, torchao_groups
+from .quantization import SCALE_DTYPES, QuantError, backend_of, quantization_config
 from .safetensors_header import SafetensorsHeader, TensorInfo
 
 _CAMEL = re.compile(r"(?<!^)(?=[A-Z][a-z])")
@@ -88,17 +89,19 @@ def _groups(backend: str, scheme: str | None, qc: Mapping[str, Any], headers: li
         descriptions = torchao_descriptions(_metadata(headers))
         groups = torchao_groups(descriptions)
         kinds = sorted({str(descriptions[n]["_type"]) for n in groups})
-        if scheme and scheme.startswith("int8") and any(k != "Int8Tensor" for k in kinds):
+        # the weight's type the scheme names: int8_weight_only, int8_dynamic_activation_int8_weight -> int8
+        weight = (scheme or "").removesuffix("_only").removesuffix("_weight").rpartition("_")[2]
+        wanted = {"int8": "Int8Tensor", "float8": "Float8Tensor"}.get(weight)
+        if wanted and any(k != wanted for k in kinds):
             raise QuantError("Q004", f"config scheme {scheme!r} but the tensors are {', '.join(kinds)}")
+        acting = next((n for n in groups if (descriptions[n].get("_data") or {}).get("act_quant_kwargs")), None)
+        if acting and (scheme or "").endswith("weight_only"):  # the layer would quantize its inputs too
+            raise QuantError("Q004", f"config scheme {scheme!r} but {acting} quantizes its activations")
         missing = sorted(n for n, d in descriptions.items() if d["_type"] == "Tensor" and n not in tensors)
         if missing:
             raise QuantError("Q002", f"{missing[0]}: listed in tensor_names but not stored")
 
-        def check_torchao(name: str, parts: Mapping[str, TensorInfo]) -> None:
-            if descriptions[name]["_type"] == "Int8Tensor":
-                check_torchao_int8(name, parts)
-                check_torchao_block_size(name, descriptions[name], parts)
-        return groups, kinds, check_torchao
+        return groups, kinds, lambda name, parts: check_torchao_parts(name, descriptions[name], parts)
     if backend == "sdnq":
         check_sdnq_config(qc)
         storages = sdnq_storage_dtypes(qc)
@@ -108,6 +111,7 @@ def _groups(backend: str, scheme: str | None, qc: Mapping[str, Any], headers: li
             raise QuantError("Q004", f"{skipped}: modules_to_not_convert lists it, but it is stored quantized")
         kinds = sorted({tensors[n].dtype for n in groups})
         return groups, kinds, lambda name, parts: check_sdnq_weight(name, parts, qc, storages)
+    check_bnb_config(qc, backend)
     return bnb_groups(tensors, backend), [scheme or "?"], lambda name, parts: check_bnb_weight(name, parts, backend, scheme)
 
 
@@ -166,7 +170,8 @@ def check_quant_states(headers: Iterable[SafetensorsHeader],
     repack, with why (:func:`bnb_cpu_repack_problem`: rule Q009, a warning).
 
     Raises:
-        QuantError: ``Q005`` (not a quant state bitsandbytes writes), ``Q003`` / ``Q007`` (does not fit its tensors).
+        QuantError: ``Q005`` (not a quant state bitsandbytes writes), ``Q004`` (its quant_type contradicts its
+            name and the config), ``Q003`` / ``Q007`` (does not fit its tensors).
     """
     tensors = _all_tensors(headers)
     unfit: list[tuple[str, str]] = []
@@ -213,3 +218,46 @@ def findings_for(component: str, config: Any, headers: Iterable[SafetensorsHeade
         out.append(finding("Q010", f"{component}/config.json", f"{backend}: no stored weight is quantized: it loads "
                                                                "in full precision"))
     return out
+
+
+# --- optimum-quanto (its map, quanto_qmap.json, says each layer's qtype) --------------------------------------
+QUANTO_QTYPES = {"qint8": (8, "int8"), "qfloat8": (8, "float8_e4m3fn"), "qfloat8_e4m3fn": (8, "float8_e4m3fn"),
+                 "qfloat8_e4m3fnuz": (8, "float8_e4m3fnuz"), "qfloat8_e5m2": (8, "float8_e5m2"),
+                 "qint4": (4, "uint8"), "qint2": (2, "uint8")}  # (bits, stored dtype: packed for 4 / 2 bits)
+
+
+def quanto_weight_parts_problem(module: str, qtype: str, tensors: Mapping[str, TensorInfo]) -> str | None:
+    """What contradicts the map in one layer's stored parts, from the headers alone (the layer's own shape is
+    the loader's to check, Q006): data in the qtype's dtype, one float scale per row of it (4 / 2 bits: the
+    packed rows hold that many rows, ``8 // bits`` per byte), ``_shift`` shaped like ``_scale``."""
+    bits, dtype = QUANTO_QTYPES[qtype]
+    data = tensors.get(f"{module}.weight._data" if bits == 8 else f"{module}.weight._data._data")
+    scale, shift = tensors.get(f"{module}.weight._scale"), tensors.get(f"{module}.weight._shift")
+    if data is None or scale is None:
+        return None  # a missing part: the loader names every missing key
+    if data.dtype != dtype:
+        return f"{qtype} data {data.name} is {data.dtype}, not {dtype}"
+    rows = scale.shape[0] if scale.shape else 0
+    packed_rows = rows if bits == 8 else -(-rows // (8 // bits))
+    if scale.dtype not in SCALE_DTYPES or len(scale.shape) != len(data.shape) \
+            or any(d != 1 for d in scale.shape[1:]) or not data.shape or data.shape[0] != packed_rows:
+        return (f"{qtype} scale {scale.dtype} {list(scale.shape)[:4]} is not one float per row of "
+                f"{data.name} {list(data.shape)[:4]}")
+    if shift is not None and shift.shape != scale.shape:
+        return f"{qtype} shift {list(shift.shape)[:4]} is not shaped like its scale {list(scale.shape)[:4]}"
+    return None
+
+
+def quanto_findings(component: str, qmap: Any, headers: Iterable[SafetensorsHeader]) -> list[Finding]:
+    """Q003 for an optimum-quanto component whose stored parts contradict its ``quanto_qmap.json`` (the first
+    layer that does; a map that is no object of objects is the loader's to refuse)."""
+    if not isinstance(qmap, Mapping):
+        return []
+    tensors = _all_tensors(headers)
+    for module, entry in qmap.items():
+        qtype = entry.get("weights") if isinstance(entry, Mapping) else None
+        if isinstance(qtype, str) and qtype in QUANTO_QTYPES:
+            problem = quanto_weight_parts_problem(str(module), qtype, tensors)
+            if problem is not None:
+                return [finding("Q003", f"{component}/quanto_qmap.json", f"optimum-quanto: {module}: {problem}")]
+    return []

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from math import prod
 from typing import Any
 
 from .quantization import SCALE_DTYPES, QuantError
@@ -28,7 +29,8 @@ TORCHAO_CLASSES = TORCHAO_TENSOR_TYPES | {"Float8MMConfig", "QuantizeTensorToFlo
                                           "QuantizeTensorToNVFP4Kwargs", "torch.dtype", "Tensor"}
 TORCH_DTYPES = frozenset({"float32", "float16", "bfloat16", "float64", "int8", "uint8", "int16", "int32", "int64",
                           "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float4_e2m1fn_x2",
-                          "float8_e8m0fnu", "bool"})
+                          "float8_e8m0fnu", "bool", "uint16", "uint32", "uint64",
+                          *(f"{u}int{bits}" for u in ("", "u") for bits in range(1, 8))})  # sub-byte: Intx weights
 MAX_DESCRIPTION_BYTES = 16 * 1024  # one tensor's JSON description (a real Int8Tensor's is ~250 bytes)
 MAX_DESCRIPTION_DEPTH = 6  # real ones nest 4 deep ({"_data": {"dtype": {"_data": ...}}})
 
@@ -45,6 +47,10 @@ def _check_node(value: Any, depth: int, key: str) -> None:
             raise QuantError("Q005", f"{key}: names class {str(kind)[:80]!r}, outside torchao's allow-list")
         if kind == "torch.dtype" and value.get("_data") not in TORCH_DTYPES:
             raise QuantError("Q005", f"{key}: dtype {str(value.get('_data'))[:80]!r} is not a torch dtype")
+        data = value.get("_data")
+        if kind in ("PerRow", "PerTensor") and not (data is None or isinstance(data, dict) and all(
+                type(v) is int and abs(v) < 64 for v in data.values())):  # PerRow(dim: int): a dimension index
+            raise QuantError("Q005", f"{key}: {kind} {str(data)[:40]} is not a dimension index")
         if kind is not None and isinstance(value.get("_data"), str) and value["_data"].startswith("_"):
             # torchao looks enum members up by this name (getattr): no dunder or private attribute
             raise QuantError("Q005", f"{key}: {kind} value {value['_data'][:80]!r} is not a member name")
@@ -83,7 +89,8 @@ def torchao_descriptions(metadata: Mapping[str, str]) -> dict[str, dict[str, Any
         _check_node(value, 0, name)
         parts = value.get("_tensor_data_names", [])
         if value["_type"] != "Tensor" and (not isinstance(parts, list) or not parts
-                                            or not all(isinstance(p, str) and p.isidentifier() for p in parts)):
+                                            or not all(isinstance(p, str) and p.isidentifier()
+                                                       and not p.startswith("_") for p in parts)):  # no dunder
             raise QuantError("Q005", f"{name}: '_tensor_data_names' is not a list of names")
         out[name] = value
     return out
@@ -101,12 +108,46 @@ def torchao_groups(descriptions: Mapping[str, Mapping[str, Any]]) -> dict[str, d
     return groups
 
 
+FLOAT8_DTYPES = frozenset({"float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"})
+# the types whose parts these rules fit (others: torchao's own); IntxUnpackedToInt8Tensor (IntxWeightOnlyConfig,
+# int1..int8 values kept one per int8) has Int8Tensor's layout: qdata [N, K], scale / zero_point the block grid
+CHECKED_TYPES = ("Int8Tensor", "IntxUnpackedToInt8Tensor", "Float8Tensor")
+
+
+def check_torchao_float8(name: str, parts: Mapping[str, TensorInfo]) -> None:
+    """Float8Tensor: float8 ``qdata`` [N, K] and a float ``scale`` (its block grid: :func:`check_torchao_block_size`).
+    torchao dequantizes ``qdata.to(dtype) * scale`` by broadcasting: int8 bytes taken as float8 values, or one
+    scale row spread over every output, load and run as another model."""
+    qdata, scale = parts.get("qdata"), parts.get("scale")
+    if qdata is None or qdata.dtype not in FLOAT8_DTYPES or len(qdata.shape) != 2:
+        raise QuantError("Q003", f"{name}: Float8Tensor qdata must be a float8 matrix, not "
+                         f"{qdata.dtype if qdata else None} {list(qdata.shape)[:4] if qdata else []}")
+    if scale is None or scale.dtype not in SCALE_DTYPES:
+        raise QuantError("Q003", f"{name}: Float8Tensor scale must be float32, float16 or bfloat16")
+
+
+def check_torchao_parts(name: str, description: Mapping[str, Any], parts: Mapping[str, TensorInfo]) -> None:
+    """The parts of a quantized weight of a type in :data:`CHECKED_TYPES` fit as torchao computes with them."""
+    if description["_type"] in ("Int8Tensor", "IntxUnpackedToInt8Tensor"):
+        check_torchao_int8(name, parts)
+    elif description["_type"] == "Float8Tensor":
+        check_torchao_float8(name, parts)
+    else:
+        return
+    check_torchao_block_size(name, description, parts)
+    dtype = (description.get("_data") or {}).get("dtype")  # the weight's own dtype: what it dequantizes to
+    if isinstance(dtype, Mapping) and dtype.get("_data") not in SCALE_DTYPES | {"float64"}:
+        raise QuantError("Q005", f"{name}: {description['_type']} dtype {str(dtype.get('_data'))[:20]!r} is not a "
+                         "floating dtype (load_state_dict fails on it)")
+
+
 def check_torchao_int8(name: str, parts: Mapping[str, TensorInfo]) -> None:
     """Int8Tensor: int8 ``qdata`` [N, K]; ``scale`` and ``zero_point`` with one row per output and
     as many columns as there are blocks along K."""
     qdata = parts.get("qdata")
     if qdata is None or qdata.dtype != "int8" or len(qdata.shape) != 2:
-        raise QuantError("Q003", f"{name}: Int8Tensor qdata must be an int8 matrix")
+        raise QuantError("Q003", f"{name}: qdata must be an int8 matrix, not {qdata.dtype if qdata else None} "
+                         f"{list(qdata.shape)[:4] if qdata else []}")
     for part in ("scale", "zero_point"):
         t = parts.get(part)
         if t is None:
@@ -132,7 +173,7 @@ def check_torchao_block_size(name: str, description: Mapping[str, Any], parts: M
     grid = tuple(n // b for n, b in zip(qdata.shape, block, strict=True))
     for part in ("scale", "zero_point"):
         t = parts.get(part)
-        if t is not None and t.shape != grid:
+        if t is not None and t.shape != grid and not (prod(grid) == 1 and prod(t.shape) == 1):  # per tensor: [] too
             raise QuantError("Q007", f"{name}: {part} {list(t.shape)} is not the block grid {list(grid)} of qdata "
                              f"{list(qdata.shape)} in blocks of {block}")
 

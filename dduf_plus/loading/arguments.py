@@ -9,6 +9,8 @@ ignored as an unknown pipeline keyword (a script ported from diffusers must not 
 
 from __future__ import annotations
 
+import itertools
+import math
 import os
 import sys
 from collections.abc import Iterable, Mapping
@@ -42,6 +44,10 @@ FROM_PRETRAINED: dict[str, tuple[tuple[Any, ...], str]] = {
 }
 # from_pretrained keywords taken with any bool and no effect: load_dduf always builds on the meta device
 NO_EFFECT_BOOLS = ("low_cpu_mem_usage",)
+# adapters= / model_dirs= given as any iterable are read once, into a list, up to this many items (a generator
+# would otherwise be used up by the check and an endless one would never end it)
+MAX_ARGUMENT_ITEMS = 10_000
+MAX_ADAPTER_WEIGHT = 1e4  # |weight| an archive's own adapter may have (rule A001): adapter_weights= the same
 
 
 def _refuse(argument: str, value: Any, expected: str) -> DDUFUsageError:
@@ -59,7 +65,8 @@ def source_path(path: Any) -> str:
 
 
 def _is_bool(value: Any) -> bool:
-    return isinstance(value, bool) or type(value).__name__ == "bool_"  # numpy's bool too
+    # numpy's bool too: numpy.bool_ before numpy 2, numpy.bool (its __name__ "bool") since
+    return isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool_", "bool"))
 
 
 def check_flags(**flags: Any) -> None:
@@ -82,29 +89,60 @@ def check_hub_options(*, token: Any, revision: Any, cache_dir: Any, variant: Any
     check_optional("dduf_file", dduf_file, (str,), "the archive's file name in the repo (str) or None")
 
 
-def check_adapters(adapters: Any, adapter_weights: Any) -> None:
-    """``adapters``: None, a bool, a name or names; ``adapter_weights``: {name: number}."""
+def _listed(name: str, value: Iterable[Any], expected: str) -> list[Any]:
+    """An iterable argument read once into a list of at most :data:`MAX_ARGUMENT_ITEMS` items."""
+    items = list(itertools.islice(value, MAX_ARGUMENT_ITEMS + 1))
+    if len(items) > MAX_ARGUMENT_ITEMS:
+        raise DDUFUsageError(f"load_dduf({name}=...): more than {MAX_ARGUMENT_ITEMS} items; expected {expected}")
+    return items
+
+
+def _finite_weight(value: Real) -> bool:
+    try:
+        weight = float(value)
+    except OverflowError:  # an int past float's range (10**400)
+        return False
+    return math.isfinite(weight) and abs(weight) <= MAX_ADAPTER_WEIGHT
+
+
+def check_adapters(adapters: Any, adapter_weights: Any) -> Any:
+    """``adapters``: None, a bool, a name or names; ``adapter_weights``: {name: finite number}. Returns
+    ``adapters`` with any other iterable (a generator) read into a list, which the load uses instead: the
+    check must not use up the names the load then applies (0.12.0 applied none)."""
     if adapters is not None and not _is_bool(adapters) and not isinstance(adapters, str):
-        names = list(adapters) if isinstance(adapters, Iterable) and not isinstance(adapters, Mapping) else None
+        expected = "None, True, False, an adapter name or a list of names"
+        names = _listed("adapters", adapters, expected) \
+            if isinstance(adapters, Iterable) and not isinstance(adapters, Mapping) else None
         if names is None or not all(isinstance(n, str) for n in names):
-            raise _refuse("adapters", adapters, "None, True, False, an adapter name or a list of names")
+            raise _refuse("adapters", adapters, expected)
+        adapters = names
     if adapter_weights is None:
-        return
+        return adapters
     if not isinstance(adapter_weights, Mapping) or not all(
             isinstance(k, str) and isinstance(v, Real) and not _is_bool(v) for k, v in adapter_weights.items()):
         raise _refuse("adapter_weights", adapter_weights, "a dict {adapter name: weight (a number)}")
+    for key, value in adapter_weights.items():  # NaN or inf would be fused into every adapted weight
+        if not _finite_weight(value):
+            raise DDUFUsageError(f"load_dduf(adapter_weights={{{_short(key)}: {_short(value)}}}): expected a "
+                                 f"finite weight of at most {MAX_ADAPTER_WEIGHT:g} in size, as an archive's own")
+    return adapters
 
 
-def check_sources(*, refs: Any, model_dirs: Any, remote: Any, max_decompressed: Any) -> None:
+def check_sources(*, refs: Any, model_dirs: Any, remote: Any, max_decompressed: Any) -> Any:
     """Where references are found and how a URL or a ``.dduf.zst`` is read: checked even when this load does
-    not use them, so a wrong value fails the first time rather than on the archive that needs it."""
+    not use them, so a wrong value fails the first time rather than on the archive that needs it. Returns
+    ``model_dirs``, an iterable of folders read into a list (searched once per reference: a generator would be
+    used up by this check)."""
     if refs is not None and not (isinstance(refs, Mapping) and all(
             isinstance(k, str) and isinstance(v, (str, os.PathLike)) for k, v in refs.items())):
         raise _refuse("refs", refs, "{component: source} (a path, Hub repo or URL; '*' for every component) "
                       "or None")
     if model_dirs is not None and not isinstance(model_dirs, (str, os.PathLike)):
-        if not isinstance(model_dirs, Iterable) or not all(isinstance(d, (str, os.PathLike)) for d in model_dirs):
-            raise _refuse("model_dirs", model_dirs, "a folder or a list of folders (str or os.PathLike)")
+        expected = "a folder or a list of folders (str or os.PathLike)"
+        dirs = _listed("model_dirs", model_dirs, expected) if isinstance(model_dirs, Iterable) else None
+        if dirs is None or not all(isinstance(d, (str, os.PathLike)) for d in dirs):
+            raise _refuse("model_dirs", model_dirs, expected)
+        model_dirs = dirs
     if remote is not None and not isinstance(remote, Mapping):
         from ..remote.readers import RemoteOptions
 
@@ -117,6 +155,7 @@ def check_sources(*, refs: Any, model_dirs: Any, remote: Any, max_decompressed: 
             raise _refuse("max_decompressed", max_decompressed, "a size ('64G'), a ratio ('32x'), both "
                           "('64G,32x'), 'unlimited' or a byte count")
         decompression_budget(max_decompressed)  # a malformed string is a DDUFError naming it
+    return model_dirs
 
 
 def from_pretrained_options(kwargs: dict[str, Any], use_mmap: bool) -> bool:
@@ -177,5 +216,5 @@ def check_dtype_kind(torch_dtype: Any, dtype: Any) -> None:
                                      "floating dtype (float32, float16, bfloat16...) or 'auto'")
 
 
-__all__ = ["FROM_PRETRAINED", "NO_EFFECT_BOOLS", "check_adapters", "check_dtype_kind", "check_flags",
+__all__ = ["FROM_PRETRAINED", "MAX_ADAPTER_WEIGHT", "MAX_ARGUMENT_ITEMS", "NO_EFFECT_BOOLS", "check_adapters", "check_dtype_kind", "check_flags",
            "check_hub_options", "check_optional", "check_passed_component", "check_sources", "from_pretrained_options", "source_path"]

@@ -170,8 +170,8 @@ def load_dduf(  # long: its signature is from_pretrained's keywords (27 lines), 
                 fuse_lora=fuse_lora)
     check_optional("local_files_only", local_files_only, (bool,), "True, False or None")
     check_hub_options(token=token, revision=revision, cache_dir=cache_dir, variant=variant, dduf_file=dduf_file)
-    check_sources(refs=refs, model_dirs=model_dirs, remote=remote, max_decompressed=max_decompressed)
-    check_adapters(adapters, adapter_weights)
+    model_dirs = check_sources(refs=refs, model_dirs=model_dirs, remote=remote, max_decompressed=max_decompressed)
+    adapters = check_adapters(adapters, adapter_weights)  # iterables read once, into lists
     check_dtype_kind(torch_dtype, dtype)
     use_mmap, local_files_only = from_pretrained_options(kwargs, use_mmap), bool(local_files_only)
     path_str, archive, fetch = _open_source(source_path(path), dduf_file, revision=revision, token=token,

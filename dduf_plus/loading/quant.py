@@ -30,6 +30,7 @@ quanto; the torch-free parts (``QMAP_NAME``, the index record) live in :mod:`ddu
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -87,7 +88,12 @@ def _require_quanto() -> Any:
 # --- loading -----------------------------------------------------------------------------------------
 
 
-def _check_qmap(qmap: Any, quanto: Any, where: str) -> dict[str, dict[str, Any]]:
+def check_qmap(qmap: Any, quanto: Any, where: str) -> dict[str, dict[str, Any]]:
+    """``quanto_qmap.json`` as quanto's skeleton reads it: {module: {"weights": qtype name, "activations": ...}}.
+
+    Raises:
+        DDUFLoadError: naming the entry and what is wrong (not an object, a qtype that is no name or unknown).
+    """
     if not isinstance(qmap, dict):
         raise DDUFLoadError(f"{where}: {QMAP_NAME} must be a JSON object")
     for name, entry in qmap.items():
@@ -95,6 +101,9 @@ def _check_qmap(qmap: Any, quanto: Any, where: str) -> dict[str, dict[str, Any]]
             raise DDUFLoadError(f"{where}: {QMAP_NAME} entry {name!r} is not an object")
         for key in ("weights", "activations"):
             value = entry.get(key, "none")
+            if value is not None and not isinstance(value, str):  # a list or object: unhashable, a bare TypeError
+                raise DDUFLoadError(f"{where}: {QMAP_NAME} entry {name!r}: {key} is a {type(value).__name__}, not a "
+                                    "qtype name")
             if value not in ("none", None) and value not in quanto.tensor.qtypes:
                 raise DDUFLoadError(f"{where}: {QMAP_NAME} entry {name!r}: unknown {key} qtype {value!r} "
                                     f"(known: {', '.join(sorted(quanto.tensor.qtypes))})")
@@ -177,7 +186,7 @@ def load_quanto_component(
     """
     quanto = _require_quanto()
     where = str(getattr(files, "description", None) or getattr(files, "name", "component"))
-    qmap = _check_qmap(_read_qmap(files, where) if qmap is None else qmap, quanto, where)
+    qmap = check_qmap(_read_qmap(files, where) if qmap is None else qmap, quanto, where)
     target_dtype = torch_dtype(dtype)
     model = empty_model(model_cls, config, where, files, variant)
     _quantize_skeleton(model, qmap, quanto, where)
@@ -202,30 +211,44 @@ def _read_qmap(files: ComponentFiles, where: str) -> Any:
 
 
 def check_quanto_shapes(model: torch.nn.Module, state: Mapping[str, Any], quanto: Any, where: str) -> None:
-    """Q006: each quanto layer's stored weight parts have the shapes the layer computes with, before quanto wraps
-    them (it takes any shape at load; the first forward then hands them to torch's int8 kernel, which indexes
-    one scale per output row, or to its own unpacking). 8-bit (qint8, qfloat8): ``_data`` is the layer's weight
-    shape and ``_scale`` one value per output (``[out, 1, ...]``); 4 / 2-bit: ``_shift`` shaped like ``_scale``."""
+    """Q006: each quanto layer's stored weight parts have the shapes and dtypes the layer computes with, before
+    quanto wraps them (it takes any at load; the first forward then hands them to torch's int8 / int4 kernels,
+    which index one scale per output row or group, or to its own unpacking). 8-bit (qint8, qfloat8): ``_data``
+    is the layer's weight shape in the qtype's dtype (uint8 bytes taken as int8 values: another model) and
+    ``_scale`` one float per output (``[out, 1, ...]``); 4 / 2-bit: ``_data._data`` the uint8 packing of the
+    weight (grouped as the layer groups it), ``_scale`` one float per row of that, ``_shift`` shaped like it."""
     for name, module in model.named_modules():
         qtype = getattr(module, "weight_qtype", None) if isinstance(module, quanto.QModuleMixin) else None
         if qtype is None:
             continue
-        dot, wanted = f"{name}." if name else "", tuple(module.weight.shape)
-        scale = state.get(f"{dot}weight._scale")
-        problem = None
-        if qtype.bits == 8:
-            data = state.get(f"{dot}weight._data")
-            per_row = (wanted[0], *([1] * (len(wanted) - 1)))
-            if data is not None and tuple(data.shape) != wanted:
-                problem = f"weight._data {list(data.shape)}, the layer's weight {list(wanted)}"
-            elif scale is not None and tuple(scale.shape) != per_row:
-                problem = f"weight._scale {list(scale.shape)}, one scale per output {list(per_row)}"
-        else:
-            shift = state.get(f"{dot}weight._shift")
-            if scale is not None and shift is not None and shift.shape != scale.shape:
-                problem = f"weight._shift {list(shift.shape)} unlike weight._scale {list(scale.shape)}"
+        problem = quanto_weight_problem(module, qtype, f"{name}." if name else "", state)
         if problem is not None:
             raise DDUFLoadError(f"{where}: Q006: {name} ({qtype.name}) is stored with {problem}", code="Q006")
+
+
+def quanto_weight_problem(module: Any, qtype: Any, dot: str, state: Mapping[str, Any]) -> str | None:
+    """What is wrong with one quanto layer's stored weight parts (see :func:`check_quanto_shapes`), or None."""
+    import torch
+
+    wanted = tuple(module.weight.shape)
+    scale, shift = state.get(f"{dot}weight._scale"), state.get(f"{dot}weight._shift")
+    if qtype.bits == 8:
+        data, rows, data_shape, data_dtype = state.get(f"{dot}weight._data"), wanted, wanted, qtype.dtype
+    else:  # quanto groups the weight into [n, group] rows (group_size None: as it is) and packs dim 0
+        group = getattr(module, "weight_group_size", None)
+        rows = wanted if group is None else (math.prod(wanted) // group, group)
+        data, data_dtype = state.get(f"{dot}weight._data._data"), torch.uint8
+        data_shape = (-(-rows[0] // (8 // qtype.bits)), *rows[1:])
+    per_row = (rows[0], *([1] * (len(rows) - 1)))
+    if data is not None and (tuple(data.shape) != data_shape or data.dtype != data_dtype):
+        return (f"weight._data {str(data.dtype).removeprefix('torch.')} {list(data.shape)}, the layer's weight "
+                f"needs {str(data_dtype).removeprefix('torch.')} {list(data_shape)}")
+    if scale is not None and (tuple(scale.shape) != per_row or not scale.is_floating_point()):
+        return (f"weight._scale {str(scale.dtype).removeprefix('torch.')} {list(scale.shape)}, one float scale per "
+                f"{'output' if qtype.bits == 8 else 'row'} {list(per_row)}")
+    if shift is not None and scale is not None and shift.shape != scale.shape:
+        return f"weight._shift {list(shift.shape)} unlike weight._scale {list(scale.shape)}"
+    return None
 
 
 def _realign_int8(state: dict[str, Any], where: str) -> None:

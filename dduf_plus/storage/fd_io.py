@@ -6,6 +6,7 @@ uploads go through."""
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 
@@ -18,9 +19,13 @@ def open_regular(path: str | os.PathLike, *, follow_links: bool = True) -> tuple
     """``path`` opened to read, with its stat, when it is a regular file; None (nothing left open) when it is a
     FIFO, a device or a folder. The open never blocks (``O_NONBLOCK``: a plain ``open()`` of a FIFO put in a
     file's place waits for a writer for ever); ``follow_links=False`` refuses a link (``O_NOFOLLOW``, an
-    OSError). An OSError of the open itself (missing, unreadable) is the caller's to say."""
+    OSError). An OSError of the open itself (missing, unreadable, a NUL in the name) is the caller's to say."""
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
-    fd = os.open(path, flags if follow_links else flags | getattr(os, "O_NOFOLLOW", 0))
+    try:
+        fd = os.open(path, flags if follow_links else flags | getattr(os, "O_NOFOLLOW", 0))
+    except ValueError:  # a NUL in the name: an open that fails like any other, for the caller to say
+        raise OSError(errno.EINVAL, "the path holds a NUL character", os.fsdecode(path).replace("\x00", "\\0")) \
+            from None
     try:
         st = os.fstat(fd)
     except OSError:
