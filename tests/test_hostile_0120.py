@@ -166,9 +166,11 @@ def seen() -> Iterator[Seen]:
     handler, level = Seen(), log.level
     log.addHandler(handler)
     log.setLevel(logging.NOTSET)  # as the library leaves it: quiet_imports applies
+    shown = quiet.show_import_notices(False)  # an in-process `dduf -v` run earlier in the session set it
     try:
         yield handler
     finally:
+        quiet.show_import_notices(shown)
         log.removeHandler(handler)
         log.setLevel(level)
 

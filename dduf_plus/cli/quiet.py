@@ -37,8 +37,8 @@ class OwnRecordsOnly(logging.Filter):
 
 def quiet_other_libraries(handler: logging.Handler, verbose: int) -> None:
     """Keep other libraries' notices off stderr for this command, unless ``verbose`` (``-v``) asks for them."""
+    show_import_notices(bool(verbose))  # -v: not even a load's or a pack's imports are quieted (each run says)
     if verbose:
-        show_import_notices()  # -v: not even a load's or a pack's imports are quieted
         return
     handler.addFilter(OwnRecordsOnly())
     for name in OWN_HANDLERS:
