@@ -469,17 +469,18 @@ def _torchao_folder(root: Path, config: Any) -> Path:
 
 
 def _float8_folder(root: Path) -> Path:
-    from torchao.quantization import Float8WeightOnlyConfig
+    quantization = pytest.importorskip("torchao.quantization")  # the quant extra; the callers skip without it
 
-    return _torchao_folder(root, Float8WeightOnlyConfig())
+    return _torchao_folder(root, quantization.Float8WeightOnlyConfig())
 
 
 def _intx_folder(root: Path) -> Path:
     import torch
-    from torchao.quantization import IntxWeightOnlyConfig
-    from torchao.quantization.granularity import PerGroup
 
-    return _torchao_folder(root, IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(16)))
+    quantization = pytest.importorskip("torchao.quantization")
+    granularity = pytest.importorskip("torchao.quantization.granularity")
+    return _torchao_folder(root, quantization.IntxWeightOnlyConfig(weight_dtype=torch.int4,
+                                                                   granularity=granularity.PerGroup(16)))
 
 
 def _cases() -> dict[str, tuple[Callable[[Path], Path], dict[str, tuple[Any, str]]]]:

@@ -108,7 +108,7 @@ def write_kohya(header: SafetensorsHeader, read: Any, out: str | os.PathLike, *,
     head, plan = kohya_file_parts(header, sdxl)
     path = Path(out)
     # the one atomic writer: an exclusive temporary file (a link planted at a fixed ".OUT.tmp" was written
-    # through before 0.12.1), removed when a read or write fails, renamed over OUT when whole
+    # through before 0.13.0), removed when a read or write fails, renamed over OUT when whole
     with Confined(path.parent).atomic(path, fsync=False, mode=0o644, suffix=".tmp") as dst:
         dst.file.write(struct.pack("<Q", len(head)) + head)
         for info, data in plan:
