@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import reprlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -102,6 +103,16 @@ class DDUFPathError(DDUFError):
     of dduf_plus' caches): refused whatever the archive says (see :mod:`dduf_plus.storage.confined`)."""
 
 
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 80  # a user's 10**8-item list or 1 GB string: shown in part, never built whole
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 6
+
+
+def bounded_repr(value: object) -> str:
+    """``repr(value)`` for a message, built in bounded time and memory whatever the value's size."""
+    return _REPR.repr(value)
+
+
 def path_argument(value: object, call: str) -> str:
     """``value`` as a ``str`` path (a ``str``, ``bytes`` or ``os.PathLike``, as ``open`` takes it); anything
     else is a :class:`DDUFUsageError` naming ``call`` (``"validate(source=...)"``): a user's ``validate(5)``
@@ -110,9 +121,9 @@ def path_argument(value: object, call: str) -> str:
         text = os.fsdecode(value)  # type: ignore[arg-type]  # anything else raises TypeError, answered below
     except TypeError:
         raise DDUFUsageError(f"{call}: expected a path (str or os.PathLike), got {type(value).__name__} "
-                             f"{value!r:.60}") from None
+                             f"{bounded_repr(value):.60}") from None
     if "\x00" in text:  # no file system takes it: open() would raise a bare ValueError ("embedded null byte")
-        raise DDUFUsageError(f"{call}: the path {text!r:.60} holds a NUL character")
+        raise DDUFUsageError(f"{call}: the path {bounded_repr(text):.60} holds a NUL character")
     return text
 
 

@@ -446,3 +446,28 @@ def test_sdnq_notices_are_held_back_on_the_logger_sdnq_is_told_to_use() -> None:
             "from dduf_plus.torchkit.quiet import IMPORT_NOTICES; print(IMPORT_NOTICES[-1])")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "my.sdnq"
+
+
+def test_a_dtype_that_cannot_apply_fails_before_the_source_is_opened(tmp_path: Path) -> None:
+    """Was checked after the archive was opened: a missing file said "not found", a URL was connected to first."""
+    with pytest.raises(DDUFLoadError, match=r"torch_dtype='int8' is not a floating torch dtype"):
+        load_dduf(tmp_path / "missing.dduf", torch_dtype="int8")
+    with pytest.raises(DDUFLoadError, match=r"dtype\['unet'\]='bool'"):
+        load_dduf("http://127.0.0.1:9/never-connected.dduf", dtype={"unet": "bool"})
+
+
+def test_messages_about_huge_arguments_are_built_in_bounded_memory() -> None:
+    """Was ``repr`` of the whole value, then cut: a 10**7-item list built a 50 MB string for a one-line message."""
+    import tracemalloc
+
+    huge = list(range(10**7))
+    tracemalloc.start()
+    try:
+        with pytest.raises(DDUFUsageError, match=r"expected a path .*got list \[0, 1, 2, 3, 4, 5, \.\.\.\]"):
+            load_dduf(huge)  # type: ignore[arg-type]
+        with pytest.raises(DDUFUsageError, match=r"fuse_lora=\[0, 1, 2, 3, 4, 5, \.\.\.\]\): expected True or False"):
+            load_dduf("x.dduf", fuse_lora=huge)  # type: ignore[arg-type]
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak

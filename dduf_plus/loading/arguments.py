@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 from numbers import Real
 from typing import Any
 
-from ..errors import DDUFError, DDUFUsageError, path_argument
+from ..errors import DDUFError, DDUFUsageError, bounded_repr, path_argument
 from ..storage.http_range import short_text
 
 # from_pretrained keyword -> (the values that change nothing here, why any other value is refused)
@@ -56,7 +56,7 @@ def _refuse(argument: str, value: Any, expected: str) -> DDUFUsageError:
 
 
 def _short(value: Any) -> str:
-    return short_text(repr(value), 57)
+    return short_text(bounded_repr(value), 57)
 
 
 def source_path(path: Any) -> str:

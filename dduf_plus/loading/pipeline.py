@@ -174,11 +174,14 @@ def load_dduf(  # long: its signature is from_pretrained's keywords (27 lines), 
     adapters = check_adapters(adapters, adapter_weights)  # iterables read once, into lists
     check_dtype_kind(torch_dtype, dtype)
     use_mmap, local_files_only = from_pretrained_options(kwargs, use_mmap), bool(local_files_only)
-    path_str, archive, fetch = _open_source(source_path(path), dduf_file, revision=revision, token=token,
+    path_str = source_path(path)
+    # before the archive is opened (a URL connected to, a Hub file fetched): torch_dtype="int8" is the call's
+    # mistake. The first load in a process imports torch here (see gc_pause).
+    with collector_paused(), quiet_imports():
+        request = resolve_request(torch_dtype, dtype)
+    path_str, archive, fetch = _open_source(path_str, dduf_file, revision=revision, token=token,
                                             cache_dir=cache_dir, local_files_only=local_files_only,
                                             remote=remote, max_decompressed=max_decompressed, variant=variant)
-    with collector_paused(), quiet_imports():  # the first load in a process imports torch here (see gc_pause)
-        request = resolve_request(torch_dtype, dtype)
     device_for = _device_resolver(device, device_map)
     mapped = archive.mmap if prefetch and use_mmap and fetch is None else None  # use_mmap=False: nothing mapped
     prefetcher = Prefetcher(mapped) if mapped is not None else None
