@@ -490,7 +490,7 @@ def quantization_findings(archive: DDUFArchive, read: Callable[[Entry], bytes],
         if over_size(e.length, e.name) is not None or e.name in archive.compressed:
             continue  # D013 / Z011 already say so
         config, problems = parse_json(read(e), e.name)
-        out.extend(_quanto_alignment(archive, name, config, read))
+        out.extend(_quanto_component_findings(archive, name, config, read))
         if problems or not isinstance(config, dict) or "quantization_config" not in config:
             continue  # D007 / D013 already say so; not quantized
         weights = [w for w in archive.weight_files(name) if w in archive.headers]
@@ -499,9 +499,10 @@ def quantization_findings(archive: DDUFArchive, read: Callable[[Entry], bytes],
     return out
 
 
-def _quanto_alignment(archive: DDUFArchive, name: str, config: Any, read: Callable[[Entry], bytes]) -> list[Finding]:
+def _quanto_component_findings(archive: DDUFArchive, name: str, config: Any, read: Callable[[Entry], bytes]) -> list[Finding]:
     """Q008: an optimum-quanto component's int8 weights the loader will copy (quantization.quanto_unaligned);
     Q003: its stored parts against its map's qtypes (quant_rules.quanto_findings)."""
+    from .quant_rules import quanto_findings
     from .quantization import QMAP_NAME, backend_of, quanto_unaligned, unaligned_finding
 
     method = backend_of(config) if isinstance(config, dict) else None
@@ -511,8 +512,6 @@ def _quanto_alignment(archive: DDUFArchive, name: str, config: Any, read: Callab
     starts = ((info, archive.entries[w].offset + archive.headers[w].data_start + info.begin)
               for w in weights for info in archive.headers[w].tensors.values())
     unaligned = quanto_unaligned(starts)
-    from .quant_rules import quanto_findings  # Q003: the stored parts against the map's qtypes
-
     qmap = archive.entries.get(f"{name}/{QMAP_NAME}")
     parsed = parse_json(read(qmap), qmap.name)[0] \
         if qmap is not None and over_size(qmap.length, qmap.name) is None and qmap.name not in archive.compressed else None

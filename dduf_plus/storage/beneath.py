@@ -68,9 +68,7 @@ class Beneath:
         try:
             os.stat(base, dir_fd=fd, follow_symlinks=False)
             return True
-        except FileNotFoundError:
-            return False
-        except NotADirectoryError:
+        except (FileNotFoundError, NotADirectoryError):
             return False
         finally:
             os.close(fd)
