@@ -26,7 +26,7 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
-from .errors import path_argument
+from .errors import bounded_repr, path_argument
 
 log = logging.getLogger("dduf_plus.catalogue")
 
@@ -182,8 +182,8 @@ def _run(pool: Executor, sources: Iterable[str | os.PathLike], args: tuple[Any, 
                 try:
                     name = os.fsdecode(source)  # type: ignore[arg-type]  # bytes as str (surrogate-escaped, like argv)
                 except TypeError:  # None, a number...: this source's report, the batch goes on
-                    why = f"not a path or URL: {type(source).__name__} {source!r:.60}"
-                    pending.append((repr(source), unreadable(repr(source), why)))
+                    shown = bounded_repr(source)  # a huge object by mistake: never its whole repr
+                    pending.append((shown, unreadable(shown, f"not a path or URL: {type(source).__name__} {shown}")))
                     continue
                 pending.append((name, _submit(pool, name, args)))
             if not pending:

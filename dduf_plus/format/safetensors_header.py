@@ -85,7 +85,7 @@ def _no_lone_surrogate(header: dict) -> None:
                                      "refuses it)") from None
 
 
-def _control_names(raw: bytes, header: dict) -> list[Finding]:
+def _control_names(raw: bytes, header: dict, entry: str) -> list[Finding]:
     """S012: tensor names holding NUL or control characters (only spelled as escapes in valid JSON)."""
     if not _CONTROL_ESCAPE.search(raw):
         return []
@@ -93,7 +93,7 @@ def _control_names(raw: bytes, header: dict) -> list[Finding]:
     if not names:
         return []
     shown = ", ".join(repr(k) for k in names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-    return [finding("S012", None, f"tensor name(s) {shown} hold NUL or control characters")]
+    return [finding("S012", entry, f"tensor name(s) {shown} hold NUL or control characters")]
 
 
 def _repeated_keys(text: str) -> list[str]:
@@ -161,7 +161,7 @@ def parse_header(raw: bytes, header_length: int, file_size: int, entry: str, *,
         if repeated:
             shown = ", ".join(repr(k) for k in repeated[:5])
             findings.append(finding("S010", entry, f"header repeats key(s) {shown}: readers may pick different ones"))
-    findings += [f._replace(entry=entry) for f in _control_names(raw, header)]
+    findings += _control_names(raw, header, entry)
     metadata = header.pop(spec.SAFETENSORS_METADATA_KEY, None)
     if metadata is not None and not (
         isinstance(metadata, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
