@@ -80,7 +80,8 @@ HUGE_DIMENSION = 1 << 20  # a "dimension" a config may ask for: tests whether bu
 
 #: How often each kind of mutation is picked (relative weights).
 WEIGHTS = {"model_index": 3, "component_class": 3, "pipeline_class": 1, "config": 6, "tokenizer_json": 2,
-           "tokenizer_bytes": 1, "references": 3, "index": 2, "safetensors": 5, "entries": 2, "raw": 1}
+           "tokenizer_bytes": 1, "references": 3, "index": 2, "safetensors": 5, "entries": 2, "raw": 1,
+           "encoding": 2}
 #: With quantized bases (make_bases(quant=True)): quantization states, picked often (they apply to those bases only).
 QUANT_WEIGHTS = {**WEIGHTS, "quant": 12}
 
@@ -624,6 +625,125 @@ def m_raw(rng, draft, ctx):
     return f"raw bytes #{seed:.6f}"
 
 
+# --- encodings: what a hub sees from other writers (BOMs, UTF-16, -0, lone surrogates, streamed entries) ------
+_BOM = b"\xef\xbb\xbf"
+
+
+def _minus_zero(rng: random.Random, text: bytes) -> bytes | None:
+    """One JSON number in ``text`` written ``-0`` (or ``-0.0``, ``0e0``): equal to 0 for a lax reader."""
+    numbers = [m.span(1) for m in re.finditer(rb"[:\[,]\s*(-?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?)", text)]
+    if not numbers:
+        return None
+    start, end = rng.choice(numbers)
+    return text[:start] + rng.choice([b"-0", b"-0.0", b"0e0", b"-0e5"]) + text[end:]
+
+
+def _json_encoding_edit(rng: random.Random, data: bytes) -> tuple[bytes, str] | None:
+    op = rng.choice(["bom", "utf-16", "utf-16-le", "utf-32", "surrogate", "nul", "minus-zero"])
+    if op == "bom":
+        return _BOM + data, op
+    if op.startswith("utf-"):
+        try:
+            return data.decode().encode(op), f"re-encoded {op}"
+        except UnicodeError:
+            return None
+    if op == "minus-zero":
+        edited = _minus_zero(rng, data)
+        return (edited, op) if edited is not None else None
+    strings = [m.span() for m in re.finditer(rb'"(?:[^"\\]|\\.)*"', data)]
+    if not strings:
+        return None
+    start, end = rng.choice(strings)
+    escape = rng.choice([b"\\ud800", b"\\udc80", b"\\udbff\\u0041"]) if op == "surrogate" else b"\\u0000"
+    return data[: end - 1] + escape + data[end - 1 :], f"{op} in {data[start:end][:40]!r}"
+
+
+def _header_encoding_edit(rng: random.Random, data: bytes) -> tuple[bytes, str] | None:
+    """A safetensors header's text edited as a foreign writer might: -0 numbers, lone surrogates or NUL in a
+    tensor name, a BOM before the JSON; the header length kept true."""
+    if len(data) < 8:
+        return None
+    n = struct.unpack("<Q", data[:8])[0]
+    raw, body = data[8 : 8 + n], data[8 + n :]
+    if len(raw) != n:
+        return None
+    op = rng.choice(["minus-zero", "minus-zero", "surrogate-name", "nul-name", "bom"])
+    if op == "minus-zero":
+        edited = _minus_zero(rng, raw)
+    elif op == "bom":
+        edited = _BOM + raw
+    else:
+        names = [m.end(1) for m in re.finditer(rb'"((?:[^"\\]|\\.)*)"\s*:\s*\{\s*"', raw)]
+        if not names:
+            return None
+        at = rng.choice(names)
+        edited = raw[:at] + (rb"\udc80" if op == "surrogate-name" else rb"\u0000") + raw[at:]
+    if edited is None:
+        return None
+    edited += b" " * (-len(edited) % 8)
+    return struct.pack("<Q", len(edited)) + edited + body, op
+
+
+def _streamed(seed: float) -> Callable[[bytes], bytes]:
+    """A raw edit: one entry rewritten as streamed (bit 3, zero CRC and sizes locally, a data descriptor after its
+    data), the descriptor honest (16 or 24 bytes, with or without its signature) or lying (CRC, size)."""
+
+    def edit(data: bytes) -> bytes:
+        local = random.Random(seed)
+        mh = load_make_hostile()
+        try:
+            layout = mh.Layout(data)
+        except (struct.error, UnicodeDecodeError, KeyError, OverflowError, ValueError, IndexError):
+            return data  # an earlier raw edit broke the layout: nothing to stream
+        names = sorted((n for n in layout.local if n != spec.INDEX_NAME), key=layout.local.get)
+        if not names:
+            return data
+        # Mostly the entry before the index (nothing after it but the index moves, so the archive can still load).
+        name = names[-1] if local.random() < 0.6 else local.choice(names)
+        blob = bytearray(data)
+        at, central, size = layout.local[name], layout.central[name], layout.size(name)
+        end = layout.data_offset(name) + size
+        crc = struct.unpack_from("<I", blob, central + 16)[0]
+        form, lie = local.choice(["signed32", "signed64", "bare32"]), local.choice([None, None, "crc", "size"])
+        struct.pack_into("<H", blob, at + 6, struct.unpack_from("<H", blob, at + 6)[0] | spec.FLAG_DATA_DESCRIPTOR)
+        struct.pack_into("<III", blob, at + 14, 0, 0, 0)
+        struct.pack_into("<H", blob, central + 8, struct.unpack_from("<H", blob, central + 8)[0] | spec.FLAG_DATA_DESCRIPTOR)
+        crc ^= 1 if lie == "crc" else 0
+        told = size + (1 if lie == "size" else 0)
+        descriptor = {"signed32": struct.pack("<IIII", spec.SIG_DATA_DESCRIPTOR, crc, told, told),
+                      "signed64": struct.pack("<IIQQ", spec.SIG_DATA_DESCRIPTOR, crc, told, told),
+                      "bare32": struct.pack("<III", crc, told, told)}[form]
+        blob[end:end] = descriptor
+        mh._fix_offsets(blob, end, len(descriptor))
+        return bytes(blob)
+
+    return edit
+
+
+def m_encoding(rng, draft, ctx):
+    """Bytes as other writers produce them: a JSON entry with a BOM, in UTF-16/32, with ``-0``, a lone surrogate
+    or NUL; a safetensors header likewise; or an entry streamed behind a data descriptor."""
+    roll = rng.random()
+    if roll < 0.25:
+        seed = rng.random()
+        draft.raw_edits.append(_streamed(seed))
+        return f"streamed entry #{seed:.6f}"
+    if roll < 0.5:
+        names = sorted(n for n in draft.entries if n.endswith(".safetensors"))
+        edit = _header_encoding_edit
+    else:
+        names = _json_entries(draft, lambda n: True)
+        edit = _json_encoding_edit
+    if not names:
+        return None
+    name = rng.choice(names)
+    done = edit(rng, draft.entries[name])
+    if done is None:
+        return None
+    draft.entries[name], what = done
+    return f"{name}: {what}"
+
+
 # --- quantization states (bases with quantized components: make_bases(quant=True)) ---------------------------
 QUANT_PARTS = (".absmax", ".quant_map", ".nested_absmax", ".nested_quant_map", ".SCB", "_scale", "_zero_point",
                "_qdata", ".scale", ".zero_point", "._data", "._scale", ".weight")
@@ -756,7 +876,8 @@ MUTATIONS: dict[str, Mutation] = {"model_index": m_model_index, "component_class
                                   "pipeline_class": m_pipeline_class, "config": m_config,
                                   "tokenizer_json": m_tokenizer_json, "tokenizer_bytes": m_tokenizer_bytes,
                                   "references": m_references, "index": m_index, "safetensors": m_safetensors,
-                                  "entries": m_entries, "raw": m_raw, "quant": m_quant}
+                                  "entries": m_entries, "raw": m_raw, "quant": m_quant,
+                                  "encoding": m_encoding}
 
 
 # --- inputs ---------------------------------------------------------------------------------------------

@@ -448,6 +448,11 @@ def test_a_huge_safetensors_header_claim_is_never_read(tmp_path: Path) -> None:
     ("unet/config.json", '{"_class_name": "UNet2DModel", "x": "caf\u00e9"}'.encode("latin-1"), "D007"),
     ("model_index.json", b"\xef\xbb\xbf" + json.dumps(mh.MODEL_INDEX).encode(), "D002"),
     ("model_index.json", json.dumps(mh.MODEL_INDEX).encode("utf-32"), "D002"),
+    # half a UTF-16 pair: JSON spells it, no UTF-8 file holds it (Python keeps it, serde_json refuses it)
+    ("unet/config.json", b'{"_class_name": "UNet2DModel", "x": "a\\ud800b"}', "D007"),
+    ("unet/config.json", b'{"_class_name": "UNet2DModel", "\\udc80": 1}', "D007"),
+    ("tokenizer/vocab.json", b'{"h": 0, "e": 1, "\\udbff\\u0041": 2}', "D007"),  # left to the library: bytes only
+    ("model_index.json", json.dumps({**mh.MODEL_INDEX, "_diffusers_version": "\udc80"}).encode(), "D002"),
 ])
 def test_json_that_is_not_plain_utf8_is_refused(tmp_path: Path, where: str, blob: bytes, code: str) -> None:
     """RFC 8259: UTF-8, no BOM. diffusers and transformers read configs with ``open(encoding="utf-8")`` +
@@ -459,6 +464,30 @@ def test_json_that_is_not_plain_utf8_is_refused(tmp_path: Path, where: str, blob
         path = mh.write_valid(tmp_path / "a.dduf", mh.base_entries() | {where: blob})
     report = checked(path.read_bytes())
     assert code in report.codes and any(f.entry == where for f in report.errors if f.code == code), report
+
+
+@pytest.mark.parametrize("text", [
+    '{"_class_name": "UNet2DModel", "x": "\\ud83d\\ude00"}',  # an emoji as Python's json.dumps writes it
+    '{"_class_name": "UNet2DModel", "x": "\\\\ud800"}',  # an escaped backslash, then the letters "ud800"
+    '{"_class_name": "UNet2DModel", "x": "\U0001f600 caf\u00e9"}',  # the same as UTF-8
+])
+def test_surrogate_pairs_and_look_alikes_are_plain_text(tmp_path: Path, text: str) -> None:
+    from dduf_plus.format.json_budget import lone_surrogate, may_hold_lone_surrogate
+
+    raw = text.encode()
+    assert lone_surrogate(json.loads(raw)) is None
+    assert not may_hold_lone_surrogate(raw) or "\\\\" in text  # the byte filter lets only the look-alike through
+    path = mh.write_valid(tmp_path / "a.dduf", mh.base_entries() | {"unet/config.json": raw})
+    assert not [c for c in checked(path.read_bytes()).codes if c.startswith("D")]
+
+
+def test_a_lone_surrogate_in_a_big_tokenizer_file_is_found_from_its_bytes(tmp_path: Path) -> None:
+    """A vocabulary over the size validate parses without ``--verify``: the byte filter finds the escape and only
+    then is the file parsed (a vocabulary without one is never parsed here: the library reads it)."""
+    vocab = {f"tok{i}": i for i in range(40_000)} | {"bad\udc80": 40_000}
+    entries = mh.base_entries() | {"tokenizer/vocab.json": json.dumps(vocab).encode()}
+    report = checked(mh.write_valid(tmp_path / "a.dduf", entries).read_bytes())
+    assert [f.entry for f in report.errors if f.code == "D007"] == ["tokenizer/vocab.json"], report
 
 
 @pytest.mark.parametrize(("text", "code"), [

@@ -88,6 +88,8 @@ def _hub_mutations(tmp_path) -> dict[str, bytes]:
     struct.pack_into("<H", long_comment, len(long_comment) - 2, 0xFFFF)
     bom_config = mh.base_entries()
     bom_config["unet/config.json"] = b"\xef\xbb\xbf" + bom_config["unet/config.json"]
+    surrogate_config = mh.base_entries() | {"unet/config.json": b'{"_class_name": "UNet2DModel", "x": "\\udc80"}'}
+    surrogate_vocab = mh.base_entries() | {"tokenizer/vocab.json": b'{"h": 0, "e": 1, "l\\ud800": 2}'}
     def named(name: bytes) -> bytes:
         raw = b'{"%s":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}' % name
         raw += b" " * (-len(raw) % 8)
@@ -103,11 +105,13 @@ def _hub_mutations(tmp_path) -> dict[str, bytes]:
         "local-header-lies-under-descriptor": descriptor_archive("signed32", lie="local"),
         "config-with-bom": mh.write_valid(tmp_path / "bom.dduf", bom_config).read_bytes(),
         "model-index-utf16": mh.write_valid(tmp_path / "u16.dduf", model_index_bytes=mi.decode().encode("utf-16")).read_bytes(),
+        "config-lone-surrogate": mh.write_valid(tmp_path / "sur.dduf", surrogate_config).read_bytes(),
+        "tokenizer-lone-surrogate": mh.write_valid(tmp_path / "tok.dduf", surrogate_vocab).read_bytes(),
     }
 
 
 HUB_MUTATIONS = ("tensor-name-nul", "tensor-name-surrogate", "comment-longer-than-file", "descriptor-lies", "local-header-lies-under-descriptor",
-                 "config-with-bom", "model-index-utf16")
+                 "config-with-bom", "model-index-utf16", "config-lone-surrogate", "tokenizer-lone-surrogate")
 
 
 @pytest.mark.parametrize("case", HUB_MUTATIONS)

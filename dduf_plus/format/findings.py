@@ -166,8 +166,10 @@ _RULES = (
          fix="add its config"),
     Rule("D007", "error", "a JSON entry does not parse",
          checked_by="validate (open for `model_index.json` and the index size)",
-         meaning="a JSON entry does not parse, or a component config is not an object",
-         why="the loader fails at load time instead of at upload time",
+         meaning="a JSON entry does not parse as UTF-8 JSON (a BOM, UTF-16 or UTF-32 text, a string holding half "
+                 "a UTF-16 surrogate pair such as `\\udc80`), or a component config is not an object",
+         why="the loader fails at load time instead of at upload time; a lone surrogate is kept by Python's "
+             "`json` until something encodes it, and refused by Rust readers (`tokenizers`, serde_json)",
          fix="fix the JSON"),
     Rule("D008", "warning", "component in model_index.json has neither a folder nor a reference",
          checked_by="open",

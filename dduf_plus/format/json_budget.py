@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from itertools import accumulate
 from typing import Any, NamedTuple
 
@@ -155,11 +156,13 @@ def parse_json_entry(raw: bytes, entry: str, *, parse_code: str = "D007",
     if problem is not None:
         return None, "D013", problem
     try:
-        return _loads(bytes(raw)), None, None
+        value = _loads(bytes(raw))
     except _NumberOverBudget as e:
         return None, "D013", str(e)
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
         return None, parse_code, f"does not parse as JSON: {e}"
+    lone = lone_surrogate(value) if may_hold_lone_surrogate(bytes(raw)) else None
+    return (value, None, None) if lone is None else (None, parse_code, lone)
 
 
 def read_json(raw: bytes, entry: str, *, where: str | None = None, parse_code: str = "D007",
@@ -182,21 +185,63 @@ def read_json(raw: bytes, entry: str, *, where: str | None = None, parse_code: s
 
 
 def json_budget_problem(raw: bytes, entry: str, budget: spec.JsonBudget | None = None) -> tuple[str, str] | None:
-    """``("D013", why)`` when ``entry``'s bytes are over its budget, else None, *without parsing them* in the
-    common case: for JSON a library parses itself (a tokenizer.json handed to transformers). Numbers are
+    """``("D013", why)`` when ``entry``'s bytes are over its budget (``("D007", why)`` when a string holds a lone
+    surrogate, :func:`lone_surrogate`), else None, *without parsing them* in the common case: for JSON a
+    library parses itself (a tokenizer.json handed to transformers). Numbers are
     checked exactly (by a parse) only where the byte pre-filter finds one that could be over budget; bytes
     that are not JSON at all are left to the library."""
     problem = json_problem(raw, entry, budget)
     if problem is not None:
         return "D013", problem
-    if not _numbers_suspect(bytes(raw)):
+    suspect_numbers, suspect_text = _numbers_suspect(bytes(raw)), may_hold_lone_surrogate(bytes(raw))
+    if not (suspect_numbers or suspect_text):
         return None
     try:
-        json.loads(bytes(raw), parse_int=_checked_int, parse_float=_checked_float)
+        value = json.loads(bytes(raw), parse_int=_checked_int if suspect_numbers else None,
+                           parse_float=_checked_float if suspect_numbers else None)
     except _NumberOverBudget as e:
         return "D013", str(e)
     except (ValueError, RecursionError):
         return None
+    lone = lone_surrogate(value) if suspect_text else None
+    return None if lone is None else ("D007", lone)
+
+
+# A \uD800-\uDBFF escape not followed by a \uDC00-\uDFFF one, or the reverse: half of a UTF-16 pair. Searched
+# on the bytes (C speed); a match (or an escaped backslash before "ud800") is confirmed on the parsed value, so
+# an escaped pair (an emoji, as Python's json.dumps writes it) costs no parse.
+_LONE_SURROGATE_ESCAPE = re.compile(
+    rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F])"
+    rb"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}")
+
+
+def may_hold_lone_surrogate(raw: bytes) -> bool:
+    """Whether the JSON bytes ``raw`` may spell a lone UTF-16 surrogate (confirm with :func:`lone_surrogate`)."""
+    return b"\\u" in raw and _LONE_SURROGATE_ESCAPE.search(raw) is not None
+
+
+def lone_surrogate(value: Any) -> str | None:
+    """Why a parsed JSON ``value`` is refused when a key or string holds half a UTF-16 surrogate pair
+    (``"\\udc80"``), else None. JSON's grammar spells them, but no UTF-8 file can hold one (RFC 8259 8.2: the
+    behaviour is unpredictable): Rust readers (``safetensors``, ``tokenizers``, serde_json) refuse the text,
+    Python keeps it until something encodes it. Walked with a list, not recursion (deep values are legal)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        texts: Any = ()
+        if isinstance(item, dict):
+            texts = item.keys()
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, str):
+            texts = (item,)
+        for text in texts:
+            if not text.isascii():
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError:
+                    return f"{text[:60]!r} holds a lone UTF-16 surrogate escape, which no UTF-8 reader can decode"
     return None
 
 
