@@ -35,15 +35,17 @@ class DDUFFormatError(DDUFError):
 
 
 class DDUFValidationError(DDUFFormatError):
-    """Structural checks failed; ``findings`` holds every error with its stable rule code."""
+    """Structural checks failed; ``findings`` holds every error with its stable rule code. ``kind`` says what
+    ``source`` is in the message ("DDUF archive", or "pipeline folder" for a folder the loader reads)."""
 
-    def __init__(self, source: str, findings: Sequence[Finding]):
+    def __init__(self, source: str, findings: Sequence[Finding], *, kind: str = "DDUF archive"):
         self.source = source
+        self.kind = kind
         self.findings = list(findings)
         errors = [f for f in self.findings if f.severity == "error"]
         shown = "\n".join(f"  {f}" for f in errors[:10])
         more = f"\n  ... and {len(errors) - 10} more" if len(errors) > 10 else ""
-        super().__init__(f"{source} is not a valid DDUF archive:\n{shown}{more}", code=errors[0].code if errors else None)
+        super().__init__(f"{source} is not a valid {kind}:\n{shown}{more}", code=errors[0].code if errors else None)
 
     @property
     def codes(self) -> list[str]:

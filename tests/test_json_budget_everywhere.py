@@ -277,3 +277,21 @@ def test_remote_load_refuses_with_the_same_code(name: str, ddpm: dict[str, bytes
         with pytest.raises(DDUFError) as info:
             load_dduf(server.url(f"{name}.dduf"))
     assert info.value.codes == ["D013"] and refused_entry in str(info.value), info.value
+
+
+def test_a_lone_surrogate_is_refused_in_a_folder_and_an_archive_alike(ddpm: dict[str, bytes], tmp_path: Path) -> None:
+    """The folder loader and the archive loader refuse a config holding half a UTF-16 pair with one code, and
+    say which of the two they read (a folder is no "DDUF archive")."""
+    entries = dict(ddpm)
+    config = json.loads(entries["scheduler/scheduler_config.json"])
+    entries["scheduler/scheduler_config.json"] = json.dumps({**config, "note": "\udc80"}).encode()
+    folder = tmp_path / "folder"
+    for name, data in entries.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_bytes(data)
+    archive = write(tmp_path / "a.dduf", entries)
+    assert [(f.code, f.entry) for f in validate(archive).errors] == [("D007", "scheduler/scheduler_config.json")]
+    for source, kind in ((folder, "pipeline folder"), (archive, "DDUF archive")):
+        error = load_error(source)
+        assert error is not None and error.codes == ["D007"], (source, error)
+        assert f"is not a valid {kind}:" in str(error) and "scheduler/scheduler_config.json" in str(error), error

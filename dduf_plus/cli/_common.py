@@ -65,11 +65,11 @@ def echo_error(command: str, message: object) -> None:
 
 
 def validation_text(error: Any) -> str:
-    """``SOURCE is not a valid DDUF archive:`` and its errors, one line per rule: ``CODE [entry]: message``
+    """``SOURCE is not a valid DDUF archive:`` (or its ``kind``) and its errors, one line per rule: ``CODE [entry]: message``
     for a single finding, ``CODE (N entries): message`` and the entries for a rule found on several."""
     from ..format.findings import group_findings
 
-    lines = [f"{error.source} is not a valid DDUF archive:"]
+    lines = [f"{error.source} is not a valid {getattr(error, 'kind', 'DDUF archive')}:"]
     groups = group_findings(f for f in error.findings if f.severity == "error")
     for group in groups[:10]:
         if len(group.findings) == 1:

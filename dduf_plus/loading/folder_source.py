@@ -38,6 +38,9 @@ from .files import FolderComponentFiles, materialize_files, small_files
 logger = logging.getLogger(__name__)
 
 
+FOLDER = "pipeline folder"  # what a folder is called in a DDUFValidationError ("is not a valid ...")
+
+
 class FolderEntry(NamedTuple):
     """One file of the folder as an archive entry: what validate's entry checks read."""
 
@@ -80,7 +83,7 @@ class FolderPipeline:
             raise DDUFNotFoundError(f"{self.path}: no {spec.MODEL_INDEX} (not a diffusers pipeline folder)", str(mi))
         mi_entry = self._entry(spec.MODEL_INDEX, mi)
         if self.problems:
-            raise DDUFValidationError(self.path, self.problems)
+            raise DDUFValidationError(self.path, self.problems, kind=FOLDER)
         self.entries: dict[str, FolderEntry] = {spec.MODEL_INDEX: mi_entry}
         self.model_index = self._model_index(mi_entry)
         self.components: dict[str, Component] = {}
@@ -92,7 +95,7 @@ class FolderPipeline:
             self.components[name] = Component(name, library, class_name, files, None)
         self._scan_list_parts()
         if any(p.code == "Z008" for p in self.problems):
-            raise DDUFValidationError(self.path, self.problems)  # before a byte of such a file is read
+            raise DDUFValidationError(self.path, self.problems, kind=FOLDER)  # before a byte of such a file is read
 
     def _scan_list_parts(self) -> None:
         """A list component's further folders (``controlnet_1``...: diffusers' Multi-ControlNet layout, which
@@ -107,16 +110,16 @@ class FolderPipeline:
     def _model_index(self, entry: FolderEntry) -> dict[str, Any]:
         why = over_size(entry.length, spec.MODEL_INDEX)
         if why is not None:
-            raise DDUFValidationError(self.path, [finding("D013", spec.MODEL_INDEX, why)])
+            raise DDUFValidationError(self.path, [finding("D013", spec.MODEL_INDEX, why)], kind=FOLDER)
         try:
             value = read_json(self.read_bytes(spec.MODEL_INDEX), spec.MODEL_INDEX, where=self.path, parse_code="D002")
         except DDUFValidationError:
             raise
         except Exception as e:  # DDUFFormatError with the code: as the archive's opening reports it
             code = getattr(e, "code", None) or "D002"
-            raise DDUFValidationError(self.path, [finding(code, spec.MODEL_INDEX, str(e))]) from None
+            raise DDUFValidationError(self.path, [finding(code, spec.MODEL_INDEX, str(e))], kind=FOLDER) from None
         if not isinstance(value, dict):
-            raise DDUFValidationError(self.path, [finding("D002", spec.MODEL_INDEX, "is not a JSON object")])
+            raise DDUFValidationError(self.path, [finding("D002", spec.MODEL_INDEX, "is not a JSON object")], kind=FOLDER)
         return value
 
     def _entry(self, name: str, path: Path) -> FolderEntry:

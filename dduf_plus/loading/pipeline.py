@@ -42,7 +42,7 @@ from .bridge import install_bridge
 from .components import build_component, did_you_mean, resolve_class
 from .dtypes import AUTO, requested_for, resolve_request
 from .files import ArchiveComponentFiles, ComponentFiles
-from .folder_source import FolderPipeline
+from .folder_source import FOLDER, FolderPipeline
 from .gated_files import gate
 from .gc_pause import collector_paused
 from .lora import apply_adapters
@@ -395,11 +395,11 @@ def _refuse_what_validate_refuses(ctx: _Context) -> None:
     tokenizer and weightless-config budgets), with validate's codes: before any component is built or any
     library sees a byte of the archive; for a local archive before the pipeline class is even resolved."""
     if isinstance(ctx.archive, FolderPipeline):
-        problems = ctx.archive.findings()
+        problems, kind = ctx.archive.findings(), FOLDER
     else:
-        problems = [f for f in load_findings(ctx.archive) if f.severity == "error"]
+        problems, kind = [f for f in load_findings(ctx.archive) if f.severity == "error"], "DDUF archive"
     if problems:
-        raise DDUFValidationError(ctx.path, problems)
+        raise DDUFValidationError(ctx.path, problems, kind=kind)
 
 
 def _refuse_unbuildable(ctx: _Context, kwargs: Mapping[str, Any]) -> None:
