@@ -96,6 +96,7 @@ class Draft:
     entries: dict[str, bytes]
     index_edits: list[Callable[[dict], Any]] = field(default_factory=list)  # applied to the rebuilt index
     raw_edits: list[Callable[[bytes], bytes]] = field(default_factory=list)  # applied to the written bytes
+    model_index_edits: list[Callable[[bytes], bytes]] = field(default_factory=list)  # to model_index.json's bytes
 
 
 class Base(NamedTuple):
@@ -734,6 +735,10 @@ def m_encoding(rng, draft, ctx):
     else:
         names = _json_entries(draft, lambda n: True)
         edit = _json_encoding_edit
+        if rng.random() < 0.2:  # model_index.json: its bytes as written (other mutations may change the object)
+            seed = rng.random()
+            draft.model_index_edits.append(lambda data: (_json_encoding_edit(random.Random(seed), data) or (data,))[0])
+            return f"{spec.MODEL_INDEX}: encoding #{seed:.6f}"
     if not names:
         return None
     name = rng.choice(names)
@@ -927,6 +932,10 @@ def write_draft(draft: Draft, path: Path) -> bytes | None:
     if not isinstance(as_object.get(spec.REFERENCES_KEY, {}), dict):  # build_index expects an object there
         raw = raw or dumps(mi, random.Random(text))
         as_object = {k: v for k, v in as_object.items() if k != spec.REFERENCES_KEY}
+    if draft.model_index_edits:
+        raw = raw if raw is not None else json.dumps(mi, indent=2).encode()
+        for edit in draft.model_index_edits:
+            raw = edit(raw)
     try:
         mh.write_valid(path, draft.entries, as_object, model_index_bytes=raw, index=index)
     except DDUFPackError:

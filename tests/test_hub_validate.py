@@ -464,6 +464,8 @@ def test_json_that_is_not_plain_utf8_is_refused(tmp_path: Path, where: str, blob
         path = mh.write_valid(tmp_path / "a.dduf", mh.base_entries() | {where: blob})
     report = checked(path.read_bytes())
     assert code in report.codes and any(f.entry == where for f in report.errors if f.code == code), report
+    if code == "D002":  # said once; the index is not then reported as naming other components (I002)
+        assert set(report.codes) == {"D002"}, report
 
 
 @pytest.mark.parametrize("text", [
