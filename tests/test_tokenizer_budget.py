@@ -169,6 +169,10 @@ def test_weightless_config_numbers(config: dict, bad: bool) -> None:
     ("tiny-sd", {"tokenizer__merges.txt": b"#version: 0.2\n" + b"a b\n" * (tb.MAX_MERGES + 1)}, "D014"),
     ("tiny-sd", {"tokenizer__special_tokens_map.json": b'{"additional_special_tokens": ['
                  + b",".join([b'"<s>"'] * (tb.MAX_ADDED_TOKENS + 1)) + b"]}"}, "D014"),
+    # T5's tokenizers add extra_ids tokens, built from the number (2**31: 7.7 GB, 30 s, then a failure)
+    ("tiny-dit", {"tokenizer__tokenizer_config.json": json.dumps(
+        {**json.loads((PIPELINES / "tiny-dit" / "tokenizer" / "tokenizer_config.json").read_text()),
+         "extra_ids": 1 << 31}).encode()}, "D014"),
     ("tiny-sd", {"scheduler__scheduler_config.json": json.dumps(
         {**json.loads((PIPELINES / "tiny-sd" / "scheduler" / "scheduler_config.json").read_text()),
          "num_train_timesteps": 1e8}).encode()}, "D015"),

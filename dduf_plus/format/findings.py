@@ -203,7 +203,7 @@ _RULES = (
          fix="keep configs small and flat"),
     Rule("D014", "error", "a tokenizer file is over its budget (vocabulary, pieces, merges, added tokens)",
          checked_by="validate (the loader too)",
-         meaning="a tokenizer file holds more than its cap: over 1,048,576 tokens (`tokenizer.json`, `vocab.json`, `vocab.txt`) or SentencePiece pieces (`*.model`), over 1,048,576 merges (`merges.txt`), over 65,536 added or special tokens (`special_tokens_map.json`, `added_tokens.json`, `tokenizer_config.json`, the added tokens of `tokenizer.json`), over 64 MiB, or a `.model` that is not a readable protobuf (docs/security.md)",
+         meaning="a tokenizer file holds more than its cap: over 1,048,576 tokens (`tokenizer.json`, `vocab.json`, `vocab.txt`) or SentencePiece pieces (`*.model`), over 1,048,576 merges (`merges.txt`), over 65,536 added or special tokens (`special_tokens_map.json`, `added_tokens.json`, `tokenizer_config.json` and the `extra_ids` it asks T5's tokenizers to add, the added tokens of `tokenizer.json`), over 64 MiB, or a `.model` that is not a readable protobuf (docs/security.md)",
          why="tokenizer files go to transformers, tokenizers and sentencepiece with no limit of their own: a 61 MB special_tokens_map.json, a 56 MB spiece.model (3 M pieces) and a 50 MB tokenizer.json (2.5 M tokens) loaded in 1.4-1.9 GB and up to minutes, all reported valid; real vocabularies hold 32 k to 262 k tokens",
          fix="ship the tokenizer the model was trained with"),
     Rule("D015", "error", "a number in a scheduler or guider config is out of range",

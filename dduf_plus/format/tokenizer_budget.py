@@ -18,7 +18,8 @@ The caps (docs/security.md, "Tokenizer and config budgets"), far above real toke
   largest container of ``tokenizer.json``.
 - **added tokens** (:data:`MAX_ADDED_TOKENS`, 65,536): T5 has 100 extra ids, Gemma 3 about 6,000. Counted as
   the JSON objects of ``tokenizer.json`` / ``tokenizer_config.json`` (each added token is one), the largest
-  container and the values of ``special_tokens_map.json`` / ``added_tokens.json``.
+  container and the values of ``special_tokens_map.json`` / ``added_tokens.json``, and the number
+  ``extra_ids`` of ``tokenizer_config.json`` (T5's tokenizers add that many).
 - every tokenizer file at most :data:`MAX_TOKENIZER_FILE` (64 MiB, what the loader copies to its cache).
 - **numbers of config-only components** (:data:`MAX_CONFIG_NUMBER`, 1,048,576 in magnitude): every finite
   JSON number, integers and floats alike (``1e8`` is a float); ``true``/``false`` are not numbers here, and
@@ -96,6 +97,10 @@ def tokenizer_problem(entry: str, raw: bytes) -> tuple[str, str] | None:
 
 def _json_problem(basename: str, raw: bytes) -> str | None:
     """The D014 caps of one tokenizer JSON file, from its skeleton (see :func:`json_shape`)."""
+    if basename == "tokenizer_config.json" and b'"extra_ids"' in raw:
+        why = _extra_ids_problem(raw)
+        if why is not None:
+            return why
     largest, objects = json_shape(raw)
     if basename in ("special_tokens_map.json", "added_tokens.json"):
         cap, what = MAX_ADDED_TOKENS, "added or special tokens"
@@ -108,6 +113,19 @@ def _json_problem(basename: str, raw: bytes) -> str | None:
     if basename != "vocab.json" and objects > MAX_ADDED_TOKENS + OTHER_OBJECTS:
         return (f"holds {objects} JSON objects (each added token is one), more than the "
                 f"{MAX_ADDED_TOKENS + OTHER_OBJECTS} allowed ({MAX_ADDED_TOKENS} added tokens)")
+    return None
+
+
+def _extra_ids_problem(raw: bytes) -> str | None:
+    """T5's and ByT5's tokenizers add ``extra_ids`` tokens (``<extra_id_0>``...) built from that number, not
+    from the file's size: ``2**31`` took 7.7 GB and 30 s before transformers gave up. Counted as added tokens."""
+    value, code, _why = parse_json_entry(raw, "tokenizer/tokenizer_config.json")
+    count = value.get("extra_ids") if code is None and isinstance(value, dict) else None
+    if count is None or isinstance(count, bool) or not isinstance(count, (int, float)):
+        return None  # absent, not a number (the library refuses it), or not JSON (D007 / D013 say so)
+    if not 0 <= count <= MAX_ADDED_TOKENS:
+        return (f"extra_ids {count!r} would add {count!r} tokens; between 0 and {MAX_ADDED_TOKENS} added tokens "
+                "are allowed")
     return None
 
 
