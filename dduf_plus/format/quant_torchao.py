@@ -43,9 +43,9 @@ def _check_node(value: Any, depth: int, key: str) -> None:
             _check_node(item, depth + 1, key)
     elif isinstance(value, dict):
         kind = value.get("_type")
-        if kind is not None and kind not in TORCHAO_CLASSES:
+        if kind is not None and not (isinstance(kind, str) and kind in TORCHAO_CLASSES):  # a list is unhashable
             raise QuantError("Q005", f"{key}: names class {str(kind)[:80]!r}, outside torchao's allow-list")
-        if kind == "torch.dtype" and value.get("_data") not in TORCH_DTYPES:
+        if kind == "torch.dtype" and not (isinstance(value.get("_data"), str) and value["_data"] in TORCH_DTYPES):
             raise QuantError("Q005", f"{key}: dtype {str(value.get('_data'))[:80]!r} is not a torch dtype")
         data = value.get("_data")
         if kind in ("PerRow", "PerTensor") and not (data is None or isinstance(data, dict) and all(
