@@ -438,3 +438,21 @@ def test_force_over_a_fifo_replaces_it_without_blocking(tmp_path: Path) -> None:
     os.mkfifo(out)
     assert _within_deadline(lambda: main(["pack", str(root), "-o", str(out), "--force", "--quiet"]), [out]) == 0
     assert out.is_file() and zipfile.is_zipfile(out)
+
+
+# --- JSON the packer parses itself ---------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["vae/quanto_qmap.json", "transformer/config.json"])
+def test_deeply_nested_json_the_packer_parses_is_refused(tmp_path: Path, name: str) -> None:
+    """Bug on main: ``json.loads`` of 100,000 nested brackets (a quanto map, a config naming a quantization)
+    raised a bare RecursionError. Now the budgeted reader refuses it (D013), naming the file."""
+    from dduf_plus.packing.pack import pack
+
+    root = _tiny(tmp_path)
+    deep = b"[" * 100_000 + b"]" * 100_000
+    if name.endswith("config.json"):  # the packer parses a config only when it names a quantization
+        deep = b'{"quantization_config": {"quant_method": "bitsandbytes"}, "x": ' + deep + b"}"
+    (root / name).write_bytes(deep)
+    out = tmp_path / "out.dduf"
+    with pytest.raises(DDUFPackError, match=rf"{name}: D013 nests deeper"):
+        pack(root, out, quiet=True)
+    _no_output(out)
