@@ -234,6 +234,28 @@ def test_hub_cache_snapshot_packs(tmp_path: Path) -> None:
     assert entries[spec.MODEL_INDEX] == (PIPELINES / "tiny-dit" / spec.MODEL_INDEX).read_bytes()
 
 
+def test_pipeline_in_a_snapshot_sub_folder_packs(tmp_path: Path) -> None:
+    """A pipeline in a sub-folder of a repo (``snapshots/<rev>/pipe``): its links into the repo's blobs/ stay
+    inside the boundary, the repo's cache folder from anywhere inside a snapshot. Bug on main in the folder
+    loader (the sub-folder was the boundary: Z008 for every file); the packer now shares that boundary."""
+    from dduf_plus.format.source_folder import boundary_of
+
+    repo, snap = _snapshot(tmp_path)
+    pipe = snap / "pipe"
+    pipe.mkdir()
+    for child in sorted(snap.iterdir()):
+        if child != pipe:
+            shutil.move(child, pipe / child.name)
+    for link in sorted(pipe.rglob("*")):  # one level deeper: each relative link gets one more ".."
+        if link.is_symlink():
+            target = os.readlink(link)
+            link.unlink()
+            link.symlink_to(os.path.join("..", target))
+    assert boundary_of(pipe) == boundary_of(snap) == repo
+    result = pack_folder(pipe, tmp_path / "out.dduf", quiet=True)
+    assert _entries(result.path)[spec.MODEL_INDEX] == (PIPELINES / "tiny-dit" / spec.MODEL_INDEX).read_bytes()
+
+
 def test_hub_cache_snapshot_link_out_of_the_repo_is_refused(tmp_path: Path) -> None:
     repo, snap = _snapshot(tmp_path)
     secret = _secret(tmp_path)

@@ -28,10 +28,12 @@ ESCAPE_HINT = "copy the file into the folder if it belongs in the archive"
 
 def boundary_of(root: Path) -> Path:
     """The folder files may live in: ``root`` itself, or for a Hugging Face cache snapshot
-    (``.../models--org--name/snapshots/<commit>``) the repo's cache folder, whose ``blobs/`` the links name."""
+    (``.../models--org--name/snapshots/<commit>``, or a folder inside one: a pipeline in a repo's sub-folder) the
+    repo's cache folder, whose ``blobs/`` the links name (it holds that repo's files only)."""
     real = Path(os.path.realpath(root))
-    if real.parent.name == "snapshots" and real.parent.parent.name.startswith(HUB_CACHE_KINDS):
-        return real.parent.parent
+    for folder in (real, *real.parents):
+        if folder.parent.name == "snapshots" and folder.parent.parent.name.startswith(HUB_CACHE_KINDS):
+            return folder.parent.parent
     return real
 
 
