@@ -452,6 +452,19 @@ def test_force_over_a_link_replaces_the_link_not_its_target(tmp_path: Path) -> N
     assert not out.is_symlink() and zipfile.is_zipfile(out)
 
 
+@pytest.mark.parametrize("name", ["vae/config.json", spec.MODEL_INDEX])
+def test_output_that_is_a_source_file_is_refused(tmp_path: Path, name: str) -> None:
+    """Bug on main: ``-o FOLDER/vae/config.json --force`` replaced the source file with the archive (lost)."""
+    from dduf_plus.cli import main
+
+    root = _tiny(tmp_path)
+    before = (root / name).read_bytes()
+    assert main(["pack", str(root), "-o", str(root / name), "--force", "--quiet"]) != 0
+    assert (root / name).read_bytes() == before
+    with pytest.raises(DDUFPackError, match=r"a file of the folder being packed"):
+        pack_folder(root, root / "vae" / ".." / name, quiet=True)
+
+
 def test_force_over_a_fifo_replaces_it_without_blocking(tmp_path: Path) -> None:
     from dduf_plus.cli import main
 

@@ -223,6 +223,22 @@ def _read_model_index(mi_path: Path, boundary: Path) -> bytes:
     return read_source(checked.real, mi_path, MODEL_INDEX_LIMIT, "D013", follow_links=False)
 
 
+def check_output(output: str | os.PathLike, plan: FolderPlan) -> None:
+    """Refuse an output that is one of the files being packed: ``-o FOLDER/vae/config.json --force`` (or
+    ``-o FOLDER/model_index.json``) would replace a source of the archive with the archive, losing it.
+
+    Raises:
+        DDUFPackError: naming the output and what to do.
+    """
+    out = Path(output).absolute()
+    replaced = Path(os.path.realpath(out.parent)) / out.name  # the name the rename replaces (a link: itself)
+    mine = [plan.folder / spec.MODEL_INDEX] + [s.path for s in plan.sources if s.path is not None]
+    for path in mine:
+        if replaced in (Path(os.path.realpath(path)), Path(os.path.realpath(path.absolute().parent)) / path.name):
+            raise DDUFPackError(f"{output}: is {path}, a file of the folder being packed; writing the archive there "
+                                "would lose it (choose another output)")
+
+
 def _check_variant(variant: str | None, sources: Sequence[EntrySource], skipped: Sequence[Skipped], root: Path) -> None:
     """``variant`` must be some component's, as the loader requires (it refuses such an archive)."""
     if not variant:
@@ -495,5 +511,6 @@ def pack_folder(
     """
     folder, output = path_argument(folder, "pack_folder(folder=...)"), path_argument(output, "pack_folder(output=...)")
     plan = plan_folder(folder, variant=variant)
+    check_output(output, plan)
     return write_archive(output, plan.model_index, plan.model_index_bytes, plan.sources, skipped=plan.skipped, quiet=quiet,
                          fsync=fsync, check=check)

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from ..errors import DDUFPackError, path_argument
-from ..format.pack import PackResult, plan_folder, write_archive
+from ..format.pack import PackResult, check_output, plan_folder, write_archive
 from ..format.quantization import QMAP_NAME, quanto_index_record
 from .class_names import warn_unknown_classes
 from .unsaved import why_not_saved
@@ -76,6 +76,7 @@ def pack(
     refs = dict(refs or {})
     folder = pack_source(folder, variant=variant, token=token, local_files_only=local_files_only, quiet=quiet)
     plan = plan_folder(folder, variant=variant, exclude=[n for n in exclude], unsaved=why_not_saved)
+    check_output(output, plan)  # -o FOLDER/vae/config.json --force would replace a source with the archive
     warn_unknown_classes(plan.model_index)  # a typo'd class name, said before the work (the written archive is D017)
     return _pack_plan(plan, output, variant=variant, exclude=exclude, refs=refs, base=base, dtype=dtype,
                       token=token, local_files_only=local_files_only, quiet=quiet, fsync=fsync, quantize=quantize)
