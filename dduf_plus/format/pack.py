@@ -191,9 +191,7 @@ def plan_folder(folder: str | os.PathLike, *, variant: str | None = None, exclud
         else:
             skipped.append(Skipped(name, "only model_index.json is packed at the root"))
     _check_variant(variant, sources, skipped, root)
-    if len(sources) + 2 > spec.MAX_ENTRIES:  # + model_index.json and the index: refused now, not after copying all
-        raise DDUFPackError(f"{root}: Z005 {len(sources) + 2} entries is more than the {spec.MAX_ENTRIES} a DDUF "
-                            "archive may hold (DDUF readers refuse it)")
+    check_entry_count(len(sources), root)
     stored = {s.name.split("/")[0] for s in sources}
     for name, (library, _cls) in specs.items():
         if library is not None and name not in stored and name not in exclude:
@@ -209,6 +207,14 @@ def plan_folder(folder: str | os.PathLike, *, variant: str | None = None, exclud
         for owner, names in parts.items():
             logger.info("%s: a list of %d (%s); model_index.json names each part", owner, len(names), ", ".join(names))
     return FolderPlan(model_index, raw, sources, skipped, root)
+
+
+def check_entry_count(files: int, where: Path) -> None:
+    """Refuse ``files`` files (+ model_index.json and the index) over the archive entry cap now (Z005), not after
+    copying them all into an archive the final check refuses."""
+    if files + 2 > spec.MAX_ENTRIES:
+        raise DDUFPackError(f"{where}: Z005 {files + 2} entries is more than the {spec.MAX_ENTRIES} a DDUF archive "
+                            "may hold (DDUF readers refuse it)")
 
 
 def _read_model_index(mi_path: Path, boundary: Path) -> bytes:
@@ -307,6 +313,7 @@ def plan_component(root: Path, component: str, variant: str | None, *,
         raise DDUFPackError(f"{folder}: component folder has no config file (one of {', '.join(spec.CONFIG_FILES)})")
     chosen, left_out = _fast_tokenizer_covers(chosen)
     skipped.extend(Skipped(f"{component}/{n}", why) for n, why in left_out)
+    check_entry_count(len(chosen), folder)  # before any file is checked: a million files cost no million stats
     sources = _checked_sources(component, folder, chosen, boundary)
     if copy and alias is not None:
         sources.append(EntrySource(f"{component}/{COPY_NAME}", data=_alias_bytes(component, folder / alias, boundary)))
