@@ -35,12 +35,14 @@ from ..errors import DDUFPackError
 from . import spec
 from .findings import Finding, finding
 from .json_budget import parse_json_entry
+from .source_folder import read_source
 from .tokenizer_budget import tokenizer_problem
 
 TEMPLATE_FILE = "chat_template.jinja"
 TEMPLATE_DIR = "additional_chat_templates"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 INDEX_KEY = "chat_templates"
+_BUDGET = spec.CONFIG_JSON_BUDGET.bytes  # tokenizer_config.json's (D013): the folded templates are part of it
 _EXTRA_NAME = re.compile(rf"^{TEMPLATE_DIR}/([A-Za-z0-9_.\-]+)\.jinja$")
 
 
@@ -89,13 +91,13 @@ def fold(component: str, config_path: Path, templates: Mapping[str, Path]) -> Fo
     entry = f"{component}/{TOKENIZER_CONFIG}"
     if not templates:
         raise ValueError(f"{entry}: no chat template to fold")
-    raw = config_path.read_bytes()
+    raw = read_source(config_path, config_path, _BUDGET, "D013")  # bounded: never more than its budget + 1 bytes
     config, code, why = parse_json_entry(raw, entry)
     if code is not None:
         raise DDUFPackError(f"{code} {entry}: {why}; DDUF readers would refuse it")
     if not isinstance(config, dict):
         raise DDUFPackError(f"D007 {entry}: not a JSON object")
-    texts: dict[str, bytes] = {rel: path.read_bytes() for rel, path in sorted(templates.items())}
+    texts = _read_templates(templates)
     decoded: dict[str, str] = {}
     for rel, data in texts.items():
         try:
@@ -113,6 +115,17 @@ def fold(component: str, config_path: Path, templates: Mapping[str, Path]) -> Fo
     record = {"into": TOKENIZER_CONFIG, "original": original,
               "files": {rel: {"sha256": _sha(data), "size": len(data)} for rel, data in texts.items()}}
     return Fold(canonical_json(folded), _sha(raw), record, {TOKENIZER_CONFIG: config_path, **dict(templates)})
+
+
+def _read_templates(templates: Mapping[str, Path]) -> dict[str, bytes]:
+    """Each template's bytes, read bounded: all together at most the budget of the tokenizer_config.json they
+    are folded into (D013), so a sparse 10 GB template (or a thousand 8 MB ones) is refused, not read."""
+    texts: dict[str, bytes] = {}
+    left = _BUDGET
+    for rel, path in sorted(templates.items()):
+        texts[rel] = read_source(path, path, left, "D013")
+        left -= len(texts[rel])
+    return texts
 
 
 def _template_value(decoded: Mapping[str, str]) -> Any:

@@ -17,8 +17,20 @@ from ..storage.progress import progress_bar
 from . import spec
 from .chat_template import TEMPLATE_DIR, TOKENIZER_CONFIG, Fold, fold, is_template_name, template_files
 from .index import build_index
+from .json_budget import budget_for
 from .pipeline_kinds import COPY_NAME, alias_config, list_parts, part_owner, with_parts
 from .safetensors_header import SafetensorsHeader, read_file_header
+from .source_folder import (
+    ESCAPE_HINT,
+    MODEL_INDEX_LIMIT,
+    boundary_of,
+    escape_message,
+    is_inside,
+    read_entry_file,
+    read_source,
+    size_problem,
+    source_file,
+)
 from .structure import component_specs, model_index_object
 from .weights import classify, select_weights
 from .writer import DDUFWriter, check_entry_name
@@ -62,6 +74,9 @@ class EntrySource(NamedTuple):
     source_sha256: str | None = None  # sha256 of the original when the bytes were transformed
     folded: Fold | None = None  # tokenizer_config.json with chat templates folded in (format/chat_template.py)
     region: FileRegion | None = None  # an entry of another archive, copied from there unchanged
+    # ``path`` is the file's real path, checked inside its folder's boundary when planned (plan_component): the
+    # writer opens it without following links, so a link put in its place since (leading out) is refused
+    real: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -78,8 +93,8 @@ class EntrySource(NamedTuple):
 
     def read_bytes(self) -> bytes:
         """The entry's bytes (for small entries: configs, indexes)."""
-        if self.path is not None:
-            return self.path.read_bytes()
+        if self.path is not None:  # bounded by its kind's budget, never blocking (a FIFO put in its place)
+            return read_entry_file(self.path, self.name, follow_links=not self.real)
         if self.region is not None:
             return self.region.read_bytes()
         if self.data is not None:
@@ -145,9 +160,8 @@ def plan_folder(folder: str | os.PathLike, *, variant: str | None = None, exclud
         raise DDUFNotFoundError(f"{root} does not exist", str(root))
     if not root.is_dir():
         raise DDUFPackError(f"{root} is not a folder (a diffusers pipeline folder holds model_index.json)")
-    if not mi_path.is_file():
-        raise DDUFPackError(f"{root}: no model_index.json (is this a diffusers pipeline folder?)")
-    raw = mi_path.read_bytes()
+    boundary = boundary_of(root)
+    raw = _read_model_index(mi_path, boundary)
     model_index = model_index_object(raw, str(mi_path), DDUFPackError)
     specs = component_specs(model_index)
     check_names(exclude, specs, what="--exclude", where=str(mi_path), error=PackNameError)
@@ -171,12 +185,13 @@ def plan_folder(folder: str | os.PathLike, *, variant: str | None = None, exclud
             elif name in exclude or (name in further and part_owner(model_index, name) in exclude):
                 skipped.append(Skipped(name + "/", "excluded"))
             else:
-                comp_sources, comp_skipped = plan_component(root, name, variant)
+                comp_sources, comp_skipped = plan_component(root, name, variant, boundary=boundary)
                 sources.extend(comp_sources)
                 skipped.extend(comp_skipped)
         else:
             skipped.append(Skipped(name, "only model_index.json is packed at the root"))
     _check_variant(variant, sources, skipped, root)
+    check_entry_count(len(sources), root)
     stored = {s.name.split("/")[0] for s in sources}
     for name, (library, _cls) in specs.items():
         if library is not None and name not in stored and name not in exclude:
@@ -192,6 +207,42 @@ def plan_folder(folder: str | os.PathLike, *, variant: str | None = None, exclud
         for owner, names in parts.items():
             logger.info("%s: a list of %d (%s); model_index.json names each part", owner, len(names), ", ".join(names))
     return FolderPlan(model_index, raw, sources, skipped, root)
+
+
+def check_entry_count(files: int, where: Path) -> None:
+    """Refuse ``files`` files (+ model_index.json and the index) over the archive entry cap now (Z005), not after
+    copying them all into an archive the final check refuses."""
+    if files + 2 > spec.MAX_ENTRIES:
+        raise DDUFPackError(f"{where}: Z005 {files + 2} entries is more than the {spec.MAX_ENTRIES} a DDUF archive "
+                            "may hold (DDUF readers refuse it)")
+
+
+def _read_model_index(mi_path: Path, boundary: Path) -> bytes:
+    """model_index.json's bytes: inside the folder (Z008), a regular file, at most its D013 budget (a sparse
+    10 GB one is refused from its size, and read bounded even if it grows after the stat)."""
+    if not os.path.lexists(mi_path):
+        raise DDUFPackError(f"{mi_path.parent}: no model_index.json (is this a diffusers pipeline folder?)")
+    checked = source_file(mi_path, boundary)
+    why = size_problem(spec.MODEL_INDEX, checked.size)
+    if why is not None:
+        raise DDUFPackError(f"{mi_path}: {why}")
+    return read_source(checked.real, mi_path, MODEL_INDEX_LIMIT, "D013", follow_links=False)
+
+
+def check_output(output: str | os.PathLike, plan: FolderPlan) -> None:
+    """Refuse an output that is one of the files being packed: ``-o FOLDER/vae/config.json --force`` (or
+    ``-o FOLDER/model_index.json``) would replace a source of the archive with the archive, losing it.
+
+    Raises:
+        DDUFPackError: naming the output and what to do.
+    """
+    out = Path(output).absolute()
+    replaced = Path(os.path.realpath(out.parent)) / out.name  # the name the rename replaces (a link: itself)
+    mine = [plan.folder / spec.MODEL_INDEX] + [s.path for s in plan.sources if s.path is not None]
+    for path in mine:
+        if replaced in (Path(os.path.realpath(path)), Path(os.path.realpath(path.absolute().parent)) / path.name):
+            raise DDUFPackError(f"{output}: is {path}, a file of the folder being packed; writing the archive there "
+                                "would lose it (choose another output)")
 
 
 def _check_variant(variant: str | None, sources: Sequence[EntrySource], skipped: Sequence[Skipped], root: Path) -> None:
@@ -210,11 +261,19 @@ def _check_utf8(name: str, where: Path) -> None:
         name.encode("utf-8")
     except UnicodeEncodeError:
         shown = name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
-        raise DDUFPackError(f"{where / shown}: file name is not valid UTF-8; rename it") from None
+        raise DDUFPackError(f"{where / shown}: Z007 file name is not valid UTF-8; rename it") from None
 
 
-def plan_component(root: Path, component: str, variant: str | None) -> tuple[list[EntrySource], list[Skipped]]:
+def plan_component(root: Path, component: str, variant: str | None, *,
+                   boundary: Path | None = None) -> tuple[list[EntrySource], list[Skipped]]:
+    """The entries of ``root/component`` and what is left out, why. Only files inside ``boundary`` (the folder's,
+    :func:`~dduf_plus.format.source_folder.boundary_of` by default) are read, only regular ones, small ones within
+    their budgets: each refused before a byte of it is read (:func:`_checked_sources`)."""
     folder = root / component
+    boundary = boundary if boundary is not None else boundary_of(root)
+    real_folder = Path(os.path.realpath(folder))
+    if not is_inside(real_folder, boundary):  # the component folder itself is a link leading out
+        raise DDUFPackError(f"{folder}/: Z008 {escape_message(real_folder, boundary, ESCAPE_HINT)}")
     names = sorted(os.listdir(folder))
     skipped: list[Skipped] = []
     candidates: list[str] = []
@@ -254,16 +313,41 @@ def plan_component(root: Path, component: str, variant: str | None) -> tuple[lis
         raise DDUFPackError(f"{folder}: component folder has no config file (one of {', '.join(spec.CONFIG_FILES)})")
     chosen, left_out = _fast_tokenizer_covers(chosen)
     skipped.extend(Skipped(f"{component}/{n}", why) for n, why in left_out)
+    check_entry_count(len(chosen), folder)  # before any file is checked: a million files cost no million stats
+    sources = _checked_sources(component, folder, chosen, boundary)
+    if copy and alias is not None:
+        sources.append(EntrySource(f"{component}/{COPY_NAME}", data=_alias_bytes(component, folder / alias, boundary)))
+    sources, fold_skipped = fold_sources(component, folder, sources, boundary=boundary)
+    return sources, skipped + fold_skipped
+
+
+def _checked_sources(component: str, folder: Path, chosen: Sequence[str], boundary: Path) -> list[EntrySource]:
+    """An entry per chosen file, each checked before it is read: inside ``boundary`` (Z008), a regular file
+    (a FIFO would block the writer for ever), a small file within its budget from its size (D013, D014: a sparse
+    10 GB tokenizer.json is never copied), a safetensors file by its header. The real path is stored (the
+    writer opens it without following links)."""
     sources = []
     for name in chosen:
         entry = f"{component}/{name}"
         check_entry_name(entry)
-        header = read_safetensors_head(folder / name, entry) if name.endswith(".safetensors") else None
-        sources.append(EntrySource(entry, path=folder / name, header=header))
-    if copy and alias is not None:
-        sources.append(EntrySource(f"{component}/{COPY_NAME}", data=(folder / alias).read_bytes()))
-    sources, fold_skipped = fold_sources(component, folder, sources)
-    return sources, skipped + fold_skipped
+        checked = source_file(folder / name, boundary)
+        why = size_problem(entry, checked.size)
+        if why is not None:
+            raise DDUFPackError(f"{folder / name}: {why}")
+        header = read_safetensors_head(checked.real, entry) if name.endswith(".safetensors") else None
+        sources.append(EntrySource(entry, path=checked.real, header=header, real=True))
+    return sources
+
+
+def _alias_bytes(component: str, alias: Path, boundary: Path) -> bytes:
+    """The bytes of ``guider_config.json`` (checked by :func:`_checked_sources`) for its ``config.json`` copy,
+    read bounded by the copy's budget (D013)."""
+    checked = source_file(alias, boundary)
+    limit = budget_for(f"{component}/{COPY_NAME}").bytes
+    if checked.size > limit:
+        raise DDUFPackError(f"{alias}: D013 {checked.size} bytes is more than the {limit} its copy "
+                            f"{component}/{COPY_NAME} may hold; not read")
+    return read_source(checked.real, alias, limit, "D013", follow_links=False)
 
 
 def _fast_tokenizer_covers(chosen: list[str]) -> tuple[list[str], list[tuple[str, str]]]:
@@ -278,10 +362,15 @@ def _fast_tokenizer_covers(chosen: list[str]) -> tuple[list[str], list[tuple[str
                  "refuses .model (D009)") for n in models])
 
 
-def fold_sources(component: str, folder: Path, sources: list[EntrySource]) -> tuple[list[EntrySource], list[Skipped]]:
+def fold_sources(component: str, folder: Path, sources: list[EntrySource], *,
+                 boundary: Path | None = None) -> tuple[list[EntrySource], list[Skipped]]:
     """Chat template files of ``folder`` folded into its tokenizer_config.json entry (see
-    :mod:`dduf_plus.format.chat_template`); without a tokenizer_config.json they are left out, said so."""
+    :mod:`dduf_plus.format.chat_template`); without a tokenizer_config.json they are left out, said so. Each
+    template is checked as a stored file is (inside ``boundary``, regular, within the budget of the config it
+    is folded into: D013) before it is read."""
     templates = template_files(folder)
+    if templates and boundary is not None:
+        templates = {rel: _checked_template(component, path, boundary) for rel, path in templates.items()}
     if not templates:
         return sources, []
     entry = f"{component}/{TOKENIZER_CONFIG}"
@@ -289,11 +378,23 @@ def fold_sources(component: str, folder: Path, sources: list[EntrySource]) -> tu
         logger.warning("%s: chat template not stored: no tokenizer_config.json to fold it into", component)
         return sources, [Skipped(f"{component}/{rel}", "chat template: no tokenizer_config.json to fold it into")
                          for rel in templates]
-    folded = fold(component, folder / TOKENIZER_CONFIG, templates)
+    config = next(s.path for s in sources if s.name == entry)
+    folded = fold(component, config if config is not None else folder / TOKENIZER_CONFIG, templates)
     out = [s if s.name != entry else EntrySource(entry, data=folded.data, source_sha256=folded.source_sha256,
                                                  folded=folded) for s in sources]
     return out, [Skipped(f"{component}/{rel}", "folded into tokenizer_config.json's chat_template")
                  for rel in templates]
+
+
+def _checked_template(component: str, path: Path, boundary: Path) -> Path:
+    """The real path of a chat template file, checked: inside ``boundary``, regular, within the budget of the
+    tokenizer_config.json it is folded into (D013)."""
+    checked = source_file(path, boundary)
+    limit = budget_for(f"{component}/{TOKENIZER_CONFIG}").bytes
+    if checked.size > limit:
+        raise DDUFPackError(f"{path}: D013 {checked.size} bytes is more than the {limit} the "
+                            f"{component}/{TOKENIZER_CONFIG} it is folded into may hold; not read")
+    return checked.real
 
 
 def read_safetensors_head(path: Path, entry: str) -> SafetensorsHeader:
@@ -328,7 +429,8 @@ def write_archive(
     bar = progress_bar(total, Path(output).name, quiet)
     try:
         checker = (lambda tmp: check_written(tmp, output)) if check else None
-        with DDUFWriter(output, progress=bar.update, fsync=fsync, check=checker) as writer:
+        with DDUFWriter(output, progress=bar.update, fsync=fsync, check=checker,
+                        no_follow=[s.name for s in ordered if s.real]) as writer:
             files = sorted((s for s in ordered if s.path is not None), key=lambda s: -s.nbytes)
             writer.hash_ahead([(s.name, s.path) for s in files[:HASH_AHEAD_FILES] if s.path is not None])  # bounded: open descriptors
             writer.add_bytes(spec.MODEL_INDEX, model_index_bytes)
@@ -416,5 +518,6 @@ def pack_folder(
     """
     folder, output = path_argument(folder, "pack_folder(folder=...)"), path_argument(output, "pack_folder(output=...)")
     plan = plan_folder(folder, variant=variant)
+    check_output(output, plan)
     return write_archive(output, plan.model_index, plan.model_index_bytes, plan.sources, skipped=plan.skipped, quiet=quiet,
                          fsync=fsync, check=check)

@@ -11,6 +11,7 @@ truncated under a mapping would kill the process with SIGBUS)."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 from collections.abc import Callable, Iterable
@@ -20,7 +21,7 @@ from typing import Any
 
 from ..errors import DDUFIOError, DDUFPackError, DDUFUsageError
 from ..storage.confined import Confined
-from ..storage.fd_io import kernel_copy, pwrite_all
+from ..storage.fd_io import kernel_copy, open_regular, pwrite_all
 from . import spec
 from .index import FileRecord
 from .safetensors_header import read_header_length
@@ -60,8 +61,11 @@ class DDUFWriter:
     leave a truncated archive at ``path``."""
 
     def __init__(self, path: str | os.PathLike, *, progress: ProgressFn | None = None, fsync: bool = True,
-                 check: Callable[[Path], Any] | None = None):
+                 check: Callable[[Path], Any] | None = None, no_follow: Iterable[str] = ()):
         self.path = Path(path)
+        # Entries whose source path is a real path (a planned folder's, checked inside it): opened without
+        # following links (O_NOFOLLOW), so a link put in a file's place since the planning is refused
+        self._no_follow = frozenset(no_follow)
         self._fsync = fsync
         self._check = check  # called with the finished temporary file before the rename; raising aborts
         # The caller chose the output (the CLI has checked its folder exists, as cp does; the Python API creates
@@ -79,7 +83,7 @@ class DDUFWriter:
         self._pending: list[tuple] = []
         self._progress = progress
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="dduf-hash")
-        self._ahead: dict[str, tuple[int, int, Future]] = {}  # name -> (fd, size, digests future)
+        self._ahead: dict[str, tuple[int, os.stat_result, Future]] = {}  # name -> (fd, stat at open, digests)
         self._chunks: ThreadPoolExecutor | None = None
         self._expected: dict[str, tuple[int | None, str | None, str]] = {}  # add_region: what its source records
         self._closed = False
@@ -154,37 +158,43 @@ class DDUFWriter:
         try:
             for name, source in files:
                 self._check_open(name)
-                fd = _open_source(name, source)
-                opened.append((os.fstat(fd).st_size, name, fd))
+                fd, st = _open_source(name, source, name not in self._no_follow)
+                opened.append((st, name, fd))
         except BaseException:
-            for _size, _name, fd in opened:
+            for _st, _name, fd in opened:
                 os.close(fd)
             raise
-        for size, name, fd in sorted(opened, key=lambda item: -item[0]):
-            self._ahead[name] = (fd, size, self._submit_hash(fd, size))
+        for st, name, fd in sorted(opened, key=lambda item: -item[0].st_size):
+            self._ahead[name] = (fd, st, self._submit_hash(fd, st.st_size, opened=(name, st)))
 
-    def _submit_hash(self, fd: int, size: int, offset: int = 0) -> Future:
-        """CRC-32 + sha256 in a worker, on a duplicate descriptor the job closes (or we do, if cancelled)."""
+    def _submit_hash(self, fd: int, size: int, offset: int = 0, opened: tuple[str, os.stat_result] | None = None
+                     ) -> Future:
+        """CRC-32 + sha256 in a worker, on a duplicate descriptor the job closes (or we do, if cancelled).
+        ``opened``: (entry name, stat when opened) of a whole file, checked unchanged once hashed."""
         dup = os.dup(fd)
-        future = self._pool.submit(_hash_fd, dup, size, offset)
+        future = self._pool.submit(_hash_fd, dup, size, offset, opened)
         future.add_done_callback(lambda f: os.close(dup) if f.cancelled() else None)
         return future
 
     def add_file(self, name: str, source: str | os.PathLike) -> None:
-        """Copy a file's bytes unchanged (kernel copy); CRC-32 and sha256 come from a worker."""
+        """Copy a file's bytes unchanged (kernel copy); CRC-32 and sha256 come from a worker. The source must be
+        a regular file (a FIFO is refused, never waited on) and stay unchanged until it is copied and hashed
+        (a file rewritten meanwhile is refused: its hash would not be of the bytes copied)."""
         if name in self._ahead:
-            src, size, sha = self._ahead.pop(name)
+            src, st, sha = self._ahead.pop(name)
         else:
-            src = _open_source(name, source)
-            size, sha = os.fstat(src).st_size, None
+            src, st = _open_source(name, source, name not in self._no_follow)
+            sha = None
+        size = st.st_size
         try:
             inner, alignment = self._alignment_for(name, os.pread(src, 8, 0))
             if name.endswith(".safetensors") and inner > size:
                 raise DDUFPackError(f"{name!r}: {source} is not a safetensors file (header length past the end)")
             start = self._begin(name, size, inner, alignment)
             if sha is None:
-                sha = self._submit_hash(src, size)
-            self._copy(src, size, start)
+                sha = self._submit_hash(src, size, opened=(name, st))
+            self._copy(src, size, start, name=name)
+            check_unchanged(name, src, st)
         except BaseException:
             if sha is not None:
                 sha.cancel()
@@ -198,7 +208,7 @@ class DDUFWriter:
         """Copy bytes ``offset .. offset + length`` of ``source`` (an entry of another archive) unchanged, as
         :meth:`add_file` copies a whole file. ``crc32`` / ``sha256``, when given, are checked against the bytes
         copied once they are hashed (:attr:`records` raises ``DDUFPackError``: H001 / H002)."""
-        src = _open_source(name, source)
+        src, _st = _open_source(name, source)
         sha: Future | None = None
         try:
             if offset < 0 or length < 0 or offset + length > os.fstat(src).st_size:
@@ -208,7 +218,7 @@ class DDUFWriter:
                 raise DDUFPackError(f"{name!r}: {source} at {offset} is not a safetensors file (header length past its end)")
             start = self._begin(name, length, inner, alignment)
             sha = self._submit_hash(src, length, offset)
-            self._copy(src, length, start, offset)
+            self._copy(src, length, start, offset, name=name)
         except BaseException:
             if sha is not None:
                 sha.cancel()
@@ -250,7 +260,7 @@ class DDUFWriter:
     def _pwrite(self, data: Any, offset: int) -> None:
         pwrite_all(self._fd, data, offset)
 
-    def _copy(self, src: int, size: int, dst_offset: int, src_offset: int = 0) -> None:
+    def _copy(self, src: int, size: int, dst_offset: int, src_offset: int = 0, name: str = "") -> None:
         done, kernel = 0, True
         buffer: memoryview | None = None
         while done < size:
@@ -260,7 +270,7 @@ class DDUFWriter:
                 kernel = False  # another file system, or none: read + write from here on
                 if buffer is None:
                     buffer = memoryview(bytearray(min(CHUNK, size)))
-                copied = _pread_into(src, buffer[: min(n, len(buffer))], src_offset + done)
+                copied = _pread_into(src, buffer[: min(n, len(buffer))], src_offset + done, repr(name))
                 self._pwrite(buffer[:copied], dst_offset + done)
             if self._fsync:
                 _start_writeback(self._fd, dst_offset + done, copied)
@@ -360,31 +370,52 @@ def _done(value: Any) -> Future:
     return future
 
 
-def _open_source(name: str, source: str | os.PathLike) -> int:
+def _open_source(name: str, source: str | os.PathLike, follow_links: bool = True) -> tuple[int, os.stat_result]:
+    """``source`` opened to read, with its stat: a regular file only, never waited on (a FIFO put in a planned
+    file's place would block a plain open for ever); ``follow_links=False`` refuses a link (``O_NOFOLLOW``)."""
     try:
-        return os.open(source, os.O_RDONLY)
+        opened = open_regular(source, follow_links=follow_links)
     except OSError as e:
+        if not follow_links and e.errno == errno.ELOOP:
+            raise DDUFPackError(f"{name!r}: {source} became a link since the folder was planned; not followed "
+                                "(pack it again)") from None
         raise DDUFPackError(f"{name!r}: cannot read {source}: {e.strerror}") from None
+    if opened is None:
+        raise DDUFPackError(f"{name!r}: {source} is not a regular file (a FIFO, a device or a folder); not read")
+    return opened
 
 
-def _pread_into(fd: int, buffer: memoryview, offset: int) -> int:
+def check_unchanged(name: str, fd: int, before: os.stat_result) -> None:
+    """Refuse a source whose size or modification changed since it was opened: it was rewritten while packed,
+    so the bytes copied and the bytes hashed may differ (an archive every CRC check refuses)."""
+    now = os.fstat(fd)
+    if (now.st_size, now.st_mtime_ns, now.st_ctime_ns) != (before.st_size, before.st_mtime_ns, before.st_ctime_ns):
+        raise DDUFPackError(f"{name!r}: its source changed while it was being packed (size {before.st_size} -> "
+                            f"{now.st_size}, or rewritten); nothing is written: pack again once it is complete")
+
+
+def _pread_into(fd: int, buffer: memoryview, offset: int, name: str = "") -> int:
     n = os.preadv(fd, [buffer], offset)
     if n <= 0:
-        raise DDUFPackError(f"source shrank while packing (at byte {offset})")
+        raise DDUFPackError(f"{name + ': ' if name else ''}its source changed while it was being packed (it shrank: "
+                            f"no byte at {offset}); nothing is written: pack again once it is complete")
     return n
 
 
-def _hash_fd(fd: int, size: int, offset: int = 0) -> tuple[int, str]:
+def _hash_fd(fd: int, size: int, offset: int = 0, opened: tuple[str, os.stat_result] | None = None
+             ) -> tuple[int, str]:
     """CRC-32 and sha256 of a file's ``size`` bytes from ``offset``, one read pass through a reused buffer;
-    closes ``fd``."""
+    closes ``fd``. ``opened``: (entry name, stat when opened), checked unchanged after the pass."""
     try:
         sha, crc, done = hashlib.sha256(), 0, 0
         buffer = memoryview(bytearray(min(CHUNK, max(size, 1))))
         while done < size:
-            n = _pread_into(fd, buffer[: min(len(buffer), size - done)], offset + done)
+            n = _pread_into(fd, buffer[: min(len(buffer), size - done)], offset + done, repr(opened[0]) if opened else "")
             sha.update(buffer[:n])
             crc = crc32(buffer[:n], crc)
             done += n
+        if opened is not None:
+            check_unchanged(opened[0], fd, opened[1])
         return crc, sha.hexdigest()
     finally:
         os.close(fd)

@@ -29,6 +29,7 @@ from ..format.archive import Component
 from ..format.findings import Finding, finding
 from ..format.json_budget import over_size, read_json
 from ..format.pipeline_kinds import LIST_LIBRARY, alias_config, list_owners, part_name
+from ..format.source_folder import boundary_of, escape_message, is_inside
 from ..format.tokenizer_budget import budget_findings
 from ..format.validate import json_entry_findings
 from ..storage.confined import component_name_problem, name_problem
@@ -48,15 +49,6 @@ class FolderEntry(NamedTuple):
     length: int
     path: Path  # the real path (inside the folder's boundary)
     offset: int = 0
-
-
-def boundary_of(root: Path) -> Path:
-    """The folder files may live in: ``root`` itself, or for a Hugging Face cache snapshot
-    (``.../models--org--name/snapshots/<commit>``) the repo's cache folder, whose ``blobs/`` the links name."""
-    real = Path(os.path.realpath(root))
-    if real.parent.name == "snapshots" and real.parent.parent.name.startswith(("models--", "datasets--", "spaces--")):
-        return real.parent.parent
-    return real
 
 
 class FolderPipeline:
@@ -125,9 +117,9 @@ class FolderPipeline:
     def _entry(self, name: str, path: Path) -> FolderEntry:
         """``name``'s record; a real path outside the boundary is a Z008 problem (never read)."""
         real = Path(os.path.realpath(path))
-        if real != self._boundary and self._boundary not in real.parents:
-            self.problems.append(finding("Z008", name, f"is a link to {real}, outside {self._boundary}: a folder "
-                                         "is read only inside itself (copy the file in, or pass the component)"))
+        if not is_inside(real, self._boundary):  # the one boundary rule, shared with dduf pack
+            self.problems.append(finding("Z008", name, escape_message(real, self._boundary,
+                                                                      "copy the file in, or pass the component")))
         try:
             length = os.stat(real).st_size
         except OSError as e:

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from ..errors import DDUFPackError, path_argument
-from ..format.pack import PackResult, plan_folder, write_archive
+from ..format.pack import PackResult, check_output, plan_folder, write_archive
 from ..format.quantization import QMAP_NAME, quanto_index_record
 from .class_names import warn_unknown_classes
 from .unsaved import why_not_saved
@@ -76,6 +76,7 @@ def pack(
     refs = dict(refs or {})
     folder = pack_source(folder, variant=variant, token=token, local_files_only=local_files_only, quiet=quiet)
     plan = plan_folder(folder, variant=variant, exclude=[n for n in exclude], unsaved=why_not_saved)
+    check_output(output, plan)  # -o FOLDER/vae/config.json --force would replace a source with the archive
     warn_unknown_classes(plan.model_index)  # a typo'd class name, said before the work (the written archive is D017)
     return _pack_plan(plan, output, variant=variant, exclude=exclude, refs=refs, base=base, dtype=dtype,
                       token=token, local_files_only=local_files_only, quiet=quiet, fsync=fsync, quantize=quantize)
@@ -259,26 +260,38 @@ def pack_source(source: str | os.PathLike, *, variant: str | None = None, token:
 
 def _quanto_records(sources: Sequence[Any]) -> dict[str, Any] | None:
     """Index records for components quantized with optimum-quanto (they ship ``quanto_qmap.json``)."""
-    import json
-
     records = {}
     for source in sources:
         component, _, filename = source.name.partition("/")
         if filename == QMAP_NAME and source.file is not None:  # a file, or an input archive's entry
             try:
-                records[component] = quanto_index_record(json.loads(source.read_bytes()))
+                records[component] = quanto_index_record(source_json(source))
             except ValueError as e:
                 raise DDUFPackError(f"{source.file}: not valid JSON ({e})") from None
     records.update(_backend_records(sources))
     return records or None
 
 
+def source_json(source: Any, raw: bytes | None = None) -> Any:
+    """The parsed JSON of a source file (``raw``: its bytes, read already), through the budgeted reader: a folder
+    is untrusted, and 100,000 nested brackets would overflow ``json.loads``' recursion (a RecursionError, no
+    DDUFError).
+
+    Raises:
+        DDUFPackError: over its D013 budget, or not JSON (D007), naming the file.
+    """
+    from ..format.json_budget import parse_json_entry
+
+    value, code, why = parse_json_entry(source.read_bytes() if raw is None else raw, source.name)
+    if code is not None:
+        raise DDUFPackError(f"{source.file}: {code} {why}")
+    return value
+
+
 def _backend_records(sources: Sequence[Any]) -> dict[str, Any]:
     """Index records of components a diffusers quantizer saved (torchao, bitsandbytes): backend, scheme and
     which tensors are quantized data vs scales, from config.json and the safetensors headers (torch-free).
     A component that is not self-consistent (a Q0xx rule) is refused: it would not load."""
-    import json
-
     from ..format import quant_rules
     from ..format.safetensors_header import read_file_header
 
@@ -294,7 +307,7 @@ def _backend_records(sources: Sequence[Any]) -> dict[str, Any]:
         if config_source is None or b"quantization_config" not in raw:
             continue
         try:
-            config = json.loads(raw)
+            config = source_json(config_source, raw)
             headers = [s.header if s.header is not None else read_file_header(s.path, s.name, DDUFPackError)
                        for name, s in sorted(files.items()) if name.endswith(".safetensors")]
             record = quant_rules.index_record(config, headers)

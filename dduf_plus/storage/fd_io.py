@@ -37,6 +37,21 @@ def open_regular(path: str | os.PathLike, *, follow_links: bool = True) -> tuple
     return fd, st
 
 
+def read_at_most(path: str | os.PathLike, limit: int | None, *, follow_links: bool = True) -> bytes | None:
+    """The first ``limit + 1`` bytes of the regular file at ``path`` (all of it when shorter; ``limit=None``: its
+    size when opened, + 1), or None when it is not a regular file (a FIFO, a device, a folder: never waited on,
+    :func:`open_regular`). Never more: a result longer than ``limit`` says the file is over it, also one that
+    grew after an earlier stat said it was within (the caller names the budget). OSErrors are the caller's."""
+    opened = open_regular(path, follow_links=follow_links)
+    if opened is None:
+        return None
+    fd, st = opened
+    try:
+        return pread_upto(fd, (st.st_size if limit is None else limit) + 1, 0)
+    finally:
+        os.close(fd)
+
+
 def pread_upto(fd: int, length: int, offset: int) -> bytes:
     """``length`` bytes at ``offset`` of ``fd``, fewer only where the file ends first (the caller says what that
     means: a truncated stream, a file that shrank)."""
