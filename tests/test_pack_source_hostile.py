@@ -499,3 +499,18 @@ def test_deeply_nested_json_the_packer_parses_is_refused(tmp_path: Path, name: s
     with pytest.raises(DDUFPackError, match=rf"{name}: D013 nests deeper"):
         pack(root, out, quiet=True)
     _no_output(out)
+
+
+def test_a_deeply_nested_config_given_to_quantize_is_refused(tmp_path: Path) -> None:
+    """``--quantize`` parses the component's config.json itself: the budgeted reader refuses 100,000 nested
+    brackets (D013, naming the entry) where ``json.loads`` raised a bare RecursionError."""
+    from dduf_plus.errors import DDUFError
+    from dduf_plus.packing.pack import pack
+
+    pytest.importorskip("bitsandbytes")
+    root = _tiny(tmp_path)
+    (root / "transformer" / "config.json").write_bytes(b'{"x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
+    out = tmp_path / "out.dduf"
+    with pytest.raises(DDUFError, match=r"transformer/config.json.*D013|D013.*transformer/config.json"):
+        pack(root, out, quiet=True, quantize={"transformer": "bnb-int8"})
+    _no_output(out)

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..assignments import PackNameError, check_names, closest, parse_assignments
 from ..errors import DDUFPackError
+from ..format.json_budget import read_json
 from ..format.pack import EntrySource, FileRegion, FolderPlan
 from ..format.structure import component_specs
 from ..format.weights import classify, weights_name
@@ -175,7 +176,9 @@ def quantize_component(component: str, class_spec: Any, sources: list[EntrySourc
     weights = [s for s in sources if s.name.endswith(".safetensors") and s.file is not None and s.header is not None]
     if config_source is None or config_source.file is None or not weights:
         raise DDUFPackError(f"--quantize {component}: it has no config.json and safetensors weights to quantize")
-    config = json.loads(config_source.read_bytes())
+    config = read_json(config_source.read_bytes(), config_source.name, where=f"--quantize {component}")  # D007/D013
+    if not isinstance(config, dict):
+        raise DDUFPackError(f"--quantize {component}: D007 {config_source.name} is not a JSON object")
     if stored_quantization(config) is not None:
         raise DDUFPackError(f"--quantize {component}: it is already quantized "
                             f"({backend_of(config)}); pack it as it is")
