@@ -270,6 +270,30 @@ def json_difference(name: str, mine: Any, base: Any, ignored: frozenset[str] = B
     return None if why is None else f"{name}: {why}"
 
 
+def as_read(name: str, config: Any, library: str | None) -> Any:
+    """A config file as its library reads it, where a saved key changes what another one means: diffusers gives
+    each key ``_use_default_values`` lists its class default, whatever value is written
+    (``ConfigMixin.extract_init_dict``); transformers 5 reads transformers 4's ``torch_dtype`` as ``dtype`` where
+    ``dtype`` is unset (``PreTrainedConfig.__post_init__``: a Hub BASE saved by transformers 4 and its fine-tune
+    saved by transformers 5 write the same setting under the two names). Anything else as parsed."""
+    if not isinstance(config, dict) or name not in spec.CONFIG_FILES:
+        return config
+    listed = config.get("_use_default_values")
+    if library == "diffusers" and isinstance(listed, list):
+        return {k: v for k, v in config.items() if k not in listed}
+    if library == "transformers" and name == "config.json":
+        return _dtype_as_read(config)
+    return config
+
+
+def _dtype_as_read(config: dict[str, Any]) -> dict[str, Any]:
+    """``torch_dtype`` read as ``dtype`` where that is unset, in sub-configs too (``text_config``...)."""
+    out = {k: _dtype_as_read(v) if isinstance(v, dict) else v for k, v in config.items() if k != "torch_dtype"}
+    if config.get("torch_dtype") is not None and out.get("dtype") is None:
+        out["dtype"] = config["torch_dtype"]
+    return out
+
+
 def _jsonable(value: Any) -> Any:
     """A default as a JSON file would hold it (tuples as lists)."""
     try:
@@ -354,8 +378,12 @@ def component_difference(mine: ComponentCopy, base: ComponentBytes, *, library: 
             return Difference(f"tensor {found[0].info.name} differs ({largest_difference(*found)})", True, False)
     others_mine = {n for n in mine.names if n not in weights_mine and not _layout_only(n)}
     others_base = {n for n in base.names if n not in weights_base and not _layout_only(n)}
-    tokenizer_same = "tokenizer.json" in others_mine & others_base and \
-        json_difference("tokenizer.json", _json(mine, "tokenizer.json"), _json(base, "tokenizer.json")) is None
+    both_tokenizers = "tokenizer.json" in others_mine & others_base
+    tokenizer_why = json_difference("tokenizer.json", _json(mine, "tokenizer.json"), _json(base, "tokenizer.json")) \
+        if both_tokenizers else None
+    if tokenizer_why is not None:  # said first: the slow tokenizer's files then differ because of it
+        return Difference(tokenizer_why, False, False)
+    tokenizer_same = both_tokenizers
     if tokenizer_same:  # the slow tokenizer's files say again what tokenizer.json says
         others_mine -= SLOW_TOKENIZER_FILES
         others_base -= SLOW_TOKENIZER_FILES
@@ -365,22 +393,23 @@ def component_difference(mine: ComponentCopy, base: ComponentBytes, *, library: 
         return Difference(text, False, False)
     defaults = library_defaults(library, cls)
     for name in sorted(others_mine):
-        why = _file_difference(name, mine, base, defaults, tokenizer_same)
+        why = _file_difference(name, mine, base, defaults, tokenizer_same, library)
         if why is not None:
             return Difference(why, False, False)
     return None
 
 
 def _file_difference(name: str, mine: ComponentCopy, base: ComponentBytes,
-                     defaults: Callable[[Mapping[str, Any]], Mapping[str, Any] | None], tokenizer_same: bool) -> str | None:
+                     defaults: Callable[[Mapping[str, Any]], Mapping[str, Any] | None], tokenizer_same: bool,
+                     library: str | None = None) -> str | None:
     if not name.endswith(".json"):
         return None if mine.buffer(name) == base.buffer(name) else f"{name} differs"
     ignored = BOOKKEEPING_KEYS
     if name == "tokenizer_config.json":
         # transformers 5 adds these on save and drops added_tokens_decoder, which tokenizer.json holds as well
         ignored = ignored | TOKENIZER_SAVE_KEYS | ({"added_tokens_decoder"} if tokenizer_same else set())
-    return json_difference(name, _json(mine, name), _json(base, name), ignored,
-                           defaults if name in spec.CONFIG_FILES else None)
+    return json_difference(name, as_read(name, _json(mine, name), library), as_read(name, _json(base, name), library),
+                           ignored, defaults if name in spec.CONFIG_FILES else None)
 
 
 # --- a component not written yet: the entries a writer would store ---------------------------------------------

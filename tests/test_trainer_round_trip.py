@@ -1,0 +1,296 @@
+"""A trainer's and a model author's round trip, as they run it with the real libraries: ``from_pretrained(BASE)``,
+change one thing, ``save_pretrained(FT)`` (in BASE's dtypes, in another dtype, as a ``variant``, sharded),
+``dduf pack FT --base BASE``; then ``dduf complete`` and ``dduf export`` back out. Each case checks what is stored
+and what is referenced, the archive's size where it is the point, the report's words, and that the archive loads
+exactly as diffusers loads FT (tensors with ``torch.equal``, configs, one step of inference).
+
+The rule under test (docs/partial.md, "The same component, by content"): a component is referenced when its
+library reads BASE's copy and FT's as the same model, whoever wrote the files; anything that changes the model
+(a tensor, a scheduler setting, a special token, a config dtype) is stored."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from dduf_plus import load_dduf
+from dduf_plus.format.archive import DDUFArchive
+from dduf_plus.packing.complete import complete_archive
+from dduf_plus.packing.export import export_single_file
+from dduf_plus.packing.pack import pack
+from dduf_plus.packing.partial import pack_partial
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY_SD = ROOT / "fixtures" / "pipelines" / "tiny-sd"
+AS_SAVED = {"unet": torch.float16, "default": torch.float32}  # tiny-sd's dtypes: an fp16 UNet, the rest fp32
+
+
+def trainer(base: Path, out: Path, *, load: dict[str, Any] | None = None, save: dict[str, Any] | None = None,
+            change: Callable[[Any], None] | None = None) -> Path:
+    """``from_pretrained(base)``, a step of "training" (the UNet's weights moved, or ``change(pipe)``),
+    ``save_pretrained(out)``."""
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(base, **({"torch_dtype": AS_SAVED} if load is None else load))
+    if change is None:
+        with torch.no_grad():
+            for p in pipe.unet.parameters():
+                p.add_(0.01)
+    else:
+        change(pipe)
+    pipe.save_pretrained(out, **(save or {}))
+    return out
+
+
+def packed(ft: Path, out: Path, base: Path, caplog: pytest.LogCaptureFixture, **kwargs: Any
+           ) -> tuple[set[str], set[str], list[str]]:
+    """``pack FT --base BASE``: (stored components, referenced components, the report's lines)."""
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="dduf_plus"):
+        pack_partial(ft, out, base=str(base), quiet=True, **kwargs)
+    with DDUFArchive(out) as archive:
+        stored = {n.split("/")[0] for n in archive.entries if "/" in n}
+        referenced = set(archive.references)
+    return stored, referenced, [r.getMessage() for r in caplog.records if r.name.startswith("dduf_plus")]
+
+
+def _public(config: Any) -> dict[str, Any]:
+    """A config less what says where and by which version it was read."""
+    items = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    return {k: v for k, v in items.items() if not k.startswith("_") and k != "transformers_version"}
+
+
+def assert_loads_as_diffusers(archive: Path, folder: Path, **kwargs: Any) -> None:
+    """``load_dduf(archive)`` equals ``DiffusionPipeline.from_pretrained(folder)`` with the same arguments: every
+    tensor (dtype and bytes), every config, the tokenizer's ids, one step of inference."""
+    from diffusers import DiffusionPipeline
+
+    ours, theirs = load_dduf(archive, **kwargs), DiffusionPipeline.from_pretrained(folder, **kwargs)
+    for name, module in theirs.components.items():
+        mine = getattr(ours, name)
+        if isinstance(module, torch.nn.Module):
+            a, b = mine.state_dict(), module.state_dict()
+            assert set(a) == set(b), name
+            assert all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in b), name
+            assert _public(mine.config) == _public(module.config), name
+        elif hasattr(module, "config"):
+            assert type(mine) is type(module) and _public(mine.config) == _public(module.config), name
+    prompt = "a <sks> cat"
+    assert ours.tokenizer(prompt, padding="max_length").input_ids == theirs.tokenizer(prompt, padding="max_length").input_ids
+    assert ours.tokenizer.pad_token == theirs.tokenizer.pad_token
+    ours.to(torch.float32)  # diffusers cannot run its own mixed-precision load (an fp16 UNet, fp32 encoders):
+    theirs.to(torch.float32)  # the step runs both, equal tensors cast alike, in fp32
+    step = {"num_inference_steps": 1, "output_type": "np", "height": 32, "width": 32}
+    x = ours("a cat", generator=torch.Generator().manual_seed(0), **step).images
+    y = theirs("a cat", generator=torch.Generator().manual_seed(0), **step).images
+    assert (x == y).all()
+
+
+def edit_json(path: Path, edit: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+    path.write_text(json.dumps(edit(json.loads(path.read_text())), indent=2))
+
+
+# --- 1. one component fine-tuned, saved every way a trainer saves ---------------------------------------------
+@pytest.mark.parametrize("save", [{}, {"variant": "fp16"}, {"max_shard_size": "100KB"}],
+                         ids=["as-loaded", "variant-fp16", "sharded"])
+def test_only_the_trained_unet_is_stored(save: dict[str, Any], tmp_path: Path, hf_env: Path,
+                                         caplog: pytest.LogCaptureFixture) -> None:
+    """Re-saved by diffusers 0.42 / transformers 5 (configs rewritten, the tokenizer's slow files dropped, the UNet
+    in one file or in 19 shards and the text encoder in 3, ``.fp16.`` file names over fp32 tensors): every frozen
+    component is BASE's and referenced."""
+    ft = trainer(TINY_SD, tmp_path / "ft", save=save)
+    if "max_shard_size" in save:
+        assert len(list((ft / "text_encoder").glob("model-*.safetensors"))) > 1  # the premise: re-sharded
+    stored, referenced, lines = packed(ft, tmp_path / "ft.dduf", TINY_SD, caplog, variant=save.get("variant"))
+    assert stored == {"unet"}, lines
+    assert referenced == {"scheduler", "text_encoder", "tokenizer", "vae"}, lines
+    assert any(line.startswith("stored unet: differs from BASE") and "tensor conv_in.bias differs" in line
+               for line in lines), lines
+    assert_loads_as_diffusers(tmp_path / "ft.dduf", ft, torch_dtype=AS_SAVED, **({"variant": "fp16"} if "variant" in save else {}))
+
+
+@pytest.mark.slow  # 5-6 s each on 2 cores (fp16/bf16 on CPU); tests/slow_tests.txt
+@pytest.mark.parametrize(("dtype", "expected"), [
+    (torch.float16, {"text_encoder", "unet"}),  # BASE has an fp16 VAE variant (referenced), no fp16 text encoder
+    (torch.bfloat16, {"text_encoder", "unet", "vae"}),  # BASE has no bf16 copy of anything
+])
+def test_a_finetune_saved_in_another_dtype(dtype: torch.dtype, expected: set[str], tmp_path: Path, hf_env: Path,
+                                           caplog: pytest.LogCaptureFixture) -> None:
+    """Loaded with ``torch_dtype`` (fp32 BASE, fp16 or bf16 fine-tune): what BASE holds in that precision is
+    referenced (its variant files), the rest stored, and the report says why for each."""
+    ft = trainer(TINY_SD, tmp_path / "ft", load={"torch_dtype": dtype})
+    stored, referenced, lines = packed(ft, tmp_path / "ft.dduf", TINY_SD, caplog)
+    assert stored == expected and referenced == {"scheduler", "tokenizer", "text_encoder", "unet", "vae"} - expected
+    name = str(dtype).removeprefix("torch.")
+    assert any(line.startswith("stored text_encoder:") and f"{name} [77, 32] here, float32 [77, 32] in BASE; it has "
+               "no other variant: pack in its precision" in line for line in lines), lines
+    if dtype == torch.float16:
+        assert any(line.startswith("referenced vae") and "BASE's fp16 variant" in line for line in lines), lines
+    assert_loads_as_diffusers(tmp_path / "ft.dduf", ft, torch_dtype=dtype)
+
+
+# --- a config change is stored when it changes the model, referenced when it does not ------------------------
+def _spacing(ft: Path) -> None:
+    edit_json(ft / "scheduler" / "scheduler_config.json", lambda c: {**c, "timestep_spacing": "trailing"})
+
+
+def _pad_token(ft: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(ft / "tokenizer")
+    tokenizer.pad_token = "!"
+    tokenizer.save_pretrained(ft / "tokenizer")
+
+
+def _added_token(ft: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(ft / "tokenizer")
+    tokenizer.add_tokens(["<sks>"])  # a textual-inversion trainer's new word
+    tokenizer.save_pretrained(ft / "tokenizer")
+
+
+def _bookkeeping_only(ft: Path) -> None:
+    """Another writer: reversed key order, another ``_diffusers_version`` / ``transformers_version``."""
+    for name in ("scheduler/scheduler_config.json", "vae/config.json", "text_encoder/config.json",
+                 "tokenizer/tokenizer_config.json"):
+        edit_json(ft / name, lambda c: {**dict(reversed(list(c.items()))), "_diffusers_version": "0.20.0",
+                                        "transformers_version": "4.30.0"})
+
+
+@pytest.mark.parametrize(("edit", "stored_too", "why"), [
+    (_spacing, "scheduler", "scheduler_config.json: key 'timestep_spacing': \"trailing\" here, \"leading\" in BASE"),
+    (_pad_token, "tokenizer", "tokenizer_config.json: key 'pad_token': \"!\" here, \"<|endoftext|>\" in BASE"),
+    (_added_token, "tokenizer", "tokenizer.json: key 'added_tokens'"),  # was "BASE's merges.txt is not here"
+    (_bookkeeping_only, None, None),
+], ids=["timestep-spacing", "pad-token", "added-token", "key-order-and-versions"])
+def test_a_config_change_is_stored_only_when_it_changes_the_model(
+        edit: Callable[[Path], None], stored_too: str | None, why: str | None, tmp_path: Path, hf_env: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    ft = trainer(TINY_SD, tmp_path / "ft")
+    edit(ft)
+    stored, _referenced, lines = packed(ft, tmp_path / "ft.dduf", TINY_SD, caplog)
+    assert stored == {"unet"} | ({stored_too} if stored_too else set()), lines
+    if why is not None:
+        assert any(line.startswith(f"stored {stored_too}: differs from BASE") and why in line for line in lines), lines
+    assert_loads_as_diffusers(tmp_path / "ft.dduf", ft, torch_dtype=AS_SAVED)
+
+
+# --- BASEs written by other library versions ----------------------------------------------------------------
+def _transformers_4_base(tmp_path: Path, torch_dtype: str = "float32") -> Path:
+    """tiny-sd as the Hub holds SD 1.5, SDXL, FLUX.1: its text encoder's config written by transformers 4
+    (``torch_dtype``, not ``dtype``)."""
+    base = tmp_path / "base-tf4"
+    shutil.copytree(TINY_SD, base)
+
+    def as_transformers_4(config: dict[str, Any]) -> dict[str, Any]:
+        config.pop("dtype")
+        return dict(sorted({**config, "torch_dtype": torch_dtype, "transformers_version": "4.22.0.dev0",
+                            "_name_or_path": "openai/clip-vit-large-patch14"}.items()))
+
+    edit_json(base / "text_encoder" / "config.json", as_transformers_4)
+    return base
+
+
+def test_a_text_encoder_saved_by_transformers_4_is_referenced(tmp_path: Path, hf_env: Path,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """transformers 5 reads transformers 4's ``torch_dtype`` as ``dtype`` and writes ``dtype``: the frozen text
+    encoder of every fine-tune of a Hub BASE was stored ("key 'dtype': "float32" here, null in BASE")."""
+    base = _transformers_4_base(tmp_path)
+    ft = trainer(base, tmp_path / "ft")
+    assert "torch_dtype" not in json.loads((ft / "text_encoder" / "config.json").read_text())  # the premise
+    stored, referenced, lines = packed(ft, tmp_path / "ft.dduf", base, caplog)
+    assert stored == {"unet"} and "text_encoder" in referenced, lines
+    assert_loads_as_diffusers(tmp_path / "ft.dduf", ft, torch_dtype=AS_SAVED)
+
+
+def test_a_config_dtype_that_differs_is_stored(tmp_path: Path, hf_env: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The same tensors, but BASE's config says float16: ``torch_dtype="auto"`` loads the two differently."""
+    base = _transformers_4_base(tmp_path, torch_dtype="float16")
+    ft = trainer(base, tmp_path / "ft")
+    edit_json(ft / "text_encoder" / "config.json", lambda c: {**c, "dtype": "float32"})
+    stored, _referenced, lines = packed(ft, tmp_path / "ft.dduf", base, caplog)
+    assert stored == {"text_encoder", "unet"}, lines
+    assert any("config.json: key 'dtype': \"float32\" here, \"float16\" in BASE" in line for line in lines), lines
+
+
+@pytest.mark.parametrize("written", ["trailing", "leading"])
+def test_use_default_values_is_read_as_diffusers_reads_it(written: str, tmp_path: Path, hf_env: Path,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    """A BASE config listing a key in ``_use_default_values`` (older diffusers wrote the list) means the class's
+    default for it, whatever value is written. FT says "trailing" outright: the scheduler differs whatever BASE
+    writes (it was referenced when BASE wrote "trailing": loaded as "leading", silently). FT says "leading", the
+    default: the same scheduler (it was stored when BASE wrote "trailing")."""
+    base = tmp_path / "base"
+    shutil.copytree(TINY_SD, base)
+    edit_json(base / "scheduler" / "scheduler_config.json",
+              lambda c: {**c, "timestep_spacing": "trailing", "_use_default_values": ["timestep_spacing"]})
+    ft = trainer(base, tmp_path / "ft")
+    assert json.loads((ft / "scheduler" / "scheduler_config.json").read_text())["timestep_spacing"] == "leading"
+    edit_json(ft / "scheduler" / "scheduler_config.json", lambda c: {**c, "timestep_spacing": written})
+    stored, _referenced, lines = packed(ft, tmp_path / "ft.dduf", base, caplog)
+    assert ("scheduler" in stored) == (written == "trailing"), lines
+    assert_loads_as_diffusers(tmp_path / "ft.dduf", ft, torch_dtype=AS_SAVED)
+
+
+# --- 2. only the scheduler changed ------------------------------------------------------------------------------
+def test_a_scheduler_swap_ships_a_few_kilobytes(tmp_path: Path, hf_env: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from diffusers import EulerDiscreteScheduler
+
+    def swap(pipe: Any) -> None:
+        pipe.scheduler = EulerDiscreteScheduler.from_config(pipe.scheduler.config)
+
+    ft = trainer(TINY_SD, tmp_path / "ft", change=swap)
+    stored, referenced, lines = packed(ft, tmp_path / "ft.dduf", TINY_SD, caplog)
+    assert stored == {"scheduler"} and referenced == {"text_encoder", "tokenizer", "unet", "vae"}, lines
+    assert "stored scheduler: BASE's is diffusers.PNDMScheduler, this one diffusers.EulerDiscreteScheduler" in lines
+    with DDUFArchive(tmp_path / "ft.dduf") as archive:
+        assert set(archive.entries) == {"model_index.json", "scheduler/scheduler_config.json", "dduf_plus.index.json"}
+    # 26 kB measured: the reference records (files, tensor digests, configs) are most of it, not the scheduler
+    assert (tmp_path / "ft.dduf").stat().st_size < 32 * 1024
+    assert_loads_as_diffusers(tmp_path / "ft.dduf", ft, torch_dtype=AS_SAVED)
+
+
+# --- 4, 5. back out: complete, export ------------------------------------------------------------------------------
+def test_complete_equals_a_pack_of_the_stored_part_and_bases_files(tmp_path: Path, hf_env: Path,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """``dduf complete`` of a partial decided by content writes BASE's files for the references (what the archive
+    recorded and verified), not the trainer's re-saved ones: byte for byte the pack of FT's UNet beside BASE's
+    other folders, and it loads as FT loads."""
+    ft = trainer(TINY_SD, tmp_path / "ft")
+    packed(ft, tmp_path / "ft.dduf", TINY_SD, caplog)
+    complete_archive(tmp_path / "ft.dduf", tmp_path / "full.dduf", quiet=True)
+    mixed = tmp_path / "mixed"
+    shutil.copytree(ft, mixed)
+    for name in ("scheduler", "text_encoder", "tokenizer", "vae"):
+        shutil.rmtree(mixed / name)
+        shutil.copytree(TINY_SD / name, mixed / name)
+    direct = pack(mixed, tmp_path / "direct.dduf", quiet=True)[0].path
+    assert (tmp_path / "full.dduf").read_bytes() == direct.read_bytes()
+    assert (tmp_path / "full.dduf").read_bytes() != pack(ft, tmp_path / "ft-folder.dduf", quiet=True)[0].path.read_bytes()
+    assert_loads_as_diffusers(tmp_path / "full.dduf", ft, torch_dtype=AS_SAVED)
+
+
+def test_export_of_the_partial_loads_in_from_single_file_as_ft(tmp_path: Path, hf_env: Path,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    from diffusers import DiffusionPipeline, StableDiffusionPipeline
+
+    ft = trainer(TINY_SD, tmp_path / "ft")
+    packed(ft, tmp_path / "ft.dduf", TINY_SD, caplog)
+    result = export_single_file(tmp_path / "ft.dduf", tmp_path / "ft.safetensors")
+    assert result.components["unet"] == "stored"
+    # where each reference resolved, said once ("recorded folder: recorded folder ..." before)
+    assert result.components["vae"] == f"recorded folder {TINY_SD} ({TINY_SD / 'vae'})", result.components
+    theirs = StableDiffusionPipeline.from_single_file(tmp_path / "ft.safetensors", config=str(TINY_SD),
+                                                      torch_dtype=torch.float32)
+    original = DiffusionPipeline.from_pretrained(ft, torch_dtype=torch.float32)
+    for name in ("unet", "vae", "text_encoder"):
+        a, b = getattr(theirs, name).state_dict(), getattr(original, name).state_dict()
+        assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in b), name
