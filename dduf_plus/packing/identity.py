@@ -8,8 +8,9 @@ nothing in common although only the denoiser changed. Here two copies are the sa
 * **weights** (every ``.safetensors`` file of the chosen variant, shards together): the same tensor names, each
   with the same dtype, shape and bytes, whatever the files, their order, padding or ``__metadata__``;
 * **configs** (``config.json``, ``scheduler_config.json``, ``preprocessor_config.json`` and other ``.json``):
-  equal as parsed, less the bookkeeping keys libraries add on save (:data:`BOOKKEEPING_KEYS`); a key one side
-  lacks is read as the value of the other only when it is the library's default (:mod:`.config_defaults`);
+  equal as parsed, less the bookkeeping keys libraries add on save (:data:`BOOKKEEPING_KEYS`), read as the library
+  reads them (:func:`as_read`: ``_use_default_values``, ``torch_dtype``); a key one side lacks is read as the value
+  of the other only when it is the library's default (:func:`library_defaults`);
 * **tokenizers**: ``tokenizer.json`` (vocabulary, merges, normalizer, added tokens) equal as parsed,
   ``tokenizer_config.json`` less the keys transformers adds on save (:data:`TOKENIZER_SAVE_KEYS`; the
   ``added_tokens_decoder`` it drops is in ``tokenizer.json``), the slow tokenizer's files (``vocab.json``,
