@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from dduf_plus import load_dduf
+from dduf_plus import load_dduf, save_dduf
 from dduf_plus.format.archive import DDUFArchive
 from dduf_plus.packing.complete import complete_archive
 from dduf_plus.packing.export import export_single_file
@@ -209,6 +209,12 @@ def test_a_text_encoder_saved_by_transformers_4_is_referenced(tmp_path: Path, hf
     stored, referenced, lines = packed(ft, tmp_path / "ft.dduf", base, caplog)
     assert stored == {"unet"} and "text_encoder" in referenced, lines
     assert_loads_as_diffusers(tmp_path / "ft.dduf", ft, torch_dtype=AS_SAVED)
+    # the trainer's pipeline in memory, compared as it streams (save_dduf(pipe, base=...)): the same decision
+    from diffusers import DiffusionPipeline
+
+    save_dduf(DiffusionPipeline.from_pretrained(ft, torch_dtype=AS_SAVED), tmp_path / "mem.dduf", base=str(base))
+    with DDUFArchive(tmp_path / "mem.dduf") as archive:
+        assert "text_encoder" in archive.references and "unet" not in archive.references
 
 
 def test_a_config_dtype_that_differs_is_stored(tmp_path: Path, hf_env: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -294,3 +300,62 @@ def test_export_of_the_partial_loads_in_from_single_file_as_ft(tmp_path: Path, h
     for name in ("unet", "vae", "text_encoder"):
         a, b = getattr(theirs, name).state_dict(), getattr(original, name).state_dict()
         assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in b), name
+
+
+# --- 3. a LoRA on the real (mixed-precision) BASE, through the command line ----------------------------------------
+def _lora_state(pipe: Any) -> dict[str, torch.Tensor]:
+    return {f"{c}.{k}": v for c in ("unet", "text_encoder") for k, v in getattr(pipe, c).state_dict().items()}
+
+
+def _assert_same_modules(ours: Any, theirs: Any) -> None:
+    a, b = _lora_state(ours), _lora_state(theirs)
+    assert set(a) == set(b)
+    assert all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in b), [k for k in b if not torch.equal(a[k], b[k])][:3]
+
+
+@pytest.mark.slow  # 10-11 s on 2 cores (two CLI runs, four pipelines); tests/slow_tests.txt
+def test_a_lora_trained_on_base_round_trips(tmp_path: Path, hf_env: Path) -> None:
+    """peft adapters (B random, not a no-op) on the UNet's attention and the text encoder, ``save_lora_weights``;
+    ``dduf pack NAME=FILE@0.7 --base BASE``; loaded as ``from_pretrained(BASE, torch_dtype=<as saved>)`` +
+    ``load_lora_weights`` + ``set_adapters`` (the UNet's adapter in fp16, as its layer), fused alike; exported
+    (``--adapter``, kohya names) and read back by diffusers: the same model."""
+    import subprocess
+    import sys
+
+    from diffusers import DiffusionPipeline
+    from lora_files import TE_TARGETS, UNET_TARGETS, diffusers_lora
+
+    lora = diffusers_lora(TINY_SD, tmp_path / "lora", {"unet": UNET_TARGETS, "text_encoder": TE_TARGETS})
+    cli = [sys.executable, "-m", "dduf_plus.cli"]
+    archive = tmp_path / "style.dduf"
+    done = subprocess.run([*cli, "pack", f"style={lora}@0.7", "--base", str(TINY_SD), "-o", str(archive)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    with DDUFArchive(archive) as a:
+        assert {n.split("/")[0] for n in a.entries if "/" in n} == {"_lora"}
+    assert archive.stat().st_size < lora.stat().st_size + 64 * 1024  # docs/lora.md: within 64 KiB of the file
+
+    def theirs(file: Path = lora, weight: float = 0.7) -> Any:
+        pipe = DiffusionPipeline.from_pretrained(TINY_SD, torch_dtype=AS_SAVED)
+        pipe.load_lora_weights(str(file.parent), weight_name=file.name, adapter_name="style")
+        pipe.set_adapters(["style"], [weight])
+        return pipe
+
+    ours, reference = load_dduf(archive), theirs()
+    assert ours.unet.dtype == torch.float16 and any("lora_A" in k for k in _lora_state(ours))
+    _assert_same_modules(ours, reference)
+    step = {"num_inference_steps": 1, "output_type": "np", "height": 32, "width": 32}
+    images = [p.to(torch.float32)("a cat", generator=torch.Generator().manual_seed(0), **step).images
+              for p in (ours, reference)]
+    assert (images[0] == images[1]).all()
+    fused = theirs()
+    fused.fuse_lora()
+    fused.unload_lora_weights()
+    _assert_same_modules(load_dduf(archive, fuse_lora=True), fused)
+    exported = tmp_path / "style_kohya.safetensors"
+    done = subprocess.run([*cli, "export", str(archive), "-o", str(exported)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    again = theirs(exported)
+    again.fuse_lora()
+    again.unload_lora_weights()
+    _assert_same_modules(again, fused)
