@@ -29,6 +29,7 @@ from dduf_plus.packing.partial import pack_partial
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_SD = ROOT / "fixtures" / "pipelines" / "tiny-sd"
+TINY_DIT = ROOT / "fixtures" / "pipelines" / "tiny-dit"
 AS_SAVED = {"unet": torch.float16, "default": torch.float32}  # tiny-sd's dtypes: an fp16 UNet, the rest fp32
 
 
@@ -67,9 +68,10 @@ def _public(config: Any) -> dict[str, Any]:
     return {k: v for k, v in items.items() if not k.startswith("_") and k != "transformers_version"}
 
 
-def assert_loads_as_diffusers(archive: Path, folder: Path, **kwargs: Any) -> None:
+def assert_loads_as_diffusers(archive: Path, folder: Path, steps: int = 1, call: dict[str, Any] | None = None,
+                              **kwargs: Any) -> None:
     """``load_dduf(archive)`` equals ``DiffusionPipeline.from_pretrained(folder)`` with the same arguments: every
-    tensor (dtype and bytes), every config, the tokenizer's ids, one step of inference."""
+    tensor (dtype and bytes), every config, the tokenizer's ids, ``steps`` steps of inference."""
     from diffusers import DiffusionPipeline
 
     ours, theirs = load_dduf(archive, **kwargs), DiffusionPipeline.from_pretrained(folder, **kwargs)
@@ -87,9 +89,9 @@ def assert_loads_as_diffusers(archive: Path, folder: Path, **kwargs: Any) -> Non
     assert ours.tokenizer.pad_token == theirs.tokenizer.pad_token
     ours.to(torch.float32)  # diffusers cannot run its own mixed-precision load (an fp16 UNet, fp32 encoders):
     theirs.to(torch.float32)  # the step runs both, equal tensors cast alike, in fp32
-    step = {"num_inference_steps": 1, "output_type": "np", "height": 32, "width": 32}
-    x = ours("a cat", generator=torch.Generator().manual_seed(0), **step).images
-    y = theirs("a cat", generator=torch.Generator().manual_seed(0), **step).images
+    call = {"num_inference_steps": steps, "output_type": "np", "height": 32, "width": 32, **(call or {})}
+    x = ours("a cat", generator=torch.Generator().manual_seed(0), **call).images
+    y = theirs("a cat", generator=torch.Generator().manual_seed(0), **call).images
     assert (x == y).all()
 
 
@@ -134,6 +136,21 @@ def test_a_finetune_saved_in_another_dtype(dtype: torch.dtype, expected: set[str
     if dtype == torch.float16:
         assert any(line.startswith("referenced vae") and "BASE's fp16 variant" in line for line in lines), lines
     assert_loads_as_diffusers(tmp_path / "ft.dduf", ft, torch_dtype=dtype)
+
+
+def test_a_dit_finetune_stores_only_its_transformer(tmp_path: Path, hf_env: Path,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """tiny-dit (PixArt: a bf16 transformer, T5): transformers 5 re-saves the T5 tokenizer without its
+    sentencepiece model (``spiece.model``), which it does not read where ``tokenizer.json`` is: the same tokenizer
+    (it was stored: "BASE's spiece.model is not here")."""
+    ft = trainer(TINY_DIT, tmp_path / "ft", load={"torch_dtype": {"transformer": torch.bfloat16, "default": torch.float32}},
+                 change=lambda pipe: [p.data.add_(0.01) for p in pipe.transformer.parameters()])
+    assert not (ft / "tokenizer" / "spiece.model").exists() and (TINY_DIT / "tokenizer" / "spiece.model").exists()
+    stored, referenced, lines = packed(ft, tmp_path / "ft.dduf", TINY_DIT, caplog)
+    assert stored == {"transformer"} and referenced == {"scheduler", "text_encoder", "tokenizer", "vae"}, lines
+    # two steps: PixArt's one-step path is for DMD schedulers; its resolution bins start at 256 px
+    assert_loads_as_diffusers(tmp_path / "ft.dduf", ft, steps=2, call={"use_resolution_binning": False},
+                              torch_dtype={"transformer": torch.bfloat16, "default": torch.float32})
 
 
 # --- a config change is stored when it changes the model, referenced when it does not ------------------------

@@ -49,7 +49,10 @@ BOOKKEEPING_KEYS = frozenset({"_name_or_path", "_diffusers_version", "_commit_ha
                               "_use_default_values"})
 TOKENIZER_SAVE_KEYS = frozenset({"is_local", "local_files_only", "name_or_path", "tokenizer_file"})
 SLOW_TOKENIZER_FILES = frozenset({"vocab.json", "merges.txt", "vocab.txt", "special_tokens_map.json",
-                                  "added_tokens.json"})
+                                  "added_tokens.json",
+                                  # sentencepiece models (T5, Llama / Gemma, XLM-R): transformers 5 reads
+                                  # tokenizer.json where it is there, and re-saves without them
+                                  "spiece.model", "tokenizer.model", "sentencepiece.bpe.model"})
 MAX_DIFF_VALUES = 1 << 24  # values decoded to report the largest difference of a differing tensor (time bound)
 DIFF_CHUNK = 1 << 18  # values decoded at a time (memory bound: a few MB of Python floats per side)
 _DECODE = {"float16": "e", "float32": "f", "float64": "d", "int8": "b", "uint8": "B", "int16": "h", "int32": "i",
