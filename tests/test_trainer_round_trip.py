@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TINY_SD = ROOT / "fixtures" / "pipelines" / "tiny-sd"
 TINY_DIT = ROOT / "fixtures" / "pipelines" / "tiny-dit"
 AS_SAVED = {"unet": torch.float16, "default": torch.float32}  # tiny-sd's dtypes: an fp16 UNet, the rest fp32
+DIT_DTYPES = {"transformer": torch.bfloat16, "default": torch.float32}  # tiny-dit's: a bf16 transformer
 
 
 def trainer(base: Path, out: Path, *, load: dict[str, Any] | None = None, save: dict[str, Any] | None = None,
@@ -143,14 +144,14 @@ def test_a_dit_finetune_stores_only_its_transformer(tmp_path: Path, hf_env: Path
     """tiny-dit (PixArt: a bf16 transformer, T5): transformers 5 re-saves the T5 tokenizer without its
     sentencepiece model (``spiece.model``), which it does not read where ``tokenizer.json`` is: the same tokenizer
     (it was stored: "BASE's spiece.model is not here")."""
-    ft = trainer(TINY_DIT, tmp_path / "ft", load={"torch_dtype": {"transformer": torch.bfloat16, "default": torch.float32}},
+    ft = trainer(TINY_DIT, tmp_path / "ft", load={"torch_dtype": DIT_DTYPES},
                  change=lambda pipe: [p.data.add_(0.01) for p in pipe.transformer.parameters()])
     assert not (ft / "tokenizer" / "spiece.model").exists() and (TINY_DIT / "tokenizer" / "spiece.model").exists()
     stored, referenced, lines = packed(ft, tmp_path / "ft.dduf", TINY_DIT, caplog)
     assert stored == {"transformer"} and referenced == {"scheduler", "text_encoder", "tokenizer", "vae"}, lines
     # two steps: PixArt's one-step path is for DMD schedulers; its resolution bins start at 256 px
     assert_loads_as_diffusers(tmp_path / "ft.dduf", ft, steps=2, call={"use_resolution_binning": False},
-                              torch_dtype={"transformer": torch.bfloat16, "default": torch.float32})
+                              torch_dtype=DIT_DTYPES)
 
 
 # --- a config change is stored when it changes the model, referenced when it does not ------------------------
@@ -242,6 +243,49 @@ def test_a_config_dtype_that_differs_is_stored(tmp_path: Path, hf_env: Path, cap
     stored, _referenced, lines = packed(ft, tmp_path / "ft.dduf", base, caplog)
     assert stored == {"text_encoder", "unet"}, lines
     assert any("config.json: key 'dtype': \"float32\" here, \"float16\" in BASE" in line for line in lines), lines
+
+
+def _t5_from_transformers_4(tmp_path: Path, **changes: Any) -> Path:
+    """tiny-dit with its T5 encoder's config.json as transformers 4 wrote FLUX.1's, SD3's and PixArt's
+    (``torch_dtype``, ``is_encoder_decoder``/``use_cache`` true, ``tie_word_embeddings`` false, no
+    ``scale_decoder_outputs``), plus ``changes``."""
+    base = tmp_path / "dit-tf4"
+    shutil.copytree(TINY_DIT, base)
+
+    def as_transformers_4(config: dict[str, Any]) -> dict[str, Any]:
+        for key in ("dtype", "scale_decoder_outputs", "is_decoder"):
+            config.pop(key, None)
+        return dict(sorted({**config, "_name_or_path": "google/t5-v1_1-xxl", "is_encoder_decoder": True,
+                            "output_past": True, "tie_word_embeddings": False, "torch_dtype": "float32",
+                            "transformers_version": "4.43.3", "use_cache": True, **changes}.items()))
+
+    edit_json(base / "text_encoder" / "config.json", as_transformers_4)
+    return base
+
+
+def test_a_t5_saved_by_transformers_4_is_referenced(tmp_path: Path, hf_env: Path,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """transformers 5's T5EncoderModel rewrites its config on save (``is_encoder_decoder``/``use_cache`` false, as
+    its ``__init__`` sets them; ``tie_word_embeddings`` read as ``scale_decoder_outputs``): the same T5, read by
+    transformers. It was stored ("key 'is_encoder_decoder': false here, true in BASE"): FLUX.1's T5 is 9.5 GB."""
+    base = _t5_from_transformers_4(tmp_path)
+    ft = trainer(base, tmp_path / "ft", load={"torch_dtype": DIT_DTYPES},
+                 change=lambda pipe: [p.data.add_(0.01) for p in pipe.transformer.parameters()])
+    assert json.loads((ft / "text_encoder" / "config.json").read_text())["is_encoder_decoder"] is False  # premise
+    stored, referenced, lines = packed(ft, tmp_path / "ft.dduf", base, caplog)
+    assert stored == {"transformer"} and "text_encoder" in referenced, lines
+    assert_loads_as_diffusers(tmp_path / "ft.dduf", ft, steps=2, call={"use_resolution_binning": False},
+                              torch_dtype=DIT_DTYPES)
+
+
+def test_a_t5_setting_that_differs_is_still_stored(tmp_path: Path, hf_env: Path,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    base = _t5_from_transformers_4(tmp_path, layer_norm_epsilon=1e-5)
+    ft = trainer(base, tmp_path / "ft", load={"torch_dtype": DIT_DTYPES},
+                 change=lambda pipe: [p.data.add_(0.01) for p in pipe.transformer.parameters()])
+    edit_json(ft / "text_encoder" / "config.json", lambda c: {**c, "layer_norm_epsilon": 1e-6})
+    stored, _referenced, lines = packed(ft, tmp_path / "ft.dduf", base, caplog)
+    assert stored == {"text_encoder", "transformer"}, lines
 
 
 @pytest.mark.parametrize("written", ["trailing", "leading"])

@@ -298,6 +298,33 @@ def _dtype_as_read(config: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# transformers model classes that set config keys in ``__init__`` whatever config.json says: transformers 5's
+# T5EncoderModel / MT5EncoderModel set them on the config they later save (transformers 4 on a copy), so a Hub
+# BASE says ``true`` where its fine-tune says ``false``, for the same model
+CLASS_SET_KEYS: Mapping[str, Mapping[str, Any]] = {
+    "T5EncoderModel": {"use_cache": False, "is_encoder_decoder": False},
+    "MT5EncoderModel": {"use_cache": False, "is_encoder_decoder": False},
+}
+
+
+def transformers_reading(config: Any, cls: str | None) -> dict[str, Any] | None:
+    """A transformers ``config.json`` as the model gets it: through its config class (``from_dict`` then
+    ``to_dict``: renamed keys, keys derived from others, transformers 5's T5 ``tie_word_embeddings`` read as
+    ``scale_decoder_outputs``), with the keys the model class sets (:data:`CLASS_SET_KEYS`). None where
+    transformers cannot read it (an unknown ``model_type``, a config its class refuses)."""
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        return None
+    try:
+        from transformers import CONFIG_MAPPING
+
+        if config["model_type"] not in CONFIG_MAPPING:
+            return None
+        read = CONFIG_MAPPING[config["model_type"]].from_dict(dict(config)).to_dict()
+    except Exception:  # noqa: BLE001 - a config transformers cannot read: compared as written
+        return None
+    return {**_jsonable(read), **CLASS_SET_KEYS.get(cls or "", {})}
+
+
 def _jsonable(value: Any) -> Any:
     """A default as a JSON file would hold it (tuples as lists)."""
     try:
@@ -397,7 +424,7 @@ def component_difference(mine: ComponentCopy, base: ComponentBytes, *, library: 
         return Difference(text, False, False)
     defaults = library_defaults(library, cls)
     for name in sorted(others_mine):
-        why = _file_difference(name, mine, base, defaults, tokenizer_same, library)
+        why = _file_difference(name, mine, base, defaults, tokenizer_same, library, cls)
         if why is not None:
             return Difference(why, False, False)
     return None
@@ -405,15 +432,22 @@ def component_difference(mine: ComponentCopy, base: ComponentBytes, *, library: 
 
 def _file_difference(name: str, mine: ComponentCopy, base: ComponentBytes,
                      defaults: Callable[[Mapping[str, Any]], Mapping[str, Any] | None], tokenizer_same: bool,
-                     library: str | None = None) -> str | None:
+                     library: str | None = None, cls: str | None = None) -> str | None:
     if not name.endswith(".json"):
         return None if mine.buffer(name) == base.buffer(name) else f"{name} differs"
     ignored = BOOKKEEPING_KEYS
     if name == "tokenizer_config.json":
         # transformers 5 adds these on save and drops added_tokens_decoder, which tokenizer.json holds as well
         ignored = ignored | TOKENIZER_SAVE_KEYS | ({"added_tokens_decoder"} if tokenizer_same else set())
-    return json_difference(name, as_read(name, _json(mine, name), library), as_read(name, _json(base, name), library),
-                           ignored, defaults if name in spec.CONFIG_FILES else None)
+    ours, theirs = _json(mine, name), _json(base, name)
+    why = json_difference(name, as_read(name, ours, library), as_read(name, theirs, library), ignored,
+                          defaults if name in spec.CONFIG_FILES else None)
+    if why is not None and library == "transformers" and name == "config.json":
+        # written by another transformers version: compared as the model reads each (only then imported)
+        read_ours, read_theirs = transformers_reading(ours, cls), transformers_reading(theirs, cls)
+        if read_ours is not None and read_theirs is not None and json_difference(name, read_ours, read_theirs) is None:
+            return None
+    return why
 
 
 # --- a component not written yet: the entries a writer would store ---------------------------------------------
