@@ -420,3 +420,30 @@ def test_a_lora_trained_on_base_round_trips(tmp_path: Path, hf_env: Path) -> Non
     again.fuse_lora()
     again.unload_lora_weights()
     _assert_same_modules(again, fused)
+
+
+# --- the heart: --exclude NAME --ref SOURCE, resolved and verified at load, or a clear refusal ----------------------
+def test_exclude_and_ref_resolve_verify_and_say_what_is_wrong(tmp_path: Path, hf_env: Path,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    from dduf_plus.errors import DDUFPackError, DDUFReferenceError
+
+    ft = trainer(TINY_SD, tmp_path / "ft")
+    base = tmp_path / "base"
+    shutil.copytree(TINY_SD, base)
+    archive = tmp_path / "ft.dduf"
+    pack_partial(ft, archive, exclude=["text_encoder"], refs={"*": str(base)}, quiet=True)  # a re-saved copy: BASE's
+    with DDUFArchive(archive) as a:
+        assert set(a.references) == {"text_encoder"}
+    assert_loads_as_diffusers(archive, ft, torch_dtype=AS_SAVED)
+    with pytest.raises(DDUFPackError, match=r"unet differs from its reference .*tensor conv_in.bias differs"):
+        pack_partial(ft, tmp_path / "x.dduf", exclude=["unet"], refs={"*": str(base)}, quiet=True)
+    weights = base / "text_encoder" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1  # BASE changed after the pack
+    weights.write_bytes(bytes(data))
+    with pytest.raises(DDUFReferenceError, match=r"(?s)component 'text_encoder' \(transformers CLIPTextModel\).*"
+                                                 r"text_encoder/model.safetensors .*sha256 \w+ differs from the recorded"):
+        load_dduf(archive)
+    shutil.rmtree(base)
+    with pytest.raises(DDUFReferenceError, match=r"(?s)component 'text_encoder'.*does not exist here.*To fix: .*refs="):
+        load_dduf(archive)
