@@ -202,6 +202,47 @@ def test_a_config_change_is_stored_only_when_it_changes_the_model(
 
 
 # --- BASEs written by other library versions ----------------------------------------------------------------
+def _rewrite_safetensors(path: Path, metadata: dict[str, str]) -> None:
+    """``path`` as another writer lays it out: tensors in reverse name order, other ``__metadata__``, the header
+    padded with spaces to 16 bytes (safetensors pads to 8)."""
+    import struct
+
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    header: dict[str, Any] = {"__metadata__": metadata}
+    blobs, offset = [], 0
+    for name in sorted(tensors, reverse=True):
+        t = tensors[name].contiguous()
+        raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        dtype = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64"}[t.dtype]
+        header[name] = {"dtype": dtype, "shape": list(t.shape), "data_offsets": [offset, offset + len(raw)]}
+        blobs.append(raw)
+        offset += len(raw)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 16)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+
+
+def test_a_base_written_by_another_writer_is_the_same(tmp_path: Path, hf_env: Path,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """BASE's text encoder and VAE written by another safetensors writer (tensor order, metadata, header padding),
+    its configs' keys in another order: the same components, referenced."""
+    base = tmp_path / "base"
+    shutil.copytree(TINY_SD, base)
+    _rewrite_safetensors(base / "text_encoder" / "model.safetensors", {"format": "pt", "writer": "another"})
+    _rewrite_safetensors(base / "vae" / "diffusion_pytorch_model.safetensors", {})
+    for name in ("vae/config.json", "text_encoder/config.json"):
+        edit_json(base / name, lambda c: dict(reversed(list(c.items()))))
+    ft = trainer(base, tmp_path / "ft")
+    assert (ft / "vae" / "diffusion_pytorch_model.safetensors").read_bytes() != \
+        (base / "vae" / "diffusion_pytorch_model.safetensors").read_bytes()  # the premise
+    stored, referenced, lines = packed(ft, tmp_path / "ft.dduf", base, caplog)
+    assert stored == {"unet"} and referenced == {"scheduler", "text_encoder", "tokenizer", "vae"}, lines
+    assert_loads_as_diffusers(tmp_path / "ft.dduf", ft, torch_dtype=AS_SAVED)
+
+
 def _transformers_4_base(tmp_path: Path, torch_dtype: str = "float32") -> Path:
     """tiny-sd as the Hub holds SD 1.5, SDXL, FLUX.1: its text encoder's config written by transformers 4
     (``torch_dtype``, not ``dtype``)."""
@@ -447,3 +488,22 @@ def test_exclude_and_ref_resolve_verify_and_say_what_is_wrong(tmp_path: Path, hf
     shutil.rmtree(base)
     with pytest.raises(DDUFReferenceError, match=r"(?s)component 'text_encoder'.*does not exist here.*To fix: .*refs="):
         load_dduf(archive)
+
+
+@pytest.mark.parametrize("hostile", [
+    {"model_type": "t5", "feed_forward_proj": "no-such-act-fn"},  # refused by T5Config: compared as written
+    {"model_type": "no_such_model"},  # transformers does not know it
+    {"model_type": ["t5"]},  # not a name
+    {"model_type": "t5", "num_layers": 10 ** 30, "d_model": -1},  # numbers no model has: a config, nothing built
+])
+def test_a_hostile_base_config_is_compared_without_a_crash(hostile: dict[str, Any], tmp_path: Path, hf_env: Path,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    """The transformers reading of a BASE's config.json (untrusted) builds a config object, never a model, and a
+    config transformers refuses is compared as written: the component is stored."""
+    base = tmp_path / "base"
+    shutil.copytree(TINY_DIT, base)
+    ft = trainer(TINY_DIT, tmp_path / "ft", load={"torch_dtype": DIT_DTYPES},
+                 change=lambda pipe: [p.data.add_(0.01) for p in pipe.transformer.parameters()])
+    edit_json(base / "text_encoder" / "config.json", lambda c: {**c, **hostile})
+    stored, _referenced, lines = packed(ft, tmp_path / "ft.dduf", base, caplog)
+    assert stored == {"text_encoder", "transformer"}, lines
