@@ -238,7 +238,7 @@ def _component_source(ark: DDUFArchive, name: str, references: Mapping[str, Any]
                 e, header = other.entry(entry), other.headers[entry]
                 for t in header.tensors.values():
                     out[t.name] = _Tensor(Path(loc.archive), e.offset + header.data_start, t)
-        return out, f"{loc.how}: {loc.source}"
+        return out, _where(loc)
     files = dict(loc.files) or {f: (loc.folder or Path()) / f for f in os.listdir(loc.folder or ".")}
     if "config.json" not in files:
         raise DDUFPackError(f"component {name!r}: {loc.source} has no config.json")
@@ -249,7 +249,12 @@ def _component_source(ark: DDUFArchive, name: str, references: Mapping[str, Any]
         header = read_file_header(files[f], f"{name}/{f}", DDUFPackError)
         for t in header.tensors.values():
             out[t.name] = _Tensor(files[f], header.data_start, t)
-    return out, f"{loc.how}: {loc.source}"
+    return out, _where(loc)
+
+
+def _where(loc: Any) -> str:
+    """Where a reference resolved, said once: a folder's ``source`` already starts with how it was found."""
+    return loc.source if loc.source.startswith(loc.how) else f"{loc.how}: {loc.source}"
 
 
 def _config(raw: bytes, name: str, where: str) -> dict[str, Any]:

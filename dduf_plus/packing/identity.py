@@ -8,8 +8,9 @@ nothing in common although only the denoiser changed. Here two copies are the sa
 * **weights** (every ``.safetensors`` file of the chosen variant, shards together): the same tensor names, each
   with the same dtype, shape and bytes, whatever the files, their order, padding or ``__metadata__``;
 * **configs** (``config.json``, ``scheduler_config.json``, ``preprocessor_config.json`` and other ``.json``):
-  equal as parsed, less the bookkeeping keys libraries add on save (:data:`BOOKKEEPING_KEYS`); a key one side
-  lacks is read as the value of the other only when it is the library's default (:mod:`.config_defaults`);
+  equal as parsed, less the bookkeeping keys libraries add on save (:data:`BOOKKEEPING_KEYS`), read as the library
+  reads them (:func:`as_read`: ``_use_default_values``, ``torch_dtype``); a key one side lacks is read as the value
+  of the other only when it is the library's default (:func:`library_defaults`);
 * **tokenizers**: ``tokenizer.json`` (vocabulary, merges, normalizer, added tokens) equal as parsed,
   ``tokenizer_config.json`` less the keys transformers adds on save (:data:`TOKENIZER_SAVE_KEYS`; the
   ``added_tokens_decoder`` it drops is in ``tokenizer.json``), the slow tokenizer's files (``vocab.json``,
@@ -48,7 +49,10 @@ BOOKKEEPING_KEYS = frozenset({"_name_or_path", "_diffusers_version", "_commit_ha
                               "_use_default_values"})
 TOKENIZER_SAVE_KEYS = frozenset({"is_local", "local_files_only", "name_or_path", "tokenizer_file"})
 SLOW_TOKENIZER_FILES = frozenset({"vocab.json", "merges.txt", "vocab.txt", "special_tokens_map.json",
-                                  "added_tokens.json"})
+                                  "added_tokens.json",
+                                  # sentencepiece models (T5, Llama / Gemma, XLM-R): transformers 5 reads
+                                  # tokenizer.json where it is there, and re-saves without them
+                                  "spiece.model", "tokenizer.model", "sentencepiece.bpe.model"})
 MAX_DIFF_VALUES = 1 << 24  # values decoded to report the largest difference of a differing tensor (time bound)
 DIFF_CHUNK = 1 << 18  # values decoded at a time (memory bound: a few MB of Python floats per side)
 _DECODE = {"float16": "e", "float32": "f", "float64": "d", "int8": "b", "uint8": "B", "int16": "h", "int32": "i",
@@ -270,6 +274,57 @@ def json_difference(name: str, mine: Any, base: Any, ignored: frozenset[str] = B
     return None if why is None else f"{name}: {why}"
 
 
+def as_read(name: str, config: Any, library: str | None) -> Any:
+    """A config file as its library reads it, where a saved key changes what another one means: diffusers gives
+    each key ``_use_default_values`` lists its class default, whatever value is written
+    (``ConfigMixin.extract_init_dict``); transformers 5 reads transformers 4's ``torch_dtype`` as ``dtype`` where
+    ``dtype`` is unset (``PreTrainedConfig.__post_init__``: a Hub BASE saved by transformers 4 and its fine-tune
+    saved by transformers 5 write the same setting under the two names). Anything else as parsed."""
+    if not isinstance(config, dict) or name not in spec.CONFIG_FILES:
+        return config
+    listed = config.get("_use_default_values")
+    if library == "diffusers" and isinstance(listed, list):
+        return {k: v for k, v in config.items() if k not in listed}
+    if library == "transformers" and name == "config.json":
+        return _dtype_as_read(config)
+    return config
+
+
+def _dtype_as_read(config: dict[str, Any]) -> dict[str, Any]:
+    """``torch_dtype`` read as ``dtype`` where that is unset, in sub-configs too (``text_config``...)."""
+    out = {k: _dtype_as_read(v) if isinstance(v, dict) else v for k, v in config.items() if k != "torch_dtype"}
+    if config.get("torch_dtype") is not None and out.get("dtype") is None:
+        out["dtype"] = config["torch_dtype"]
+    return out
+
+
+# transformers model classes that set config keys in ``__init__`` whatever config.json says: transformers 5's
+# T5EncoderModel / MT5EncoderModel set them on the config they later save (transformers 4 on a copy), so a Hub
+# BASE says ``true`` where its fine-tune says ``false``, for the same model
+CLASS_SET_KEYS: Mapping[str, Mapping[str, Any]] = {
+    "T5EncoderModel": {"use_cache": False, "is_encoder_decoder": False},
+    "MT5EncoderModel": {"use_cache": False, "is_encoder_decoder": False},
+}
+
+
+def transformers_reading(config: Any, cls: str | None) -> dict[str, Any] | None:
+    """A transformers ``config.json`` as the model gets it: through its config class (``from_dict`` then
+    ``to_dict``: renamed keys, keys derived from others, transformers 5's T5 ``tie_word_embeddings`` read as
+    ``scale_decoder_outputs``), with the keys the model class sets (:data:`CLASS_SET_KEYS`). None where
+    transformers cannot read it (an unknown ``model_type``, a config its class refuses)."""
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        return None
+    try:
+        from transformers import CONFIG_MAPPING
+
+        if config["model_type"] not in CONFIG_MAPPING:
+            return None
+        read = CONFIG_MAPPING[config["model_type"]].from_dict(dict(config)).to_dict()
+    except Exception:  # noqa: BLE001 - a config transformers cannot read: compared as written
+        return None
+    return {**_jsonable(read), **CLASS_SET_KEYS.get(cls or "", {})}
+
+
 def _jsonable(value: Any) -> Any:
     """A default as a JSON file would hold it (tuples as lists)."""
     try:
@@ -354,8 +409,12 @@ def component_difference(mine: ComponentCopy, base: ComponentBytes, *, library: 
             return Difference(f"tensor {found[0].info.name} differs ({largest_difference(*found)})", True, False)
     others_mine = {n for n in mine.names if n not in weights_mine and not _layout_only(n)}
     others_base = {n for n in base.names if n not in weights_base and not _layout_only(n)}
-    tokenizer_same = "tokenizer.json" in others_mine & others_base and \
-        json_difference("tokenizer.json", _json(mine, "tokenizer.json"), _json(base, "tokenizer.json")) is None
+    both_tokenizers = "tokenizer.json" in others_mine & others_base
+    tokenizer_why = json_difference("tokenizer.json", _json(mine, "tokenizer.json"), _json(base, "tokenizer.json")) \
+        if both_tokenizers else None
+    if tokenizer_why is not None:  # said first: the slow tokenizer's files then differ because of it
+        return Difference(tokenizer_why, False, False)
+    tokenizer_same = both_tokenizers
     if tokenizer_same:  # the slow tokenizer's files say again what tokenizer.json says
         others_mine -= SLOW_TOKENIZER_FILES
         others_base -= SLOW_TOKENIZER_FILES
@@ -365,22 +424,30 @@ def component_difference(mine: ComponentCopy, base: ComponentBytes, *, library: 
         return Difference(text, False, False)
     defaults = library_defaults(library, cls)
     for name in sorted(others_mine):
-        why = _file_difference(name, mine, base, defaults, tokenizer_same)
+        why = _file_difference(name, mine, base, defaults, tokenizer_same, library, cls)
         if why is not None:
             return Difference(why, False, False)
     return None
 
 
 def _file_difference(name: str, mine: ComponentCopy, base: ComponentBytes,
-                     defaults: Callable[[Mapping[str, Any]], Mapping[str, Any] | None], tokenizer_same: bool) -> str | None:
+                     defaults: Callable[[Mapping[str, Any]], Mapping[str, Any] | None], tokenizer_same: bool,
+                     library: str | None = None, cls: str | None = None) -> str | None:
     if not name.endswith(".json"):
         return None if mine.buffer(name) == base.buffer(name) else f"{name} differs"
     ignored = BOOKKEEPING_KEYS
     if name == "tokenizer_config.json":
         # transformers 5 adds these on save and drops added_tokens_decoder, which tokenizer.json holds as well
         ignored = ignored | TOKENIZER_SAVE_KEYS | ({"added_tokens_decoder"} if tokenizer_same else set())
-    return json_difference(name, _json(mine, name), _json(base, name), ignored,
-                           defaults if name in spec.CONFIG_FILES else None)
+    ours, theirs = _json(mine, name), _json(base, name)
+    why = json_difference(name, as_read(name, ours, library), as_read(name, theirs, library), ignored,
+                          defaults if name in spec.CONFIG_FILES else None)
+    if why is not None and library == "transformers" and name == "config.json":
+        # written by another transformers version: compared as the model reads each (only then imported)
+        read_ours, read_theirs = transformers_reading(ours, cls), transformers_reading(theirs, cls)
+        if read_ours is not None and read_theirs is not None and json_difference(name, read_ours, read_theirs) is None:
+            return None
+    return why
 
 
 # --- a component not written yet: the entries a writer would store ---------------------------------------------
