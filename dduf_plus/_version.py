@@ -1,3 +1,3 @@
 """The package version (one place: pyproject reads it, ``dduf_plus.__version__`` re-exports it)."""
 
-__version__ = "0.13.0"
+__version__ = "0.14.0"
