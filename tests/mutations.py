@@ -690,12 +690,15 @@ def _streamed(seed: float) -> Callable[[bytes], bytes]:
     data), the descriptor honest (16 or 24 bytes, with or without its signature) or lying (CRC, size)."""
 
     def edit(data: bytes) -> bytes:
-        local = random.Random(seed)
-        mh = load_make_hostile()
         try:
-            layout = mh.Layout(data)
+            return stream(data)
         except (struct.error, UnicodeDecodeError, KeyError, OverflowError, ValueError, IndexError):
             return data  # an earlier raw edit broke the layout: nothing to stream
+
+    def stream(data: bytes) -> bytes:
+        local = random.Random(seed)
+        layout = load_make_hostile().Layout(data)
+        mh = load_make_hostile()
         names = sorted((n for n in layout.local if n != spec.INDEX_NAME), key=layout.local.get)
         if not names:
             return data
