@@ -495,6 +495,8 @@ def test_exclude_and_ref_resolve_verify_and_say_what_is_wrong(tmp_path: Path, hf
     {"model_type": "no_such_model"},  # transformers does not know it
     {"model_type": ["t5"]},  # not a name
     {"model_type": "t5", "num_layers": 10 ** 30, "d_model": -1},  # numbers no model has: a config, nothing built
+    # Gemma 3's config class builds one layer_types item per layer (10**7: 44 s, 1.5 GB): never given to it
+    {"model_type": "gemma3_text", "num_hidden_layers": 10 ** 7},
 ])
 def test_a_hostile_base_config_is_compared_without_a_crash(hostile: dict[str, Any], tmp_path: Path, hf_env: Path,
                                                            caplog: pytest.LogCaptureFixture) -> None:
@@ -507,3 +509,19 @@ def test_a_hostile_base_config_is_compared_without_a_crash(hostile: dict[str, An
     edit_json(base / "text_encoder" / "config.json", lambda c: {**c, **hostile})
     stored, _referenced, lines = packed(ft, tmp_path / "ft.dduf", base, caplog)
     assert stored == {"text_encoder", "transformer"}, lines
+
+
+@pytest.mark.parametrize("config", [
+    {"model_type": "gemma3_text", "num_hidden_layers": 10 ** 7},  # 44 s and 1.5 GB in Gemma3TextConfig
+    {"model_type": "qwen3", "num_hidden_layers": 5000},
+    {"model_type": "t5", "vocab_size": 1 << 40},
+    {"model_type": "t5", "text_config": {"num_layers": 1 << 31}},
+])
+def test_a_config_with_sizes_no_model_has_is_not_given_to_its_config_class(config: dict[str, Any]) -> None:
+    """Config classes build lists from layer counts: an untrusted BASE config with such a number is compared as
+    written (None here), before transformers sees it; a real one is read."""
+    from dduf_plus.packing.identity import transformers_reading
+
+    assert transformers_reading(config, None) is None
+    real = transformers_reading({"model_type": "gemma3_text", "num_hidden_layers": 26, "vocab_size": 262_144}, None)
+    assert real is not None and len(real["layer_types"]) == 26

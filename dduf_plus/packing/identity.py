@@ -312,7 +312,7 @@ def transformers_reading(config: Any, cls: str | None) -> dict[str, Any] | None:
     ``to_dict``: renamed keys, keys derived from others, transformers 5's T5 ``tie_word_embeddings`` read as
     ``scale_decoder_outputs``), with the keys the model class sets (:data:`CLASS_SET_KEYS`). None where
     transformers cannot read it (an unknown ``model_type``, a config its class refuses)."""
-    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str) or not _readable_sizes(config):
         return None
     try:
         from transformers import CONFIG_MAPPING
@@ -323,6 +323,29 @@ def transformers_reading(config: Any, cls: str | None) -> dict[str, Any] | None:
     except Exception:  # noqa: BLE001 - a config transformers cannot read: compared as written
         return None
     return {**_jsonable(read), **CLASS_SET_KEYS.get(cls or "", {})}
+
+
+# Config classes build lists from some numbers (Gemma 3's and Qwen 3's ``layer_types``: one item per layer, 44 s
+# and 1.5 GB for 10**7 layers). A BASE's config is untrusted: one with a number no real model has is compared
+# as written (its component stored), never given to its config class.
+MAX_READ_LAYERS = 1 << 12  # the deepest real models have ~130 layers
+MAX_READ_INTEGER = 1 << 20  # vocabularies, positions and widths of real configs are below it
+
+
+def _readable_sizes(config: dict[str, Any]) -> bool:
+    """Whether every integer of ``config`` (nested too) is one a config class may be given: layer counts
+    within :data:`MAX_READ_LAYERS`, any other within :data:`MAX_READ_INTEGER` in magnitude."""
+    stack: list[tuple[str, Any]] = [("", config)]
+    while stack:
+        key, value = stack.pop()
+        if isinstance(value, dict):
+            stack.extend((str(k), v) for k, v in value.items())
+        elif isinstance(value, list):
+            stack.extend((key, v) for v in value)
+        elif isinstance(value, int) and not isinstance(value, bool):
+            if abs(value) > (MAX_READ_LAYERS if "layer" in key.lower() else MAX_READ_INTEGER):
+                return False
+    return True
 
 
 def _jsonable(value: Any) -> Any:
