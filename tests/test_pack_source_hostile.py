@@ -514,3 +514,20 @@ def test_a_deeply_nested_config_given_to_quantize_is_refused(tmp_path: Path) -> 
     with pytest.raises(DDUFError, match=r"transformer/config.json.*D013|D013.*transformer/config.json"):
         pack(root, out, quiet=True, quantize={"transformer": "bnb-int8"})
     _no_output(out)
+
+
+def test_the_identity_check_never_waits_on_a_fifo(tmp_path: Path) -> None:
+    """``pack --base`` maps each compared file (the folder's and BASE's): one that became a FIFO since it was
+    listed is refused by name (DDUFPackError), where a plain ``open()`` waited for a writer for ever. Conversion
+    and quantization open their sources through the same function (format/writer.py ``open_source_file``)."""
+    from dduf_plus.packing.identity import ComponentBytes
+
+    fifo = tmp_path / "config.json"
+    os.mkfifo(fifo)
+
+    def compare() -> None:
+        with ComponentBytes.from_paths("vae", {"config.json": fifo}) as copy:
+            copy.buffer("config.json")
+
+    with pytest.raises(DDUFPackError, match=r"config.json.*not a regular file"):
+        _within_deadline(compare, [fifo])

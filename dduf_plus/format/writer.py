@@ -158,7 +158,7 @@ class DDUFWriter:
         try:
             for name, source in files:
                 self._check_open(name)
-                fd, st = _open_source(name, source, name not in self._no_follow)
+                fd, st = open_source_file(name, source, name not in self._no_follow)
                 opened.append((st, name, fd))
         except BaseException:
             for _st, _name, fd in opened:
@@ -183,7 +183,7 @@ class DDUFWriter:
         if name in self._ahead:
             src, st, sha = self._ahead.pop(name)
         else:
-            src, st = _open_source(name, source, name not in self._no_follow)
+            src, st = open_source_file(name, source, name not in self._no_follow)
             sha = None
         size = st.st_size
         try:
@@ -208,7 +208,7 @@ class DDUFWriter:
         """Copy bytes ``offset .. offset + length`` of ``source`` (an entry of another archive) unchanged, as
         :meth:`add_file` copies a whole file. ``crc32`` / ``sha256``, when given, are checked against the bytes
         copied once they are hashed (:attr:`records` raises ``DDUFPackError``: H001 / H002)."""
-        src, _st = _open_source(name, source)
+        src, _st = open_source_file(name, source)
         sha: Future | None = None
         try:
             if offset < 0 or length < 0 or offset + length > os.fstat(src).st_size:
@@ -370,9 +370,11 @@ def _done(value: Any) -> Future:
     return future
 
 
-def _open_source(name: str, source: str | os.PathLike, follow_links: bool = True) -> tuple[int, os.stat_result]:
+def open_source_file(name: str, source: str | os.PathLike, follow_links: bool = True) -> tuple[int, os.stat_result]:
     """``source`` opened to read, with its stat: a regular file only, never waited on (a FIFO put in a planned
-    file's place would block a plain open for ever); ``follow_links=False`` refuses a link (``O_NOFOLLOW``)."""
+    file's place would block a plain open for ever); ``follow_links=False`` refuses a link (``O_NOFOLLOW``).
+    ``name`` (the entry, or what the file is) names it in the DDUFPackError. Every reader of a planned source
+    opens it so (the writer, conversion, quantization, the identity check)."""
     try:
         opened = open_regular(source, follow_links=follow_links)
     except OSError as e:

@@ -76,6 +76,7 @@ from ..format.quantization import QMAP_NAME as QUANTO_QMAP
 from ..format.safetensors_header import SafetensorsHeader, TensorInfo, parse_header
 from ..format.structure import component_specs
 from ..format.weights import classify
+from ..format.writer import open_source_file
 from ..torchkit.meta_model import ConstructionBudgetError, StoredTensors, is_diffusers_model, meta_model
 from .reference_source import region_sha256
 
@@ -273,7 +274,7 @@ def _tensor_chunks(path: Path, header: SafetensorsHeader, planned: list[_Planned
     about one slice, not the whole file."""
     yield head
     clipped = [0]
-    with open(path, "rb") as f:
+    with open(open_source_file(entry, path)[0], "rb") as f:  # a regular file only, never waited on
         size = os.fstat(f.fileno()).st_size
         if size == 0:
             return
@@ -336,7 +337,7 @@ def _file_sha256(path: Path) -> str:
     if resolved.parent.name == "blobs" and re.fullmatch(r"[0-9a-f]{64}", resolved.name):
         return resolved.name
     digest = hashlib.sha256()
-    with open(resolved, "rb") as f:
+    with open(open_source_file(str(path), resolved)[0], "rb") as f:
         while chunk := f.read(16 << 20):
             digest.update(chunk)
     return digest.hexdigest()

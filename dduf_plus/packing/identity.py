@@ -44,6 +44,7 @@ from ..format.safetensors_header import (
     read_safetensors_header,
 )
 from ..format.weights import classify
+from ..format.writer import open_source_file
 
 BOOKKEEPING_KEYS = frozenset({"_name_or_path", "_diffusers_version", "_commit_hash", "transformers_version",
                               "_use_default_values"})
@@ -80,7 +81,7 @@ class ComponentBytes:
             file = paths[name]
             path, start, length = (file.path, file.offset, file.length) if isinstance(file, FileRegion) else \
                 (file, 0, None)
-            with open(path, "rb") as f:
+            with open(open_source_file(name, path)[0], "rb") as f:  # a regular file only, never waited on
                 size = os.fstat(f.fileno()).st_size
                 if size == 0 or length == 0:
                     return memoryview(b"")
@@ -505,7 +506,7 @@ class SourcesCopy:
         if src.data is not None:
             yield src.data
         elif src.path is not None:
-            with open(src.path, "rb") as f:
+            with open(open_source_file(src.name, src.path)[0], "rb") as f:
                 while block := f.read(16 << 20):
                     yield block
         elif src.region is not None:

@@ -35,6 +35,7 @@ from ..format.json_budget import read_json
 from ..format.pack import EntrySource, FileRegion, FolderPlan
 from ..format.structure import component_specs
 from ..format.weights import classify, weights_name
+from ..format.writer import open_source_file
 from ..torchkit.backend_import import offline_imports
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -277,7 +278,7 @@ def _read_tensors(file: Path | FileRegion, header: Any) -> Iterator[tuple[str, t
     import torch
 
     path, base = (file.path, file.offset) if isinstance(file, FileRegion) else (file, 0)
-    fd = os.open(path, os.O_RDONLY)
+    fd = open_source_file(str(file), path)[0]  # a regular file only, never waited on
     try:
         for info in sorted(header.tensors.values(), key=lambda i: i.begin):
             buffer = mmap.mmap(-1, max(info.nbytes, 1))
