@@ -448,6 +448,7 @@ def test_sdnq_configs_sdnq_cannot_parse_safely_are_refused(config: dict[str, Any
     '{"_type": "Int8Tensor", "_data": {"m": {"_type": "MappingType", "_data": "__init__"}}}',
     # unhashable class names and dtypes (found by the loader fuzzer: a TypeError from the allow-list lookup)
     '{"_type": []}', '{"_type": {"a": 1}}', '{"_type": "Int8Tensor", "_data": {"dtype": {"_type": "torch.dtype", "_data": []}}}',
+    '{"_type": "Int8Tensor", "_tensor_data_names": ["qdata"], "_data": [{"block_size": [1, 32]}]}',  # fields not an object
 ])
 def test_torchao_descriptions_outside_the_allow_list_are_refused(description: str) -> None:
     with pytest.raises(QuantError) as caught:

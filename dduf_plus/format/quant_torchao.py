@@ -86,6 +86,9 @@ def torchao_descriptions(metadata: Mapping[str, str]) -> dict[str, dict[str, Any
             raise QuantError("Q005", f"{name}: description is not JSON") from None
         if not isinstance(value, dict) or not isinstance(value.get("_type"), str):
             raise QuantError("Q005", f"{name}: description is not an object with a '_type'")
+        if value["_type"] != "Tensor" and not isinstance(value.get("_data", {}), dict):
+            # a tensor subclass's fields (block_size, dtype, act_quant_kwargs): torchao builds it with **_data
+            raise QuantError("Q005", f"{name}: {value['_type']}'s '_data' is not an object of its fields")
         _check_node(value, 0, name)
         parts = value.get("_tensor_data_names", [])
         if value["_type"] != "Tensor" and (not isinstance(parts, list) or not parts
@@ -136,7 +139,8 @@ def check_torchao_parts(name: str, description: Mapping[str, Any], parts: Mappin
         return
     check_torchao_block_size(name, description, parts)
     dtype = (description.get("_data") or {}).get("dtype")  # the weight's own dtype: what it dequantizes to
-    if isinstance(dtype, Mapping) and dtype.get("_data") not in SCALE_DTYPES | {"float64"}:
+    if isinstance(dtype, Mapping) and not (isinstance(dtype.get("_data"), str)
+                                           and dtype["_data"] in SCALE_DTYPES | {"float64"}):
         raise QuantError("Q005", f"{name}: {description['_type']} dtype {str(dtype.get('_data'))[:20]!r} is not a "
                          "floating dtype (load_state_dict fails on it)")
 
