@@ -23,6 +23,7 @@ from .safetensors_header import SafetensorsHeader, read_file_header
 from .source_folder import (
     ESCAPE_HINT,
     MODEL_INDEX_LIMIT,
+    SourceFile,
     boundary_of,
     escape_message,
     is_inside,
@@ -222,11 +223,18 @@ def _read_model_index(mi_path: Path, boundary: Path) -> bytes:
     10 GB one is refused from its size, and read bounded even if it grows after the stat)."""
     if not os.path.lexists(mi_path):
         raise DDUFPackError(f"{mi_path.parent}: no model_index.json (is this a diffusers pipeline folder?)")
-    checked = source_file(mi_path, boundary)
-    why = size_problem(spec.MODEL_INDEX, checked.size)
-    if why is not None:
-        raise DDUFPackError(f"{mi_path}: {why}")
+    checked = _checked_small(mi_path, boundary, spec.MODEL_INDEX)
     return read_source(checked.real, mi_path, MODEL_INDEX_LIMIT, "D013", follow_links=False)
+
+
+def _checked_small(path: Path, boundary: Path, entry: str) -> SourceFile:
+    """``path`` checked before a byte of it is read (inside ``boundary``, a regular file: :func:`source_file`)
+    and, stored as or folded into ``entry``, within that entry's budget from its size (D013, D014)."""
+    checked = source_file(path, boundary)
+    why = size_problem(entry, checked.size)
+    if why is not None:
+        raise DDUFPackError(f"{path}: {why}")
+    return checked
 
 
 def check_output(output: str | os.PathLike, plan: FolderPlan) -> None:
@@ -330,10 +338,7 @@ def _checked_sources(component: str, folder: Path, chosen: Sequence[str], bounda
     for name in chosen:
         entry = f"{component}/{name}"
         check_entry_name(entry)
-        checked = source_file(folder / name, boundary)
-        why = size_problem(entry, checked.size)
-        if why is not None:
-            raise DDUFPackError(f"{folder / name}: {why}")
+        checked = _checked_small(folder / name, boundary, entry)
         header = read_safetensors_head(checked.real, entry) if name.endswith(".safetensors") else None
         sources.append(EntrySource(entry, path=checked.real, header=header, real=True))
     return sources
@@ -342,12 +347,8 @@ def _checked_sources(component: str, folder: Path, chosen: Sequence[str], bounda
 def _alias_bytes(component: str, alias: Path, boundary: Path) -> bytes:
     """The bytes of ``guider_config.json`` (checked by :func:`_checked_sources`) for its ``config.json`` copy,
     read bounded by the copy's budget (D013)."""
-    checked = source_file(alias, boundary)
-    limit = budget_for(f"{component}/{COPY_NAME}").bytes
-    if checked.size > limit:
-        raise DDUFPackError(f"{alias}: D013 {checked.size} bytes is more than the {limit} its copy "
-                            f"{component}/{COPY_NAME} may hold; not read")
-    return read_source(checked.real, alias, limit, "D013", follow_links=False)
+    checked = _checked_small(alias, boundary, f"{component}/{COPY_NAME}")
+    return read_source(checked.real, alias, budget_for(f"{component}/{COPY_NAME}").bytes, "D013", follow_links=False)
 
 
 def _fast_tokenizer_covers(chosen: list[str]) -> tuple[list[str], list[tuple[str, str]]]:
@@ -389,12 +390,7 @@ def fold_sources(component: str, folder: Path, sources: list[EntrySource], *,
 def _checked_template(component: str, path: Path, boundary: Path) -> Path:
     """The real path of a chat template file, checked: inside ``boundary``, regular, within the budget of the
     tokenizer_config.json it is folded into (D013)."""
-    checked = source_file(path, boundary)
-    limit = budget_for(f"{component}/{TOKENIZER_CONFIG}").bytes
-    if checked.size > limit:
-        raise DDUFPackError(f"{path}: D013 {checked.size} bytes is more than the {limit} the "
-                            f"{component}/{TOKENIZER_CONFIG} it is folded into may hold; not read")
-    return checked.real
+    return _checked_small(path, boundary, f"{component}/{TOKENIZER_CONFIG}").real
 
 
 def read_safetensors_head(path: Path, entry: str) -> SafetensorsHeader:
